@@ -1,0 +1,126 @@
+"""What every API adapter shares: errors with an HTTP status, body parsing, option checks."""
+
+from __future__ import annotations
+
+import datetime as dt
+import math
+from typing import Any
+
+import orjson
+from starlette.requests import Request
+
+MAX_BODY = 64 * 2**20  # a request body larger than this is refused before parsing
+
+
+class ApiError(Exception):
+    """An error the client caused or must hear about; never a traceback."""
+
+    def __init__(self, status: int, message: str, param: str | None = None) -> None:
+        super().__init__(message)
+        self.status = status
+        self.message = message
+        self.param = param
+
+
+async def read_json(request: Request) -> dict[str, Any]:
+    """The body as a JSON object, or a 400 that says what is wrong with it."""
+    length = request.headers.get("content-length")
+    if length is not None and length.isdigit() and int(length) > MAX_BODY:
+        raise ApiError(413, f"request body too large (limit {MAX_BODY // 2**20} MiB)")
+    chunks, size = [], 0
+    async for chunk in request.stream():
+        size += len(chunk)
+        if size > MAX_BODY:
+            raise ApiError(413, f"request body too large (limit {MAX_BODY // 2**20} MiB)")
+        chunks.append(chunk)
+    body = b"".join(chunks)
+    if not body.strip():
+        raise ApiError(400, "missing request body")
+    try:
+        data = orjson.loads(body)
+    except orjson.JSONDecodeError as e:
+        raise ApiError(400, f"invalid JSON in request body: {e}") from None
+    if not isinstance(data, dict):
+        raise ApiError(400, "request body must be a JSON object")
+    return data
+
+
+_JSON_TYPES = {str: "a string", int: "an integer", float: "a number", bool: "a boolean",
+               list: "an array", dict: "an object"}
+
+
+def field(body: dict[str, Any], name: str, typ: type | tuple[type, ...], default: Any = None,
+          *, prefix: str = "") -> Any:
+    """body[name] checked against a JSON type; 400 naming the field if it has another type."""
+    value = body.get(name)
+    if value is None:
+        return default
+    types = typ if isinstance(typ, tuple) else (typ,)
+    ok = any(
+        (isinstance(value, t) and not (isinstance(value, bool) and t is not bool))
+        or (t is float and isinstance(value, int) and not isinstance(value, bool))
+        for t in types
+    )
+    if not ok or (isinstance(value, float) and not math.isfinite(value)):
+        want = " or ".join(_JSON_TYPES.get(t, t.__name__) for t in types)
+        raise ApiError(400, f"invalid type for '{prefix}{name}': expected {want}",
+                       f"{prefix}{name}")
+    return value
+
+
+def model_field(body: dict[str, Any]) -> str:
+    name = field(body, "model", str)
+    if not name or not name.strip():
+        raise ApiError(400, "'model' is required", "model")
+    return name
+
+
+# Ollama's options: name -> JSON type. Unknown options are ignored, as Ollama does.
+OPTION_TYPES: dict[str, type | tuple[type, ...]] = {
+    "num_ctx": int, "num_batch": int, "num_gpu": int, "main_gpu": int, "num_thread": int,
+    "num_keep": int, "num_predict": int, "seed": int, "top_k": int, "top_p": float,
+    "min_p": float, "typical_p": float, "temperature": float, "repeat_penalty": float,
+    "repeat_last_n": int, "presence_penalty": float, "frequency_penalty": float,
+    "mirostat": int, "mirostat_tau": float, "mirostat_eta": float, "stop": (list, str),
+    "penalize_newline": bool, "use_mmap": bool, "use_mlock": bool, "numa": bool,
+    "low_vram": bool, "tfs_z": float,
+}  # fmt: skip
+# Absurd values are refused up front rather than handed to llama.cpp.
+OPTION_RANGES: dict[str, tuple[float, float]] = {
+    "num_ctx": (1, 2**21), "num_batch": (1, 2**16), "num_gpu": (-1, 4096),
+    "main_gpu": (0, 255), "num_thread": (0, 1024), "num_predict": (-2, 2**24),
+    "top_k": (0, 2**20), "repeat_last_n": (-1, 2**21), "temperature": (0, 1000),
+}  # fmt: skip
+
+
+def check_options(options: Any) -> dict[str, Any]:
+    if options is None:
+        return {}
+    if not isinstance(options, dict):
+        raise ApiError(400, "invalid type for 'options': expected an object", "options")
+    out: dict[str, Any] = {}
+    for name, typ in OPTION_TYPES.items():
+        value = field(options, name, typ, prefix="options.")
+        if value is None:
+            continue
+        lo, hi = OPTION_RANGES.get(name, (-math.inf, math.inf))
+        if isinstance(value, int | float) and not lo <= value <= hi:
+            raise ApiError(400, f"'options.{name}' must be between {lo:g} and {hi:g}",
+                           f"options.{name}")
+        if name == "stop":
+            value = [value] if isinstance(value, str) else value
+            if not all(isinstance(s, str) for s in value):
+                raise ApiError(400, "invalid type for 'options.stop': expected strings",
+                               "options.stop")
+        out[name] = value
+    return out
+
+
+def now_rfc3339() -> str:
+    return rfc3339(dt.datetime.now(dt.timezone.utc).timestamp())
+
+
+def rfc3339(ts: float) -> str:
+    if not math.isfinite(ts) or ts > 253402300799:  # year 9999: Go clients' "forever"
+        ts = 253402300799 if ts > 0 else 0
+    return dt.datetime.fromtimestamp(ts, dt.timezone.utc).isoformat().replace("+00:00", "Z")

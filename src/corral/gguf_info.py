@@ -1,0 +1,591 @@
+"""What a GGUF file says about its model: metadata and tensor table, never the weights.
+
+Used for Ollama's /api/tags and /api/show, for memory estimates, and to reject broken files
+(truncated downloads, an HTML error page saved as .gguf) with a message a user can act on.
+
+Parsing goes through llama.cpp's own `gguf` package (GGUFReader memory-maps the file), with two
+changes made in a subclass: long arrays (the tokenizer's tokens, merges, scores) are skipped
+instead of getting one numpy view per element, which takes SmolLM2-135M from ~2.4 s to ~25 ms;
+and every read past the end of the file becomes a GGUFError that says where the file ends.
+Results are cached by (path, inode, size, mtime), so listing models repeatedly costs a stat.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+import re
+import stat
+import struct
+from collections import Counter
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from types import MappingProxyType
+from typing import Any, Literal
+
+import numpy as np
+import numpy.typing as npt
+from gguf.constants import (
+    GGML_QUANT_SIZES,
+    GGMLQuantizationType,
+    GGUFEndian,
+    GGUFValueType,
+    LlamaFileType,
+)
+from gguf.gguf_reader import READER_SUPPORTED_VERSIONS, GGUFReader, ReaderField, ReaderTensor
+
+__all__ = [
+    "EMBEDDING_ARCHITECTURES",
+    "GGUFError",
+    "ModelInfo",
+    "clear_cache",
+    "model_capabilities",
+    "read_model_info",
+]
+
+_MAGIC = b"GGUF"
+_HEADER_SIZE = 24  # magic, version (u32), tensor count (u64), metadata count (u64)
+# Arrays longer than this are skipped, not parsed: only the tokenizer's arrays get that long,
+# and nothing here needs their contents. Their lengths are kept in ModelInfo.array_lengths.
+_MAX_ARRAY = 1024
+_BLOCK_RE = re.compile(r"blk\.(\d+)\.")
+
+# Encoder architectures that llama.cpp only runs for embeddings.
+EMBEDDING_ARCHITECTURES = frozenset(
+    {
+        "bert",
+        "eurobert",
+        "gemma-embedding",
+        "jina-bert-v2",
+        "jina-bert-v3",
+        "llama-embed",
+        "modern-bert",
+        "neo-bert",
+        "nomic-bert",
+        "nomic-bert-moe",
+        "t5encoder",
+    }
+)
+
+# llama.cpp hard-codes the sliding-window layout of these architectures instead of reading
+# {arch}.attention.sliding_window_pattern, so their files usually lack the key.
+_BUILTIN_SWA_PATTERN = {"gemma2": 2, "gemma3": 6, "gemma-embedding": 6, "cohere2": 4, "gpt-oss": 2}
+
+# Ollama leaves these out of /api/show's model_info: they are returned elsewhere (template).
+_NOT_IN_MODEL_INFO = frozenset({"general.name", "tokenizer.chat_template"})
+
+
+class GGUFError(Exception):
+    """The file is not a usable GGUF model. The message is meant for users."""
+
+
+@dataclass(frozen=True)
+class ModelInfo:
+    """A GGUF model's metadata and tensor layout. Keys named below are `{architecture}.*`."""
+
+    path: Path
+    file_size: int
+    architecture: str  # general.architecture, e.g. "llama", "bert"
+    name: str | None  # general.name
+    n_layer: int  # block_count
+    n_embd: int  # embedding_length
+    n_head: int  # attention.head_count (the largest, if given per layer); 0 if absent
+    n_head_kv: tuple[int, ...]  # attention.head_count_kv per layer; defaults to head_count
+    head_dim_k: int  # attention.key_length, default n_embd // n_head
+    head_dim_v: int  # attention.value_length, default n_embd // n_head
+    sliding_window: int | None  # attention.sliding_window; None if absent or 0
+    swa_layers: tuple[bool, ...]  # per layer: does it use the sliding window? See _swa_layers
+    context_length: int  # context_length (training context); 0 if the file does not say
+    n_vocab: int
+    file_type: str  # quantization as Ollama prints it: "Q4_1", "F16", "Q4_K_M", ...
+    parameter_count: int  # elements over all tensors
+    layer_bytes: tuple[int, ...]  # tensor data bytes of each block blk.N.*, N < n_layer
+    output_bytes: int  # tensor data bytes outside those blocks (token_embd, output, ...)
+    pooling_type: int | None = None  # pooling_type (gguf.PoolingType) if present
+    chat_template: str | None = None  # tokenizer.chat_template
+    capabilities: tuple[str, ...] = ("completion",)
+    # Scalar values and short arrays (as tuples); long arrays are only in array_lengths.
+    metadata: Mapping[str, Any] = field(default_factory=lambda: MappingProxyType({}), hash=False)
+    # Length of every array-valued key, parsed or not.
+    array_lengths: Mapping[str, int] = field(
+        default_factory=lambda: MappingProxyType({}), hash=False
+    )
+
+    @property
+    def parameter_size(self) -> str:
+        """Ollama's rendering of the parameter count: "134.52M", "1.2B", "7B", "361K"."""
+        return _human_number(self.parameter_count)
+
+    @property
+    def family(self) -> str:
+        return self.architecture
+
+    def details(self) -> dict[str, Any]:
+        """Ollama's "details" object, as in /api/tags and /api/show."""
+        return {
+            "parent_model": "",
+            "format": "gguf",
+            "family": self.family,
+            "families": [self.family],
+            "parameter_size": self.parameter_size,
+            "quantization_level": self.file_type,
+        }
+
+    def model_info(self) -> dict[str, Any]:
+        """Ollama's /api/show "model_info" for a non-verbose request: every metadata key, sorted,
+        with each non-empty array given as null (Ollama reads no array elements then), and
+        general.parameter_count counted from the tensors."""
+        out: dict[str, Any] = {
+            k: v for k, v in self.metadata.items() if k not in self.array_lengths
+        }
+        for key, length in self.array_lengths.items():
+            out[key] = None if length else []
+        for key in _NOT_IN_MODEL_INFO:
+            out.pop(key, None)
+        out["general.parameter_count"] = self.parameter_count
+        return dict(sorted(out.items()))
+
+
+def model_capabilities(
+    architecture: str, pooling_type: int | None, causal_attention: bool | None
+) -> tuple[str, ...]:
+    """("embedding",) for embedding models, else ("completion",).
+
+    An embedding model is an encoder architecture, or a file that sets {arch}.pooling_type
+    without declaring causal attention. Ollama's own rule is "has a pooling_type"; the causal
+    check keeps a generative model whose converter wrote a pooling type a completion model,
+    while causal embedding models such as Qwen3-Embedding (pooling set, no causal key) count as
+    embedding models.
+    """
+    if architecture in EMBEDDING_ARCHITECTURES:
+        return ("embedding",)
+    if pooling_type is not None and causal_attention is not True:
+        return ("embedding",)
+    return ("completion",)
+
+
+def read_model_info(path: str | Path) -> ModelInfo:
+    """Read a GGUF file's metadata and tensor table.
+
+    Raises FileNotFoundError if there is no such file, GGUFError if it is not a usable GGUF
+    model (and other OSErrors, e.g. PermissionError, as they are).
+    """
+    p = Path(path).absolute()
+    st = p.stat()
+    if not stat.S_ISREG(st.st_mode):
+        raise GGUFError(f"{p} is not a regular file")
+    return _read_cached(p, st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns)
+
+
+def clear_cache() -> None:
+    """Forget every file read so far (tests; or after files were rewritten within one mtime
+    tick)."""
+    _read_cached.cache_clear()
+
+
+@functools.lru_cache(maxsize=256)
+def _read_cached(path: Path, dev: int, ino: int, size: int, mtime_ns: int) -> ModelInfo:
+    # dev/ino/size/mtime are only the cache key: a replaced or rewritten file is read again.
+    return _read(path, size)
+
+
+# --- parsing -------------------------------------------------------------------------------
+
+
+class _OutOfBounds(Exception):
+    """A read would go past the end of the file; `end` is the byte it needed."""
+
+    def __init__(self, end: int) -> None:
+        super().__init__(f"needs byte {end}")
+        self.end = end
+
+
+# Exceptions that GGUFReader (numpy, struct, enum lookups, utf-8) raises on malformed input.
+_PARSE_ERRORS = (
+    _OutOfBounds,
+    ValueError,
+    KeyError,
+    IndexError,
+    TypeError,
+    OverflowError,
+    struct.error,
+)
+
+
+def _describe(e: BaseException) -> str:
+    # KeyError's str() is the repr of its argument; show the message itself.
+    return str(e.args[0]) if isinstance(e, KeyError) and e.args else str(e)
+
+
+class _Reader(GGUFReader):
+    """GGUFReader with bounds checks and lazy long arrays (see the module docstring). It
+    overrides GGUFReader internals; tests/test_gguf_info.py checks them against the installed
+    gguf."""
+
+    def _get(
+        self,
+        offset: int,
+        dtype: npt.DTypeLike,
+        count: int = 1,
+        override_order: Literal["I", "S", "<"] | None = None,
+    ) -> npt.NDArray[Any]:
+        # numpy would silently return a short (or empty) view here; make that an error.
+        end = int(offset) + np.dtype(dtype).itemsize * int(count)
+        if end > len(self.data):
+            raise _OutOfBounds(end)
+        return super()._get(offset, dtype, count, override_order)
+
+    def _get_field_parts(
+        self, orig_offs: int, raw_type: int
+    ) -> tuple[int, list[npt.NDArray[Any]], list[int], list[GGUFValueType]]:
+        if raw_type != GGUFValueType.ARRAY:
+            return super()._get_field_parts(orig_offs, raw_type)
+        raw_itype = self._get(orig_offs, np.uint32)
+        alen = self._get(orig_offs + 4, np.uint64)
+        if int(alen[0]) <= _MAX_ARRAY:
+            return super()._get_field_parts(orig_offs, raw_type)
+        itype = GGUFValueType(int(raw_itype[0]))
+        end = self._skip_array(orig_offs + 12, itype, int(alen[0]))
+        # No element parts: ReaderField.contents() gives [], the length stays in parts[1].
+        return end - orig_offs, [raw_itype, alen], [], [GGUFValueType.ARRAY, itype]
+
+    def _skip_array(self, offs: int, itype: GGUFValueType, count: int) -> int:
+        if itype == GGUFValueType.STRING:
+            # Strings are length-prefixed, so they must be walked; struct is ~100x faster
+            # than a numpy view per string.
+            unpack = struct.Struct("<Q" if self.endianess == GGUFEndian.LITTLE else ">Q")
+            with memoryview(self.data) as buf:
+                try:
+                    for _ in range(count):
+                        offs += 8 + unpack.unpack_from(buf, offs)[0]
+                except struct.error:
+                    raise _OutOfBounds(offs + 8) from None
+        elif itype == GGUFValueType.ARRAY:  # arrays of arrays: nothing uses them, walk them
+            for _ in range(count):
+                offs += self._get_field_parts(offs, itype)[0]
+        else:
+            scalar = self.gguf_scalar_to_np.get(itype)
+            if scalar is None:
+                raise ValueError(f"unhandled array element type {itype.name}")
+            offs += np.dtype(scalar).itemsize * count
+        if offs > len(self.data):
+            raise _OutOfBounds(offs)
+        return offs
+
+    def _build_fields(self, offs: int, count: int) -> int:
+        try:
+            return super()._build_fields(offs, count)
+        except _PARSE_ERRORS as e:
+            n_read = len(self.fields) - 3  # less GGUF.version, GGUF.tensor_count, GGUF.kv_count
+            after = f", after {next(reversed(self.fields))!r}" if n_read > 0 else ""
+            where = f"{n_read} of {int(count)} metadata keys read{after}"
+            if isinstance(e, _OutOfBounds):
+                raise GGUFError(
+                    f"file is truncated: the metadata ends early ({where}); it needs byte "
+                    f"{e.end} but the file has {len(self.data)} bytes"
+                ) from None
+            raise GGUFError(f"bad metadata ({where}): {_describe(e)}") from e
+
+    def _build_tensor_info(self, offs: int, count: int) -> tuple[int, list[ReaderField]]:
+        try:
+            return super()._build_tensor_info(offs, count)
+        except _PARSE_ERRORS as e:
+            if isinstance(e, _OutOfBounds):
+                raise GGUFError(
+                    f"file is truncated: the table of {int(count)} tensors ends early; it needs "
+                    f"byte {e.end} but the file has {len(self.data)} bytes"
+                ) from None
+            raise GGUFError(f"bad tensor table: {_describe(e)}") from e
+
+    def _build_tensors(self, start_offs: int, fields: list[ReaderField]) -> None:
+        # Check every tensor's type and extent first, so that a truncated download is reported
+        # by tensor name instead of as a numpy reshape error.
+        size = len(self.data)
+        overruns: list[tuple[int, str]] = []
+        for f in fields:
+            _, name_data, _, dims, raw_dtype, offset = f.parts
+            name = bytes(name_data).decode("utf-8", errors="replace")
+            raw = int(raw_dtype[0])
+            try:
+                qtype = GGMLQuantizationType(raw)
+                block_size, type_size = GGML_QUANT_SIZES[qtype]
+            except (ValueError, KeyError):
+                raise GGUFError(
+                    f"tensor {name!r} has unknown type {raw} (the file may need a newer "
+                    "llama.cpp and gguf package)"
+                ) from None
+            n_elements = math.prod(int(d) for d in dims)
+            end = int(start_offs) + int(offset[0]) + n_elements * type_size // block_size
+            if end > size:
+                overruns.append((end, name))
+        if overruns:
+            end, name = min(overruns)
+            raise GGUFError(
+                f"file is truncated: tensor {name!r} ends at byte {end} but the file has "
+                f"{size} bytes (incomplete download?)"
+            )
+        try:
+            super()._build_tensors(start_offs, fields)
+        except _PARSE_ERRORS as e:
+            raise GGUFError(f"bad tensor: {_describe(e)}") from e
+
+
+def _check_header(head: bytes, size: int) -> None:
+    """Reject what is plainly not a GGUF file, naming what it looks like instead."""
+    if head[:4] != _MAGIC:
+        if len(head) < 4 and _MAGIC.startswith(head):
+            raise GGUFError(f"file is truncated: only {size} bytes")
+        raise GGUFError(f"not a GGUF file (bad magic {head[:4]!r}{_looks_like(head)})")
+    if size < _HEADER_SIZE:
+        raise GGUFError(
+            f"file is truncated: {size} bytes is too short for a GGUF header ({_HEADER_SIZE} bytes)"
+        )
+    version = int.from_bytes(head[4:8], "little")
+    if version & 0xFFFF == 0:  # written on a big-endian machine
+        version = int.from_bytes(head[4:8], "big")
+    if version not in READER_SUPPORTED_VERSIONS:
+        supported = ", ".join(str(v) for v in READER_SUPPORTED_VERSIONS)
+        raise GGUFError(
+            f"unsupported GGUF version {version} (supported: {supported}); re-convert the model "
+            "with a current llama.cpp"
+        )
+
+
+def _looks_like(head: bytes) -> str:
+    if head.startswith(b"version https://git-lfs"):
+        return "; it is a Git LFS pointer, not the model itself"
+    if head[:4] in (b"lmgg", b"fmgg", b"tjgg"):  # "ggml", "ggmf", "ggjt" as little-endian u32
+        return "; it is a legacy GGML/GGJT model, convert it to GGUF"
+    if head[8:9] == b"{":
+        return "; it looks like a safetensors file, convert it to GGUF"
+    text = head.strip()
+    if text and all(32 <= c < 127 or c in b"\t\r\n" for c in text):
+        return "; it looks like a text file, e.g. an error page saved in place of the model"
+    return ""
+
+
+def _read(path: Path, size: int) -> ModelInfo:
+    if size == 0:
+        raise GGUFError("file is empty (0 bytes)")
+    with path.open("rb") as f:
+        head = f.read(_HEADER_SIZE)
+    _check_header(head, size)
+    try:
+        reader = _Reader(path)
+    except _OutOfBounds as e:
+        raise GGUFError(
+            f"file is truncated: it needs byte {e.end} but the file has {size} bytes"
+        ) from None
+    except _PARSE_ERRORS as e:
+        raise GGUFError(f"invalid GGUF file: {_describe(e)}") from e
+    return _model_info(path, size, reader.fields.items(), reader.tensors)
+
+
+def _model_info(
+    path: Path,
+    size: int,
+    fields: Iterable[tuple[str, ReaderField]],
+    tensors: list[ReaderTensor],
+) -> ModelInfo:
+    meta: dict[str, Any] = {}
+    array_lengths: dict[str, int] = {}
+    for key, fld in fields:
+        if key.startswith("GGUF."):  # the reader's pseudo-keys for the header
+            continue
+        if fld.types[0] == GGUFValueType.ARRAY:
+            array_lengths[key] = int(fld.parts[4][0])  # parts: key len, key, type, item type, len
+            if fld.data or array_lengths[key] == 0:
+                meta[key] = _array_value(fld)
+        else:
+            meta[key] = _scalar_value(fld)
+
+    arch = meta.get("general.architecture")
+    if not isinstance(arch, str) or not arch:
+        raise GGUFError("missing required metadata key 'general.architecture'")
+    by_name = {t.name: t for t in tensors}
+    token_embd = by_name.get("token_embd.weight")
+
+    n_layer = _int(meta, f"{arch}.block_count")
+    if n_layer is None:
+        raise GGUFError(f"missing required metadata key '{arch}.block_count'")
+    n_embd = _int(meta, f"{arch}.embedding_length")
+    if n_embd is None:
+        if token_embd is None:
+            raise GGUFError(f"missing required metadata key '{arch}.embedding_length'")
+        n_embd = int(token_embd.shape[0])
+
+    head_counts = _per_layer(meta, array_lengths, f"{arch}.attention.head_count", n_layer)
+    n_head = max(head_counts, default=0)
+    n_head_kv = (
+        _per_layer(meta, array_lengths, f"{arch}.attention.head_count_kv", n_layer)
+        or head_counts
+        or (0,) * n_layer
+    )
+    head_dim = n_embd // n_head if n_head else 0
+    sliding_window = _int(meta, f"{arch}.attention.sliding_window") or None
+
+    n_vocab = _int(meta, f"{arch}.vocab_size")
+    if n_vocab is None:
+        if "tokenizer.ggml.tokens" in array_lengths:
+            n_vocab = array_lengths["tokenizer.ggml.tokens"]
+        else:
+            n_vocab = int(token_embd.shape[1]) if token_embd is not None else 0
+
+    layer_bytes = [0] * n_layer
+    output_bytes = 0
+    for t in tensors:
+        m = _BLOCK_RE.match(t.name)
+        if m and int(m.group(1)) < n_layer:
+            layer_bytes[int(m.group(1))] += int(t.n_bytes)
+        else:  # includes blocks past block_count, which llama.cpp would not load as layers
+            output_bytes += int(t.n_bytes)
+
+    pooling_type = _int(meta, f"{arch}.pooling_type")
+    causal = meta.get(f"{arch}.attention.causal")
+    chat_template = meta.get("tokenizer.chat_template")
+    name = meta.get("general.name")
+    return ModelInfo(
+        path=path,
+        file_size=size,
+        architecture=arch,
+        name=name if isinstance(name, str) else None,
+        n_layer=n_layer,
+        n_embd=n_embd,
+        n_head=n_head,
+        n_head_kv=n_head_kv,
+        head_dim_k=_int(meta, f"{arch}.attention.key_length") or head_dim,
+        head_dim_v=_int(meta, f"{arch}.attention.value_length") or head_dim,
+        sliding_window=sliding_window,
+        swa_layers=_swa_layers(
+            arch, n_layer, sliding_window, meta.get(f"{arch}.attention.sliding_window_pattern")
+        ),
+        context_length=_int(meta, f"{arch}.context_length") or 0,
+        n_vocab=n_vocab,
+        file_type=_file_type(meta.get("general.file_type"), tensors),
+        parameter_count=sum(int(t.n_elements) for t in tensors),
+        layer_bytes=tuple(layer_bytes),
+        output_bytes=output_bytes,
+        pooling_type=pooling_type,
+        chat_template=chat_template if isinstance(chat_template, str) else None,
+        capabilities=model_capabilities(
+            arch, pooling_type, causal if isinstance(causal, bool) else None
+        ),
+        metadata=MappingProxyType(meta),
+        array_lengths=MappingProxyType(array_lengths),
+    )
+
+
+def _decode(part: npt.NDArray[Any]) -> str:
+    # Lenient: one bad byte in, say, a chat template should not make the model unusable.
+    return bytes(part).decode("utf-8", errors="replace")
+
+
+def _f32(x: Any) -> float:
+    # 1e-05 rather than 9.999999747378752e-06: the shortest text that reads back as the
+    # same float32, as Ollama's JSON shows it.
+    return float(str(np.float32(x)))
+
+
+def _scalar_value(fld: ReaderField) -> Any:
+    vtype = fld.types[0]
+    if vtype == GGUFValueType.STRING:
+        return _decode(fld.parts[-1])
+    if vtype == GGUFValueType.FLOAT32:
+        return _f32(fld.parts[-1][0])
+    return fld.parts[-1].tolist()[0]
+
+
+def _array_value(fld: ReaderField) -> tuple[Any, ...]:
+    item_type = fld.types[-1]
+    if item_type == GGUFValueType.STRING:
+        return tuple(_decode(fld.parts[i]) for i in fld.data)
+    values = [v for i in fld.data for v in fld.parts[i].tolist()]
+    if item_type == GGUFValueType.FLOAT32:
+        return tuple(_f32(v) for v in values)
+    return tuple(values)
+
+
+def _int(meta: Mapping[str, Any], key: str) -> int | None:
+    value = meta.get(key)
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise GGUFError(f"metadata key {key!r} should be an integer, not {value!r}")
+    return value
+
+
+def _per_layer(
+    meta: Mapping[str, Any], array_lengths: Mapping[str, int], key: str, n_layer: int
+) -> tuple[int, ...]:
+    """A value the file may give once or once per layer; () if absent."""
+    if key in array_lengths:
+        values = meta.get(key)
+        if values is None or len(values) != n_layer:
+            raise GGUFError(
+                f"metadata key {key!r} has {array_lengths[key]} entries but the model has "
+                f"{n_layer} layers"
+            )
+        if not all(isinstance(v, int) and not isinstance(v, bool) for v in values):
+            raise GGUFError(f"metadata key {key!r} should hold integers")
+        return tuple(values)
+    value = _int(meta, key)
+    return () if value is None else (value,) * n_layer
+
+
+def _swa_layers(
+    arch: str, n_layer: int, sliding_window: int | None, pattern: Any
+) -> tuple[bool, ...]:
+    """Which layers attend through the sliding window, as llama.cpp decides it.
+
+    No sliding window: none. Otherwise {arch}.attention.sliding_window_pattern, which is either
+    a bool per layer or a period n (every n-th layer is full attention, the rest slide; n == 0:
+    all slide). Without that key, the period llama.cpp hard-codes for a few architectures
+    (gemma2/3, cohere2, gpt-oss), else none: memory estimates then assume full attention,
+    which errs on the large side.
+    """
+    if not sliding_window:
+        return (False,) * n_layer
+    if isinstance(pattern, tuple):
+        if len(pattern) != n_layer:
+            raise GGUFError(
+                f"metadata key '{arch}.attention.sliding_window_pattern' has {len(pattern)} "
+                f"entries but the model has {n_layer} layers"
+            )
+        return tuple(bool(v) for v in pattern)
+    period = pattern if isinstance(pattern, int) else _BUILTIN_SWA_PATTERN.get(arch)
+    if period is None:
+        return (False,) * n_layer
+    return tuple(period == 0 or il % period < period - 1 for il in range(n_layer))
+
+
+def _file_type(value: Any, tensors: list[ReaderTensor]) -> str:
+    """general.file_type's name without the MOSTLY_/ALL_ prefix ("Q4_K_M", "F16"), or else the
+    type holding most elements among the weight matrices (1-D norms stay F32 in every
+    quantization, so they do not count)."""
+    if isinstance(value, int) and not isinstance(value, bool):
+        try:
+            name = LlamaFileType(value & ~LlamaFileType.GUESSED).name
+        except ValueError:
+            pass
+        else:
+            return name.removeprefix("MOSTLY_").removeprefix("ALL_")
+    counts: Counter[str] = Counter()
+    for t in tensors:
+        if len(t.shape) > 1:
+            counts[t.tensor_type.name] += int(t.n_elements)
+    if not counts:
+        for t in tensors:
+            counts[t.tensor_type.name] += int(t.n_elements)
+    return counts.most_common(1)[0][0] if counts else "unknown"
+
+
+def _human_number(n: int) -> str:
+    """Ollama's format.HumanNumber."""
+    for scale, suffix, decimals in ((10**9, "B", 1), (10**6, "M", 2)):
+        if n >= scale:
+            value = n / scale
+            return f"{value:.0f}{suffix}" if value.is_integer() else f"{value:.{decimals}f}{suffix}"
+    if n >= 1000:
+        return f"{n / 1000:.0f}K"
+    return str(n)

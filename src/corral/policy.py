@@ -1,0 +1,64 @@
+"""Eviction policies: pure functions from a snapshot of idle runners to an eviction order.
+
+The scheduler core asks a policy only when a load does not fit; it evicts candidates in the
+returned order until the load fits. Candidates are always idle (no request in flight) and
+unpinned: a policy cannot evict a serving runner because it is never offered one.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class Candidate:
+    id: int
+    model: str
+    size: int  # bytes it holds
+    last_used: float  # monotonic seconds
+    uses: int  # requests served since load
+    load_cost: float  # seconds its load took
+    expires_at: float  # when its keep-alive runs out (math.inf = never)
+    priority: int  # from models.toml; higher stays longer
+
+
+@dataclass(frozen=True)
+class Snapshot:
+    now: float
+    need: int  # bytes the waiting load needs freed
+    waiting_models: frozenset[str]  # models with queued requests (about to be used)
+
+
+Policy = Callable[[Sequence[Candidate], Snapshot], list[int]]
+
+
+def lru(candidates: Sequence[Candidate], snap: Snapshot) -> list[int]:
+    """Least recently used first."""
+    return [c.id for c in sorted(candidates, key=lambda c: c.last_used)]
+
+
+def ollama_like(candidates: Sequence[Candidate], snap: Snapshot) -> list[int]:
+    """Ollama's choice: the runner whose keep-alive would run out soonest."""
+    return [c.id for c in sorted(candidates, key=lambda c: (c.expires_at, c.last_used))]
+
+
+def cost_aware(candidates: Sequence[Candidate], snap: Snapshot) -> list[int]:
+    """Keep what is cheap to hold and expensive to reload; evict the rest first.
+
+    Score ~ (uses per minute resident, damped by recency) x (load cost) / (bytes held), in the
+    spirit of GreedyDual-Size-Frequency. Models with queued requests and higher priority go last.
+    """
+
+    def score(c: Candidate) -> tuple[int, int, float]:
+        age = max(snap.now - c.last_used, 1e-3)
+        freq = (1 + c.uses) / (1 + age / 60.0)
+        value = freq * max(c.load_cost, 1e-3) / max(c.size, 1)
+        return (c.model in snap.waiting_models, c.priority, value if math.isfinite(value) else 0.0)
+
+    return [c.id for c in sorted(candidates, key=score)]
+
+
+POLICIES: dict[str, Policy] = {"lru": lru, "ollama": ollama_like, "cost": cost_aware}
+DEFAULT_POLICY = "lru"

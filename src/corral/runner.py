@@ -1,0 +1,240 @@
+"""One runner process per loaded model: spawn, wait until it serves, watch it, stop it.
+
+Two kinds of runner, one interface: llama.cpp's server inside a Python child through xllamacpp
+(the default, see runner_child) or a user-supplied `llama-server` binary (CORRAL_LLAMA_SERVER).
+Both speak llama.cpp's native HTTP API on a loopback port; the parent reaches it through one
+pooled aiohttp session per runner.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import contextlib
+import ctypes
+import json
+import logging
+import os
+import signal
+import socket
+import sys
+import time
+from dataclasses import asdict, dataclass
+
+import aiohttp
+
+log = logging.getLogger(__name__)
+
+LOG_TAIL_LINES = 40
+
+
+class RunnerError(Exception):
+    """The runner failed to start or died; the message quotes the end of its log."""
+
+
+@dataclass(frozen=True)
+class RunnerSpec:
+    """Everything that shapes a runner process. Two requests with equal specs share a runner;
+    a different spec for a loaded model means a reload."""
+
+    path: str
+    n_ctx: int  # context per request (Ollama's num_ctx)
+    num_parallel: int
+    n_gpu_layers: int = 0
+    main_gpu: int | None = None
+    embedding: bool = False
+    pooling_type: int | None = None
+    threads: int | None = None
+
+
+class Runner:
+    def __init__(self, name: str, spec: RunnerSpec, llama_server: str | None = None) -> None:
+        self.name = name
+        self.spec = spec
+        self.llama_server = llama_server
+        self.base_url = ""
+        self.proc: asyncio.subprocess.Process | None = None
+        self.session: aiohttp.ClientSession | None = None
+        self.started_at = 0.0
+        self.load_duration = 0.0  # seconds from spawn to serving
+        self._tail: collections.deque[str] = collections.deque(maxlen=LOG_TAIL_LINES)
+        self._readers: list[asyncio.Task[None]] = []
+        self._ready: asyncio.Future[str] | None = None
+        self.exit_code: int | None = None
+        self.stopping = False
+
+    @property
+    def pid(self) -> int | None:
+        return self.proc.pid if self.proc else None
+
+    def log_tail(self, n: int = 8) -> str:
+        lines = [ln for ln in self._tail if ln.strip()]
+        return "\n".join(lines[-n:])
+
+    def failure_message(self) -> str:
+        if self.exit_code is None:
+            what = "stopped responding"
+        elif self.exit_code < 0:
+            what = f"was killed by signal {-self.exit_code}"
+        else:
+            what = f"exited with code {self.exit_code}"
+        tail = self.log_tail()
+        return f"runner for model '{self.name}' {what}" + (f"; last log lines:\n{tail}" if tail else "")
+
+    async def start(self, timeout: float) -> None:
+        """Spawn the runner and return once it serves requests; RunnerError otherwise."""
+        loop = asyncio.get_running_loop()
+        self.started_at = time.monotonic()
+        self._ready = loop.create_future()
+        if self.llama_server:
+            port = _free_port()
+            cmd = self._binary_cmd(port)
+            self.base_url = f"http://127.0.0.1:{port}"
+        else:
+            payload = {**asdict(self.spec), "name": self.name, "parent_pid": os.getpid()}
+            cmd = [sys.executable, "-m", "corral.runner_child", json.dumps(payload)]
+        env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+        self.proc = await asyncio.create_subprocess_exec(
+            *cmd,
+            stdin=asyncio.subprocess.PIPE,
+            stdout=asyncio.subprocess.PIPE,
+            stderr=asyncio.subprocess.PIPE,
+            env=env,
+            preexec_fn=_die_with_parent,
+            start_new_session=True,  # Ctrl-C in the terminal goes to corral, which stops runners
+        )
+        assert self.proc.stdout is not None and self.proc.stderr is not None
+        self._readers = [
+            asyncio.create_task(self._read(self.proc.stdout, ready=not self.llama_server)),
+            asyncio.create_task(self._read(self.proc.stderr, ready=False)),
+        ]
+        try:
+            if self.llama_server:
+                await asyncio.wait_for(self._poll_health(), timeout)
+            else:
+                self.base_url = await asyncio.wait_for(self._wait_ready(), timeout)
+        except asyncio.TimeoutError:
+            await self.stop()
+            raise RunnerError(
+                f"model '{self.name}' did not load within {timeout:g}s"
+                + (f"; last log lines:\n{self.log_tail()}" if self.log_tail() else "")
+            ) from None
+        except BaseException:
+            await self.stop()
+            raise
+        self.load_duration = time.monotonic() - self.started_at
+        self.session = aiohttp.ClientSession(
+            base_url=self.base_url,
+            # llama.cpp closes idle connections after 5 s; drop ours first so none is reused dead.
+            connector=aiohttp.TCPConnector(limit=0, keepalive_timeout=4),
+            timeout=aiohttp.ClientTimeout(total=None, sock_connect=10),
+            auto_decompress=False,
+        )
+
+    def _binary_cmd(self, port: int) -> list[str]:
+        s = self.spec
+        cmd = [
+            self.llama_server or "llama-server",
+            "-m", s.path, "--alias", self.name, "--host", "127.0.0.1", "--port", str(port),
+            "-c", str(s.n_ctx * s.num_parallel), "-np", str(s.num_parallel),
+            "-ngl", str(s.n_gpu_layers), "--cache-ram", "0", "--metrics", "--slots",
+            "--fit", "off", "--no-webui",
+        ]  # fmt: skip
+        if s.embedding:
+            cmd.append("--embedding")
+            if s.pooling_type is not None:
+                cmd += ["--pooling", {0: "none", 1: "mean", 2: "cls", 3: "last"}.get(
+                    s.pooling_type, "mean")]
+        if s.main_gpu is not None:
+            cmd += ["-mg", str(s.main_gpu)]
+        if s.threads:
+            cmd += ["-t", str(s.threads)]
+        return cmd
+
+    async def _read(self, stream: asyncio.StreamReader, ready: bool) -> None:
+        while line := await stream.readline():
+            text = line.decode(errors="replace").rstrip()
+            if ready and text.startswith("READY ") and self._ready and not self._ready.done():
+                self._ready.set_result(text.split(" ", 1)[1])
+                continue
+            self._tail.append(text)
+            log.debug("[%s] %s", self.name, text)
+
+    async def _wait_ready(self) -> str:
+        assert self._ready is not None and self.proc is not None
+        exited = asyncio.ensure_future(self.proc.wait())
+        try:
+            done, _ = await asyncio.wait({self._ready, exited}, return_when="FIRST_COMPLETED")
+            if self._ready in done:
+                return self._ready.result()
+            await self._drain_logs()
+            self.exit_code = exited.result()
+            raise RunnerError(self.failure_message())
+        finally:
+            if not exited.done():
+                exited.cancel()
+
+    async def _poll_health(self) -> None:
+        assert self.proc is not None
+        async with aiohttp.ClientSession() as s:
+            while True:
+                if self.proc.returncode is not None:
+                    await self._drain_logs()
+                    self.exit_code = self.proc.returncode
+                    raise RunnerError(self.failure_message())
+                with contextlib.suppress(aiohttp.ClientError):
+                    async with s.get(f"{self.base_url}/health") as r:
+                        if r.status == 200:
+                            return
+                await asyncio.sleep(0.05)
+
+    async def _drain_logs(self) -> None:
+        # The process is gone; give the readers a moment to collect its last words.
+        with contextlib.suppress(asyncio.TimeoutError):
+            await asyncio.wait_for(asyncio.gather(*self._readers), 1.0)
+
+    async def wait_exit(self) -> int:
+        """Wait for the process to end (for any reason) and record why."""
+        assert self.proc is not None
+        code = await self.proc.wait()
+        await self._drain_logs()
+        self.exit_code = code
+        return code
+
+    async def stop(self, grace: float = 3.0) -> None:
+        """Ask the runner to exit (close stdin, SIGTERM), SIGKILL after `grace` seconds."""
+        self.stopping = True
+        if self.session is not None:
+            await self.session.close()
+        proc = self.proc
+        if proc is None or proc.returncode is not None:
+            return
+        with contextlib.suppress(ProcessLookupError, OSError):
+            if proc.stdin:
+                proc.stdin.close()
+            proc.send_signal(signal.SIGTERM)
+        try:
+            await asyncio.wait_for(proc.wait(), grace)
+        except asyncio.TimeoutError:
+            with contextlib.suppress(ProcessLookupError):
+                proc.kill()
+            await proc.wait()
+
+    def kill_now(self) -> None:
+        """Synchronous last resort at interpreter exit."""
+        if self.proc is not None and self.proc.returncode is None:
+            with contextlib.suppress(ProcessLookupError):
+                self.proc.kill()
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def _die_with_parent() -> None:
+    # Runs in the child between fork and exec: SIGKILL it when corral dies, even by SIGKILL.
+    if sys.platform.startswith("linux"):
+        with contextlib.suppress(OSError, AttributeError):
+            ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG

@@ -1,0 +1,353 @@
+"""The scheduler's pure core: books of runners and queued requests, driven by events.
+
+No I/O and no clock: every event method takes `now` and appends Actions for the shell
+(corral.scheduler) to carry out. That makes every decision testable with thousands of random
+event sequences, and keeps all state in one place that is changed only synchronously, so the
+asyncio shell needs no locks.
+
+Rules, in order of importance:
+- memory (`budget`) is never over-committed: loading, ready and unloading runners all count
+  until the process has exited;
+- a runner with requests in flight is never stopped (except when it dies);
+- requests for a ready runner are granted at once, whatever else is loading or waiting;
+- loads are started first-come, first-served; a load that does not fit evicts idle runners in
+  the policy's order, or waits for requests to finish;
+- a request whose runner-shaping options differ from the loaded runner drains it (no new
+  grants) and reloads it once idle, so it cannot be starved by a stream of other requests.
+"""
+
+from __future__ import annotations
+
+import math
+from collections import deque
+from dataclasses import dataclass, field
+from typing import Literal
+
+from corral.policy import Candidate, Policy, Snapshot, lru
+from corral.runner import RunnerSpec
+
+State = Literal["loading", "ready", "unloading"]
+
+
+@dataclass
+class Request:
+    id: int
+    model: str
+    spec: RunnerSpec  # the runner to load if none is loaded
+    explicit: frozenset[str]  # spec fields the request set itself; only these must match
+    size: int  # estimated bytes of a runner with `spec`
+    keep_alive: float | None  # None: keep what the model has
+    arrived: float
+    deadline: float = math.inf
+    pinned: bool = False
+    priority: int = 0
+
+
+@dataclass
+class RunnerBook:
+    id: int
+    model: str
+    spec: RunnerSpec
+    size: int
+    state: State = "loading"
+    inflight: int = 0
+    keep_alive: float = 300.0
+    expires_at: float = math.inf  # only meaningful while idle and ready
+    last_used: float = 0.0
+    uses: int = 0
+    load_started: float = 0.0
+    load_cost: float = 0.0
+    draining: bool = False  # a reload is pending: grant nothing new
+    pinned: bool = False
+    priority: int = 0
+
+
+@dataclass(frozen=True)
+class Grant:
+    request: int
+    runner: int
+
+
+@dataclass(frozen=True)
+class Fail:
+    request: int
+    status: int  # HTTP status the API should answer with
+    message: str
+
+
+@dataclass(frozen=True)
+class Load:
+    runner: int
+    model: str
+    spec: RunnerSpec
+
+
+@dataclass(frozen=True)
+class Stop:
+    runner: int
+    reason: str
+
+
+Action = Grant | Fail | Load | Stop
+
+
+class QueueFull(Exception):
+    pass
+
+
+QUEUE_FULL_MESSAGE = "server busy, please try again.  maximum pending requests exceeded"
+
+
+def compatible(spec: RunnerSpec, req: Request) -> bool:
+    return all(getattr(spec, f) == getattr(req.spec, f) for f in req.explicit)
+
+
+@dataclass
+class Core:
+    budget: int  # bytes corral's runners may hold in all
+    max_loaded: int = 0  # 0: memory decides
+    max_queue: int = 512
+    default_keep_alive: float = 300.0
+    policy: Policy = lru
+    runners: dict[int, RunnerBook] = field(default_factory=dict)
+    queue: deque[Request] = field(default_factory=deque)
+    granted: dict[int, int] = field(default_factory=dict)  # request id -> runner id
+    actions: list[Action] = field(default_factory=list)
+    evictions: int = 0
+    loads: int = 0
+    _next_runner: int = 1
+
+    # ---- queries ---------------------------------------------------------------------------
+    def used(self) -> int:
+        return sum(r.size for r in self.runners.values())
+
+    def current(self, model: str) -> RunnerBook | None:
+        """The model's runner that is loading or ready (not one on its way out)."""
+        for r in self.runners.values():
+            if r.model == model and r.state != "unloading":
+                return r
+        return None
+
+    def next_wake(self) -> float:
+        """When tick() next has something to do."""
+        t = min((q.deadline for q in self.queue), default=math.inf)
+        for r in self.runners.values():
+            if r.state == "ready" and r.inflight == 0:
+                t = min(t, r.expires_at)
+        return t
+
+    def drain(self) -> list[Action]:
+        out, self.actions = self.actions, []
+        return out
+
+    # ---- events ----------------------------------------------------------------------------
+    def request(self, req: Request, now: float) -> None:
+        """A request arrived. Raises QueueFull if it would have to wait and the queue is full."""
+        r = self.current(req.model)
+        ready = r is not None and r.state == "ready" and not r.draining and compatible(r.spec, req)
+        if not (ready and r is not None and r.inflight < r.spec.num_parallel):
+            if len(self.queue) >= self.max_queue:
+                raise QueueFull(QUEUE_FULL_MESSAGE)
+        self.queue.append(req)
+        self._pump(now)
+
+    def release(self, request_id: int, now: float) -> None:
+        """A granted request finished (or its client went away)."""
+        rid = self.granted.pop(request_id, None)
+        r = self.runners.get(rid) if rid is not None else None
+        if r is not None:
+            r.inflight -= 1
+            r.last_used = now
+            if r.inflight == 0:
+                r.expires_at = now + r.keep_alive
+                if r.state == "ready" and (r.draining or r.keep_alive <= 0):
+                    self._stop(r, "reloading with new options" if r.draining else "keep_alive 0")
+        self._pump(now)
+
+    def cancel(self, request_id: int, now: float) -> None:
+        """The client of a request went away, queued or granted."""
+        if request_id in self.granted:
+            self.release(request_id, now)
+            return
+        self.queue = deque(q for q in self.queue if q.id != request_id)
+        self._pump(now)
+
+    def loaded(self, runner_id: int, now: float, size: int | None = None) -> None:
+        r = self.runners.get(runner_id)
+        if r is None or r.state != "loading":
+            return
+        r.state = "ready"
+        r.load_cost = now - r.load_started
+        r.last_used = now
+        r.expires_at = now + r.keep_alive
+        if size is not None:  # what the runner really allocated replaces the estimate
+            r.size = size
+        self._pump(now)
+
+    def load_failed(self, runner_id: int, message: str, now: float) -> None:
+        r = self.runners.pop(runner_id, None)
+        if r is None:
+            return
+        for q in list(self.queue):
+            if q.model == r.model and compatible(r.spec, q):
+                self.queue.remove(q)
+                self.actions.append(Fail(q.id, 500, message))
+        self._pump(now)
+
+    def exited(self, runner_id: int, now: float) -> None:
+        """The runner process is gone: stopped by us, or died. Its memory is free again."""
+        r = self.runners.pop(runner_id, None)
+        if r is None:
+            return
+        for req, rid in list(self.granted.items()):
+            if rid == runner_id:  # their streams fail on their own; free the books now
+                del self.granted[req]
+        self._pump(now)
+
+    def unload(self, model: str, now: float) -> bool:
+        """Unload a model as soon as it is idle (keep_alive 0, `corral stop`, router unload)."""
+        found = False
+        for r in self.runners.values():
+            if r.model == model and r.state != "unloading":
+                found = True
+                r.keep_alive = 0.0
+                r.expires_at = now
+                if r.inflight == 0 and r.state == "ready":
+                    self._stop(r, "unload requested")
+        self._pump(now)
+        return found
+
+    def tick(self, now: float) -> None:
+        """Timers: keep-alive expiry and request deadlines."""
+        for r in list(self.runners.values()):
+            if r.state == "ready" and r.inflight == 0 and r.expires_at <= now:
+                self._stop(r, "keep-alive expired")
+        for q in [q for q in self.queue if q.deadline <= now]:
+            self.queue.remove(q)
+            self.actions.append(
+                Fail(q.id, 503, f"timed out waiting for model '{q.model}' to become available")
+            )
+        self._pump(now)
+
+    # ---- decisions -------------------------------------------------------------------------
+    def _stop(self, r: RunnerBook, reason: str) -> None:
+        r.state = "unloading"
+        self.actions.append(Stop(r.id, reason))
+
+    def _grant(self, q: Request, r: RunnerBook, now: float) -> None:
+        self.queue.remove(q)
+        r.inflight += 1
+        r.uses += 1
+        r.last_used = now
+        r.expires_at = math.inf
+        if q.keep_alive is not None:
+            r.keep_alive = q.keep_alive
+        if q.pinned:
+            r.pinned = True
+        self.granted[q.id] = r.id
+        self.actions.append(Grant(q.id, r.id))
+
+    def _fits(self, size: int, freed: int = 0, stopping: int = 0) -> bool:
+        count = len(self.runners) - stopping
+        if self.max_loaded and count >= self.max_loaded:
+            return False
+        return self.used() - freed + size <= self.budget
+
+    def _pump(self, now: float) -> None:
+        load_blocked = False
+        for q in list(self.queue):
+            r = self.current(q.model)
+            if r is not None and not compatible(r.spec, q):
+                r.draining = True  # later requests wait for the reloaded runner
+            if r is not None and r.draining:
+                if r.state == "ready" and r.inflight == 0:
+                    self._stop(r, "reloading with new options")
+                continue
+            if r is not None:
+                if r.state == "ready" and r.inflight < r.spec.num_parallel:
+                    self._grant(q, r, now)
+                continue  # loading, or all its slots busy
+            if load_blocked:
+                continue  # first come, first served among loads
+            if any(b.model == q.model for b in self.runners.values()):
+                load_blocked = True  # its old runner is still exiting
+                continue
+            if not self._make_room(q, now):
+                load_blocked = True
+                continue
+            self._start_load(q, now)
+
+    def _start_load(self, q: Request, now: float) -> None:
+        rid = self._next_runner
+        self._next_runner += 1
+        self.runners[rid] = RunnerBook(
+            id=rid,
+            model=q.model,
+            spec=q.spec,
+            size=q.size,
+            keep_alive=self.default_keep_alive if q.keep_alive is None else q.keep_alive,
+            load_started=now,
+            last_used=now,
+            pinned=q.pinned,
+            priority=q.priority,
+        )
+        self.loads += 1
+        self.actions.append(Load(rid, q.model, q.spec))
+
+    def _make_room(self, q: Request, now: float) -> bool:
+        """True if q's load fits now. Otherwise evict idle runners if that makes it fit (the
+        load starts once they have exited), fail q if it can never fit, or leave it waiting."""
+        if self._fits(q.size):
+            return True
+        if q.size > self.budget:
+            msg = (
+                f"model '{q.model}' needs {_gib(q.size)} but corral may use at most "
+                f"{_gib(self.budget)} of memory"
+            )
+            for other in [o for o in self.queue if o.model == q.model and o.size == q.size]:
+                self.queue.remove(other)
+                self.actions.append(Fail(other.id, 507, msg))
+            return False
+        idle = [
+            r for r in self.runners.values()
+            if r.state == "ready" and r.inflight == 0 and not r.pinned
+        ]  # fmt: skip
+        stopping = [r for r in self.runners.values() if r.state == "unloading"]
+        freed_soon = sum(r.size for r in stopping)
+        snap = Snapshot(
+            now=now,
+            need=self.used() - freed_soon + q.size - self.budget,
+            waiting_models=frozenset(o.model for o in self.queue),
+        )
+        cands = {r.id: r for r in idle}
+        order = self.policy([_candidate(r) for r in idle], snap)
+        victims: list[RunnerBook] = []
+        freed = freed_soon
+        for rid in order:
+            if self._fits(q.size, freed, len(stopping) + len(victims)):
+                break
+            if rid in cands:
+                victims.append(cands[rid])
+                freed += cands[rid].size
+        if victims and self._fits(q.size, freed, len(stopping) + len(victims)):
+            for v in victims:
+                self.evictions += 1
+                self._stop(v, f"evicted to make room for '{q.model}'")
+        return False  # a load that did not fit now waits for exits or finished requests
+
+
+def _candidate(r: RunnerBook) -> Candidate:
+    return Candidate(
+        id=r.id,
+        model=r.model,
+        size=r.size,
+        last_used=r.last_used,
+        uses=r.uses,
+        load_cost=r.load_cost,
+        expires_at=r.expires_at,
+        priority=r.priority,
+    )
+
+
+def _gib(n: int) -> str:
+    return f"{n / 2**30:.2f} GiB" if n >= 2**30 else f"{n / 2**20:.0f} MiB"

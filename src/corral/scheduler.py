@@ -1,0 +1,243 @@
+"""The scheduler's shell: carries out the core's decisions with real runner processes.
+
+Every state change goes through corral.sched_core.Core, called synchronously on the event loop
+(no await between reading and changing the books), so there are no locks and no lock-order
+deadlocks. Slow work (spawning, loading, stopping runners) runs in tasks that report back
+with another synchronous event.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import itertools
+import logging
+import math
+import time
+from dataclasses import dataclass
+from typing import Any
+
+from corral.policy import DEFAULT_POLICY, POLICIES
+from corral.runner import Runner, RunnerError, RunnerSpec
+from corral.sched_core import Core, Fail, Grant, Load, QueueFull, Request, RunnerBook, Stop
+
+log = logging.getLogger(__name__)
+
+
+class SchedulerError(Exception):
+    def __init__(self, status: int, message: str) -> None:
+        super().__init__(message)
+        self.status = status
+        self.message = message
+
+
+@dataclass
+class Lease:
+    """A granted request's hold on one runner slot. Release exactly once (idempotent)."""
+
+    scheduler: Scheduler
+    request_id: int
+    runner: Runner
+    waited: float  # seconds from arrival to grant (queueing + loading)
+    loaded: bool  # this request waited for a load
+    released: bool = False
+
+    def release(self) -> None:
+        if not self.released:
+            self.released = True
+            self.scheduler._release(self.request_id)
+
+
+class Scheduler:
+    def __init__(
+        self,
+        budget: int,
+        *,
+        max_loaded: int = 0,
+        max_queue: int = 512,
+        default_keep_alive: float = 300.0,
+        load_timeout: float = 300.0,
+        queue_timeout: float = math.inf,
+        policy: str = DEFAULT_POLICY,
+        llama_server: str | None = None,
+    ) -> None:
+        self.core = Core(
+            budget=budget,
+            max_loaded=max_loaded,
+            max_queue=max_queue,
+            default_keep_alive=default_keep_alive,
+            policy=POLICIES[policy],
+        )
+        self.load_timeout = load_timeout
+        self.queue_timeout = queue_timeout
+        self.llama_server = llama_server
+        self.runners: dict[int, Runner] = {}
+        self._waiters: dict[int, asyncio.Future[Runner]] = {}
+        self._ids = itertools.count(1)
+        self._timer: asyncio.TimerHandle | None = None
+        self._timer_at = math.inf
+        self._tasks: set[asyncio.Task[Any]] = set()
+        self._closing = False
+
+    # ---- the API's side ----------------------------------------------------------------------
+    async def acquire(
+        self,
+        model: str,
+        spec: RunnerSpec,
+        *,
+        explicit: frozenset[str] = frozenset(),
+        size: int,
+        keep_alive: float | None = None,
+        pinned: bool = False,
+        priority: int = 0,
+    ) -> Lease:
+        """Wait for a runner slot for `model`; SchedulerError if refused or failed."""
+        if self._closing:
+            raise SchedulerError(503, "server is shutting down")
+        loop = asyncio.get_running_loop()
+        now = time.monotonic()
+        rid = next(self._ids)
+        fut: asyncio.Future[Runner] = loop.create_future()
+        self._waiters[rid] = fut
+        req = Request(
+            id=rid, model=model, spec=spec, explicit=explicit, size=size, keep_alive=keep_alive,
+            arrived=now, deadline=now + self.queue_timeout, pinned=pinned, priority=priority,
+        )  # fmt: skip
+        loads_before = self.core.loads
+        try:
+            self.core.request(req, now)
+        except QueueFull as e:
+            del self._waiters[rid]
+            raise SchedulerError(503, str(e)) from None
+        self._apply()
+        try:
+            runner = await fut
+        except asyncio.CancelledError:
+            # The client went away while waiting: leave nothing behind in the books.
+            self._waiters.pop(rid, None)
+            self.core.cancel(rid, time.monotonic())
+            self._apply()
+            raise
+        return Lease(self, rid, runner, time.monotonic() - now, self.core.loads > loads_before)
+
+    def _release(self, request_id: int) -> None:
+        self.core.release(request_id, time.monotonic())
+        self._apply()
+
+    def unload(self, model: str) -> bool:
+        found = self.core.unload(model, time.monotonic())
+        self._apply()
+        return found
+
+    def book(self, runner: Runner) -> RunnerBook | None:
+        for rid, r in self.runners.items():
+            if r is runner:
+                return self.core.runners.get(rid)
+        return None
+
+    def snapshot(self) -> list[tuple[RunnerBook, Runner]]:
+        return [(b, self.runners[rid]) for rid, b in self.core.runners.items() if rid in self.runners]
+
+    def queued(self, model: str) -> int:
+        return sum(1 for q in self.core.queue if q.model == model)
+
+    # ---- carrying out decisions --------------------------------------------------------------
+    def _apply(self) -> None:
+        for a in self.core.drain():
+            if isinstance(a, Grant):
+                fut = self._waiters.pop(a.request, None)
+                if fut is None or fut.done():  # cancelled between decision and delivery
+                    self.core.release(a.request, time.monotonic())
+                    continue
+                fut.set_result(self.runners[a.runner])
+            elif isinstance(a, Fail):
+                fut = self._waiters.pop(a.request, None)
+                if fut is not None and not fut.done():
+                    fut.set_exception(SchedulerError(a.status, a.message))
+            elif isinstance(a, Load):
+                runner = Runner(a.model, a.spec, self.llama_server)
+                self.runners[a.runner] = runner
+                log.info("loading model '%s' (runner %d)", a.model, a.runner)
+                self._spawn(self._load(a.runner, runner))
+            elif isinstance(a, Stop):
+                log.info("unloading model '%s' (runner %d): %s",
+                         self.runners[a.runner].name, a.runner, a.reason)
+                self._spawn(self.runners[a.runner].stop())
+        self._arm_timer()
+
+    def _spawn(self, coro: Any) -> None:
+        t = asyncio.get_running_loop().create_task(coro)
+        self._tasks.add(t)
+        t.add_done_callback(self._tasks.discard)
+
+    async def _load(self, rid: int, runner: Runner) -> None:
+        try:
+            await runner.start(self.load_timeout)
+        except RunnerError as e:
+            log.error("loading '%s' failed: %s", runner.name, e)
+            self.runners.pop(rid, None)
+            self.core.load_failed(rid, str(e), time.monotonic())
+            self._apply()
+            return
+        except Exception as e:  # spawn failures (OSError, ...): same contract, clear message
+            log.exception("loading '%s' failed", runner.name)
+            self.runners.pop(rid, None)
+            self.core.load_failed(rid, f"could not start a runner for '{runner.name}': {e}",
+                                  time.monotonic())
+            self._apply()
+            return
+        log.info("model '%s' ready in %.2fs at %s (pid %s)",
+                 runner.name, runner.load_duration, runner.base_url, runner.pid)
+        self.core.loaded(rid, time.monotonic())
+        self._apply()
+        self._spawn(self._watch(rid, runner))
+
+    async def _watch(self, rid: int, runner: Runner) -> None:
+        code = await runner.wait_exit()
+        if not runner.stopping:
+            log.error("%s", runner.failure_message())
+        else:
+            log.info("runner for '%s' exited (code %s)", runner.name, code)
+        if runner.session is not None:
+            await runner.session.close()
+        self.runners.pop(rid, None)
+        self.core.exited(rid, time.monotonic())
+        self._apply()
+
+    def _arm_timer(self) -> None:
+        wake = self.core.next_wake()
+        if self._timer is not None:
+            if self._timer_at == wake:
+                return
+            self._timer.cancel()
+            self._timer = None
+        if math.isfinite(wake) and not self._closing:
+            # A delay, not loop.call_at: uvloop's clock need not be time.monotonic().
+            delay = max(0.0, wake - time.monotonic())
+            self._timer = asyncio.get_running_loop().call_later(delay, self._on_timer)
+            self._timer_at = wake
+
+    def _on_timer(self) -> None:
+        self._timer = None
+        self.core.tick(time.monotonic())
+        self._apply()
+
+    async def shutdown(self) -> None:
+        """Stop every runner; used on server exit."""
+        self._closing = True
+        if self._timer is not None:
+            self._timer.cancel()
+        for fut in self._waiters.values():
+            if not fut.done():
+                fut.set_exception(SchedulerError(503, "server is shutting down"))
+        self._waiters.clear()
+        runners = list(self.runners.values())
+        await asyncio.gather(*(r.stop() for r in runners), return_exceptions=True)
+        for t in list(self._tasks):
+            t.cancel()
+        with contextlib.suppress(Exception):
+            await asyncio.gather(*self._tasks, return_exceptions=True)
+
+    def kill_all(self) -> None:
+        for r in self.runners.values():
+            r.kill_now()

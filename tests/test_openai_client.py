@@ -1,0 +1,70 @@
+"""The real `openai` Python client against a running corral server."""
+
+from __future__ import annotations
+
+import openai
+import pytest
+
+SMOL = "smollm2:135m"
+
+
+@pytest.fixture(scope="module")
+def client(server) -> openai.OpenAI:
+    return openai.OpenAI(base_url=f"{server.url}/v1", api_key="unused", max_retries=0)
+
+
+def test_chat_completion(client: openai.OpenAI) -> None:
+    r = client.chat.completions.create(
+        model=SMOL, messages=[{"role": "user", "content": "Say hello."}], max_tokens=10,
+        temperature=0,
+    )
+    assert r.object == "chat.completion"
+    assert r.model == SMOL
+    assert r.choices[0].message.role == "assistant" and r.choices[0].message.content
+    assert r.choices[0].finish_reason in ("stop", "length")
+    assert r.usage and r.usage.completion_tokens and r.usage.completion_tokens <= 10
+
+
+def test_chat_completion_streamed_with_usage(client: openai.OpenAI) -> None:
+    stream = client.chat.completions.create(
+        model=SMOL, messages=[{"role": "user", "content": "Count to five."}], max_tokens=12,
+        temperature=0, stream=True, stream_options={"include_usage": True},
+    )
+    chunks = list(stream)
+    text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    assert text.strip()
+    assert any(c.choices and c.choices[0].finish_reason for c in chunks)
+    usage = [c.usage for c in chunks if c.usage]
+    assert usage and usage[-1].completion_tokens and usage[-1].prompt_tokens
+
+
+def test_completions(client: openai.OpenAI) -> None:
+    r = client.completions.create(model=SMOL, prompt="Once upon a time", max_tokens=6,
+                                  temperature=0)
+    assert r.choices[0].text
+
+
+def test_embeddings(client: openai.OpenAI) -> None:
+    r = client.embeddings.create(model="embed", input=["a", "b", "c"])
+    assert [d.index for d in r.data] == [0, 1, 2]
+    assert all(len(d.embedding) == 64 for d in r.data)
+
+
+def test_models(client: openai.OpenAI) -> None:
+    ids = {m.id for m in client.models.list()}
+    assert {SMOL, "tiny:latest", "embed:latest"} <= ids
+    m = client.models.retrieve(SMOL)
+    assert m.id == SMOL and m.object == "model"
+
+
+def test_errors_in_openai_shape(client: openai.OpenAI) -> None:
+    with pytest.raises(openai.NotFoundError) as e:
+        client.chat.completions.create(model="nope", messages=[{"role": "user", "content": "x"}])
+    assert e.value.status_code == 404
+    body = e.value.body
+    assert isinstance(body, dict) and body["code"] == "model_not_found"
+    assert "model 'nope' not found" in body["message"] and body["type"]
+    with pytest.raises(openai.NotFoundError):
+        client.models.retrieve("nope")
+    with pytest.raises(openai.BadRequestError):
+        client.chat.completions.create(model=SMOL, messages=[])
