@@ -195,14 +195,28 @@ def test_error_message() -> None:
 
 def test_rows() -> None:
     ps = cli.ps_rows(
-        [{"name": "a:latest", "digest": "sha256:0123456789abcdef", "size": 98_000_000,
-          "size_vram": 0, "context_length": 4096, "expires_at": "2025-01-01T12:04:30Z"}],
+        [
+            {
+                "name": "a:latest",
+                "digest": "sha256:0123456789abcdef",
+                "size": 98_000_000,
+                "size_vram": 0,
+                "context_length": 4096,
+                "expires_at": "2025-01-01T12:04:30Z",
+            }
+        ],
         NOW,
     )
     assert ps == [["a:latest", "0123456789ab", "98 MB", "100% CPU", "4096", "4 minutes from now"]]
     tags = cli.list_rows(
-        [{"name": "b:1b", "digest": "fedcba9876543210ff", "size": 1_300_000_000,
-          "modified_at": "2025-01-01T10:00:00Z"}],
+        [
+            {
+                "name": "b:1b",
+                "digest": "fedcba9876543210ff",
+                "size": 1_300_000_000,
+                "modified_at": "2025-01-01T10:00:00Z",
+            }
+        ],
         NOW,
     )
     assert tags == [["b:1b", "fedcba987654", "1.3 GB", "2 hours ago"]]
@@ -279,9 +293,17 @@ def test_serve_maps_every_flag(fake_serve: list[dict[str, str]]) -> None:
     assert cli.main(argv) == 0
     assert fake_serve[0] == {env: f"v{i}" for i, (env, _, _) in enumerate(cli.SERVE_FLAGS.values())}
     assert set(fake_serve[0]) == {
-        "CORRAL_HOST", "CORRAL_MODELS", "CORRAL_KEEP_ALIVE", "CORRAL_CONTEXT_LENGTH",
-        "CORRAL_NUM_PARALLEL", "CORRAL_LOAD_TIMEOUT", "CORRAL_MAX_LOADED_MODELS",
-        "CORRAL_MAX_QUEUE", "CORRAL_MEMORY_MARGIN", "CORRAL_MEMORY_LIMIT", "CORRAL_LLAMA_SERVER",
+        "CORRAL_HOST",
+        "CORRAL_MODELS",
+        "CORRAL_KEEP_ALIVE",
+        "CORRAL_CONTEXT_LENGTH",
+        "CORRAL_NUM_PARALLEL",
+        "CORRAL_LOAD_TIMEOUT",
+        "CORRAL_MAX_LOADED_MODELS",
+        "CORRAL_MAX_QUEUE",
+        "CORRAL_MEMORY_MARGIN",
+        "CORRAL_MEMORY_LIMIT",
+        "CORRAL_LLAMA_SERVER",
         "CORRAL_LOG_LEVEL",
     }
 
@@ -377,17 +399,25 @@ def _iso(t: datetime) -> str:
 def _generate_route(chunks: list[dict[str, Any]]) -> Route:
     def route(body: Any) -> Reply:
         if "prompt" not in body and "messages" not in body:  # load-only / unload request
-            return 200, [{"model": body["model"], "response": "", "done": True,
-                          "done_reason": "load"}]
+            return 200, [
+                {"model": body["model"], "response": "", "done": True, "done_reason": "load"}
+            ]
         return 200, chunks
 
     return route
 
 
 FINAL = {
-    "model": "m", "response": "", "done": True, "done_reason": "stop",
-    "total_duration": 2_500_000_000, "load_duration": 1_000_000, "prompt_eval_count": 10,
-    "prompt_eval_duration": 100_000_000, "eval_count": 50, "eval_duration": 2_000_000_000,
+    "model": "m",
+    "response": "",
+    "done": True,
+    "done_reason": "stop",
+    "total_duration": 2_500_000_000,
+    "load_duration": 1_000_000,
+    "prompt_eval_count": 10,
+    "prompt_eval_duration": 100_000_000,
+    "eval_count": 50,
+    "eval_duration": 2_000_000_000,
 }
 TOKENS = [{"model": "m", "response": t, "done": False} for t in ["Hello", ",", " world", "!"]]
 
@@ -397,10 +427,18 @@ SHOW = {
     "modelfile": "FROM /models/llama.gguf\n",
     "parameters": 'stop                           "<|eot_id|>"\ntemperature                    0.6',
     "template": "{{ .Prompt }}",
-    "details": {"format": "gguf", "family": "llama", "parameter_size": "1.2B",
-                "quantization_level": "Q8_0"},
-    "model_info": {"general.architecture": "llama", "general.parameter_count": 1_235_814_432,
-                   "llama.context_length": 131072, "llama.embedding_length": 2048},
+    "details": {
+        "format": "gguf",
+        "family": "llama",
+        "parameter_size": "1.2B",
+        "quantization_level": "Q8_0",
+    },
+    "model_info": {
+        "general.architecture": "llama",
+        "general.parameter_count": 1_235_814_432,
+        "llama.context_length": 131072,
+        "llama.embedding_length": 2048,
+    },
     "capabilities": ["completion", "tools"],
 }
 
@@ -408,33 +446,66 @@ SHOW = {
 def test_ps(server: FakeServer, capsys: pytest.CaptureFixture[str]) -> None:
     now = datetime.now(timezone.utc)
     models = [
-        {"name": "llama3.2:1b", "model": "llama3.2:1b", "size": 1_300_000_000,
-         "digest": "abcdef1234567890abcdef", "size_vram": 1_300_000_000,
-         "context_length": 4096, "expires_at": _iso(now + timedelta(minutes=4, seconds=30))},
-        {"name": "a-model-with-a-rather-long-name-that-must-not-be-cut:latest",
-         "size": 98_000_000, "digest": "0011223344556677", "size_vram": 0,
-         "context_length": 2048, "expires_at": _iso(now + timedelta(days=365 * 200))},
+        {
+            "name": "llama3.2:1b",
+            "model": "llama3.2:1b",
+            "size": 1_300_000_000,
+            "digest": "abcdef1234567890abcdef",
+            "size_vram": 1_300_000_000,
+            "context_length": 4096,
+            "expires_at": _iso(now + timedelta(minutes=4, seconds=30)),
+        },
+        {
+            "name": "a-model-with-a-rather-long-name-that-must-not-be-cut:latest",
+            "size": 98_000_000,
+            "digest": "0011223344556677",
+            "size_vram": 0,
+            "context_length": 2048,
+            "expires_at": _iso(now + timedelta(days=365 * 200)),
+        },
     ]
     server.routes["GET", "/api/ps"] = lambda _: (200, {"models": models})
     assert cli.main(["ps"]) == 0
     lines = capsys.readouterr().out.splitlines()
     assert lines[0].split() == ["NAME", "ID", "SIZE", "PROCESSOR", "CONTEXT", "UNTIL"]
     assert lines[1].split() == [
-        "llama3.2:1b", "abcdef123456", "1.3", "GB", "100%", "GPU", "4096", "4", "minutes", "from",
+        "llama3.2:1b",
+        "abcdef123456",
+        "1.3",
+        "GB",
+        "100%",
+        "GPU",
+        "4096",
+        "4",
+        "minutes",
+        "from",
         "now",
     ]
     assert lines[2].split() == [
-        "a-model-with-a-rather-long-name-that-must-not-be-cut:latest", "001122334455", "98",
-        "MB", "100%", "CPU", "2048", "Forever",
+        "a-model-with-a-rather-long-name-that-must-not-be-cut:latest",
+        "001122334455",
+        "98",
+        "MB",
+        "100%",
+        "CPU",
+        "2048",
+        "Forever",
     ]
     assert lines[0].index("ID") == lines[1].index("abcdef123456")  # columns line up
 
 
 def test_list_and_ls(server: FakeServer, capsys: pytest.CaptureFixture[str]) -> None:
     modified = _iso(datetime.now(timezone.utc) - timedelta(hours=2))
-    models = [{"name": "qwen:0.5b", "model": "qwen:0.5b", "size": 394_000_000,
-               "digest": "fedcba9876543210", "modified_at": modified,
-               "details": {"family": "qwen2"}}]
+    models = [
+        {
+            "name": "qwen:0.5b",
+            "model": "qwen:0.5b",
+            "size": 394_000_000,
+            "digest": "fedcba9876543210",
+            "modified_at": modified,
+            "details": {"family": "qwen2"},
+        }
+    ]
     server.routes["GET", "/api/tags"] = lambda _: (200, {"models": models})
     for command in ("list", "ls"):
         assert cli.main([command]) == 0
@@ -522,7 +593,9 @@ def test_plain_text_error(server: FakeServer, capsys: pytest.CaptureFixture[str]
 
 
 def test_stop(server: FakeServer, capsys: pytest.CaptureFixture[str]) -> None:
-    server.routes["POST", "/api/generate"] = _generate_route([])
+    # a plain JSON answer (not NDJSON) is accepted too
+    done = {"model": "m", "response": "", "done": True, "done_reason": "unload"}
+    server.routes["POST", "/api/generate"] = lambda body: (200, done)
     assert cli.main(["stop", "m"]) == 0
     assert server.requests == [("POST", "/api/generate", {"model": "m", "keep_alive": 0})]
     assert capsys.readouterr().out == ""
@@ -589,8 +662,13 @@ def test_interactive_chat(
         text = next(replies)
         return 200, [
             {"model": "m", "message": {"role": "assistant", "content": text}, "done": False},
-            {"model": "m", "message": {"role": "assistant", "content": ""}, "done": True,
-             "eval_count": 3, "eval_duration": 1_000_000_000},
+            {
+                "model": "m",
+                "message": {"role": "assistant", "content": ""},
+                "done": True,
+                "eval_count": 3,
+                "eval_duration": 1_000_000_000,
+            },
         ]
 
     server.routes["POST", "/api/generate"] = _generate_route([])

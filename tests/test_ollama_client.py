@@ -16,8 +16,14 @@ def client(server) -> ollama.Client:
 
 
 def test_generate_streams_tokens_then_final_stats(client: ollama.Client) -> None:
-    chunks = list(client.generate(model=SMOL, prompt="Name a colour.", stream=True,
-                                  options={"num_predict": 8, "temperature": 0, "seed": 1}))
+    chunks = list(
+        client.generate(
+            model=SMOL,
+            prompt="Name a colour.",
+            stream=True,
+            options={"num_predict": 8, "temperature": 0, "seed": 1},
+        )
+    )
     assert len(chunks) >= 2
     assert all(not c.done for c in chunks[:-1])
     text = "".join(c.response for c in chunks)
@@ -40,19 +46,25 @@ def test_generate_not_streamed_is_deterministic_with_seed(client: ollama.Client)
 
 
 def test_generate_raw_prompt_uses_no_template(client: ollama.Client) -> None:
-    r = client.generate(model=SMOL, prompt="1, 2, 3, 4,", raw=True,
-                        options={"num_predict": 4, "temperature": 0})
+    r = client.generate(
+        model=SMOL, prompt="1, 2, 3, 4,", raw=True, options={"num_predict": 4, "temperature": 0}
+    )
     assert r.done and r.response
 
 
 def test_chat_streamed_and_not(client: ollama.Client) -> None:
-    msgs = [{"role": "system", "content": "You are terse."},
-            {"role": "user", "content": "Say hello."}]
+    msgs = [
+        {"role": "system", "content": "You are terse."},
+        {"role": "user", "content": "Say hello."},
+    ]
     full = client.chat(model=SMOL, messages=msgs, options={"num_predict": 12, "temperature": 0})
     assert full.message.role == "assistant" and full.message.content.strip()
     assert full.done and full.eval_count
-    parts = list(client.chat(model=SMOL, messages=msgs, stream=True,
-                             options={"num_predict": 12, "temperature": 0}))
+    parts = list(
+        client.chat(
+            model=SMOL, messages=msgs, stream=True, options={"num_predict": 12, "temperature": 0}
+        )
+    )
     assert "".join(p.message.content for p in parts) == full.message.content
     assert parts[-1].done and parts[-1].done_reason in ("stop", "length")
 
@@ -60,8 +72,12 @@ def test_chat_streamed_and_not(client: ollama.Client) -> None:
 def test_chat_format_json_gives_json(client: ollama.Client) -> None:
     import json
 
-    r = client.chat(model=SMOL, messages=[{"role": "user", "content": "Give a JSON object."}],
-                    format="json", options={"num_predict": 40, "temperature": 0})
+    r = client.chat(
+        model=SMOL,
+        messages=[{"role": "user", "content": "Give a JSON object."}],
+        format="json",
+        options={"num_predict": 40, "temperature": 0},
+    )
     json.loads(r.message.content) if r.done_reason == "stop" else None
     assert r.message.content.lstrip().startswith(("{", "["))
 
@@ -113,8 +129,9 @@ def test_load_only_and_unload(client: ollama.Client, server) -> None:
     assert "tiny:latest" in {m.model for m in client.ps().models}
     r = client.chat(model="tiny", messages=[], keep_alive=0)
     assert r.done and r.done_reason == "unload"
-    server.wait_for(lambda: "tiny:latest" not in {m["model"] for m in server.ps()},
-                    what="tiny to unload")
+    server.wait_for(
+        lambda: "tiny:latest" not in {m["model"] for m in server.ps()}, what="tiny to unload"
+    )
 
 
 def test_unknown_model_is_404(client: ollama.Client) -> None:

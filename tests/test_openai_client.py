@@ -15,7 +15,9 @@ def client(server) -> openai.OpenAI:
 
 def test_chat_completion(client: openai.OpenAI) -> None:
     r = client.chat.completions.create(
-        model=SMOL, messages=[{"role": "user", "content": "Say hello."}], max_tokens=10,
+        model=SMOL,
+        messages=[{"role": "user", "content": "Say hello."}],
+        max_tokens=10,
         temperature=0,
     )
     assert r.object == "chat.completion"
@@ -27,8 +29,12 @@ def test_chat_completion(client: openai.OpenAI) -> None:
 
 def test_chat_completion_streamed_with_usage(client: openai.OpenAI) -> None:
     stream = client.chat.completions.create(
-        model=SMOL, messages=[{"role": "user", "content": "Count to five."}], max_tokens=12,
-        temperature=0, stream=True, stream_options={"include_usage": True},
+        model=SMOL,
+        messages=[{"role": "user", "content": "Count to five."}],
+        max_tokens=12,
+        temperature=0,
+        stream=True,
+        stream_options={"include_usage": True},
     )
     chunks = list(stream)
     text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
@@ -39,8 +45,9 @@ def test_chat_completion_streamed_with_usage(client: openai.OpenAI) -> None:
 
 
 def test_completions(client: openai.OpenAI) -> None:
-    r = client.completions.create(model=SMOL, prompt="Once upon a time", max_tokens=6,
-                                  temperature=0)
+    r = client.completions.create(
+        model=SMOL, prompt="Once upon a time", max_tokens=6, temperature=0
+    )
     assert r.choices[0].text
 
 

@@ -68,17 +68,17 @@ def models(tmp_path_factory: pytest.TempPathFactory) -> Models:
 _CHILD = """
 import sys, time
 import xllamacpp as x
-path, port, embedding, lifetime = sys.argv[1], int(sys.argv[2]), sys.argv[3] == "1", float(sys.argv[4])
+path, port, embedding, lifetime = sys.argv[1:5]
 p = x.CommonParams()
 p.model.path = path
 p.n_ctx = 512
 p.n_parallel = 1
-p.port = port
-p.embedding = embedding
+p.port = int(port)
+p.embedding = embedding == "1"
 p.verbosity = 4  # print_info lines (n_swa, pooling type) for the assertions
 server = x.Server(p)  # blocks until loaded; raises RuntimeError when loading fails
 print("CHILD-READY", flush=True)
-time.sleep(lifetime)
+time.sleep(float(lifetime))
 """
 
 _NO_PROXY = urllib.request.build_opener(urllib.request.ProxyHandler({}))
@@ -169,7 +169,7 @@ def test_llama_metadata(models: Models) -> None:
     assert list(embd.shape) == [64, synth.DEFAULT_N_VOCAB]
     values = np.asarray(embd.data, dtype=np.float32)
     assert np.isfinite(values).all() and 0 < np.abs(values).max() < 0.05
-    assert 1e6 > models.llama.stat().st_size > 100e3
+    assert 2e6 > models.llama.stat().st_size > 100e3
 
 
 def test_truncated_vocab_merges_are_consistent(models: Models) -> None:
@@ -181,12 +181,6 @@ def test_truncated_vocab_merges_are_consistent(models: Models) -> None:
     for merge in merges:
         left, right = merge.split(" ")
         assert {left, right, left + right} <= tokens
-
-
-def test_full_vocab(tmp_path: Path) -> None:
-    path = synth.write_llama_model(tmp_path / "full.gguf", n_vocab=None)
-    r = gguf.GGUFReader(path)
-    assert len(_field(r, "tokenizer.ggml.tokens")) == synth.SMOLLM2_N_VOCAB
 
 
 def test_same_seed_same_bytes(tmp_path: Path) -> None:
@@ -208,6 +202,8 @@ def test_target_bytes(tmp_path: Path, target: int, n_vocab: int | None) -> None:
     assert abs(size - target) / target < 0.05, size
     r = gguf.GGUFReader(path)
     assert 1 <= _field(r, "llama.block_count") <= synth.MAX_AUTO_LAYERS
+    # n_vocab=None keeps SmolLM2's whole vocabulary.
+    assert len(_field(r, "tokenizer.ggml.tokens")) == (n_vocab or synth.SMOLLM2_N_VOCAB)
 
 
 def test_plan_grows_width_for_big_targets() -> None:
@@ -249,7 +245,7 @@ def test_broken_files(models: Models) -> None:
     assert models.truncated.stat().st_size == models.llama.stat().st_size // 2
     assert models.truncated.read_bytes()[:4] == b"GGUF"
     for path in (models.not_gguf, models.truncated, models.truncated_header):
-        with pytest.raises(ValueError):
+        with pytest.raises((ValueError, IndexError)):
             gguf.GGUFReader(path)
 
 

@@ -288,14 +288,16 @@ def ps_rows(models: Sequence[Mapping[str, Any]], now: datetime | None = None) ->
     for m in models:
         size, vram = _int(m.get("size")), _int(m.get("size_vram"))
         context = m.get("context_length")
-        rows.append([
-            str(m.get("name") or m.get("model") or ""),
-            short_id(m.get("digest")),
-            human_bytes(size),
-            processor(size, vram),
-            str(context) if context is not None else "-",
-            until_text(parse_time(m.get("expires_at")), now),
-        ])
+        rows.append(
+            [
+                str(m.get("name") or m.get("model") or ""),
+                short_id(m.get("digest")),
+                human_bytes(size),
+                processor(size, vram),
+                str(context) if context is not None else "-",
+                until_text(parse_time(m.get("expires_at")), now),
+            ]
+        )
     return rows
 
 
@@ -335,13 +337,17 @@ def format_show(info: Mapping[str, Any]) -> str:
         if not params and "general.parameter_count" in model_info:
             params = human_number(_int(model_info["general.parameter_count"]))
         model += [["architecture", arch], ["parameters", str(params)]]
-        for key, label in (("context_length", "context length"),
-                           ("embedding_length", "embedding length")):
+        for key, label in (
+            ("context_length", "context length"),
+            ("embedding_length", "embedding length"),
+        ):
             if f"{arch}.{key}" in model_info:
                 model.append([label, _number(model_info[f"{arch}.{key}"])])
     else:
-        model += [["architecture", str(details.get("family") or "")],
-                  ["parameters", str(details.get("parameter_size") or "")]]
+        model += [
+            ["architecture", str(details.get("family") or "")],
+            ["parameters", str(details.get("parameter_size") or "")],
+        ]
     model.append(["quantization", str(details.get("quantization_level") or "")])
 
     sections: list[tuple[str, list[list[str]]]] = [("Model", model)]
@@ -460,8 +466,12 @@ class _Waiting:
         if enabled:
             # No stdout redirection: tokens are written to the real stdout once this stops.
             self._live = Live(
-                Spinner("dots"), console=Console(stderr=True), transient=True,
-                redirect_stdout=False, redirect_stderr=False, refresh_per_second=12,
+                Spinner("dots"),
+                console=Console(stderr=True),
+                transient=True,
+                redirect_stdout=False,
+                redirect_stderr=False,
+                refresh_per_second=12,
             )
 
     def __enter__(self) -> _Waiting:
@@ -552,12 +562,8 @@ class Client:
             if resp.status_code >= 400:
                 resp.read()
                 _checked(resp)
-            if "ndjson" not in resp.headers.get("content-type", "ndjson"):
-                resp.read()  # a plain JSON answer (e.g. "stream": false): one object
-                lines: Iterator[str] = iter([resp.text])
-            else:
-                lines = resp.iter_lines()
-            for line in lines:
+            # A plain JSON answer (e.g. to a load request) is a one-line stream.
+            for line in resp.iter_lines():
                 if not line.strip():
                     continue
                 chunk = _decode(line)
@@ -603,6 +609,11 @@ def cmd_serve(args: argparse.Namespace) -> int:
         serve(serve_overrides(args))
     except ConfigError as e:
         raise CLIError(str(e)) from None
+    except SystemExit as e:  # the server may exit with its own message; main() still returns
+        if isinstance(e.code, str):
+            print(e.code, file=sys.stderr)
+            return 1
+        return e.code or 0
     return 0
 
 
@@ -844,8 +855,13 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("model")
     only = p.add_mutually_exclusive_group()
     for name in ("modelfile", "template", "parameters", "system", "license"):
-        only.add_argument(f"--{name}", dest="field", action="store_const", const=name,
-                          help=f"show only the {name}")
+        only.add_argument(
+            f"--{name}",
+            dest="field",
+            action="store_const",
+            const=name,
+            help=f"show only the {name}",
+        )
     p.set_defaults(func=cmd_show, field=None)
 
     p = sub.add_parser("version", help="show client and server versions")

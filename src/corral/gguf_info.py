@@ -49,6 +49,9 @@ _HEADER_SIZE = 24  # magic, version (u32), tensor count (u64), metadata count (u
 # Arrays longer than this are skipped, not parsed: only the tokenizer's arrays get that long,
 # and nothing here needs their contents. Their lengths are kept in ModelInfo.array_lengths.
 _MAX_ARRAY = 1024
+# Far above llama.cpp's own limit (LLAMA_MAX_LAYERS = 512); a larger block_count is corrupt and
+# would only make per-layer tuples exhaust memory.
+_MAX_LAYERS = 4096
 _BLOCK_RE = re.compile(r"blk\.(\d+)\.")
 
 # Encoder architectures that llama.cpp only runs for embeddings.
@@ -255,11 +258,11 @@ class _Reader(GGUFReader):
             # Strings are length-prefixed, so they must be walked; struct is ~100x faster
             # than a numpy view per string.
             unpack = struct.Struct("<Q" if self.endianess == GGUFEndian.LITTLE else ">Q")
-            with memoryview(self.data) as buf:
+            with self.data.data as buf:
                 try:
                     for _ in range(count):
                         offs += 8 + unpack.unpack_from(buf, offs)[0]
-                except struct.error:
+                except (struct.error, OverflowError):  # past the end, or a bogus length
                     raise _OutOfBounds(offs + 8) from None
         elif itype == GGUFValueType.ARRAY:  # arrays of arrays: nothing uses them, walk them
             for _ in range(count):
@@ -409,6 +412,8 @@ def _model_info(
     n_layer = _int(meta, f"{arch}.block_count")
     if n_layer is None:
         raise GGUFError(f"missing required metadata key '{arch}.block_count'")
+    if not 0 < n_layer <= _MAX_LAYERS:
+        raise GGUFError(f"implausible metadata: '{arch}.block_count' is {n_layer}")
     n_embd = _int(meta, f"{arch}.embedding_length")
     if n_embd is None:
         if token_embd is None:

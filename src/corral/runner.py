@@ -20,6 +20,7 @@ import socket
 import sys
 import time
 from dataclasses import asdict, dataclass
+from typing import Any
 
 import aiohttp
 
@@ -79,7 +80,9 @@ class Runner:
         else:
             what = f"exited with code {self.exit_code}"
         tail = self.log_tail()
-        return f"runner for model '{self.name}' {what}" + (f"; last log lines:\n{tail}" if tail else "")
+        return f"runner for model '{self.name}' {what}" + (
+            f"; last log lines:\n{tail}" if tail else ""
+        )
 
     async def start(self, timeout: float) -> None:
         """Spawn the runner and return once it serves requests; RunnerError otherwise."""
@@ -93,7 +96,8 @@ class Runner:
         else:
             payload = {**asdict(self.spec), "name": self.name, "parent_pid": os.getpid()}
             cmd = [sys.executable, "-m", "corral.runner_child", json.dumps(payload)]
-        env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+        # GGML_NO_BACKTRACE: a llama.cpp abort must exit at once, not wait on gdb for a trace.
+        env = {**os.environ, "PYTHONUNBUFFERED": "1", "GGML_NO_BACKTRACE": "1"}
         self.proc = await asyncio.create_subprocess_exec(
             *cmd,
             stdin=asyncio.subprocess.PIPE,
@@ -143,8 +147,10 @@ class Runner:
         if s.embedding:
             cmd.append("--embedding")
             if s.pooling_type is not None:
-                cmd += ["--pooling", {0: "none", 1: "mean", 2: "cls", 3: "last"}.get(
-                    s.pooling_type, "mean")]
+                cmd += [
+                    "--pooling",
+                    {0: "none", 1: "mean", 2: "cls", 3: "last"}.get(s.pooling_type, "mean"),
+                ]
         if s.main_gpu is not None:
             cmd += ["-mg", str(s.main_gpu)]
         if s.threads:
@@ -162,10 +168,11 @@ class Runner:
 
     async def _wait_ready(self) -> str:
         assert self._ready is not None and self.proc is not None
-        exited = asyncio.ensure_future(self.proc.wait())
+        exited: asyncio.Future[Any] = asyncio.ensure_future(self.proc.wait())
+        ready: asyncio.Future[Any] = self._ready
         try:
-            done, _ = await asyncio.wait({self._ready, exited}, return_when="FIRST_COMPLETED")
-            if self._ready in done:
+            done, _ = await asyncio.wait({ready, exited}, return_when="FIRST_COMPLETED")
+            if ready in done:
                 return self._ready.result()
             await self._drain_logs()
             self.exit_code = exited.result()

@@ -136,7 +136,9 @@ class Scheduler:
         return None
 
     def snapshot(self) -> list[tuple[RunnerBook, Runner]]:
-        return [(b, self.runners[rid]) for rid, b in self.core.runners.items() if rid in self.runners]
+        return [
+            (b, self.runners[rid]) for rid, b in self.core.runners.items() if rid in self.runners
+        ]
 
     def queued(self, model: str) -> int:
         return sum(1 for q in self.core.queue if q.model == model)
@@ -160,8 +162,12 @@ class Scheduler:
                 log.info("loading model '%s' (runner %d)", a.model, a.runner)
                 self._spawn(self._load(a.runner, runner))
             elif isinstance(a, Stop):
-                log.info("unloading model '%s' (runner %d): %s",
-                         self.runners[a.runner].name, a.runner, a.reason)
+                log.info(
+                    "unloading model '%s' (runner %d): %s",
+                    self.runners[a.runner].name,
+                    a.runner,
+                    a.reason,
+                )
                 self._spawn(self.runners[a.runner].stop())
         self._arm_timer()
 
@@ -182,12 +188,18 @@ class Scheduler:
         except Exception as e:  # spawn failures (OSError, ...): same contract, clear message
             log.exception("loading '%s' failed", runner.name)
             self.runners.pop(rid, None)
-            self.core.load_failed(rid, f"could not start a runner for '{runner.name}': {e}",
-                                  time.monotonic())
+            self.core.load_failed(
+                rid, f"could not start a runner for '{runner.name}': {e}", time.monotonic()
+            )
             self._apply()
             return
-        log.info("model '%s' ready in %.2fs at %s (pid %s)",
-                 runner.name, runner.load_duration, runner.base_url, runner.pid)
+        log.info(
+            "model '%s' ready in %.2fs at %s (pid %s)",
+            runner.name,
+            runner.load_duration,
+            runner.base_url,
+            runner.pid,
+        )
         self.core.loaded(rid, time.monotonic())
         self._apply()
         self._spawn(self._watch(rid, runner))

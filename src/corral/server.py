@@ -78,8 +78,12 @@ def create_app(settings: Settings) -> Starlette:
 
     @contextlib.asynccontextmanager
     async def lifespan(app: Starlette) -> AsyncIterator[None]:
-        log.info("corral %s serving models from %s (memory budget %.1f GiB)",
-                 corral.__version__, settings.models_dir, scheduler.core.budget / 2**30)
+        log.info(
+            "corral %s serving models from %s (memory budget %.1f GiB)",
+            corral.__version__,
+            settings.models_dir,
+            scheduler.core.budget / 2**30,
+        )
         yield
         await scheduler.shutdown()
 
@@ -93,8 +97,11 @@ def create_app(settings: Settings) -> Starlette:
     app = Starlette(
         routes=routes,
         lifespan=lifespan,
-        exception_handlers={ApiError: api_error, HTTPException: http_error,
-                            Exception: internal_error},
+        exception_handlers={
+            ApiError: api_error,
+            HTTPException: http_error,
+            Exception: internal_error,
+        },
     )
     app.state.service = service
     return app

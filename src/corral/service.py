@@ -71,8 +71,9 @@ class Service:
         try:
             info = read_model_info(entry.path)
         except FileNotFoundError:
-            raise ApiError(404, f"model '{name}' not found: {entry.path} is missing",
-                           "model") from None
+            raise ApiError(
+                404, f"model '{name}' not found: {entry.path} is missing", "model"
+            ) from None
         except GGUFError as e:
             raise ApiError(500, f"model '{name}' cannot be loaded: {e}") from None
         return Resolved(name, entry, info)
@@ -81,12 +82,15 @@ class Service:
         if capability not in r.info.capabilities:
             raise ApiError(400, f"model '{r.requested}' does not support {what}", "model")
 
-    def runner_spec(self, r: Resolved, options: dict[str, Any]) -> tuple[RunnerSpec, frozenset[str]]:
+    def runner_spec(
+        self, r: Resolved, options: dict[str, Any]
+    ) -> tuple[RunnerSpec, frozenset[str]]:
         """The runner to load for these options, and which spec fields the request pinned."""
         defaults = r.entry.options
         embedding = "embedding" in r.info.capabilities
-        n_ctx = defaults.get("num_ctx") or min(self.settings.context_length or r.info.context_length,
-                                               r.info.context_length or 2**31)
+        n_ctx = defaults.get("num_ctx") or min(
+            self.settings.context_length or r.info.context_length, r.info.context_length or 2**31
+        )
         spec = {
             "path": str(r.entry.path),
             "n_ctx": n_ctx,
@@ -105,19 +109,26 @@ class Service:
         return RunnerSpec(**spec), frozenset(explicit)
 
     # ---- leases ----------------------------------------------------------------------------
-    async def lease(self, r: Resolved, options: dict[str, Any], keep_alive: float | None) -> Lease:
+    async def lease(
+        self, request: Request, r: Resolved, options: dict[str, Any], keep_alive: float | None
+    ) -> Lease:
+        """Wait for a runner slot. A client that leaves while waiting (queued, or while its
+        model loads) takes its queue entry with it."""
         spec, explicit = self.runner_spec(r, options)
         size = estimate_bytes(r.info, spec.n_ctx, spec.num_parallel)
+        acquire = self.scheduler.acquire(
+            r.name, spec, explicit=explicit, size=size, keep_alive=keep_alive,
+            pinned=r.entry.pinned, priority=r.entry.priority,
+        )  # fmt: skip
         try:
-            return await self.scheduler.acquire(
-                r.name, spec, explicit=explicit, size=size, keep_alive=keep_alive,
-                pinned=r.entry.pinned, priority=r.entry.priority,
-            )  # fmt: skip
+            return await until_disconnect(request, acquire)
         except SchedulerError as e:
             raise ApiError(e.status, e.message) from None
 
     # ---- talking to a runner -----------------------------------------------------------------
-    async def post(self, lease: Lease, path: str, payload: dict[str, Any]) -> aiohttp.ClientResponse:
+    async def post(
+        self, lease: Lease, path: str, payload: dict[str, Any]
+    ) -> aiohttp.ClientResponse:
         """POST to the runner; a non-200 answer becomes an ApiError with llama.cpp's message."""
         runner = lease.runner
         assert runner.session is not None
@@ -133,8 +144,10 @@ class Service:
         if resp.status != 200:
             body = await resp.read()
             resp.release()
-            raise ApiError(resp.status if 400 <= resp.status < 500 else 500,
-                           runner_error_message(body, resp.status))
+            raise ApiError(
+                resp.status if 400 <= resp.status < 500 else 500,
+                runner_error_message(body, resp.status),
+            )
         return resp
 
     async def post_json(self, lease: Lease, path: str, payload: dict[str, Any]) -> Any:

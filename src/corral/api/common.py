@@ -45,12 +45,24 @@ async def read_json(request: Request) -> dict[str, Any]:
     return data
 
 
-_JSON_TYPES = {str: "a string", int: "an integer", float: "a number", bool: "a boolean",
-               list: "an array", dict: "an object"}
+_JSON_TYPES = {
+    str: "a string",
+    int: "an integer",
+    float: "a number",
+    bool: "a boolean",
+    list: "an array",
+    dict: "an object",
+}
 
 
-def field(body: dict[str, Any], name: str, typ: type | tuple[type, ...], default: Any = None,
-          *, prefix: str = "") -> Any:
+def field(
+    body: dict[str, Any],
+    name: str,
+    typ: type | tuple[type, ...],
+    default: Any = None,
+    *,
+    prefix: str = "",
+) -> Any:
     """body[name] checked against a JSON type; 400 naming the field if it has another type."""
     value = body.get(name)
     if value is None:
@@ -63,8 +75,9 @@ def field(body: dict[str, Any], name: str, typ: type | tuple[type, ...], default
     )
     if not ok or (isinstance(value, float) and not math.isfinite(value)):
         want = " or ".join(_JSON_TYPES.get(t, t.__name__) for t in types)
-        raise ApiError(400, f"invalid type for '{prefix}{name}': expected {want}",
-                       f"{prefix}{name}")
+        raise ApiError(
+            400, f"invalid type for '{prefix}{name}': expected {want}", f"{prefix}{name}"
+        )
     return value
 
 
@@ -105,13 +118,15 @@ def check_options(options: Any) -> dict[str, Any]:
             continue
         lo, hi = OPTION_RANGES.get(name, (-math.inf, math.inf))
         if isinstance(value, int | float) and not lo <= value <= hi:
-            raise ApiError(400, f"'options.{name}' must be between {lo:g} and {hi:g}",
-                           f"options.{name}")
+            raise ApiError(
+                400, f"'options.{name}' must be between {lo:g} and {hi:g}", f"options.{name}"
+            )
         if name == "stop":
             value = [value] if isinstance(value, str) else value
             if not all(isinstance(s, str) for s in value):
-                raise ApiError(400, "invalid type for 'options.stop': expected strings",
-                               "options.stop")
+                raise ApiError(
+                    400, "invalid type for 'options.stop': expected strings", "options.stop"
+                )
         out[name] = value
     return out
 

@@ -48,7 +48,7 @@ def keep_alive_field(body: dict[str, Any]) -> float | None:
     if value is None:
         return None
     try:
-        return parse_duration(value, "keep_alive")
+        return parse_duration(value, "'keep_alive'")
     except ConfigError as e:
         raise ApiError(400, str(e), "keep_alive") from None
 
@@ -104,7 +104,7 @@ class Ollama:
         keep_alive = keep_alive_field(body)
         r = self.svc.resolve(name)
         if not prompt and not images:
-            return await self._load_or_unload(r, keep_alive, options, {"response": ""})
+            return await self._load_or_unload(request, r, keep_alive, options, {"response": ""})
         self.svc.require(r, "completion", "generate")
         if images:
             raise ApiError(400, f"model '{name}' does not support images", "images")
@@ -132,7 +132,7 @@ class Ollama:
         r = self.svc.resolve(name)
         if not messages:
             return await self._load_or_unload(
-                r, keep_alive, options, {"message": {"role": "assistant", "content": ""}}
+                request, r, keep_alive, options, {"message": {"role": "assistant", "content": ""}}
             )
         self.svc.require(r, "completion", "chat")
         payload: dict[str, Any] = {
@@ -145,18 +145,25 @@ class Ollama:
             payload["tools"] = tools
         if think is not None:
             payload["chat_template_kwargs"] = {"enable_thinking": bool(think)}
-        return await self._run(request, r, "/v1/chat/completions", payload, options, keep_alive,
-                               stream, "message")
+        return await self._run(
+            request, r, "/v1/chat/completions", payload, options, keep_alive, stream, "message"
+        )
 
-    async def _load_or_unload(self, r: Resolved, keep_alive: float | None, options: dict[str, Any],
-                              empty: dict[str, Any]) -> Response:
+    async def _load_or_unload(
+        self,
+        request: Request,
+        r: Resolved,
+        keep_alive: float | None,
+        options: dict[str, Any],
+        empty: dict[str, Any],
+    ) -> Response:
         """Ollama's convention: no prompt/messages loads the model; with keep_alive 0, unloads."""
         start = time.monotonic()
         if keep_alive == 0:
             self.svc.scheduler.unload(r.name)
             reason = "unload"
         else:
-            lease = await self.svc.lease(r, options, keep_alive)
+            lease = await self.svc.lease(request, r, options, keep_alive)
             lease.release()
             reason = "load"
         return json_response({
@@ -164,13 +171,21 @@ class Ollama:
             "done_reason": reason, "total_duration": ns(time.monotonic() - start),
         })  # fmt: skip
 
-    async def _run(self, request: Request, r: Resolved, path: str, payload: dict[str, Any],
-                   options: dict[str, Any], keep_alive: float | None, stream: bool,
-                   kind: str) -> Response:
+    async def _run(
+        self,
+        request: Request,
+        r: Resolved,
+        path: str,
+        payload: dict[str, Any],
+        options: dict[str, Any],
+        keep_alive: float | None,
+        stream: bool,
+        kind: str,
+    ) -> Response:
         start = time.monotonic()
         if path.startswith("/v1/"):
             payload["stream_options"] = {"include_usage": True}  # timings ride on the last chunk
-        lease = await self.svc.lease(r, options, keep_alive)
+        lease = await self.svc.lease(request, r, options, keep_alive)
         try:
             resp = await self.svc.post(lease, path, payload)
         except BaseException:
@@ -196,8 +211,9 @@ class Ollama:
         if inputs is None:
             inputs = []
         if not isinstance(inputs, list) or not all(isinstance(s, str) for s in inputs):
-            raise ApiError(400, "invalid type for 'input': expected a string or array of strings",
-                           "input")
+            raise ApiError(
+                400, "invalid type for 'input': expected a string or array of strings", "input"
+            )
         dims = field(body, "dimensions", int)
         if dims is not None and dims < 1:
             raise ApiError(400, "'dimensions' must be positive", "dimensions")
@@ -207,14 +223,15 @@ class Ollama:
         r = self.svc.resolve(name)
         self.svc.require(r, "embedding", "embeddings")
         start = time.monotonic()
-        lease = await self.svc.lease(r, options, keep_alive)
+        lease = await self.svc.lease(request, r, options, keep_alive)
         try:
             if not inputs:
                 vectors: list[list[float]] = []
                 tokens = 0
             else:
                 data = await until_disconnect(
-                    request, self.svc.post_json(lease, "/v1/embeddings", {"input": inputs}))
+                    request, self.svc.post_json(lease, "/v1/embeddings", {"input": inputs})
+                )
                 items = sorted(data["data"], key=lambda d: d["index"])
                 vectors = [truncate(d["embedding"], dims) for d in items]
                 tokens = data.get("usage", {}).get("prompt_tokens", 0)
@@ -235,12 +252,13 @@ class Ollama:
         keep_alive = keep_alive_field(body)
         r = self.svc.resolve(name)
         self.svc.require(r, "embedding", "embeddings")
-        lease = await self.svc.lease(r, options, keep_alive)
+        lease = await self.svc.lease(request, r, options, keep_alive)
         try:
             if not prompt:
                 return json_response({"embedding": []})
             data = await until_disconnect(
-                request, self.svc.post_json(lease, "/v1/embeddings", {"input": [prompt]}))
+                request, self.svc.post_json(lease, "/v1/embeddings", {"input": [prompt]})
+            )
         finally:
             lease.release()
         return json_response({"embedding": data["data"][0]["embedding"]})
@@ -320,8 +338,9 @@ def to_openai_message(m: Any, i: int) -> dict[str, Any]:
         raise ApiError(400, f"'messages[{i}].role' is required", "messages")
     content = m.get("content", "")
     if content is not None and not isinstance(content, str):
-        raise ApiError(400, f"invalid type for 'messages[{i}].content': expected a string",
-                       "messages")
+        raise ApiError(
+            400, f"invalid type for 'messages[{i}].content': expected a string", "messages"
+        )
     if m.get("images"):
         raise ApiError(400, "this model does not support images", "messages")
     out: dict[str, Any] = {"role": role, "content": content or ""}
@@ -346,8 +365,9 @@ def truncate(vec: list[float], dims: int | None) -> list[float]:
     return [x / norm for x in cut]
 
 
-async def translate(model: str, kind: str, events: AsyncIterator[dict[str, Any]], start: float,
-                    lease: Lease) -> AsyncIterator[dict[str, Any]]:
+async def translate(
+    model: str, kind: str, events: AsyncIterator[dict[str, Any]], start: float, lease: Lease
+) -> AsyncIterator[dict[str, Any]]:
     """llama.cpp stream events -> Ollama chunks; the last one carries done and the timings."""
     timings: dict[str, Any] = {}
     reason = "stop"

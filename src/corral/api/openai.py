@@ -59,21 +59,23 @@ class OpenAI:
             raise ApiError(400, "'input' is required: a string or array", "input")
         return await self._proxy(request, body, "/v1/embeddings", "embedding", "embeddings")
 
-    async def _proxy(self, request: Request, body: dict[str, Any], path: str, capability: str,
-                     what: str) -> Response:
+    async def _proxy(
+        self, request: Request, body: dict[str, Any], path: str, capability: str, what: str
+    ) -> Response:
         r = self.svc.resolve(model_field(body))
         self.svc.require(r, capability, what)
         stream = field(body, "stream", bool, False)
         field(body, "stream_options", dict)
-        lease = await self.svc.lease(r, {}, None)
+        lease = await self.svc.lease(request, r, {}, None)
         try:
             resp = await self.svc.post(lease, path, body)
         except BaseException:
             lease.release()
             raise
         if stream:
-            return LeasedStream(resp.content.iter_any(), lease, resp,
-                                media_type="text/event-stream")
+            return LeasedStream(
+                resp.content.iter_any(), lease, resp, media_type="text/event-stream"
+            )
         try:
             data = await until_disconnect(request, resp.read())
         finally:
@@ -83,8 +85,12 @@ class OpenAI:
 
     def _model(self, name: str) -> dict[str, Any]:
         entry = self.svc.entry(name)
-        return {"id": entry.name, "object": "model", "created": int(entry.modified_at),
-                "owned_by": "corral"}
+        return {
+            "id": entry.name,
+            "object": "model",
+            "created": int(entry.modified_at),
+            "owned_by": "corral",
+        }
 
     async def models(self, request: Request) -> Response:
         data = [self._model(e.name) for e in self.svc.registry.all()]
@@ -120,7 +126,7 @@ class Router:
         body = await read_json(request)
         r = self.svc.resolve(model_field(body))
         start = time.monotonic()
-        lease = await self.svc.lease(r, {}, None)
+        lease = await self.svc.lease(request, r, {}, None)
         lease.release()
         return json_response({"success": True, "load_ms": int((time.monotonic() - start) * 1e3)})
 

@@ -22,8 +22,13 @@ class LeasedStream(StreamingResponse):
     client disconnects (Starlette cancels the body on disconnect), and also when the body is
     never started at all."""
 
-    def __init__(self, body: AsyncIterator[bytes], lease: Lease,
-                 upstream: aiohttp.ClientResponse, media_type: str) -> None:
+    def __init__(
+        self,
+        body: AsyncIterator[bytes],
+        lease: Lease,
+        upstream: aiohttp.ClientResponse,
+        media_type: str,
+    ) -> None:
         super().__init__(body, media_type=media_type)
         self.lease = lease
         self.upstream = upstream
