@@ -330,6 +330,11 @@ class Core:
                 victims.append(cands[rid])
                 freed += cands[rid].size
         if victims and self._fits(q.size, freed, len(stopping) + len(victims)):
+            # Spare any victim the load turns out not to need (e.g. a small one taken first).
+            for v in list(victims):
+                if self._fits(q.size, freed - v.size, len(stopping) + len(victims) - 1):
+                    victims.remove(v)
+                    freed -= v.size
             for v in victims:
                 self.evictions += 1
                 self._stop(v, f"evicted to make room for '{q.model}'")

@@ -1,0 +1,105 @@
+"""Settings, durations, sizes and hosts."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+
+from corral.config import ConfigError, Settings, parse_duration, parse_host, parse_size
+
+
+@pytest.mark.parametrize(
+    ("text", "seconds"),
+    [
+        ("5m", 300),
+        ("1h", 3600),
+        ("1h30m", 5400),
+        ("30s", 30),
+        ("1.5s", 1.5),
+        ("250ms", 0.25),
+        ("0", 0),
+        (0, 0),
+        (10, 10),
+        (2.5, 2.5),
+        ("120", 120),
+        ("-1", math.inf),
+        (-1, math.inf),
+        ("-5m", math.inf),
+    ],
+)
+def test_durations(text: object, seconds: float) -> None:
+    assert parse_duration(text) == seconds
+
+
+@pytest.mark.parametrize("bad", ["forever", "5 minutes", "m5", "", "5x", True, None, [], "nan"])
+def test_bad_durations_name_the_field(bad: object) -> None:
+    with pytest.raises(ConfigError, match="keep_alive"):
+        parse_duration(bad, "keep_alive")
+
+
+@pytest.mark.parametrize(
+    ("text", "size"),
+    [
+        ("512MiB", 512 * 2**20),
+        ("2GiB", 2 * 2**30),
+        ("500MB", 500 * 10**6),
+        ("1024", 1024),
+        ("1.5G", int(1.5 * 2**30)),
+        ("10kb", 10_000),
+        (4096, 4096),
+    ],
+)
+def test_sizes(text: object, size: int) -> None:
+    assert parse_size(text) == size
+
+
+@pytest.mark.parametrize("bad", ["lots", "5 parsecs", "-1GiB", "", "GiB", -5])
+def test_bad_sizes(bad: object) -> None:
+    with pytest.raises(ConfigError):
+        parse_size(bad, "CORRAL_MEMORY_LIMIT")
+
+
+@given(st.integers(0, 10**7))
+def test_seconds_roundtrip(n: int) -> None:
+    assert parse_duration(f"{n}s") == n == parse_duration(str(n))
+
+
+@pytest.mark.parametrize(
+    ("text", "expected"),
+    [
+        ("127.0.0.1:11434", ("127.0.0.1", 11434)),
+        (":8080", ("127.0.0.1", 8080)),
+        ("0.0.0.0", ("0.0.0.0", 11434)),
+        ("http://localhost:9000/", ("localhost", 9000)),
+        ("[::1]:7000", ("::1", 7000)),
+    ],
+)
+def test_hosts(text: str, expected: tuple[str, int]) -> None:
+    assert parse_host(text) == expected
+
+
+def test_settings_defaults_env_and_overrides() -> None:
+    s = Settings.load(environ={})
+    assert (s.host, s.port) == ("127.0.0.1", 11434)
+    assert s.keep_alive == 300 and s.context_length == 4096 and s.max_queue == 512
+    assert s.memory_margin == 2**30 and s.memory_limit is None and s.max_loaded_models == 0
+    env = {"CORRAL_KEEP_ALIVE": "-1", "CORRAL_MEMORY_LIMIT": "2GiB", "CORRAL_NUM_PARALLEL": "4"}
+    s = Settings.load({"CORRAL_NUM_PARALLEL": "2"}, environ=env)
+    assert s.keep_alive == math.inf and s.memory_limit == 2 * 2**30 and s.num_parallel == 2
+
+
+@pytest.mark.parametrize(
+    ("env", "message"),
+    [
+        ({"CORRAL_NUM_PARALLEL": "0"}, "CORRAL_NUM_PARALLEL"),
+        ({"CORRAL_CONTEXT_LENGTH": "big"}, "CORRAL_CONTEXT_LENGTH"),
+        ({"CORRAL_HOST": "localhost:99999"}, "CORRAL_HOST"),
+        ({"CORRAL_MEMORY_MARGIN": "x"}, "CORRAL_MEMORY_MARGIN"),
+    ],
+)
+def test_bad_settings_name_the_variable(env: dict[str, str], message: str) -> None:
+    with pytest.raises(ConfigError, match=message):
+        Settings.load(environ=env)
