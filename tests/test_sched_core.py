@@ -34,7 +34,7 @@ class Harness:
 
     def __init__(self, policy: str = "lru", budget: int = 1000, max_loaded: int = 0) -> None:
         self.core = Core(
-            budget=budget,
+            budgets={"cpu": budget},
             max_loaded=max_loaded,
             max_queue=50,
             default_keep_alive=5.0,
@@ -66,7 +66,8 @@ class Harness:
 
     def check(self) -> None:
         c = self.core
-        assert c.used() <= c.budget, "memory over-committed"
+        for dev, used in c.used().items():
+            assert used <= c.budgets[dev], "memory over-committed"
         if c.max_loaded:
             assert len(c.runners) <= c.max_loaded
         assert sum(r.inflight for r in c.runners.values()) == len(c.granted)
@@ -281,7 +282,7 @@ def test_option_change_drains_and_reloads_without_starving() -> None:
 
 
 def test_queue_limit_refuses_with_ollamas_message() -> None:
-    core = Core(budget=10**9, max_queue=2)
+    core = Core(budgets={"cpu": 10**9}, max_queue=2)
     for i in range(2):
         core.request(Request(i, "a", spec("a"), frozenset(), 1, None, 0.0), 0.0)
     with pytest.raises(QueueFull, match=re.escape(QUEUE_FULL_MESSAGE)):

@@ -141,6 +141,7 @@ DEFAULTS: dict[str, str] = {
     "CORRAL_LOAD_TIMEOUT": "5m",
     "CORRAL_MAX_LOADED_MODELS": "0",
     "CORRAL_MAX_QUEUE": "512",
+    "CORRAL_QUEUE_TIMEOUT": "10m",
     "CORRAL_MEMORY_MARGIN": "1GiB",
     "CORRAL_MEMORY_LIMIT": "",
     "CORRAL_LLAMA_SERVER": "",
@@ -161,6 +162,7 @@ class Settings:
     load_timeout: float
     max_loaded_models: int  # 0 = memory decides
     max_queue: int
+    queue_timeout: float  # the longest a request waits for a slot or a load
     memory_margin: int
     memory_limit: int | None
     llama_server: str | None  # path to a llama-server binary; None = xllamacpp in a child process
@@ -190,6 +192,7 @@ class Settings:
             load_timeout=parse_duration(raw["CORRAL_LOAD_TIMEOUT"], "CORRAL_LOAD_TIMEOUT"),
             max_loaded_models=_int("CORRAL_MAX_LOADED_MODELS", raw["CORRAL_MAX_LOADED_MODELS"]),
             max_queue=_int("CORRAL_MAX_QUEUE", raw["CORRAL_MAX_QUEUE"], 1),
+            queue_timeout=parse_duration(raw["CORRAL_QUEUE_TIMEOUT"], "CORRAL_QUEUE_TIMEOUT"),
             memory_margin=parse_size(raw["CORRAL_MEMORY_MARGIN"], "CORRAL_MEMORY_MARGIN"),
             memory_limit=parse_size(limit, "CORRAL_MEMORY_LIMIT") if limit else None,
             llama_server=raw["CORRAL_LLAMA_SERVER"].strip() or None,

@@ -6,8 +6,8 @@ event sequences, and keeps all state in one place that is changed only synchrono
 asyncio shell needs no locks.
 
 Rules, in order of importance:
-- memory (`budget`) is never over-committed: loading, ready and unloading runners all count
-  until the process has exited;
+- memory is never over-committed on any device (`budgets`): loading, ready and unloading
+  runners all count until the process has exited and its memory is back;
 - a runner with requests in flight is never stopped (except when it dies);
 - requests for a ready runner are granted at once, whatever else is loading or waiting;
 - loads are started first-come, first-served; a load that does not fit evicts idle runners in
@@ -20,13 +20,38 @@ from __future__ import annotations
 
 import math
 from collections import deque
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
-from typing import Literal
+from typing import Any, Literal
 
 from corral.policy import Candidate, Policy, Snapshot, lru
 from corral.runner import RunnerSpec
 
 State = Literal["loading", "ready", "unloading"]
+
+
+@dataclass(frozen=True)
+class Fit:
+    """Where a runner would go: bytes per device, and the layout the runner needs to be
+    started with (GPU layers, tensor split: opaque to the core)."""
+
+    devices: Mapping[str, int]
+    layout: Any = None
+
+    @property
+    def size(self) -> int:
+        return sum(self.devices.values())
+
+
+# Free bytes per device -> where the runner fits, or None. Pure: the core asks it "what if".
+Placer = Callable[[Mapping[str, int]], Fit | None]
+
+
+def cpu_placer(size: int) -> Placer:
+    def place(free: Mapping[str, int]) -> Fit | None:
+        return Fit({"cpu": size}) if free.get("cpu", 0) >= size else None
+
+    return place
 
 
 @dataclass
@@ -35,12 +60,16 @@ class Request:
     model: str
     spec: RunnerSpec  # the runner to load if none is loaded
     explicit: frozenset[str]  # spec fields the request set itself; only these must match
-    size: int  # estimated bytes of a runner with `spec`
+    size: int  # estimated bytes of a runner with `spec`, in all
     keep_alive: float | None  # None: keep what the model has
     arrived: float
     deadline: float = math.inf
     pinned: bool = False
     priority: int = 0
+    place: Placer | None = None  # None: all of `size` in system memory
+
+    def fit(self, free: Mapping[str, int]) -> Fit | None:
+        return (self.place or cpu_placer(self.size))(free)
 
 
 @dataclass
@@ -48,7 +77,8 @@ class RunnerBook:
     id: int
     model: str
     spec: RunnerSpec
-    size: int
+    devices: dict[str, int]  # bytes booked per device
+    layout: Any = None
     state: State = "loading"
     inflight: int = 0
     keep_alive: float = 300.0
@@ -60,6 +90,10 @@ class RunnerBook:
     draining: bool = False  # a reload is pending: grant nothing new
     pinned: bool = False
     priority: int = 0
+
+    @property
+    def size(self) -> int:
+        return sum(self.devices.values())
 
 
 @dataclass(frozen=True)
@@ -80,6 +114,7 @@ class Load:
     runner: int
     model: str
     spec: RunnerSpec
+    fit: Fit
 
 
 @dataclass(frozen=True)
@@ -104,7 +139,7 @@ def compatible(spec: RunnerSpec, req: Request) -> bool:
 
 @dataclass
 class Core:
-    budget: int  # bytes corral's runners may hold in all
+    budgets: dict[str, int]  # device id -> bytes corral's runners may hold there
     max_loaded: int = 0  # 0: memory decides
     max_queue: int = 512
     default_keep_alive: float = 300.0
@@ -118,8 +153,17 @@ class Core:
     _next_runner: int = 1
 
     # ---- queries ---------------------------------------------------------------------------
-    def used(self) -> int:
-        return sum(r.size for r in self.runners.values())
+    def used(self) -> dict[str, int]:
+        out = dict.fromkeys(self.budgets, 0)
+        for r in self.runners.values():
+            for dev, n in r.devices.items():
+                out[dev] = out.get(dev, 0) + n
+        return out
+
+    def free(self, freed: Mapping[str, int] | None = None) -> dict[str, int]:
+        used = self.used()
+        extra = freed or {}
+        return {d: b - used.get(d, 0) + extra.get(d, 0) for d, b in self.budgets.items()}
 
     def current(self, model: str) -> RunnerBook | None:
         """The model's runner that is loading or ready (not one on its way out)."""
@@ -172,7 +216,7 @@ class Core:
         self.queue = deque(q for q in self.queue if q.id != request_id)
         self._pump(now)
 
-    def loaded(self, runner_id: int, now: float, size: int | None = None) -> None:
+    def loaded(self, runner_id: int, now: float, devices: Mapping[str, int] | None = None) -> None:
         r = self.runners.get(runner_id)
         if r is None or r.state != "loading":
             return
@@ -180,8 +224,8 @@ class Core:
         r.load_cost = now - r.load_started
         r.last_used = now
         r.expires_at = now + r.keep_alive
-        if size is not None:  # what the runner really allocated replaces the estimate
-            r.size = size
+        if devices is not None:  # what the runner really allocated replaces the estimate
+            r.devices = dict(devices)
         self._pump(now)
 
     def load_failed(self, runner_id: int, message: str, now: float) -> None:
@@ -247,11 +291,13 @@ class Core:
         self.granted[q.id] = r.id
         self.actions.append(Grant(q.id, r.id))
 
-    def _fits(self, size: int, freed: int = 0, stopping: int = 0) -> bool:
-        count = len(self.runners) - stopping
-        if self.max_loaded and count >= self.max_loaded:
-            return False
-        return self.used() - freed + size <= self.budget
+    def _fit(
+        self, q: Request, freed: Mapping[str, int] | None = None, leaving: int = 0
+    ) -> Fit | None:
+        """Where q's runner would go if `freed` bytes (of `leaving` runners) were free."""
+        if self.max_loaded and len(self.runners) - leaving >= self.max_loaded:
+            return None
+        return q.fit(self.free(freed))
 
     def _pump(self, now: float) -> None:
         load_blocked = False
@@ -272,19 +318,21 @@ class Core:
             if any(b.model == q.model for b in self.runners.values()):
                 load_blocked = True  # its old runner is still exiting
                 continue
-            if not self._make_room(q, now):
+            fit = self._make_room(q, now)
+            if fit is None:
                 load_blocked = True
                 continue
-            self._start_load(q, now)
+            self._start_load(q, fit, now)
 
-    def _start_load(self, q: Request, now: float) -> None:
+    def _start_load(self, q: Request, fit: Fit, now: float) -> None:
         rid = self._next_runner
         self._next_runner += 1
         self.runners[rid] = RunnerBook(
             id=rid,
             model=q.model,
             spec=q.spec,
-            size=q.size,
+            devices=dict(fit.devices),
+            layout=fit.layout,
             keep_alive=self.default_keep_alive if q.keep_alive is None else q.keep_alive,
             load_started=now,
             last_used=now,
@@ -292,53 +340,63 @@ class Core:
             priority=q.priority,
         )
         self.loads += 1
-        self.actions.append(Load(rid, q.model, q.spec))
+        self.actions.append(Load(rid, q.model, q.spec, fit))
 
-    def _make_room(self, q: Request, now: float) -> bool:
-        """True if q's load fits now. Otherwise evict idle runners if that makes it fit (the
-        load starts once they have exited), fail q if it can never fit, or leave it waiting."""
-        if self._fits(q.size):
-            return True
-        if q.size > self.budget:
+    def _make_room(self, q: Request, now: float) -> Fit | None:
+        """Where q's load goes now, if it fits. Otherwise evict idle runners if that makes it
+        fit (the load starts once they have exited), fail q if it can never fit, or leave it
+        waiting for requests to finish; all three return None."""
+        fit = self._fit(q)
+        if fit is not None:
+            return fit
+        if q.fit(self.budgets) is None:
             msg = (
-                f"model '{q.model}' needs {_gib(q.size)} but corral may use at most "
-                f"{_gib(self.budget)} of memory"
+                f"model '{q.model}' needs {_size(q.size)} but corral may use at most "
+                + ", ".join(f"{_size(b)} on {d}" for d, b in self.budgets.items())
             )
-            for other in [o for o in self.queue if o.model == q.model and o.size == q.size]:
+            for other in [o for o in self.queue if o.model == q.model and o.spec == q.spec]:
                 self.queue.remove(other)
                 self.actions.append(Fail(other.id, 507, msg))
-            return False
-        idle = [
-            r for r in self.runners.values()
-            if r.state == "ready" and r.inflight == 0 and not r.pinned
-        ]  # fmt: skip
+            return None
         stopping = [r for r in self.runners.values() if r.state == "unloading"]
-        freed_soon = sum(r.size for r in stopping)
+        freed = _sum_devices(stopping)
+        if self._fit(q, freed, len(stopping)) is not None:
+            return None  # enough is already on its way out
+        idle = {
+            r.id: r
+            for r in self.runners.values()
+            if r.state == "ready" and r.inflight == 0 and not r.pinned
+        }
         snap = Snapshot(
             now=now,
-            need=self.used() - freed_soon + q.size - self.budget,
+            need=max(0, q.size - sum(self.free(freed).values())),
             waiting_models=frozenset(o.model for o in self.queue),
         )
-        cands = {r.id: r for r in idle}
-        order = self.policy([_candidate(r) for r in idle], snap)
         victims: list[RunnerBook] = []
-        freed = freed_soon
-        for rid in order:
-            if self._fits(q.size, freed, len(stopping) + len(victims)):
-                break
-            if rid in cands:
-                victims.append(cands[rid])
-                freed += cands[rid].size
-        if victims and self._fits(q.size, freed, len(stopping) + len(victims)):
-            # Spare any victim the load turns out not to need (e.g. a small one taken first).
-            for v in list(victims):
-                if self._fits(q.size, freed - v.size, len(stopping) + len(victims) - 1):
-                    victims.remove(v)
-                    freed -= v.size
-            for v in victims:
-                self.evictions += 1
-                self._stop(v, f"evicted to make room for '{q.model}'")
-        return False  # a load that did not fit now waits for exits or finished requests
+        for rid in self.policy([_candidate(r) for r in idle.values()], snap):
+            if rid in idle:
+                victims.append(idle[rid])
+                if self._fit(q, _sum_devices(stopping + victims), len(stopping) + len(victims)):
+                    break
+        else:
+            return None  # even every idle runner would not make room: wait for busy ones
+        # Spare any victim the load turns out not to need (e.g. a small one offered first).
+        for v in list(victims):
+            rest = [x for x in victims if x is not v]
+            if self._fit(q, _sum_devices(stopping + rest), len(stopping) + len(rest)):
+                victims = rest
+        for v in victims:
+            self.evictions += 1
+            self._stop(v, f"evicted to make room for '{q.model}'")
+        return None
+
+
+def _sum_devices(runners: list[RunnerBook]) -> dict[str, int]:
+    out: dict[str, int] = {}
+    for r in runners:
+        for d, n in r.devices.items():
+            out[d] = out.get(d, 0) + n
+    return out
 
 
 def _candidate(r: RunnerBook) -> Candidate:
@@ -354,5 +412,5 @@ def _candidate(r: RunnerBook) -> Candidate:
     )
 
 
-def _gib(n: int) -> str:
+def _size(n: int) -> str:
     return f"{n / 2**30:.2f} GiB" if n >= 2**30 else f"{n / 2**20:.0f} MiB"

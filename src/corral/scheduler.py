@@ -19,7 +19,17 @@ from typing import Any
 
 from corral.policy import DEFAULT_POLICY, POLICIES
 from corral.runner import Runner, RunnerError, RunnerSpec
-from corral.sched_core import Core, Fail, Grant, Load, QueueFull, Request, RunnerBook, Stop
+from corral.sched_core import (
+    Core,
+    Fail,
+    Grant,
+    Load,
+    Placer,
+    QueueFull,
+    Request,
+    RunnerBook,
+    Stop,
+)
 
 log = logging.getLogger(__name__)
 
@@ -51,7 +61,7 @@ class Lease:
 class Scheduler:
     def __init__(
         self,
-        budget: int,
+        budgets: dict[str, int],
         *,
         max_loaded: int = 0,
         max_queue: int = 512,
@@ -62,7 +72,7 @@ class Scheduler:
         llama_server: str | None = None,
     ) -> None:
         self.core = Core(
-            budget=budget,
+            budgets=budgets,
             max_loaded=max_loaded,
             max_queue=max_queue,
             default_keep_alive=default_keep_alive,
@@ -90,6 +100,7 @@ class Scheduler:
         keep_alive: float | None = None,
         pinned: bool = False,
         priority: int = 0,
+        place: Placer | None = None,
     ) -> Lease:
         """Wait for a runner slot for `model`; SchedulerError if refused or failed."""
         if self._closing:
@@ -102,6 +113,7 @@ class Scheduler:
         req = Request(
             id=rid, model=model, spec=spec, explicit=explicit, size=size, keep_alive=keep_alive,
             arrived=now, deadline=now + self.queue_timeout, pinned=pinned, priority=priority,
+            place=place,
         )  # fmt: skip
         loads_before = self.core.loads
         try:

@@ -28,12 +28,12 @@ from corral.service import Service
 log = logging.getLogger("corral")
 
 
-def memory_budget(settings: Settings) -> int:
-    """Bytes corral's runners may hold: system memory less the margin, capped by the limit."""
+def memory_budgets(settings: Settings) -> dict[str, int]:
+    """Bytes corral's runners may hold per device: total less the margin, capped by the limit."""
     budget = psutil.virtual_memory().total - settings.memory_margin
     if settings.memory_limit is not None:
         budget = min(budget, settings.memory_limit)
-    return max(budget, 0)
+    return {"cpu": max(budget, 0)}
 
 
 def error_response(request: Request, e: ApiError) -> Response:
@@ -45,11 +45,12 @@ def error_response(request: Request, e: ApiError) -> Response:
 def create_app(settings: Settings) -> Starlette:
     registry = Registry(settings.models_dir, builtin=settings.builtin_models)
     scheduler = Scheduler(
-        memory_budget(settings),
+        memory_budgets(settings),
         max_loaded=settings.max_loaded_models,
         max_queue=settings.max_queue,
         default_keep_alive=settings.keep_alive,
         load_timeout=settings.load_timeout,
+        queue_timeout=settings.queue_timeout,
         llama_server=settings.llama_server,
         policy=settings.eviction_policy,
     )
@@ -79,11 +80,12 @@ def create_app(settings: Settings) -> Starlette:
 
     @contextlib.asynccontextmanager
     async def lifespan(app: Starlette) -> AsyncIterator[None]:
+        budgets = ", ".join(f"{d} {b / 2**30:.1f} GiB" for d, b in scheduler.core.budgets.items())
         log.info(
-            "corral %s serving models from %s (memory budget %.1f GiB)",
+            "corral %s serving models from %s (memory budgets: %s)",
             corral.__version__,
             settings.models_dir,
-            scheduler.core.budget / 2**30,
+            budgets,
         )
         yield
         await scheduler.shutdown()

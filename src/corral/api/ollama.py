@@ -293,13 +293,14 @@ class Ollama:
             models.append({
                 "name": book.model, "model": book.model, "size": book.size,
                 "digest": r.digest, "details": r.info.details(),
-                "expires_at": rfc3339(expires), "size_vram": 0,
+                "expires_at": rfc3339(expires),
+                "size_vram": sum(n for d, n in book.devices.items() if d != "cpu"),
                 "context_length": book.spec.n_ctx,
                 # corral's own additions
                 "state": book.state, "requests_in_flight": book.inflight,
                 "queued": self.svc.scheduler.queued(book.model),
                 "num_parallel": book.spec.num_parallel, "pid": runner.pid,
-                "devices": [{"id": "cpu", "bytes": book.size}],
+                "devices": [{"id": d, "bytes": n} for d, n in book.devices.items() if n],
             })  # fmt: skip
         return json_response({"models": models})
 
