@@ -42,6 +42,13 @@ class SchedulerError(Exception):
 
 
 @dataclass
+class Ticket:
+    id: int
+    arrived: float
+    fut: asyncio.Future[Runner]
+
+
+@dataclass
 class Lease:
     """A granted request's hold on one runner slot. Release exactly once (idempotent)."""
 
@@ -49,7 +56,7 @@ class Lease:
     request_id: int
     runner: Runner
     waited: float  # seconds from arrival to grant (queueing + loading)
-    loaded: bool  # this request waited for a load
+    loaded: bool  # this request waited for its runner to load
     released: bool = False
 
     def release(self) -> None:
@@ -90,7 +97,7 @@ class Scheduler:
         self._closing = False
 
     # ---- the API's side ----------------------------------------------------------------------
-    async def acquire(
+    def submit(
         self,
         model: str,
         spec: RunnerSpec,
@@ -101,36 +108,43 @@ class Scheduler:
         pinned: bool = False,
         priority: int = 0,
         place: Placer | None = None,
-    ) -> Lease:
-        """Wait for a runner slot for `model`; SchedulerError if refused or failed."""
+    ) -> Ticket:
+        """Ask for a runner slot for `model`. Synchronous: when the model's runner has a free
+        slot the ticket is granted on return. SchedulerError if refused."""
         if self._closing:
             raise SchedulerError(503, "server is shutting down")
-        loop = asyncio.get_running_loop()
         now = time.monotonic()
         rid = next(self._ids)
-        fut: asyncio.Future[Runner] = loop.create_future()
+        fut: asyncio.Future[Runner] = asyncio.get_running_loop().create_future()
         self._waiters[rid] = fut
         req = Request(
             id=rid, model=model, spec=spec, explicit=explicit, size=size, keep_alive=keep_alive,
             arrived=now, deadline=now + self.queue_timeout, pinned=pinned, priority=priority,
             place=place,
         )  # fmt: skip
-        loads_before = self.core.loads
         try:
             self.core.request(req, now)
         except QueueFull as e:
             del self._waiters[rid]
             raise SchedulerError(503, str(e)) from None
         self._apply()
+        return Ticket(rid, now, fut)
+
+    async def wait(self, ticket: Ticket) -> Lease:
+        """The lease for a submitted ticket; SchedulerError if its load failed or it timed out.
+        Cancelling the wait (the client went away) leaves nothing behind in the books."""
         try:
-            runner = await fut
+            runner = await ticket.fut
         except asyncio.CancelledError:
-            # The client went away while waiting: leave nothing behind in the books.
-            self._waiters.pop(rid, None)
-            self.core.cancel(rid, time.monotonic())
+            self._waiters.pop(ticket.id, None)
+            self.core.cancel(ticket.id, time.monotonic())
             self._apply()
             raise
-        return Lease(self, rid, runner, time.monotonic() - now, self.core.loads > loads_before)
+        waited = time.monotonic() - ticket.arrived
+        return Lease(self, ticket.id, runner, waited, runner.started_at >= ticket.arrived)
+
+    async def acquire(self, model: str, spec: RunnerSpec, **kw: Any) -> Lease:
+        return await self.wait(self.submit(model, spec, **kw))
 
     def _release(self, request_id: int) -> None:
         self.core.release(request_id, time.monotonic())

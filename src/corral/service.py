@@ -116,12 +116,14 @@ class Service:
         model loads) takes its queue entry with it."""
         spec, explicit = self.runner_spec(r, options)
         size = estimate_bytes(r.info, spec.n_ctx, spec.num_parallel)
-        acquire = self.scheduler.acquire(
-            r.name, spec, explicit=explicit, size=size, keep_alive=keep_alive,
-            pinned=r.entry.pinned, priority=r.entry.priority,
-        )  # fmt: skip
         try:
-            return await until_disconnect(request, acquire)
+            ticket = self.scheduler.submit(
+                r.name, spec, explicit=explicit, size=size, keep_alive=keep_alive,
+                pinned=r.entry.pinned, priority=r.entry.priority,
+            )  # fmt: skip
+            if ticket.fut.done():  # a warm runner had a free slot: no need to watch the client
+                return await self.scheduler.wait(ticket)
+            return await until_disconnect(request, self.scheduler.wait(ticket))
         except SchedulerError as e:
             raise ApiError(e.status, e.message) from None
 
