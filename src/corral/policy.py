@@ -7,7 +7,6 @@ unpinned: a policy cannot evict a serving runner because it is never offered one
 
 from __future__ import annotations
 
-import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
@@ -22,6 +21,7 @@ class Candidate:
     load_cost: float  # seconds its load took
     expires_at: float  # when its keep-alive runs out (math.inf = never)
     priority: int  # from models.toml; higher stays longer
+    heat: float = 0.0  # the model's recency-weighted request frequency (see Core.heat)
 
 
 @dataclass(frozen=True)
@@ -45,17 +45,16 @@ def ollama_like(candidates: Sequence[Candidate], snap: Snapshot) -> list[int]:
 
 
 def cost_aware(candidates: Sequence[Candidate], snap: Snapshot) -> list[int]:
-    """Keep what is cheap to hold and expensive to reload; evict the rest first.
+    """Keep what is requested often and slow to reload per byte it holds; evict the rest first.
 
-    Score ~ (uses per minute resident, damped by recency) x (load cost) / (bytes held), in the
-    spirit of GreedyDual-Size-Frequency. Models with queued requests and higher priority go last.
+    In the spirit of GreedyDual-Size-Frequency: value = heat x reload seconds / bytes held,
+    where heat is the model's request frequency with exponential decay (so a burst fades and a
+    steady favourite stays). Models with queued requests and higher priority go last.
     """
 
-    def score(c: Candidate) -> tuple[int, int, float]:
-        age = max(snap.now - c.last_used, 1e-3)
-        freq = (1 + c.uses) / (1 + age / 60.0)
-        value = freq * max(c.load_cost, 1e-3) / max(c.size, 1)
-        return (c.model in snap.waiting_models, c.priority, value if math.isfinite(value) else 0.0)
+    def score(c: Candidate) -> tuple[bool, int, float, float]:
+        value = c.heat * max(c.load_cost, 1e-3) / max(c.size, 1)
+        return (c.model in snap.waiting_models, c.priority, value, c.last_used)
 
     return [c.id for c in sorted(candidates, key=score)]
 

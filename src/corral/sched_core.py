@@ -150,6 +150,9 @@ class Core:
     actions: list[Action] = field(default_factory=list)
     evictions: int = 0
     loads: int = 0
+    heat_decay: float = 0.97  # per request: a model's heat halves after ~23 other requests
+    _heat: dict[str, tuple[float, int]] = field(default_factory=dict)  # model -> (heat, at)
+    _arrivals: int = 0
     _next_runner: int = 1
 
     # ---- queries ---------------------------------------------------------------------------
@@ -180,6 +183,12 @@ class Core:
                 t = min(t, r.expires_at)
         return t
 
+    def heat(self, model: str) -> float:
+        """Recency-weighted request frequency: +1 per request, decaying per later request.
+        Counting requests, not seconds, keeps it independent of how fast traffic arrives."""
+        h, at = self._heat.get(model, (0.0, self._arrivals))
+        return h * self.heat_decay ** (self._arrivals - at)
+
     def drain(self) -> list[Action]:
         out, self.actions = self.actions, []
         return out
@@ -187,6 +196,8 @@ class Core:
     # ---- events ----------------------------------------------------------------------------
     def request(self, req: Request, now: float) -> None:
         """A request arrived. Raises QueueFull if it would have to wait and the queue is full."""
+        self._heat[req.model] = (self.heat(req.model) + 1.0, self._arrivals)
+        self._arrivals += 1
         r = self.current(req.model)
         ready = r is not None and r.state == "ready" and not r.draining and compatible(r.spec, req)
         if not (ready and r is not None and r.inflight < r.spec.num_parallel):
@@ -373,7 +384,8 @@ class Core:
             waiting_models=frozenset(o.model for o in self.queue),
         )
         victims: list[RunnerBook] = []
-        for rid in self.policy([_candidate(r) for r in idle.values()], snap):
+        cands = [_candidate(r, self.heat(r.model)) for r in idle.values()]
+        for rid in self.policy(cands, snap):
             if rid in idle:
                 victims.append(idle[rid])
                 if self._fit(q, _sum_devices(stopping + victims), len(stopping) + len(victims)):
@@ -399,7 +411,7 @@ def _sum_devices(runners: list[RunnerBook]) -> dict[str, int]:
     return out
 
 
-def _candidate(r: RunnerBook) -> Candidate:
+def _candidate(r: RunnerBook, heat: float) -> Candidate:
     return Candidate(
         id=r.id,
         model=r.model,
@@ -409,6 +421,7 @@ def _candidate(r: RunnerBook) -> Candidate:
         load_cost=r.load_cost,
         expires_at=r.expires_at,
         priority=r.priority,
+        heat=heat,
     )
 
 
