@@ -1,0 +1,343 @@
+"""Where a model goes: how many layers on which GPUs, and the bytes it books on each device (pure).
+
+The unit of placement is llama.cpp's offload slot: each repeating layer (its weights and its
+KV cache, which llama.cpp keeps with the layer) and the output layer (output head and norm), so
+a model has n_layer + 1 slots and `-ngl` counts slots. Which slots `-ngl k` offloads
+(src/llama-model.cpp, `i_gpu_start`/`act_gpu_layers`):
+
+- llama.cpp since PR #18148 (Dec 2025, "offload output layer to GPU first"), as bundled by
+  xllamacpp: the output layer and the last k - 1 repeating layers (`output_first=True`);
+- older builds (CORRAL_LLAMA_SERVER may point at one): the last k repeating layers, and the
+  output layer only at k = n_layer + 1 (as Ollama's llm/memory.go assumes).
+
+The token embeddings never leave system memory ("very little benefit to offloading the input
+layer", `dev_input` is always the CPU), so they belong in `ModelNeed.host`. GPU slots are spread
+over the GPUs in index order, contiguously, by `--tensor-split`. Every GPU that runs layers
+holds a compute buffer of its own (llama.cpp reserves one per backend in the graph; Ollama's
+estimate books its graph size on each GPU too); system memory holds one more when any slot
+stays on the CPU.
+
+Rules, in order:
+1. the whole model on ONE GPU if one has room: best fit, the GPU with the least free memory
+   that still holds it, so that bigger GPUs stay free for bigger models;
+2. else on the fewest GPUs of ONE library (never CUDA with ROCm: one runner is one build),
+   the ones with the most free memory, slots split in proportion to their free memory;
+3. else as many slots as fit on the GPUs of one library, the rest in system memory;
+4. else the CPU alone.
+`num_gpu` (Ollama's option) overrides the count: 0 is the CPU alone, N is exactly N slots
+(clamped to n_layer + 1) by rules 1-2 or no placement; `main_gpu` names the GPU (an index in
+its library) that a placement must use: the single-GPU rule tries it alone, splits include it.
+No device is ever booked beyond its free budget, and ties are broken by name and index, so the
+same inputs always give the same placement.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass, field
+
+from corral.devices import CPU, Device
+
+
+@dataclass(frozen=True)
+class ModelNeed:
+    """A model's bytes by where they can go, at one context size and KV cache type."""
+
+    layers: tuple[int, ...]  # per repeating layer: weights + its KV cache (same on GPU or CPU)
+    output: int = 0  # output layer: output head (or the tied embedding copy) + output norm
+    gpu_compute: int = 0  # compute buffer of each GPU that runs slots
+    cpu_compute: int = 0  # compute buffer in system memory when any slot runs on the CPU
+    host: int = 0  # always in system memory: token embeddings, host buffers, process overhead
+
+    @property
+    def n_layer(self) -> int:
+        return len(self.layers)
+
+    @property
+    def weights(self) -> int:
+        return sum(self.layers) + self.output
+
+
+@dataclass(frozen=True)
+class Placement:
+    n_gpu_layers: int  # llama.cpp's -ngl: offload slots on GPUs, 0..n_layer + 1
+    n_layer: int
+    # llama.cpp's --tensor-split: slot counts per GPU index of `library` (0 where unused), so
+    # that only the GPUs chosen get layers. None: CPU only.
+    tensor_split: tuple[float, ...] | None
+    main_gpu: int | None  # the requested main GPU, else the lowest used index; None: CPU only
+    devices: dict[str, int] = field(hash=False)  # device id -> bytes booked, CPU included
+    library: str = "cpu"  # the library of the GPUs used
+
+    @property
+    def full_offload(self) -> bool:
+        return self.n_gpu_layers == self.n_layer + 1
+
+    @property
+    def gpus(self) -> tuple[str, ...]:
+        """Ids of the GPUs used, in index order (for CUDA_VISIBLE_DEVICES and the like)."""
+        return tuple(d for d in self.devices if d != CPU)
+
+    @property
+    def size(self) -> int:
+        return sum(self.devices.values())
+
+    def describe(self) -> str:
+        """Like Ollama's ps: "100% GPU", "100% CPU", "48%/52% CPU/GPU". A fully offloaded
+        model is 100% GPU although its token embeddings and buffers stay in system memory:
+        Ollama does not count those either."""
+        if self.n_gpu_layers == 0:
+            return "100% CPU"
+        if self.full_offload:
+            return "100% GPU"
+        total = self.size
+        cpu = round(100 * (total - gpu_share(self)) / total) if total else 50
+        cpu = min(99, max(1, cpu))  # a partial offload never reads as all on one side
+        return f"{cpu}%/{100 - cpu}% CPU/GPU"
+
+
+@dataclass(frozen=True)
+class NoFit:
+    """No placement: the message says what was needed and what was free."""
+
+    reason: str
+
+
+def gpu_share(placement: Placement) -> int:
+    """Bytes on GPUs, for /api/ps's size_vram. (Ollama clients print "100% GPU" only when
+    size_vram == size, so report size = size_vram for a `full_offload` placement.)"""
+    return sum(n for d, n in placement.devices.items() if d != CPU)
+
+
+def place(
+    need: ModelNeed,
+    devices: Iterable[Device],
+    free: Mapping[str, int],
+    *,
+    num_gpu: int | None = None,
+    main_gpu: int | None = None,
+    output_first: bool = True,
+) -> Placement | NoFit:
+    """Where the model goes, given each device's free budget (bytes it may still book: budget
+    less what is booked; a device missing from `free` has none). `num_gpu`: None or negative =
+    automatic. On a machine without GPUs, num_gpu and main_gpu are ignored, as in Ollama."""
+    gpus = sorted((d for d in devices if d.library != "cpu"), key=lambda d: (d.library, d.index))
+    p = _Planner(need, gpus, free, main_gpu, output_first)
+    if not gpus or num_gpu == 0:
+        return p.cpu_only()
+    if main_gpu is not None and not any(g.index == main_gpu for g in gpus):
+        return NoFit(f"main_gpu {main_gpu}: no such GPU (have {', '.join(g.id for g in gpus)})")
+    slots = need.n_layer + 1
+    if num_gpu is not None and num_gpu > 0:
+        k = min(num_gpu, slots)
+        return p.offload(k) or NoFit(
+            f"num_gpu {num_gpu}: {k} of {slots} layers on GPUs (the rest in system memory) "
+            f"do not fit ({p.summary()})"
+        )
+    return p.offload(slots) or p.partial() or p.cpu_only()
+
+
+class _Planner:
+    def __init__(
+        self,
+        need: ModelNeed,
+        gpus: list[Device],
+        free: Mapping[str, int],
+        main_gpu: int | None,
+        output_first: bool,
+    ) -> None:
+        self.need, self.gpus = need, gpus
+        self.free = {g.id: free.get(g.id, 0) for g in gpus}
+        self.cpu_free = free.get(CPU, 0)
+        self.main, self.output_first = main_gpu, output_first
+        self.libraries: dict[str, list[Device]] = {}
+        for g in gpus:  # sorted by (library, index): groups and their members in order
+            self.libraries.setdefault(g.library, []).append(g)
+
+    # ---- slots --------------------------------------------------------------------------------
+    def split(self, k: int) -> tuple[list[int], list[int]]:
+        """(GPU slots in llama.cpp's order, CPU slots) for -ngl k."""
+        n, seq = self.need.n_layer, [*self.need.layers, self.need.output]
+        if k >= n + 1:
+            return seq, []
+        if k <= 0:
+            return [], seq
+        if self.output_first:
+            return seq[n + 1 - k :], seq[: n + 1 - k]
+        return seq[n - k : n], [*seq[: n - k], self.need.output]
+
+    def cpu_need(self, cpu_slots: Sequence[int]) -> int:
+        return self.need.host + sum(cpu_slots) + (self.need.cpu_compute if cpu_slots else 0)
+
+    # ---- rules --------------------------------------------------------------------------------
+    def offload(self, k: int) -> Placement | None:
+        """Exactly k slots on GPUs: one GPU (best fit), else the fewest GPUs of one library."""
+        gpu_slots, cpu_slots = self.split(k)
+        cpu = self.cpu_need(cpu_slots)
+        if cpu > self.cpu_free:
+            return None
+        want = sum(gpu_slots) + self.need.gpu_compute
+        singles = [g for g in self.gpus if self._main_ok(g) and self.free[g.id] >= want]
+        if singles:
+            best = min(singles, key=lambda g: (self.free[g.id], g.library, g.index))
+            return self._placement(k, [(best, len(gpu_slots), sum(gpu_slots))], cpu)
+        for m in range(2, max(len(group) for group in self.libraries.values()) + 1):
+            found = []
+            for lib, group in self.libraries.items():
+                subset = self._most_free(group, m)
+                if subset is None:
+                    continue
+                must = next((i for i, g in enumerate(subset) if g.index == self.main), None)
+                room = [self.free[g.id] - self.need.gpu_compute for g in subset]
+                counts = _assign(room, gpu_slots, must)
+                if counts is not None:  # best fit again: the set with the least free memory
+                    found.append((sum(self.free[g.id] for g in subset), lib, subset, counts))
+            if found:
+                _, _, subset, counts = min(found, key=lambda f: (f[0], f[1]))
+                return self._placement(k, _layout(subset, counts, gpu_slots), cpu)
+        return None
+
+    def partial(self) -> Placement | None:
+        """As many slots as fit on the GPUs of one library (greedily, in index order), the
+        rest on the CPU. None if no GPU takes a slot or system memory cannot hold the rest."""
+        best: tuple[int, int, str, list[Device], list[int]] | None = None
+        for lib, group in self.libraries.items():
+            if self.main is not None:
+                if not any(g.index == self.main for g in group):
+                    continue
+                k, counts = self._most_slots(group)
+                on_main = [c for g, c in zip(group, counts, strict=True) if g.index == self.main]
+                if on_main[0] == 0:  # the others took the slots: use the main GPU alone
+                    group = [g for g in group if g.index == self.main]
+                    k, counts = self._most_slots(group)
+            else:
+                k, counts = self._most_slots(group)
+            used = sum(1 for c in counts if c)
+            if k and (best is None or (-k, used, lib) < (-best[0], best[1], best[2])):
+                best = (k, used, lib, group, counts)
+        if best is None:
+            return None
+        k, _, _, group, counts = best
+        gpu_slots, cpu_slots = self.split(k)
+        cpu = self.cpu_need(cpu_slots)
+        if cpu > self.cpu_free:  # fewer GPU slots would only need more system memory
+            return None
+        return self._placement(k, _layout(group, counts, gpu_slots), cpu)
+
+    def cpu_only(self) -> Placement | NoFit:
+        _, cpu_slots = self.split(0)
+        cpu = self.cpu_need(cpu_slots)
+        if cpu > self.cpu_free:
+            gpus = "fits on no GPU and " if self.gpus else ""
+            return NoFit(
+                f"the model {gpus}needs {_gib(cpu)} of system memory on the CPU alone "
+                f"({self.summary()})"
+            )
+        return Placement(0, self.need.n_layer, None, None, {CPU: cpu})
+
+    # ---- helpers ------------------------------------------------------------------------------
+    def _main_ok(self, g: Device) -> bool:
+        return self.main is None or g.index == self.main
+
+    def _most_free(self, group: list[Device], m: int) -> list[Device] | None:
+        """The m GPUs of a library with the most free memory (the main GPU among them), in
+        index order; None if the library has fewer or lacks the main GPU."""
+        if len(group) < m:
+            return None
+        ranked = sorted(group, key=lambda g: (not self._main_ok(g), -self.free[g.id], g.index))
+        if self.main is not None and not self._main_ok(ranked[0]):
+            return None
+        return sorted(ranked[:m], key=lambda g: g.index)
+
+    def _most_slots(self, group: list[Device]) -> tuple[int, list[int]]:
+        """The most slots (below all of them) these GPUs hold, and the count on each."""
+        room = [self.free[g.id] for g in group]
+        lo, hi = 0, self.need.n_layer  # feasibility shrinks as k grows: binary search
+        best = [0] * len(group)
+        while lo < hi:
+            mid = (lo + hi + 1) // 2
+            counts = _greedy([r - self.need.gpu_compute for r in room], self.split(mid)[0])
+            if counts is None:
+                hi = mid - 1
+            else:
+                lo, best = mid, counts
+        return lo, best
+
+    def _placement(self, k: int, used: list[tuple[Device, int, int]], cpu: int) -> Placement:
+        books = {CPU: cpu}
+        split = [0.0] * (max(g.index for g, _, _ in used) + 1)
+        for g, count, nbytes in used:
+            books[g.id] = nbytes + self.need.gpu_compute
+            split[g.index] = float(count)
+        main = self.main if self.main is not None else min(g.index for g, _, _ in used)
+        return Placement(k, self.need.n_layer, tuple(split), main, books, used[0][0].library)
+
+    def summary(self) -> str:
+        parts = [f"{g.id} {_gib(self.free[g.id])}" for g in self.gpus]
+        return "free: " + ", ".join([*parts, f"{CPU} {_gib(self.cpu_free)}"])
+
+
+def _assign(room: list[int], slots: list[int], must: int | None = None) -> list[int] | None:
+    """Slot counts per GPU (contiguous, in order) that fit each GPU's room (free less its
+    compute buffer): in proportion to the rooms, as llama.cpp's default split is; failing that,
+    as many as fit on each in turn. None if they cannot fit, or GPU `must` gets none."""
+    weights = [max(0, r) for r in room]
+    total_w, total = sum(weights), sum(slots)
+    if total_w == 0:
+        return None
+    counts = [0] * len(room)
+    cum = [0] * len(room)
+    acc = 0
+    for i, w in enumerate(weights):
+        acc += w
+        cum[i] = acc
+    prefix, dev = 0, 0
+    for s in slots:
+        # The slot goes where its middle byte falls among the GPUs' shares (exact integers).
+        mid2 = 2 * prefix + s
+        while dev < len(room) - 1 and mid2 * total_w >= 2 * total * cum[dev]:
+            dev += 1
+        counts[dev] += 1
+        prefix += s
+    found: list[int] | None = counts
+    if not _fits(counts, room, slots) or (must is not None and not counts[must]):
+        found = _greedy(room, slots)
+    return None if found is None or (must is not None and not found[must]) else found
+
+
+def _fits(counts: list[int], room: list[int], slots: list[int]) -> bool:
+    start = 0
+    for c, r in zip(counts, room, strict=True):
+        if c and sum(slots[start : start + c]) > r:
+            return False
+        start += c
+    return True
+
+
+def _greedy(room: list[int], slots: list[int]) -> list[int] | None:
+    """Fill each GPU in turn with the next slots while they fit; None if some are left over.
+    Contiguous in a fixed order, this covers the most slots any split can."""
+    counts, j = [0] * len(room), 0
+    for i, r in enumerate(room):
+        used = 0
+        while j < len(slots) and used + slots[j] <= r:
+            used += slots[j]
+            counts[i] += 1
+            j += 1
+    return counts if j == len(slots) else None
+
+
+def _layout(
+    subset: list[Device], counts: list[int], slots: list[int]
+) -> list[tuple[Device, int, int]]:
+    """(GPU, slot count, slot bytes) for the GPUs that got slots."""
+    out, start = [], 0
+    for g, c in zip(subset, counts, strict=True):
+        if c:
+            out.append((g, c, sum(slots[start : start + c])))
+        start += c
+    return out
+
+
+def _gib(n: int) -> str:
+    return f"{n / 2**30:.2f} GiB" if n >= 2**30 else f"{n / 2**20:.0f} MiB"
