@@ -7,7 +7,6 @@ import contextlib
 import logging
 from collections.abc import AsyncIterator, Mapping
 
-import psutil
 import uvicorn
 from starlette.applications import Starlette
 from starlette.exceptions import HTTPException
@@ -21,19 +20,12 @@ from corral.api.ollama import Ollama
 from corral.api.openai import OpenAI, Router, openai_error
 from corral.api.stream import json_response
 from corral.config import ConfigError, Settings
+from corral.devices import Device, budgets, discover
 from corral.registry import Registry
 from corral.scheduler import Scheduler
 from corral.service import Service
 
 log = logging.getLogger("corral")
-
-
-def memory_budgets(settings: Settings) -> dict[str, int]:
-    """Bytes corral's runners may hold per device: total less the margin, capped by the limit."""
-    budget = psutil.virtual_memory().total - settings.memory_margin
-    if settings.memory_limit is not None:
-        budget = min(budget, settings.memory_limit)
-    return {"cpu": max(budget, 0)}
 
 
 def error_response(request: Request, e: ApiError) -> Response:
@@ -42,10 +34,12 @@ def error_response(request: Request, e: ApiError) -> Response:
     return json_response({"error": e.message}, e.status)
 
 
-def create_app(settings: Settings) -> Starlette:
+def create_app(settings: Settings, devices: list[Device] | None = None) -> Starlette:
+    """The app; `devices` defaults to what this machine has (tests may pass a fake set)."""
+    devices = discover() if devices is None else devices
     registry = Registry(settings.models_dir, builtin=settings.builtin_models)
     scheduler = Scheduler(
-        memory_budgets(settings),
+        budgets(devices, settings.memory_margin, settings.memory_limit),
         max_loaded=settings.max_loaded_models,
         max_queue=settings.max_queue,
         default_keep_alive=settings.keep_alive,
@@ -54,7 +48,7 @@ def create_app(settings: Settings) -> Starlette:
         llama_server=settings.llama_server,
         policy=settings.eviction_policy,
     )
-    service = Service(settings, registry, scheduler)
+    service = Service(settings, registry, scheduler, devices)
     atexit.register(scheduler.kill_all)  # last resort if the loop dies without a clean stop
 
     async def api_error(request: Request, exc: Exception) -> Response:
@@ -80,12 +74,12 @@ def create_app(settings: Settings) -> Starlette:
 
     @contextlib.asynccontextmanager
     async def lifespan(app: Starlette) -> AsyncIterator[None]:
-        budgets = ", ".join(f"{d} {b / 2**30:.1f} GiB" for d, b in scheduler.core.budgets.items())
+        books = ", ".join(f"{d} {b / 2**30:.1f} GiB" for d, b in scheduler.core.budgets.items())
         log.info(
             "corral %s serving models from %s (memory budgets: %s)",
             corral.__version__,
             settings.models_dir,
-            budgets,
+            books,
         )
         yield
         await scheduler.shutdown()

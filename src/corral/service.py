@@ -10,7 +10,7 @@ import asyncio
 import contextlib
 import hashlib
 import logging
-from collections.abc import AsyncIterator, Awaitable
+from collections.abc import AsyncIterator, Awaitable, Mapping
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
@@ -20,10 +20,13 @@ from starlette.requests import Request
 
 from corral.api.common import ApiError
 from corral.config import Settings
-from corral.estimate import estimate_bytes
+from corral.devices import Device
+from corral.estimate import Estimate, estimate
 from corral.gguf_info import GGUFError, ModelInfo, read_model_info
+from corral.placement import ModelNeed, Placement, place
 from corral.registry import ModelEntry, Registry
 from corral.runner import Runner, RunnerSpec
+from corral.sched_core import Fit, Placer
 from corral.scheduler import Lease, Scheduler, SchedulerError
 
 log = logging.getLogger(__name__)
@@ -54,10 +57,13 @@ class Resolved:
 
 
 class Service:
-    def __init__(self, settings: Settings, registry: Registry, scheduler: Scheduler) -> None:
+    def __init__(
+        self, settings: Settings, registry: Registry, scheduler: Scheduler, devices: list[Device]
+    ) -> None:
         self.settings = settings
         self.registry = registry
         self.scheduler = scheduler
+        self.devices = devices
 
     # ---- models ----------------------------------------------------------------------------
     def entry(self, name: str) -> ModelEntry:
@@ -115,17 +121,39 @@ class Service:
         """Wait for a runner slot. A client that leaves while waiting (queued, or while its
         model loads) takes its queue entry with it."""
         spec, explicit = self.runner_spec(r, options)
-        size = estimate_bytes(r.info, spec.n_ctx, spec.num_parallel)
+        est = estimate(r.info, spec.n_ctx, spec.num_parallel)
         try:
             ticket = self.scheduler.submit(
-                r.name, spec, explicit=explicit, size=size, keep_alive=keep_alive,
+                r.name, spec, explicit=explicit, size=est.total, keep_alive=keep_alive,
                 pinned=r.entry.pinned, priority=r.entry.priority,
+                place=self.placer(est, options),
             )  # fmt: skip
             if ticket.fut.done():  # a warm runner had a free slot: no need to watch the client
                 return await self.scheduler.wait(ticket)
             return await until_disconnect(request, self.scheduler.wait(ticket))
         except SchedulerError as e:
             raise ApiError(e.status, e.message) from None
+
+    def placer(self, est: Estimate, options: dict[str, Any]) -> Placer:
+        """The pure function the scheduler asks where this runner would fit."""
+        need = ModelNeed(
+            layers=tuple(
+                w + kv for w, kv in zip(est.weights_per_layer, est.kv_per_layer, strict=True)
+            ),
+            # The output head is counted in `host` with the embeddings: exact on the CPU, and
+            # on a GPU it errs towards system memory (verify on a GPU machine).
+            gpu_compute=est.compute,
+            cpu_compute=est.compute,
+            host=est.non_layer + est.overhead,
+        )
+        num_gpu, main_gpu = options.get("num_gpu"), options.get("main_gpu")
+        devices = self.devices
+
+        def fit(free: Mapping[str, int]) -> Fit | None:
+            p = place(need, devices, free, num_gpu=num_gpu, main_gpu=main_gpu)
+            return Fit(p.devices, p) if isinstance(p, Placement) else None
+
+        return fit
 
     # ---- talking to a runner -----------------------------------------------------------------
     async def post(
