@@ -14,9 +14,11 @@ import itertools
 import logging
 import math
 import time
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
+from corral.devices import Device
 from corral.policy import DEFAULT_POLICY, POLICIES
 from corral.runner import Runner, RunnerError, RunnerSpec
 from corral.sched_core import (
@@ -77,6 +79,9 @@ class Scheduler:
         queue_timeout: float = math.inf,
         policy: str = DEFAULT_POLICY,
         llama_server: str | None = None,
+        devices: list[Device] | None = None,
+        refresh: Callable[[list[Device]], list[Device]] | None = None,
+        recovery_timeout: float = 5.0,
     ) -> None:
         self.core = Core(
             budgets=budgets,
@@ -88,6 +93,10 @@ class Scheduler:
         self.load_timeout = load_timeout
         self.queue_timeout = queue_timeout
         self.llama_server = llama_server
+        self.devices = devices or []
+        self.refresh = refresh
+        self.recovery_timeout = recovery_timeout
+        self._free_before: dict[int, dict[str, int]] = {}  # runner id -> GPU free at stop
         self.runners: dict[int, Runner] = {}
         self._waiters: dict[int, asyncio.Future[Runner]] = {}
         self._ids = itertools.count(1)
@@ -188,6 +197,7 @@ class Scheduler:
                 log.info("loading model '%s' (runner %d)", a.model, a.runner)
                 self._spawn(self._load(a.runner, runner))
             elif isinstance(a, Stop):
+                self._note_free_before(a.runner)
                 log.info(
                     "unloading model '%s' (runner %d): %s",
                     self.runners[a.runner].name,
@@ -238,9 +248,34 @@ class Scheduler:
             log.info("runner for '%s' exited (code %s)", runner.name, code)
         if runner.session is not None:
             await runner.session.close()
+        before = self._free_before.pop(rid, None)
+        book = self.core.runners.get(rid)
+        if before and book is not None and self.refresh is not None:
+            # Keep the bytes booked until the driver reports them free again, so the next
+            # placement does not trust a free figure that still counts the dead runner.
+            ok = await wait_for_recovery(
+                self.refresh, self.devices, before, book.devices, self.recovery_timeout
+            )
+            if not ok:
+                log.warning(
+                    "GPU memory of '%s' did not show as free within %.0fs",
+                    runner.name,
+                    self.recovery_timeout,
+                )
         self.runners.pop(rid, None)
         self.core.exited(rid, time.monotonic())
         self._apply()
+
+    def _note_free_before(self, rid: int) -> None:
+        book = self.core.runners.get(rid)
+        gpus = {d.id for d in self.devices if d.library != "cpu" and d.free_reliable}
+        if (
+            self.refresh is None
+            or book is None
+            or not gpus & {d for d, n in book.devices.items() if n}
+        ):
+            return
+        self._free_before[rid] = {d.id: d.free for d in self.refresh(self.devices)}
 
     def _arm_timer(self) -> None:
         wake = self.core.next_wake()
@@ -279,3 +314,26 @@ class Scheduler:
     def kill_all(self) -> None:
         for r in self.runners.values():
             r.kill_now()
+
+
+async def wait_for_recovery(
+    refresh: Callable[[list[Device]], list[Device]],
+    devices: list[Device],
+    before: Mapping[str, int],
+    booked: Mapping[str, int],
+    timeout: float,
+    interval: float = 0.1,
+) -> bool:
+    """Wait until every GPU a stopped runner used reports most of its bytes free again
+    (drivers release memory a little after the process exits). False on timeout."""
+    want = {
+        d: before[d] + int(0.8 * n) for d, n in booked.items() if n and d in before and d != "cpu"
+    }
+    deadline = time.monotonic() + timeout
+    while True:
+        free = {d.id: d.free for d in refresh(devices)}
+        if all(free.get(d, 0) >= w for d, w in want.items()):
+            return True
+        if time.monotonic() >= deadline:
+            return False
+        await asyncio.sleep(interval)

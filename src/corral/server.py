@@ -20,7 +20,7 @@ from corral.api.ollama import Ollama
 from corral.api.openai import OpenAI, Router, openai_error
 from corral.api.stream import json_response
 from corral.config import ConfigError, Settings
-from corral.devices import Device, budgets, discover
+from corral.devices import Device, budgets, discover, refresh
 from corral.registry import Registry
 from corral.scheduler import Scheduler
 from corral.service import Service
@@ -47,6 +47,8 @@ def create_app(settings: Settings, devices: list[Device] | None = None) -> Starl
         queue_timeout=settings.queue_timeout,
         llama_server=settings.llama_server,
         policy=settings.eviction_policy,
+        devices=devices,
+        refresh=refresh,
     )
     service = Service(settings, registry, scheduler, devices)
     atexit.register(scheduler.kill_all)  # last resort if the loop dies without a clean stop
