@@ -304,3 +304,16 @@ def test_queued_request_past_its_deadline_fails_with_503() -> None:
     b = h.request("b")  # waits for c, which never finishes
     h.advance(61)
     assert h.outcome[b] == "failed"
+
+
+def test_two_waiting_requests_with_different_options_are_both_served_one_load_each() -> None:
+    h = Harness()
+    small = h.request("a", ctx=2048)
+    big = h.request("a", ctx=4096)  # arrives while a's first runner is still loading
+    h.finish_load(1)
+    assert h.outcome.get(small) == "granted"  # the request ahead gets the runner it asked for
+    h.release(small)
+    h.exit(1)
+    h.finish_load(2)
+    assert h.outcome.get(big) == "granted"
+    assert h.core.loads == 2

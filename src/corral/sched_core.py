@@ -312,9 +312,12 @@ class Core:
 
     def _pump(self, now: float) -> None:
         load_blocked = False
+        waiting_for_current: set[str] = set()  # models with a compatible request ahead
         for q in list(self.queue):
             r = self.current(q.model)
             if r is not None and not compatible(r.spec, q):
+                if q.model in waiting_for_current:
+                    continue  # requests ahead of q get the runner they asked for first
                 r.draining = True  # later requests wait for the reloaded runner
             if r is not None and r.draining:
                 if r.state == "ready" and r.inflight == 0:
@@ -323,7 +326,9 @@ class Core:
             if r is not None:
                 if r.state == "ready" and r.inflight < r.spec.num_parallel:
                     self._grant(q, r, now)
-                continue  # loading, or all its slots busy
+                else:  # loading, or all its slots busy
+                    waiting_for_current.add(q.model)
+                continue
             if load_blocked:
                 continue  # first come, first served among loads
             if any(b.model == q.model for b in self.runners.values()):
