@@ -1,46 +1,269 @@
 """Memory estimates (pure): bytes a runner will hold for a model at a context and parallelism.
 
-First-order arithmetic over the GGUF metadata: weights + KV cache (per layer, honouring sliding
-windows) + compute buffers + a fixed overhead. It errs high on purpose; the runner's real
-allocation replaces it in the books once loaded.
+Arithmetic over the GGUF metadata (ModelInfo) that reproduces the buffers llama.cpp allocates
+when it loads the model (the `... buffer size = N MiB` lines that corral.memreport reads):
+
+- weights: the tensor data, per layer and outside the layers (token embedding, output, norms);
+- KV cache: per layer, cells x streams x (K row + V row), sliding-window layers holding only
+  their window;
+- compute: the graph allocator's peak for one micro-batch (activations and the attention mask);
+- overhead: the output buffer (logits/embeddings of one token per sequence) and slack for the
+  log's rounding and buffer alignment.
+
+Calibrated against llama.cpp (xllamacpp 2026.10, CPU backend, flash attention auto = on) for
+llama, gemma3 (SWA) and bert models: estimate >= real and <= 1.10 x real over the models the
+test suite makes or ships (see corral.bench.estimates). The runner's real allocation replaces
+the estimate in the books once it has loaded.
 """
 
 from __future__ import annotations
 
-from corral.gguf_info import ModelInfo
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
-KV_TYPE_BYTES = {"f32": 4.0, "f16": 2.0, "bf16": 2.0, "q8_0": 34 / 32, "q4_0": 18 / 32}
-N_UBATCH = 512  # llama.cpp's default micro-batch; compute buffers scale with it
-OVERHEAD = 48 * 2**20  # runner process, llama.cpp context, HTTP threads
+if TYPE_CHECKING:  # runner_child imports this module and must not pay for the GGUF reader
+    from corral.gguf_info import ModelInfo
+
+__all__ = [
+    "KV_CACHE_TYPES",
+    "RUNNER_PROCESS_BYTES",
+    "Estimate",
+    "LlamaParams",
+    "check_kv_cache_type",
+    "estimate",
+    "estimate_bytes",
+    "llama_params",
+]
+
+# The KV cache types llama.cpp accepts (common/arg.cpp kv_cache_types): (block size, bytes per
+# block), as in ggml's type traits.
+KV_CACHE_TYPES = {
+    "f32": (1, 4), "f16": (1, 2), "bf16": (1, 2), "q8_0": (32, 34), "q4_0": (32, 18),
+    "q4_1": (32, 20), "iq4_nl": (32, 18), "q5_0": (32, 22), "q5_1": (32, 24),
+}  # fmt: skip
+
+N_BATCH = 2048  # common_params.n_batch (llama-server default)
+N_UBATCH = 512  # common_params.n_ubatch: the micro-batch the compute graph is reserved for
+N_CTX_PAD = 256  # llama_context pads n_ctx to a multiple of 256
+SWA_PAD = 256  # llama_kv_cache_iswa pads the SWA cache to 256 cells (issue #17037)
+F32 = 4
+F16 = 2
+# Activations per token that are not a multiple of n_embd or n_ff: token ids, positions,
+# output ids and KV-cache row indices (int32/int64), alignment of each tensor to 32-64 bytes.
+PER_TOKEN_EXTRA = 24 * F32
+# With a quantized KV cache the graph holds a little more per token and cache (observed: 64 B).
+PER_TOKEN_QUANT_KV = 128
+# The log prints MiB with 2 decimals (up to 5 KiB off per buffer) and buffers are aligned.
+SLACK = 32 * 1024
+# Not in the estimate (llama.cpp does not count it, and the books hold what llama.cpp
+# allocated once a runner is loaded): the runner process itself, i.e. Python, xllamacpp's code
+# and heap, thread stacks; measured ~28 MiB USS beyond the buffers on CPU. A scheduler that
+# must not over-commit can reserve this per runner on top.
+RUNNER_PROCESS_BYTES = 32 * 2**20
+GGUF_ALIGNMENT = 32  # general.alignment default: each tensor's data may be padded to it
+# Architectures whose feed-forward is not gated (up -> act -> down): one n_ff activation, not
+# three (gate, up, gate*up). Unknown architectures count as gated, which errs high.
+UNGATED_FFN = frozenset({"bert", "gpt2", "gptneox", "starcoder", "phi2", "bloom", "falcon"})
 
 
-def kv_cache_bytes(info: ModelInfo, n_ctx_total: int, kv_type: str = "f16") -> int:
-    per = KV_TYPE_BYTES.get(kv_type, 2.0)
-    total = 0.0
+def check_kv_cache_type(info: ModelInfo, kv_type: str) -> None:
+    """ValueError with a message for users if this model cannot use this KV cache type."""
+    if kv_type not in KV_CACHE_TYPES:
+        raise ValueError(
+            f"unsupported kv_cache_type {kv_type!r}; use one of {', '.join(KV_CACHE_TYPES)}"
+        )
+    block = KV_CACHE_TYPES[kv_type][0]
+    # llama_init_from_model refuses a quantized cache whose blocks straddle attention heads.
+    for what, dim in (("key", info.head_dim_k), ("value", info.head_dim_v)):
+        if dim % block:
+            raise ValueError(
+                f"kv_cache_type {kv_type!r} needs head dimensions divisible by {block}, but "
+                f"this model's {what} heads have {dim}; use f16 (or f32, bf16)"
+            )
+
+
+def _pad(n: int, to: int) -> int:
+    return -(-n // to) * to
+
+
+def _row_bytes(kv_type: str, n: int) -> int:
+    block, size = KV_CACHE_TYPES[kv_type]
+    return -(-n // block) * size
+
+
+@dataclass(frozen=True)
+class LlamaParams:
+    """The context llama.cpp sets up for a runner spec (llama_context's constructor)."""
+
+    n_ctx: int  # all slots together, padded to N_CTX_PAD
+    n_seq: int  # parallel sequences = KV streams (kv_unified is off)
+    n_ctx_seq: int  # KV cells per stream for full-attention layers
+    n_ctx_swa: int  # KV cells per stream for sliding-window layers
+    n_ubatch: int  # tokens in the micro-batch the compute graph is reserved for
+    has_kv: bool  # encoders (bert, ...) keep no KV cache
+
+
+def llama_params(info: ModelInfo, n_ctx: int, num_parallel: int) -> LlamaParams:
+    n_seq = max(1, num_parallel)
+    requested = max(1, n_ctx) * n_seq  # runner_child passes n_ctx * num_parallel
+    # llama_context: n_ctx = PAD(n_ctx, 256); n_ctx_seq = PAD(n_ctx / n_seq_max, 256); then
+    # n_ctx = n_ctx_seq * n_seq_max. Nothing caps it at the training context (llama.cpp only
+    # warns), so neither does this.
+    n_ctx_seq = _pad(_pad(requested, N_CTX_PAD) // n_seq, N_CTX_PAD)
+    total = n_ctx_seq * n_seq
+    from corral.gguf_info import EMBEDDING_ARCHITECTURES  # loaded already: `info` is from it
+
+    has_kv = info.architecture not in EMBEDDING_ARCHITECTURES
+    causal = info.metadata.get(f"{info.architecture}.attention.causal", has_kv) is not False
+    # Causal models: n_batch = min(n_ctx, n_batch) with the unpadded n_ctx, n_ubatch <= n_batch.
+    # Non-causal ones keep n_batch (the server sets n_batch = n_ubatch for embeddings).
+    n_ubatch = min(N_UBATCH, N_BATCH, requested) if causal else N_UBATCH
+    n_swa = info.sliding_window or 0
+    # llama_kv_cache_iswa: GGML_PAD(min(size_base, n_swa + n_ubatch), 256) per stream.
+    n_ctx_swa = _pad(min(n_ctx_seq, n_swa + n_ubatch), SWA_PAD)
+    # sched_reserve sizes the graph for min(n_ctx, n_ubatch) tokens, split equally over the
+    # sequences (rounded up: 512 tokens over 5 sequences are 5 x 103).
+    n_tokens = _pad(min(n_ubatch, total), n_seq)
+    return LlamaParams(total, n_seq, n_ctx_seq, n_ctx_swa, n_tokens, has_kv)
+
+
+def _is_swa(info: ModelInfo, layer: int) -> bool:
+    return bool(info.sliding_window) and layer < len(info.swa_layers) and info.swa_layers[layer]
+
+
+def _meta_int(info: ModelInfo, key: str) -> int | None:
+    """An integer key of the architecture, the largest if given per layer."""
+    value = info.metadata.get(f"{info.architecture}.{key}")
+    if isinstance(value, tuple):
+        value = max((v for v in value if isinstance(v, int)), default=None)
+    return value if isinstance(value, int) and value > 0 else None
+
+
+def _n_ff(info: ModelInfo) -> int:
+    """Feed-forward activations per token: n_ff, or for a mixture of experts the experts
+    used per token (build_moe_ffn: [n_ff_exp, n_expert_used, n_tokens]; not calibrated, no
+    MoE model is in the test suite)."""
+    n_ff = _meta_int(info, "feed_forward_length") or 4 * info.n_embd  # 4x: when unsaid
+    n_used = _meta_int(info, "expert_used_count")
+    if n_used:
+        n_ff = (_meta_int(info, "expert_feed_forward_length") or n_ff) * n_used + (
+            _meta_int(info, "expert_shared_feed_forward_length") or 0
+        )
+    return n_ff
+
+
+def kv_per_layer(info: ModelInfo, p: LlamaParams, kv_type: str = "f16") -> tuple[int, ...]:
+    """llama_kv_cache: per layer a K tensor [n_embd_k_gqa, cells, streams] and a V tensor
+    likewise (transposed without flash attention: same size)."""
+    if not p.has_kv:
+        return (0,) * info.n_layer
+    out = []
     for layer in range(info.n_layer):
         n_kv = info.n_head_kv[layer] if layer < len(info.n_head_kv) else info.n_head
-        ctx = n_ctx_total
-        if info.sliding_window and layer < len(info.swa_layers) and info.swa_layers[layer]:
-            ctx = min(ctx, info.sliding_window)
-        total += ctx * n_kv * (info.head_dim_k + info.head_dim_v) * per
-    return int(total)
+        cells = p.n_ctx_swa if _is_swa(info, layer) else p.n_ctx_seq
+        row = _row_bytes(kv_type, n_kv * info.head_dim_k) + _row_bytes(
+            kv_type, n_kv * info.head_dim_v
+        )
+        out.append(cells * p.n_seq * row)
+    return tuple(out)
 
 
-def compute_bytes(info: ModelInfo, n_ctx_total: int) -> int:
-    # Logits for a micro-batch, attention scores for it against the whole context, and the
-    # feed-forward activations: the three biggest tensors in llama.cpp's compute graph.
-    logits = N_UBATCH * info.n_vocab * 4
-    scores = N_UBATCH * n_ctx_total * info.n_head * 4
-    activations = N_UBATCH * info.n_embd * 4 * 8
-    return logits + scores + activations
+def compute_bytes(
+    info: ModelInfo, p: LlamaParams, kv_type: str = "f16", flash_attn: bool = True
+) -> int:
+    """Peak of ggml-alloc's graph allocator for one micro-batch of n_ubatch tokens.
+
+    Activations are f32 per token; the allocator reuses freed tensors best-fit, and what stays
+    live at the peak was measured (over n_embd 64-1024, n_ff 0.25-16 x n_embd, 1-30 layers):
+    - attention: the residual stream, the normed input, Q, K, V and the attention output:
+      up to 7 x n_embd;
+    - gated feed-forward: gate, up and gate*up (3 x n_ff) beside up to 5 x n_embd of residual
+      and freed-but-fragmented blocks, once n_ff > n_embd (below, n_ff-sized blocks fit in
+      the attention stage's holes); with two layers the fragmentation is smaller (3.5 x n_embd
+      while n_ff <= 2 n_embd); the last layer runs its feed-forward only on the output rows
+      (inp_out_ids), so a one-layer model has no full-batch feed-forward;
+    - ungated feed-forward (bert): one n_ff activation beside 5 x n_embd.
+    The attention mask is one f16 [n_kv, n_ubatch] per KV cache (full, SWA) with flash
+    attention; without it the mask is f32 and the scores [n_kv, n_ubatch, n_head] f32 join in.
+    """
+    e, ff, t = info.n_embd, _n_ff(info), p.n_ubatch
+    if info.architecture in UNGATED_FFN:
+        ffn = ff + 5 * e  # up (+bias, activation in place) beside the residuals
+    elif (info.n_layer == 1 and p.has_kv) or ff <= e:
+        ffn = 0  # the attention stage (7 x n_embd) is the peak
+    elif info.n_layer == 2 and ff <= 2 * e:
+        ffn = 3 * ff + 7 * e // 2
+    else:
+        ffn = 3 * ff + 5 * e
+    width = max(7 * e, ffn)
+    activations = t * (width * F32 + PER_TOKEN_EXTRA)
+    # Masks: one per KV cache kind present (graph inputs, live for the whole graph); an encoder
+    # attends over the micro-batch itself.
+    if p.has_kv:
+        kinds = {_is_swa(info, i) for i in range(info.n_layer)}
+        kv_lens = [p.n_ctx_swa if swa else p.n_ctx_seq for swa in kinds]
+    else:
+        kinds, kv_lens = set(), [t]
+    mask = sum(t * n_kv * (F16 if flash_attn else F32) for n_kv in kv_lens)
+    scores = 0 if flash_attn else t * max(kv_lens) * max(info.n_head, 1) * F32
+    quant = len(kinds) * t * PER_TOKEN_QUANT_KV if KV_CACHE_TYPES[kv_type][0] > 1 else 0
+    return activations + mask + scores + quant
+
+
+def output_bytes(info: ModelInfo, p: LlamaParams) -> int:
+    """llama_context's output buffer: f32 logits of one token per sequence (n_outputs_max),
+    plus its embeddings for an embedding model."""
+    per_row = info.n_vocab + (info.n_embd if "embedding" in info.capabilities else 0)
+    return p.n_seq * per_row * F32
+
+
+@dataclass(frozen=True)
+class Estimate:
+    """Bytes a runner will hold, broken down for placing layers on devices."""
+
+    weights_per_layer: tuple[int, ...]  # tensor data of blk.N.*
+    kv_per_layer: tuple[int, ...]  # KV cache of layer N (all streams)
+    non_layer: int  # weights outside the layers: token embedding, output, norms
+    compute: int  # graph compute buffer, on the device that runs the graph
+    overhead: int  # output buffer (host memory) and slack
+
+    @property
+    def total(self) -> int:
+        return (
+            sum(self.weights_per_layer)
+            + sum(self.kv_per_layer)
+            + self.non_layer
+            + self.compute
+            + self.overhead
+        )
+
+
+def estimate(
+    info: ModelInfo,
+    n_ctx: int,
+    num_parallel: int = 1,
+    kv_type: str = "f16",
+    *,
+    flash_attn: bool = True,
+) -> Estimate:
+    """What llama.cpp will allocate for `info` at `n_ctx` tokens per request and
+    `num_parallel` slots (ValueError for an unknown kv_type)."""
+    if kv_type not in KV_CACHE_TYPES:
+        raise ValueError(f"unsupported kv_cache_type {kv_type!r}")
+    p = llama_params(info, n_ctx, num_parallel)
+    # The mapped weights span the tensors with their padding to the file's alignment: up to
+    # 32 tensors per layer (llama has 9, gemma3 13, bert 16), 8 outside the layers.
+    align = info.metadata.get("general.alignment", GGUF_ALIGNMENT)
+    align = align if isinstance(align, int) and align > 0 else GGUF_ALIGNMENT
+    return Estimate(
+        weights_per_layer=tuple(b + 32 * align for b in info.layer_bytes),
+        kv_per_layer=kv_per_layer(info, p, kv_type),
+        non_layer=info.output_bytes + 8 * align,
+        compute=compute_bytes(info, p, kv_type, flash_attn),
+        overhead=output_bytes(info, p) + SLACK,
+    )
 
 
 def estimate_bytes(info: ModelInfo, n_ctx: int, num_parallel: int, kv_type: str = "f16") -> int:
-    n_ctx_total = n_ctx * num_parallel
-    weights = sum(info.layer_bytes) + info.output_bytes
-    return (
-        weights
-        + kv_cache_bytes(info, n_ctx_total, kv_type)
-        + compute_bytes(info, n_ctx_total)
-        + OVERHEAD
-    )
+    """The estimate's total in bytes (what the scheduler books before a load)."""
+    return estimate(info, n_ctx, num_parallel, kv_type).total

@@ -24,6 +24,8 @@ from typing import Any
 
 import aiohttp
 
+from corral.memreport import Allocation, AllocationParser
+
 log = logging.getLogger(__name__)
 
 LOG_TAIL_LINES = 40
@@ -46,6 +48,7 @@ class RunnerSpec:
     embedding: bool = False
     pooling_type: int | None = None
     threads: int | None = None
+    kv_cache_type: str = "f16"  # KV cache type (K and V): f16, q8_0, q4_0, ...
 
 
 class Runner:
@@ -63,10 +66,20 @@ class Runner:
         self._ready: asyncio.Future[str] | None = None
         self.exit_code: int | None = None
         self.stopping = False
+        # llama.cpp's own account of its buffers, read from the load log (see memreport).
+        self._alloc = AllocationParser()
+        self._load_logged = asyncio.Event()
 
     @property
     def pid(self) -> int | None:
         return self.proc.pid if self.proc else None
+
+    @property
+    def allocation(self) -> Allocation | None:
+        """What llama.cpp allocated (weights, KV cache, compute, output; per device), complete
+        once start() returned; None if its log did not say (e.g. a llama-server binary too old
+        or too new to print it at -lv 4)."""
+        return self._alloc.allocation
 
     def log_tail(self, n: int = 8) -> str:
         lines = [ln for ln in self._tail if ln.strip()]
@@ -143,7 +156,11 @@ class Runner:
             "-c", str(s.n_ctx * s.num_parallel), "-np", str(s.num_parallel),
             "-ngl", str(s.n_gpu_layers), "--cache-ram", "0", "--metrics", "--slots",
             "--fit", "off", "--no-webui",
+            # llama.cpp logs its buffer sizes at verbosity 4 (trace); see memreport.
+            "-lv", "4",
         ]  # fmt: skip
+        if s.kv_cache_type != "f16":
+            cmd += ["-ctk", s.kv_cache_type, "-ctv", s.kv_cache_type]
         if s.embedding:
             cmd.append("--embedding")
             if s.pooling_type is not None:
@@ -161,8 +178,15 @@ class Runner:
         while line := await stream.readline():
             text = line.decode(errors="replace").rstrip()
             if ready and text.startswith("READY ") and self._ready and not self._ready.done():
+                # The child logged its load (stderr, another pipe) before READY: let that
+                # reader catch up so that `allocation` is complete when start() returns.
+                with contextlib.suppress(asyncio.TimeoutError):
+                    await asyncio.wait_for(self._load_logged.wait(), 2.0)
                 self._ready.set_result(text.split(" ", 1)[1])
                 continue
+            self._alloc.feed(text)
+            if self._alloc.done:
+                self._load_logged.set()
             self._tail.append(text)
             log.debug("[%s] %s", self.name, text)
 

@@ -4,10 +4,15 @@ Started by corral.runner as `python -m corral.runner_child SPEC_JSON`. It prints
 `READY http://127.0.0.1:PORT` on stdout once the model is loaded and serving, logs llama.cpp's
 output on stderr, and exits when its parent dies: PR_SET_PDEATHSIG covers SIGKILL of the parent
 on Linux, and EOF on stdin (the parent holds the other end) covers everything else.
+
+llama.cpp reports the buffers it allocates (weights, KV cache, compute, output) only at log
+verbosity 4, so the load runs at 4; then the log is flushed, memreport.LOADED_MARKER goes to
+stderr and the verbosity drops back to llama.cpp's default, which keeps request logs short.
 """
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import json
 import os
@@ -15,7 +20,12 @@ import signal
 import sys
 from typing import Any
 
+from corral.estimate import KV_CACHE_TYPES, check_kv_cache_type
+from corral.memreport import LOADED_MARKER
+
 PR_SET_PDEATHSIG = 1
+LOAD_VERBOSITY = 4  # LLAMA_LOG_INFO maps to verbosity 4 ("trace") in llama.cpp's common log
+RUN_VERBOSITY = 3  # llama.cpp's default: server info lines, warnings, errors
 
 
 def die_with_parent(parent_pid: int) -> None:
@@ -45,6 +55,15 @@ def build_params(spec: dict[str, Any]) -> Any:
     p.endpoint_metrics = True
     p.endpoint_slots = True
     p.n_threads_http = max(4, spec["num_parallel"] + 2)
+    p.verbosity = LOAD_VERBOSITY
+    kv_type = spec.get("kv_cache_type") or "f16"
+    if kv_type not in KV_CACHE_TYPES:
+        raise ValueError(
+            f"unsupported kv_cache_type {kv_type!r}; use one of {', '.join(KV_CACHE_TYPES)}"
+        )
+    # Same type for K and V. A quantized V cache needs flash attention, which llama.cpp's
+    # default (flash_attn auto) turns on for it, or fails to create the context if it cannot.
+    p.cache_type_k = p.cache_type_v = getattr(x.ggml_type, f"GGML_TYPE_{kv_type.upper()}")
     if spec.get("embedding"):
         p.embedding = True
         if spec.get("pooling_type") is not None:
@@ -57,12 +76,64 @@ def build_params(spec: dict[str, Any]) -> Any:
     return p
 
 
+def _llama_log_fn(name: str, argtypes: list[Any], restype: Any = None) -> Any:
+    """A function of llama.cpp's common log (C++ symbol) in xllamacpp's library, or None."""
+    import xllamacpp.xllamacpp as ext
+
+    try:
+        fn = getattr(ctypes.CDLL(ext.__file__), name)
+    except (OSError, AttributeError):
+        return None
+    fn.argtypes, fn.restype = argtypes, restype
+    return fn
+
+
+def flush_llama_log() -> None:
+    """Write out what llama.cpp has logged so far (its logger has a queue and a writer
+    thread), so that what we print next comes after it."""
+    log_main = _llama_log_fn("_Z15common_log_mainv", [], ctypes.c_void_p)
+    flush = _llama_log_fn("_Z16common_log_flushP10common_log", [ctypes.c_void_p])
+    if log_main is not None and flush is not None:
+        flush(log_main())
+
+
+def end_of_load_logging() -> None:
+    """Flush the load log, mark its end, lower the verbosity for the requests to come."""
+    flush_llama_log()
+    set_thold = _llama_log_fn("_Z30common_log_set_verbosity_tholdi", [ctypes.c_int])
+    # Without the symbol the runner keeps logging at verbosity 4: more lines, nothing lost.
+    if set_thold is not None:
+        set_thold(RUN_VERBOSITY)
+    print(LOADED_MARKER, file=sys.stderr, flush=True)
+
+
 def main() -> None:
     spec = json.loads(sys.argv[1])
     die_with_parent(spec["parent_pid"])
+    try:
+        kv_type = spec.get("kv_cache_type") or "f16"
+        if KV_CACHE_TYPES.get(kv_type, (0,))[0] != 1:
+            # A quantized KV cache the model cannot use fails here, with a message that says
+            # why, rather than deep in llama.cpp's context setup. (Imported only then: the
+            # GGUF reader costs ~16 MiB in every runner.)
+            from corral.gguf_info import read_model_info
+
+            check_kv_cache_type(read_model_info(spec["path"]), kv_type)
+        params = build_params(spec)
+    except Exception as e:  # unusable spec or unreadable model: say why, exit
+        print(f"corral-runner: {e}", file=sys.stderr, flush=True)
+        os._exit(2)
     import xllamacpp as x
 
-    server = x.Server(build_params(spec))  # returns once the model is loaded and listening
+    try:
+        server = x.Server(params)  # returns once the model is loaded and listening
+    except RuntimeError as e:
+        with contextlib.suppress(Exception):
+            flush_llama_log()  # its errors first, then ours
+        print(f"corral-runner: llama.cpp could not load the model ({e})", file=sys.stderr)
+        sys.stderr.flush()
+        os._exit(1)
+    end_of_load_logging()
     print(f"READY {server.listening_address}", flush=True)
     try:
         while sys.stdin.buffer.read(4096):  # block until the parent closes our stdin
