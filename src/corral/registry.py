@@ -30,7 +30,12 @@ BUILTIN_NAME = "smollm2:135m"
 SMOLLM2_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 
 # Options a models.toml entry may set, with their types; they act as per-model defaults.
-_OPTION_TYPES: dict[str, type] = {"num_ctx": int, "num_parallel": int, "num_gpu": int}
+_OPTION_TYPES: dict[str, type] = {
+    "num_ctx": int,
+    "num_parallel": int,
+    "num_gpu": int,
+    "kv_cache_type": str,
+}
 
 
 def canonical_name(name: str) -> str:

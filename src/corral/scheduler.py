@@ -236,7 +236,17 @@ class Scheduler:
             runner.base_url,
             runner.pid,
         )
-        self.core.loaded(rid, time.monotonic())
+        alloc = runner.allocation
+        real = alloc.booked(self.core.budgets.keys()) if alloc and alloc.total else None
+        book = self.core.runners.get(rid)
+        if real is not None and book is not None:
+            log.info(
+                "model '%s' allocated %.1f MiB (estimated %.1f MiB)",
+                runner.name,
+                sum(real.values()) / 2**20,
+                book.size / 2**20,
+            )
+        self.core.loaded(rid, time.monotonic(), real)  # the real allocation replaces the estimate
         self._apply()
         self._spawn(self._watch(rid, runner))
 

@@ -21,7 +21,7 @@ from starlette.requests import Request
 from corral.api.common import ApiError
 from corral.config import Settings
 from corral.devices import Device
-from corral.estimate import Estimate, estimate
+from corral.estimate import Estimate, check_kv_cache_type, estimate
 from corral.gguf_info import GGUFError, ModelInfo, read_model_info
 from corral.placement import ModelNeed, Placement, place
 from corral.registry import ModelEntry, Registry
@@ -106,6 +106,7 @@ class Service:
             "embedding": embedding,
             "pooling_type": r.info.pooling_type if embedding else None,
             "threads": None,
+            "kv_cache_type": defaults.get("kv_cache_type") or self.settings.kv_cache_type,
         }
         explicit = set()
         for opt, fld in SHAPING.items():
@@ -121,7 +122,11 @@ class Service:
         """Wait for a runner slot. A client that leaves while waiting (queued, or while its
         model loads) takes its queue entry with it."""
         spec, explicit = self.runner_spec(r, options)
-        est = estimate(r.info, spec.n_ctx, spec.num_parallel)
+        try:
+            check_kv_cache_type(r.info, spec.kv_cache_type)
+        except ValueError as e:
+            raise ApiError(500, f"model '{r.requested}' cannot be loaded: {e}") from None
+        est = estimate(r.info, spec.n_ctx, spec.num_parallel, spec.kv_cache_type)
         try:
             ticket = self.scheduler.submit(
                 r.name, spec, explicit=explicit, size=est.total, keep_alive=keep_alive,
