@@ -3,7 +3,7 @@ VENV ?= .venv
 BIN := $(VENV)/bin
 PYTHON ?= python3
 
-.PHONY: serve test setup setup-test lint clean
+.PHONY: serve test setup setup-test lint clean bench
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -32,6 +32,12 @@ lint: setup-test
 
 test: lint
 	$(BIN)/pytest -q
+
+# Every figure in docs/benchmarks.md, rewritten in place (see `corral bench --help`);
+# e.g. `make bench BENCH_ARGS="proxy --quick"` for one section, printed only.
+BENCH_ARGS ?= all --write-docs --json bench.json
+bench: setup
+	$(BIN)/corral bench $(BENCH_ARGS)
 
 clean:
 	rm -rf $(VENV)

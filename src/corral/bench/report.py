@@ -1,0 +1,189 @@
+"""docs/benchmarks.md from a run's sections.
+
+The file has a block per section between `<!-- bench:KIND:NAME -->` markers (its results, and
+its lines in "Goals vs measured"); a run rewrites the blocks of the sections it measured and
+keeps the others from the existing file, so `corral bench cold --write-docs` updates only the
+cold-start figures. Everything outside the blocks is regenerated from the text here.
+"""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+from typing import Any
+
+from corral.bench.common import Section, machine_line
+
+ORDER = ("proxy", "cold", "swap", "estimates")
+TITLES = {
+    "proxy": "1. Proxy overhead",
+    "cold": "2. Cold start",
+    "swap": "3. Multi-model swap traces",
+    "estimates": "4. Estimate accuracy",
+}
+
+INTRO = """\
+# Benchmarks
+
+Every figure here comes from corral's own harness, so anyone can rerun them with one command:
+
+```sh
+make bench                                   # all sections, rewrites this file
+corral bench all --write-docs --json bench.json
+corral bench proxy --quick                   # one section, fewer repetitions, print only
+python -m corral.bench swap --json swap.json
+```
+
+Sections: `proxy`, `cold`, `swap`, `estimates` (or `all`). `--quick` takes a few minutes,
+`--smoke` (what CI runs, tests/test_bench_smoke.py) seconds with meaningless figures; the
+default full run is what this page should report. `--write-docs` rewrites only the sections
+it measured. Each comparison runs both sides in one process tree on one machine, interleaved
+(alternating which goes first), several times; tables give medians and p99. Benchmarks print
+figures, they do not pass or fail; goals are checked in "Goals vs measured".
+Timings on a machine shared with other work are noisy: compare ratios, and rerun on a quiet
+machine before drawing conclusions.
+"""
+
+METHOD = {
+    "proxy": """\
+The same requests are sent straight to the runner (the llama.cpp server process corral
+loaded; its port is read from the pid in `/api/ps`) and through corral, interleaved.
+Latency: short non-streamed requests (`max_tokens`/`num_predict` 1, temperature 0, fixed seed)
+on the OpenAI routes (byte pass-through: `/v1/chat/completions`, `/v1/completions`) and the
+Ollama route (`/api/generate`, translated: its direct counterpart is the streamed
+`/v1/chat/completions` request corral sends the runner). Added latency = corral minus direct.
+Streaming: long streamed answers (`ignore_eos` on the OpenAI route), tokens per second of the
+whole request through corral over direct. Models: a tiny synthetic llama (where proxy cost
+weighs most) and the real SmolLM2-135M. Capacity: many concurrent clients against corral with
+an instant fake runner (`corral.bench.fake_runner`, plugged in as its `llama-server` binary),
+and the pure scheduler core's request/grant/release cycles per second.""",
+    "cold": """\
+Time to first token for a model that is not loaded. Through corral: a streamed `/api/generate`
+with `keep_alive: 0`, so each repetition starts cold; the response's `load_duration` is the
+wait for the load. Direct: the runner child corral would spawn, with the same RunnerSpec
+(`corral.bench.cold_child` runs `corral.runner_child` unchanged, with timestamps), then the
+request corral would send it. A third variant loads with llama.cpp's warm-up run off, to split
+weights load from warm-up. One discarded round first, then the repetitions interleaved.""",
+    "swap": """\
+A seeded trace (`corral.bench.trace.generate_trace`): chat models of several sizes with
+Zipf-like popularity in sessions, one big model in a long session, an embedding model hit
+constantly, bursts; compressed in time and replayed open-loop through the OpenAI routes
+against a real corral with `CORRAL_MEMORY_LIMIT` holding about half of the models, once per
+eviction policy (`CORRAL_EVICTION_POLICY`). Loads and evictions come from corral's log; bytes
+loaded are what each model holds once loaded; wait = time to first token less the runner's
+prompt time. The offline optimum (Belady: evict the model whose next use is farthest away) is
+computed for the same trace, limit and sizes by driving corral's scheduler core one request at
+a time (`corral.bench.trace.simulate`). With `CORRAL_BENCH_LLAMA_SERVER=/path/to/llama-server`
+the trace is also replayed against llama.cpp's router mode.""",
+    "estimates": """\
+corral's memory estimate (`corral.estimate`) against what llama.cpp reports it allocated, for
+synthetic and real models at several contexts, slots and KV cache types
+(`corral.bench.estimates`). Goal: real <= estimate <= 1.10 x real on every row.""",
+}
+
+_BLOCK = re.compile(r"<!-- bench:(\w+):(\w+) -->\n(.*?)<!-- /bench:\1:\2 -->\n", re.S)
+
+
+def existing_blocks(text: str) -> dict[tuple[str, str], str]:
+    return {(m.group(1), m.group(2)): m.group(3) for m in _BLOCK.finditer(text)}
+
+
+def _block(kind: str, name: str, body: str) -> str:
+    return f"<!-- bench:{kind}:{name} -->\n{body.rstrip()}\n<!-- /bench:{kind}:{name} -->\n"
+
+
+def busy(host: dict[str, Any]) -> bool:
+    """Was something else using the machine when the run started?"""
+    load = host.get("load_average_at_start") or [0.0]
+    return bool(load[0] > 0.5 * max(1, host.get("usable_cores") or 1))
+
+
+def results_md(sec: Section, host: dict[str, Any], scale: str, command: str) -> str:
+    out = [
+        f"Measured {host['date']}, {scale} run (`{command}`, {sec.seconds:.0f} s) on "
+        f"{machine_line(host)}; load average at start {host['load_average_at_start']}.",
+        "",
+    ]
+    if busy(host):
+        out += [
+            f"**Noisy:** the machine was busy when this run started (load average "
+            f"{host['load_average_at_start'][0]} on {host['usable_cores']} cores): these "
+            "figures show that the harness works, not how fast corral is.",
+            "",
+        ]
+    if sec.error:
+        out += [f"**The run failed:** `{sec.error}`", ""]
+    for t in sec.tables:
+        out += [t.markdown(), ""]
+    for title, text in sec.blocks:
+        out += [f"**{title}**", "", "```", text.rstrip(), "```", ""]
+    for n in sec.notes:
+        out += [f"- {n}"]
+    return "\n".join(out).rstrip() + "\n"
+
+
+def goals_md(sec: Section, host: dict[str, Any]) -> str:
+    out = []
+    if busy(host):
+        out.append(
+            f"- measured {host['date']} on a busy machine (load average "
+            f"{host['load_average_at_start'][0]} on {host['usable_cores']} cores): not "
+            "representative"
+        )
+    for g in sec.goals:
+        if g.met is None:
+            out.append(f"- {g.goal}: not measured")
+        elif g.met:
+            out.append(f"- {g.goal}: **met** ({g.measured})")
+        else:
+            out.append(f"- {g.goal}: **MISSED**, {g.measured}, {g.detail}")
+    out += [f"- {line}" for line in sec.summary]
+    if sec.error:
+        out.append(f"- {TITLES[sec.name]}: the run failed ({sec.error})")
+    if not out:
+        out.append(f"- {TITLES[sec.name]}: no numeric goal; see the section")
+    return "\n".join(out) + "\n"
+
+
+def render(
+    sections: list[Section], host: dict[str, Any], scale: str, command: str, old: str = ""
+) -> str:
+    blocks = existing_blocks(old)
+    new = {s.name: s for s in sections}
+    for name, sec in new.items():
+        blocks[("goals", name)] = goals_md(sec, host)
+        blocks[("results", name)] = results_md(sec, host, scale, command)
+    machine = "\n".join([
+        f"Latest run: {host['date']}, {scale}, `{command}`.",
+        "",
+        "| | |", "|---|---|",
+        f"| CPU | {host['cpu']} |",
+        f"| cores | {host['usable_cores']} usable, {host['logical_cores']} logical, "
+        f"{host['physical_cores']} physical |",
+        f"| RAM | {host['ram_bytes'] / 2**30:.1f} GiB |",
+        f"| OS | {host['os']} |",
+        f"| Python | {host['python']} |",
+        f"| xllamacpp | {host['xllamacpp']} |",
+        f"| corral | {host['corral']} |",
+        f"| load average at start | {host['load_average_at_start']} |",
+    ])  # fmt: skip
+    out = [INTRO, "## Machine", "", _block("machine", "latest", machine)]
+    out += ["## Goals vs measured", ""]
+    for name in ORDER:
+        body = blocks.get(("goals", name), f"- {TITLES[name]}: not measured yet\n")
+        out += [f"{TITLES[name]}:", "", _block("goals", name, body)]
+    for name in ORDER:
+        body = blocks.get(
+            ("results", name),
+            f"Not measured yet: run `corral bench {name} --write-docs`.\n",
+        )
+        out += [f"## {TITLES[name]}", "", METHOD[name], "", _block("results", name, body)]
+    return "\n".join(out).rstrip() + "\n"
+
+
+def write_docs(
+    path: Path, sections: list[Section], host: dict[str, Any], scale: str, command: str
+) -> None:
+    old = path.read_text() if path.is_file() else ""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(render(sections, host, scale, command, old))

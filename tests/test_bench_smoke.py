@@ -1,0 +1,190 @@
+"""The benchmark harness (corral.bench): its pure parts exactly, and a smoke run of every
+section (tiny sizes: it must run and report, its figures are not checked)."""
+
+from __future__ import annotations
+
+import itertools
+import json
+import math
+import random
+from collections import Counter
+from pathlib import Path
+
+import pytest
+
+from corral.bench.common import Goal, Section, Table, goal_max, goal_min, percentile, summary
+from corral.bench.report import existing_blocks, render
+from corral.bench.trace import EMBED, generate_trace, simulate
+
+# --------------------------------------------------------------------------- traces
+
+
+def test_generate_trace_is_reproducible() -> None:
+    models = ["a", "b", "c", "d"]
+    one = generate_trace(7, 300, models, embed_model="e")
+    assert one == generate_trace(7, 300, models, embed_model="e")
+    assert one != generate_trace(8, 300, models, embed_model="e")
+
+
+def test_generate_trace_shape() -> None:
+    models = [f"m{i}" for i in range(6)]
+    trace = generate_trace(1, 2000, models, embed_model="emb", long_session_model="m3")
+    assert len(trace) == 2000
+    assert trace[0].t == 0.0
+    assert all(a.t <= b.t for a, b in itertools.pairwise(trace))
+    assert {e.model for e in trace} <= {*models, "emb"}
+    kinds = Counter(e.kind for e in trace)
+    assert 0.2 < kinds[EMBED] / len(trace) < 0.4  # embed_share 0.3
+    long = [e for e in trace if e.session == 0]
+    assert long and {e.model for e in long} == {"m3"}
+    assert long[-1].t > 0.8 * trace[-1].t  # the long session spans the trace
+    # Zipf popularity: the chat load is skewed, not uniform.
+    counts = Counter(e.model for e in trace if e.kind != EMBED and e.session != 0)
+    assert max(counts.values()) > 3 * min(counts.values())
+
+
+def test_generate_trace_edges() -> None:
+    assert generate_trace(0, 0, ["a"]) == []
+    trace = generate_trace(0, 50, ["a"])
+    assert len(trace) == 50 and {e.model for e in trace} == {"a"}
+    with pytest.raises(ValueError):
+        generate_trace(0, 10, [])
+    with pytest.raises(ValueError):
+        generate_trace(0, 10, ["a"], embed_model="e", embed_share=0.9, long_share=0.5)
+
+
+# --------------------------------------------------------------------------- offline simulation
+
+
+def _reference(seq: list[str], slots: int, victim: str) -> int:
+    """Loads of a plain `slots`-entry cache, evicting by LRU or by farthest next use."""
+    cache: dict[str, int] = {}  # model -> last use
+    loads = 0
+    for i, m in enumerate(seq):
+        if m not in cache:
+            loads += 1
+            if len(cache) >= slots:
+
+                def next_use(x: str, i: int = i) -> float:
+                    return next((j for j in range(i + 1, len(seq)) if seq[j] == x), math.inf)
+
+                if victim == "lru":
+                    out = min(cache, key=lambda x: cache[x])
+                else:
+                    out = max(cache, key=next_use)
+                del cache[out]
+        cache[m] = i
+    return loads
+
+
+def _random_traces(n: int, seed: int = 0) -> list[tuple[list[str], int]]:
+    rng = random.Random(seed)
+    out = []
+    for _ in range(n):
+        k = rng.randint(2, 6)
+        models = [f"m{i}" for i in range(k)]
+        seq = [rng.choice(models) for _ in range(rng.randint(1, 40))]
+        out.append((seq, rng.randint(1, k)))
+    return out
+
+
+def test_simulation_matches_reference_caches_with_equal_sizes() -> None:
+    # Driving corral's scheduler core one request at a time is a plain cache for equal sizes:
+    # the same loads as a textbook LRU cache and as Belady's optimal algorithm.
+    for seq, slots in _random_traces(300):
+        sizes = dict.fromkeys(set(seq), 100)
+        assert simulate(seq, sizes, 100 * slots, "lru").loads == _reference(seq, slots, "lru")
+        assert simulate(seq, sizes, 100 * slots, "belady").loads == _reference(seq, slots, "opt")
+
+
+def test_belady_never_loads_more_than_online_policies_with_equal_sizes() -> None:
+    for seq, slots in _random_traces(300, seed=1):
+        sizes = dict.fromkeys(set(seq), 10)
+        best = simulate(seq, sizes, 10 * slots, "belady").loads
+        for policy in ("lru", "ollama", "cost"):
+            assert best <= simulate(seq, sizes, 10 * slots, policy).loads
+
+
+def test_simulation_counts() -> None:
+    seq = ["a", "b", "a", "c", "b", "a"]
+    sizes = {"a": 10, "b": 20, "c": 30}
+    roomy = simulate(seq, sizes, 60, "lru")
+    assert (roomy.loads, roomy.evictions, roomy.bytes_loaded) == (3, 0, 60)
+    tight = simulate(seq, sizes, 30, "belady", loaded_sizes={"a": 9, "b": 19, "c": 29})
+    # a b | a | c (evict both) | b | a: 5 loads of the real sizes.
+    assert tight.loads == 5 and tight.evictions == 3
+    assert tight.bytes_loaded == 9 + 19 + 29 + 19 + 9
+    with pytest.raises(ValueError):
+        simulate(["c"], sizes, 20, "lru")  # can never fit
+
+
+# --------------------------------------------------------------------------- statistics, docs
+
+
+def test_percentile_and_summary() -> None:
+    xs = [float(x) for x in range(1, 101)]
+    assert percentile(xs, 50) == pytest.approx(50.5)
+    assert percentile(xs, 99) == pytest.approx(99.01)
+    assert percentile([3.0], 99) == 3.0
+    assert math.isnan(percentile([], 50))
+    s = summary([2.0, 1.0, 3.0])
+    assert (s["n"], s["p50"], s["min"], s["max"]) == (3, 2.0, 1.0, 3.0)
+
+
+def test_goals_say_by_how_much_they_are_missed() -> None:
+    ok = goal_max("added < 1 ms", 0.5e-3, 1e-3, lambda x: f"{x * 1e3:.1f} ms")
+    bad = goal_max("added < 1 ms", 1.5e-3, 1e-3, lambda x: f"{x * 1e3:.1f} ms")
+    assert ok.met and bad.met is False and bad.detail == "missed by 0.5 ms"
+    low = goal_min(">= 98%", 90.0, 98.0, lambda x: f"{x:.0f}%")
+    assert low.met is False and low.detail == "missed by 8%"
+    assert goal_min(">= 98%", math.nan, 98.0, str).verdict() == "not measured"
+
+
+def test_docs_keep_the_sections_a_run_did_not_measure() -> None:
+    host = {
+        "date": "2026-01-01 00:00 UTC", "cpu": "cpu", "usable_cores": 2, "logical_cores": 2,
+        "physical_cores": 1, "ram_bytes": 2**30, "os": "os", "python": "3", "xllamacpp": "x",
+        "corral": "c", "load_average_at_start": [0.0, 0.0, 0.0],
+    }  # fmt: skip
+    proxy = Section("proxy", "Proxy overhead", tables=[Table("T", ["a"], [["1"]])])
+    proxy.goals.append(Goal("added < 1 ms", "0.2 ms", True))
+    cold = Section("cold", "Cold start", notes=["first"])
+    first = render([proxy, cold], host, "quick", "corral bench all")
+    assert "**met** (0.2 ms)" in first and "Not measured yet" in first  # swap, estimates
+    cold2 = Section("cold", "Cold start", notes=["second"])
+    cold2.goals.append(Goal("ttft within 15%", "+20%", False, "missed by 5 points"))
+    second = render([cold2], host, "quick", "corral bench cold", first)
+    blocks = existing_blocks(second)
+    assert "| 1 |" in blocks[("results", "proxy")]  # kept from the first run
+    assert "second" in blocks[("results", "cold")] and "first" not in blocks[("results", "cold")]
+    assert "**MISSED**, +20%, missed by 5 points" in blocks[("goals", "cold")]
+    assert render([cold2], host, "quick", "corral bench cold", second) == second
+
+
+# --------------------------------------------------------------------------- smoke run
+
+
+def test_smoke_run_of_every_section(tmp_path: Path) -> None:
+    from corral.bench import main
+
+    out, docs = tmp_path / "bench.json", tmp_path / "benchmarks.md"
+    argv = ["all", "--smoke", "--json", str(out), "--write-docs", "--docs", str(docs)]
+    assert main(["--workdir", str(tmp_path / "work"), *argv]) == 0
+    data = json.loads(out.read_text())
+    assert data["machine"]["cpu"] and data["machine"]["xllamacpp"]
+    sections = data["sections"]
+    assert list(sections) == ["proxy", "cold", "swap", "estimates"]
+    for name in ("proxy", "cold", "swap"):
+        assert sections[name]["error"] is None
+        assert sections[name]["tables"] and all(t["rows"] for t in sections[name]["tables"])
+    assert sections["proxy"]["goals"] and sections["cold"]["goals"]
+    est = sections["estimates"]
+    assert est["error"] is None and (est["blocks"] or "skipped" in " ".join(est["notes"]))
+    text = docs.read_text()
+    for heading in ("## Goals vs measured", "## 1. Proxy overhead", "## 4. Estimate accuracy"):
+        assert heading in text
+    assert "Not measured yet" not in text
+    # The JSON holds everything the docs show: rendering from it gives the same page.
+    again = tmp_path / "again.md"
+    assert main(["all", "--from-json", str(out), "--docs", str(again)]) == 0
+    assert again.read_text() == text
