@@ -51,11 +51,28 @@ class RunnerSpec:
     kv_cache_type: str = "f16"  # KV cache type (K and V): f16, q8_0, q4_0, ...
 
 
+@dataclass(frozen=True)
+class Layout:
+    """Where placement put the model: how the runner must be started to match the books."""
+
+    n_gpu_layers: int = 0
+    tensor_split: tuple[float, ...] | None = None  # per visible GPU
+    main_gpu: int | None = None  # index among the visible GPUs
+    env: tuple[tuple[str, str], ...] = ()  # e.g. CUDA_VISIBLE_DEVICES: only the GPUs booked
+
+
 class Runner:
-    def __init__(self, name: str, spec: RunnerSpec, llama_server: str | None = None) -> None:
+    def __init__(
+        self,
+        name: str,
+        spec: RunnerSpec,
+        llama_server: str | None = None,
+        layout: Layout | None = None,
+    ) -> None:
         self.name = name
         self.spec = spec
         self.llama_server = llama_server
+        self.layout = layout or Layout(spec.n_gpu_layers, None, spec.main_gpu)
         self.base_url = ""
         self.proc: asyncio.subprocess.Process | None = None
         self.session: aiohttp.ClientSession | None = None
@@ -107,10 +124,22 @@ class Runner:
             cmd = self._binary_cmd(port)
             self.base_url = f"http://127.0.0.1:{port}"
         else:
-            payload = {**asdict(self.spec), "name": self.name, "parent_pid": os.getpid()}
+            payload = {
+                **asdict(self.spec),
+                "n_gpu_layers": self.layout.n_gpu_layers,
+                "main_gpu": self.layout.main_gpu,
+                "tensor_split": self.layout.tensor_split,
+                "name": self.name,
+                "parent_pid": os.getpid(),
+            }
             cmd = [sys.executable, "-m", "corral.runner_child", json.dumps(payload)]
         # GGML_NO_BACKTRACE: a llama.cpp abort must exit at once, not wait on gdb for a trace.
-        env = {**os.environ, "PYTHONUNBUFFERED": "1", "GGML_NO_BACKTRACE": "1"}
+        env = {
+            **os.environ,
+            "PYTHONUNBUFFERED": "1",
+            "GGML_NO_BACKTRACE": "1",
+            **dict(self.layout.env),
+        }
         self.proc = await asyncio.create_subprocess_exec(
             *cmd,
             stdin=asyncio.subprocess.PIPE,
@@ -154,7 +183,7 @@ class Runner:
             self.llama_server or "llama-server",
             "-m", s.path, "--alias", self.name, "--host", "127.0.0.1", "--port", str(port),
             "-c", str(s.n_ctx * s.num_parallel), "-np", str(s.num_parallel),
-            "-ngl", str(s.n_gpu_layers), "--cache-ram", "0", "--metrics", "--slots",
+            "-ngl", str(self.layout.n_gpu_layers), "--cache-ram", "0", "--metrics", "--slots",
             "--fit", "off", "--no-webui",
             # llama.cpp logs its buffer sizes at verbosity 4 (trace); see memreport.
             "-lv", "4",
@@ -168,8 +197,10 @@ class Runner:
                     "--pooling",
                     {0: "none", 1: "mean", 2: "cls", 3: "last"}.get(s.pooling_type, "mean"),
                 ]
-        if s.main_gpu is not None:
-            cmd += ["-mg", str(s.main_gpu)]
+        if self.layout.main_gpu is not None:
+            cmd += ["-mg", str(self.layout.main_gpu)]
+        if self.layout.tensor_split:
+            cmd += ["-ts", ",".join(f"{x:g}" for x in self.layout.tensor_split)]
         if s.threads:
             cmd += ["-t", str(s.threads)]
         return cmd

@@ -70,6 +70,11 @@ def build_params(spec: dict[str, Any]) -> Any:
             p.pooling_type = spec["pooling_type"]
     if spec.get("main_gpu") is not None:
         p.main_gpu = spec["main_gpu"]
+    if spec.get("tensor_split"):
+        split = list(p.tensor_split)  # fixed-size array in llama.cpp: one entry per device
+        for i, x in enumerate(spec["tensor_split"][: len(split)]):
+            split[i] = float(x)
+        p.tensor_split = split
     if spec.get("threads"):
         p.cpuparams.n_threads = spec["threads"]
         p.cpuparams_batch.n_threads = spec["threads"]

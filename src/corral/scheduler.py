@@ -20,7 +20,7 @@ from typing import Any
 
 from corral.devices import Device
 from corral.policy import DEFAULT_POLICY, POLICIES
-from corral.runner import Runner, RunnerError, RunnerSpec
+from corral.runner import Layout, Runner, RunnerError, RunnerSpec
 from corral.sched_core import (
     Core,
     Fail,
@@ -192,7 +192,8 @@ class Scheduler:
                 if fut is not None and not fut.done():
                     fut.set_exception(SchedulerError(a.status, a.message))
             elif isinstance(a, Load):
-                runner = Runner(a.model, a.spec, self.llama_server)
+                layout = a.fit.layout if isinstance(a.fit.layout, Layout) else None
+                runner = Runner(a.model, a.spec, self.llama_server, layout)
                 self.runners[a.runner] = runner
                 log.info("loading model '%s' (runner %d)", a.model, a.runner)
                 self._spawn(self._load(a.runner, runner))

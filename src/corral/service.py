@@ -25,7 +25,7 @@ from corral.estimate import Estimate, check_kv_cache_type, estimate
 from corral.gguf_info import GGUFError, ModelInfo, read_model_info
 from corral.placement import ModelNeed, Placement, place
 from corral.registry import ModelEntry, Registry
-from corral.runner import Runner, RunnerSpec
+from corral.runner import Layout, Runner, RunnerSpec
 from corral.sched_core import Fit, Placer
 from corral.scheduler import Lease, Scheduler, SchedulerError
 
@@ -156,7 +156,7 @@ class Service:
 
         def fit(free: Mapping[str, int]) -> Fit | None:
             p = place(need, devices, free, num_gpu=num_gpu, main_gpu=main_gpu)
-            return Fit(p.devices, p) if isinstance(p, Placement) else None
+            return Fit(p.devices, launch_layout(p, devices)) if isinstance(p, Placement) else None
 
         return fit
 
@@ -193,6 +193,28 @@ class Service:
             raise ApiError(500, await explain_failure(lease.runner)) from None
         finally:
             resp.release()
+
+
+def launch_layout(p: Placement, devices: list[Device]) -> Layout:
+    """How to start a runner so that it uses exactly the devices placement booked: only those
+    GPUs visible (llama.cpp would otherwise open a context, and for large batches compute, on
+    every GPU it sees), the split and main GPU renumbered among them."""
+    by_id = {d.id: d for d in devices}
+    used = [by_id[g] for g in p.gpus if g in by_id]
+    has_gpus = any(d.library != "cpu" for d in devices)
+    env: list[tuple[str, str]] = []
+    if has_gpus:
+        cuda = [d.uuid or str(d.index) for d in used if d.library == "cuda"]
+        rocm = [str(d.index) for d in used if d.library == "rocm"]
+        env = [("CUDA_DEVICE_ORDER", "PCI_BUS_ID"), ("CUDA_VISIBLE_DEVICES", ",".join(cuda)),
+               ("HIP_VISIBLE_DEVICES", ",".join(rocm))]  # fmt: skip
+    split = None
+    if p.tensor_split and len(used) > 1:
+        split = tuple(p.tensor_split[d.index] for d in used)
+    main = None
+    if p.main_gpu is not None:
+        main = next((i for i, d in enumerate(used) if d.index == p.main_gpu), 0)
+    return Layout(p.n_gpu_layers, split, main, tuple(env))
 
 
 async def sse_events(resp: aiohttp.ClientResponse, runner: Runner) -> AsyncIterator[dict[str, Any]]:
