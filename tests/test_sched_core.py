@@ -159,7 +159,7 @@ ops = st.lists(
         st.tuples(
             st.just("req"),
             st.sampled_from(sorted(MODELS)),
-            st.sampled_from([None, None, 2048]),
+            st.sampled_from([None, None, 1024, 2048]),
             st.sampled_from([None, 0.0, 2.0, math.inf]),
         ),
         st.tuples(st.just("release"), st.integers(0, 50)),
@@ -173,7 +173,7 @@ ops = st.lists(
 )
 
 
-@settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@settings(max_examples=2000, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(ops=ops, policy=st.sampled_from(sorted(POLICIES)), max_loaded=st.sampled_from([0, 0, 2]))
 def test_random_event_sequences_keep_the_invariants(ops, policy: str, max_loaded: int) -> None:
     h = Harness(policy, max_loaded=max_loaded)
@@ -202,6 +202,7 @@ def test_random_event_sequences_keep_the_invariants(ops, policy: str, max_loaded
         elif kind == "tick":
             h.advance(op[1])
     h.settle()
+    assert h.core.loads <= h.next_id, "more loads than requests: a reload loop"
     for rid in range(1, h.next_id):
         assert h.outcome.get(rid) in ("granted", "failed", "cancelled", "refused"), rid
 
@@ -317,3 +318,24 @@ def test_two_waiting_requests_with_different_options_are_both_served_one_load_ea
     h.finish_load(2)
     assert h.outcome.get(big) == "granted"
     assert h.core.loads == 2
+
+
+def test_alternating_options_while_loading_do_not_reload_forever() -> None:
+    h = Harness()
+    ids = [h.request("a", ctx=c) for c in (1024, 2048, 1024)]
+    h.settle()
+    assert all(h.outcome[i] == "granted" for i in ids)
+    assert h.core.loads <= 3
+
+
+def test_draining_ends_when_the_request_that_wanted_a_reload_leaves() -> None:
+    h = Harness()
+    first = h.request("a", ctx=1024)
+    h.finish_load(1)
+    other = h.request("a", ctx=2048)
+    assert h.core.runners[1].draining
+    h.cancel(other)
+    assert not h.core.runners[1].draining
+    again = h.request("a", ctx=1024)
+    h.release(first)
+    assert h.outcome.get(again) == "granted" and h.core.runners[1].state == "ready"

@@ -87,7 +87,7 @@ class RunnerBook:
     uses: int = 0
     load_started: float = 0.0
     load_cost: float = 0.0
-    draining: bool = False  # a reload is pending: grant nothing new
+    draining: bool = False  # a queued request needs it reloaded: grant nothing new
     pinned: bool = False
     priority: int = 0
 
@@ -215,9 +215,9 @@ class Core:
             r.last_used = now
             if r.inflight == 0:
                 r.expires_at = now + r.keep_alive
-                if r.state == "ready" and (r.draining or r.keep_alive <= 0):
-                    self._stop(r, "reloading with new options" if r.draining else "keep_alive 0")
-        self._pump(now)
+                if r.state == "ready" and r.keep_alive <= 0:
+                    self._stop(r, "keep_alive 0")
+        self._pump(now)  # also stops it if a queued request needs it reloaded
 
     def cancel(self, request_id: int, now: float) -> None:
         """The client of a request went away, queued or granted."""
@@ -313,6 +313,10 @@ class Core:
     def _pump(self, now: float) -> None:
         load_blocked = False
         waiting_for_current: set[str] = set()  # models with a compatible request ahead
+        for b in self.runners.values():
+            # Draining follows the queue: if the request that wanted new options leaves, the
+            # runner serves again instead of being stopped for nothing.
+            b.draining = False
         for q in list(self.queue):
             r = self.current(q.model)
             if r is not None and not compatible(r.spec, q):
@@ -339,6 +343,7 @@ class Core:
                 load_blocked = True
                 continue
             self._start_load(q, fit, now)
+            waiting_for_current.add(q.model)  # q waits for this runner: later misfits wait too
 
     def _start_load(self, q: Request, fit: Fit, now: float) -> None:
         rid = self._next_runner
