@@ -3,15 +3,13 @@ processes started on free loopback ports."""
 
 from __future__ import annotations
 
-import contextlib
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
-import psutil
 import pytest
 
 from corral.testing import synth
-from corral.testing.server import CorralServer, all_runner_pids, start_corral
+from corral.testing.server import CorralServer, start_corral
 
 StartServer = Callable[..., CorralServer]
 
@@ -43,12 +41,7 @@ def start_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[StartServ
 
     yield start
     for s in started:
-        pids = s.runners()
-        s.stop()
-        for pid in pids:
-            with contextlib.suppress(psutil.NoSuchProcess):
-                psutil.Process(pid).wait(10)
-        assert not (pids & all_runner_pids()), f"runners outlived the server: {s.log()[-2000:]}"
+        s.stop_and_check()
 
 
 @pytest.fixture(scope="session")

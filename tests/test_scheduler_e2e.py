@@ -28,11 +28,10 @@ from pathlib import Path
 from typing import Any
 
 import httpx
-import psutil
 import pytest
 
 from corral.testing import synth
-from corral.testing.server import CorralServer, all_runner_pids
+from corral.testing.server import CorralServer
 
 MiB = 2**20
 CTX = 4096  # every server's default context: long enough for streams that outlast a test step
@@ -93,7 +92,7 @@ def sizes(start_server, e2e_models: Path) -> Sizes:
         assert all(status == 200 for _, status, _ in done), done
         booked = {e["model"].removesuffix(":latest"): int(e["size"]) for e in s.ps()}
     finally:
-        stop_server(s)
+        s.stop_and_check()
     assert set(booked) == {*CHAT, "embed"}, booked
     pairs = [booked[x] + booked[y] for x, y in itertools.combinations(CHAT, 2)]
     triples = [sum(booked[m] for m in t) for t in itertools.combinations(CHAT, 3)]
@@ -114,16 +113,6 @@ def sizes(start_server, e2e_models: Path) -> Sizes:
 # --------------------------------------------------------------------------- servers
 
 
-def stop_server(s: CorralServer) -> None:
-    """Stop a server and check that none of its runners outlives it."""
-    pids = s.runners()
-    s.stop()
-    for pid in pids:
-        with contextlib.suppress(psutil.NoSuchProcess):
-            psutil.Process(pid).wait(10)
-    assert not (pids & all_runner_pids()), f"runners outlived the server: {s.log()[-2000:]}"
-
-
 @pytest.fixture
 def serve(start_server, e2e_models: Path) -> Iterator[Callable[..., CorralServer]]:
     """Start servers on the e2e models for one test; they are stopped when it ends."""
@@ -136,7 +125,7 @@ def serve(start_server, e2e_models: Path) -> Iterator[Callable[..., CorralServer
 
     yield start
     for s in started:
-        stop_server(s)
+        s.stop_and_check()
 
 
 @pytest.fixture

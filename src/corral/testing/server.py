@@ -75,6 +75,16 @@ class CorralServer:
     def runners(self) -> set[int]:
         return runner_pids(self.proc.pid)
 
+    def stop_and_check(self) -> None:
+        """Stop the server; AssertionError if any of its runners outlives it."""
+        pids = self.runners()
+        self.stop()
+        for pid in pids:
+            with contextlib.suppress(psutil.NoSuchProcess):
+                psutil.Process(pid).wait(10)
+        leaked = pids & all_runner_pids()
+        assert not leaked, f"runners {leaked} outlived the server: {self.log()[-2000:]}"
+
     def stop(self, sig: int = signal.SIGTERM) -> None:
         if self.proc.poll() is None:
             self.proc.send_signal(sig)
