@@ -75,12 +75,18 @@ class Harness:
             assert 0 <= r.inflight <= r.spec.num_parallel
             if r.state == "unloading":
                 assert r.inflight == 0, "a runner on its way out still serves"
-        # no head-of-line blocking: nothing waits that could be granted now
+        # no head-of-line blocking: nothing waits that could be granted now, unless a load
+        # ahead of it has waited past starve_after (then later requests queue behind it)
+        starving = [
+            o for o in c.queue
+            if c.current(o.model) is None and self.now - o.arrived > c.starve_after
+        ]  # fmt: skip
         for q in c.queue:
             r = c.current(q.model)
             if r is not None and r.state == "ready" and not r.draining:
                 compatible = all(getattr(r.spec, f) == getattr(q.spec, f) for f in q.explicit)
-                assert not (compatible and r.inflight < r.spec.num_parallel), "HOL blocking"
+                if compatible and r.inflight < r.spec.num_parallel:
+                    assert starving and starving[0].arrived < q.arrived, "HOL blocking"
         assert {q.id for q in c.queue} == self.pending
 
     # ---- events ----------------------------------------------------------------------------
@@ -339,3 +345,33 @@ def test_draining_ends_when_the_request_that_wanted_a_reload_leaves() -> None:
     again = h.request("a", ctx=1024)
     h.release(first)
     assert h.outcome.get(again) == "granted" and h.core.runners[1].state == "ready"
+
+
+def test_waiting_request_for_a_busy_model_is_served_before_a_load_evicts_it() -> None:
+    h = Harness()
+    first = h.request("c")  # 700 of 1000
+    h.finish_load(1)
+    other = h.request("b")  # 500: waits, c is busy
+    again = h.request("c")  # queued behind b, for c's slot
+    h.release(first)
+    assert h.outcome.get(again) == "granted"  # served on the warm runner, no reload
+    assert h.core.runners[1].state == "ready" and other in h.pending
+    h.release(again)
+    assert h.core.runners[1].state == "unloading"  # now b's load evicts c
+    h.exit(1)
+    h.finish_load(2)
+    assert h.outcome.get(other) == "granted" and h.core.loads == 2
+
+
+def test_a_load_that_waited_too_long_is_not_starved_by_a_busy_model() -> None:
+    h = Harness()
+    first = h.request("c")
+    h.finish_load(1)
+    other = h.request("b")
+    h.advance(6.0)  # b's load has waited past starve_after
+    later = h.request("c")  # arrives after b
+    h.release(first)
+    assert later in h.pending and h.core.runners[1].state == "unloading"
+    h.exit(1)
+    h.finish_load(2)
+    assert h.outcome.get(other) == "granted"

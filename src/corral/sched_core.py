@@ -150,6 +150,7 @@ class Core:
     actions: list[Action] = field(default_factory=list)
     evictions: int = 0
     loads: int = 0
+    starve_after: float = 5.0  # seconds a load may wait before later grants queue behind it
     heat_decay: float = 0.97  # per request: a model's heat halves after ~23 other requests
     _heat: dict[str, tuple[float, int]] = field(default_factory=dict)  # model -> (heat, at)
     _arrivals: int = 0
@@ -311,7 +312,22 @@ class Core:
         return q.fit(self.free(freed))
 
     def _pump(self, now: float) -> None:
-        load_blocked = False
+        # Grants first: a request waiting for a loaded model takes its slot before any load
+        # looks for idle runners to evict, so a model is not evicted (and reloaded) while a
+        # request for it waits behind a request for another model. So that a steady stream of
+        # such requests cannot keep a load waiting for ever, a load that has waited longer than
+        # starve_after goes first again: requests that arrived after it wait behind it.
+        cutoff = math.inf
+        for q in self.queue:
+            if self.current(q.model) is None:
+                if now - q.arrived > self.starve_after:
+                    cutoff = q.arrived
+                break
+        self._pass(now, loads=False, cutoff=cutoff)
+        self._pass(now, loads=True, cutoff=cutoff)
+
+    def _pass(self, now: float, loads: bool, cutoff: float) -> None:
+        load_blocked = not loads
         waiting_for_current: set[str] = set()  # models with a compatible request ahead
         for b in self.runners.values():
             # Draining follows the queue: if the request that wanted new options leaves, the
@@ -329,7 +345,8 @@ class Core:
                 continue
             if r is not None:
                 if r.state == "ready" and r.inflight < r.spec.num_parallel:
-                    self._grant(q, r, now)
+                    if q.arrived <= cutoff:
+                        self._grant(q, r, now)
                 else:  # loading, or all its slots busy
                     waiting_for_current.add(q.model)
                 continue
