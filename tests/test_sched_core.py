@@ -77,16 +77,15 @@ class Harness:
                 assert r.inflight == 0, "a runner on its way out still serves"
         # no head-of-line blocking: nothing waits that could be granted now, unless a load
         # ahead of it has waited past starve_after (then later requests queue behind it)
-        starving = [
-            o for o in c.queue
-            if c.current(o.model) is None and self.now - o.arrived > c.starve_after
-        ]  # fmt: skip
+        loads = [o for o in c.queue if c.current(o.model) is None]
+        starving = loads[0] if loads and self.now - loads[0].arrived > c.starve_after else None
         for q in c.queue:
             r = c.current(q.model)
             if r is not None and r.state == "ready" and not r.draining:
                 compatible = all(getattr(r.spec, f) == getattr(q.spec, f) for f in q.explicit)
                 if compatible and r.inflight < r.spec.num_parallel:
-                    assert starving and starving[0].arrived < q.arrived, "HOL blocking"
+                    # only a runner a starving load needs may hold back later requests
+                    assert starving is not None and starving.arrived < q.arrived, "HOL"
         assert {q.id for q in c.queue} == self.pending
 
     # ---- events ----------------------------------------------------------------------------
@@ -375,3 +374,20 @@ def test_a_load_that_waited_too_long_is_not_starved_by_a_busy_model() -> None:
     h.exit(1)
     h.finish_load(2)
     assert h.outcome.get(other) == "granted"
+
+
+def test_a_starving_load_holds_back_only_the_runners_it_needs() -> None:
+    h = Harness(budget=1100)
+    a = h.request("a")  # 300
+    h.finish_load(1)
+    c = h.request("c")  # 700: a + c = 1000
+    h.finish_load(2)
+    b = h.request("b")  # 500: needs c gone (freeing a's 300 is not enough)
+    h.advance(6.0)  # b has waited past starve_after
+    h.release(a)
+    a2 = h.request("a")  # a is not needed by b's load: still served at once
+    assert h.outcome.get(a2) == "granted"
+    h.release(c)
+    c2 = h.request("c")  # c is b's victim: later requests for it wait behind b
+    assert c2 in h.pending and h.core.runners[2].state == "unloading"
+    assert b in h.pending

@@ -315,18 +315,22 @@ class Core:
         # Grants first: a request waiting for a loaded model takes its slot before any load
         # looks for idle runners to evict, so a model is not evicted (and reloaded) while a
         # request for it waits behind a request for another model. So that a steady stream of
-        # such requests cannot keep a load waiting for ever, a load that has waited longer than
-        # starve_after goes first again: requests that arrived after it wait behind it.
+        # such requests cannot keep a load waiting for ever, once the first waiting load has
+        # waited longer than starve_after, the runners it needs to evict take no request that
+        # arrived after it; every other runner keeps serving.
+        held: set[int] = set()
         cutoff = math.inf
         for q in self.queue:
             if self.current(q.model) is None:
                 if now - q.arrived > self.starve_after:
+                    ready = [r for r in self.runners.values() if r.state == "ready"]
+                    held = {v.id for v in self._victims(q, ready, now) or []}
                     cutoff = q.arrived
                 break
-        self._pass(now, loads=False, cutoff=cutoff)
-        self._pass(now, loads=True, cutoff=cutoff)
+        self._pass(now, loads=False, cutoff=cutoff, held=held)
+        self._pass(now, loads=True, cutoff=cutoff, held=held)
 
-    def _pass(self, now: float, loads: bool, cutoff: float) -> None:
+    def _pass(self, now: float, loads: bool, cutoff: float, held: set[int]) -> None:
         load_blocked = not loads
         waiting_for_current: set[str] = set()  # models with a compatible request ahead
         for b in self.runners.values():
@@ -345,7 +349,7 @@ class Core:
                 continue
             if r is not None:
                 if r.state == "ready" and r.inflight < r.spec.num_parallel:
-                    if q.arrived <= cutoff:
+                    if q.arrived <= cutoff or r.id not in held:
                         self._grant(q, r, now)
                 else:  # loading, or all its slots busy
                     waiting_for_current.add(q.model)
@@ -397,37 +401,39 @@ class Core:
                 self.actions.append(Fail(other.id, 507, msg))
             return None
         stopping = [r for r in self.runners.values() if r.state == "unloading"]
-        freed = _sum_devices(stopping)
-        if self._fit(q, freed, len(stopping)) is not None:
+        if self._fit(q, _sum_devices(stopping), len(stopping)) is not None:
             return None  # enough is already on its way out
-        idle = {
-            r.id: r
-            for r in self.runners.values()
-            if r.state == "ready" and r.inflight == 0 and not r.pinned
-        }
+        idle = [r for r in self.runners.values() if r.state == "ready" and r.inflight == 0]
+        for v in self._victims(q, idle, now) or []:
+            self.evictions += 1
+            self._stop(v, f"evicted to make room for '{q.model}'")
+        return None  # the load starts once the victims have exited
+
+    def _victims(self, q: Request, pool: list[RunnerBook], now: float) -> list[RunnerBook] | None:
+        """Unpinned runners from `pool` whose eviction makes room for q, in the policy's order
+        and without any it turns out not to need; None if the whole pool is not enough."""
+        stopping = [r for r in self.runners.values() if r.state == "unloading"]
+        pool_by_id = {r.id: r for r in pool if not r.pinned}
         snap = Snapshot(
             now=now,
-            need=max(0, q.size - sum(self.free(freed).values())),
+            need=max(0, q.size - sum(self.free(_sum_devices(stopping)).values())),
             waiting_models=frozenset(o.model for o in self.queue),
         )
         victims: list[RunnerBook] = []
-        cands = [_candidate(r, self.heat(r.model)) for r in idle.values()]
+        cands = [_candidate(r, self.heat(r.model)) for r in pool_by_id.values()]
         for rid in self.policy(cands, snap):
-            if rid in idle:
-                victims.append(idle[rid])
+            if rid in pool_by_id:
+                victims.append(pool_by_id[rid])
                 if self._fit(q, _sum_devices(stopping + victims), len(stopping) + len(victims)):
                     break
         else:
-            return None  # even every idle runner would not make room: wait for busy ones
+            return None  # even the whole pool would not make room: wait
         # Spare any victim the load turns out not to need (e.g. a small one offered first).
         for v in list(victims):
             rest = [x for x in victims if x is not v]
             if self._fit(q, _sum_devices(stopping + rest), len(stopping) + len(rest)):
                 victims = rest
-        for v in victims:
-            self.evictions += 1
-            self._stop(v, f"evicted to make room for '{q.model}'")
-        return None
+        return victims
 
 
 def _sum_devices(runners: list[RunnerBook]) -> dict[str, int]:
