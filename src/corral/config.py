@@ -158,7 +158,7 @@ DEFAULTS: dict[str, str] = {
     "CORRAL_LLAMA_SERVER": "",
     "CORRAL_LOG_LEVEL": "info",
     "CORRAL_BUILTIN_MODELS": "1",
-    "CORRAL_EVICTION_POLICY": "lru",
+    "CORRAL_EVICTION_POLICY": "cost",
     "CORRAL_KV_CACHE_TYPE": "f16",
 }
 

@@ -60,4 +60,4 @@ def cost_aware(candidates: Sequence[Candidate], snap: Snapshot) -> list[int]:
 
 
 POLICIES: dict[str, Policy] = {"lru": lru, "ollama": ollama_like, "cost": cost_aware}
-DEFAULT_POLICY = "lru"
+DEFAULT_POLICY = "cost"  # fewest loads and lowest tail latency in `corral bench swap`
