@@ -164,12 +164,6 @@ class Scheduler:
         self._apply()
         return found
 
-    def book(self, runner: Runner) -> RunnerBook | None:
-        for rid, r in self.runners.items():
-            if r is runner:
-                return self.core.runners.get(rid)
-        return None
-
     def snapshot(self) -> list[tuple[RunnerBook, Runner]]:
         return [
             (b, self.runners[rid]) for rid, b in self.core.runners.items() if rid in self.runners
