@@ -6,7 +6,6 @@ from __future__ import annotations
 import argparse
 import io
 import json
-import socket
 import sys
 import threading
 import types
@@ -18,6 +17,7 @@ from typing import Any
 import pytest
 
 from corral import __version__, cli
+from corral.runner import free_port
 
 NOW = datetime(2025, 1, 1, 12, 0, 0, tzinfo=timezone.utc)
 
@@ -609,19 +609,13 @@ def test_version(server: FakeServer, capsys: pytest.CaptureFixture[str]) -> None
         assert out == f"corral client version {__version__}\ncorral server version 9.9.9\n"
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
 @pytest.mark.parametrize(
     "argv", [["ps"], ["list"], ["show", "m"], ["run", "m", "hi"], ["stop", "m"], ["run", "m"]]
 )
 def test_unreachable_server(
     argv: list[str], monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    url = f"http://127.0.0.1:{_free_port()}"
+    url = f"http://127.0.0.1:{free_port()}"
     monkeypatch.setenv("CORRAL_HOST", url)
     monkeypatch.setattr(sys, "stdin", io.StringIO(""))
     assert cli.main(argv) == 1
@@ -634,7 +628,7 @@ def test_unreachable_server(
 def test_version_without_server(
     monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    monkeypatch.setenv("CORRAL_HOST", f"127.0.0.1:{_free_port()}")
+    monkeypatch.setenv("CORRAL_HOST", f"127.0.0.1:{free_port()}")
     assert cli.main(["--version"]) == 0
     captured = capsys.readouterr()
     assert captured.out == f"corral client version {__version__}\n"

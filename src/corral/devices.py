@@ -12,8 +12,9 @@ numbers CUDA devices in the CUDA runtime's order, which is fastest-first unless
 CUDA_DEVICE_ORDER=PCI_BUS_ID: runners must set that (or pick devices by UUID) for an index here
 to mean the same GPU there.
 
-Budgets (how much corral may book per device) are pure: `budgets()`, and `live_headroom()` for
-the check against what the device really has free right now.
+Budgets (how much corral may book per device) are pure: `budgets()`. `live_headroom()` computes
+what a device really has free right now for other processes' use to be respected; the scheduler
+does not call it yet (it books against the budgets only).
 """
 
 from __future__ import annotations
@@ -382,8 +383,8 @@ def budgets(devices: Iterable[Device], margin: int, limit: int | None = None) ->
 
     For the CPU this is system memory (or the cgroup limit) less the margin, on purpose not the
     memory available at start-up: that would shrink the budget by whatever the page cache held
-    then. The OS and other processes use memory too, which the scheduler sees through
-    `live_headroom()` when it loads, not through the budget.
+    then. The OS and other processes use memory too; the margin is what covers them today
+    (`live_headroom()` is the finer check, not yet wired into the scheduler).
     """
     out = {}
     for d in devices:
@@ -400,7 +401,8 @@ def live_headroom(
     """The most corral's runners may have booked on this device in all, given what other
     processes use right now: free + what our own runners already hold, less the margin.
 
-    The scheduler keeps `booked + new <= min(budget, live_headroom(...))`. The device's free
+    Meant for the scheduler to keep `booked + new <= min(budget, live_headroom(...))` (not yet
+    wired in). The device's free
     figure leaves out what our runners hold (they are using it), so that is added back; the
     rest of its used memory belongs to others (another CUDA program, the desktop, the page
     cache a database pins) and is not ours to take.

@@ -120,7 +120,7 @@ class Runner:
         self.started_at = time.monotonic()
         self._ready = loop.create_future()
         if self.llama_server:
-            port = _free_port()
+            port = free_port()
             cmd = self._binary_cmd(port)
             self.base_url = f"http://127.0.0.1:{port}"
         else:
@@ -289,7 +289,8 @@ class Runner:
                 self.proc.kill()
 
 
-def _free_port() -> int:
+def free_port() -> int:
+    """A loopback port free right now (for a llama-server binary, which cannot report one)."""
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return int(s.getsockname()[1])

@@ -64,6 +64,8 @@ class Service:
         self.registry = registry
         self.scheduler = scheduler
         self.devices = devices
+        # (path, n_ctx, slots, kv type) -> (the ModelInfo it was computed from, its estimate)
+        self._estimates: dict[tuple[str, int, int, str], tuple[ModelInfo, Estimate]] = {}
 
     # ---- models ----------------------------------------------------------------------------
     def entry(self, name: str) -> ModelEntry:
@@ -126,7 +128,7 @@ class Service:
             check_kv_cache_type(r.info, spec.kv_cache_type)
         except ValueError as e:
             raise ApiError(500, f"model '{r.requested}' cannot be loaded: {e}") from None
-        est = estimate(r.info, spec.n_ctx, spec.num_parallel, spec.kv_cache_type)
+        est = self.estimate(r.info, spec)
         try:
             ticket = self.scheduler.submit(
                 r.name, spec, explicit=explicit, size=est.total, keep_alive=keep_alive,
@@ -138,6 +140,19 @@ class Service:
             return await until_disconnect(request, self.scheduler.wait(ticket))
         except SchedulerError as e:
             raise ApiError(e.status, e.message) from None
+
+    def estimate(self, info: ModelInfo, spec: RunnerSpec) -> Estimate:
+        """The runner's memory estimate, computed once per model file and runner shape (it
+        walks every layer, and every request asks for it)."""
+        key = (spec.path, spec.n_ctx, spec.num_parallel, spec.kv_cache_type)
+        hit = self._estimates.get(key)
+        if hit is not None and hit[0] is info:  # read_model_info returns a new object on change
+            return hit[1]
+        if len(self._estimates) > 1024:
+            self._estimates.clear()
+        est = estimate(info, spec.n_ctx, spec.num_parallel, spec.kv_cache_type)
+        self._estimates[key] = (info, est)
+        return est
 
     def placer(self, est: Estimate, options: dict[str, Any]) -> Placer:
         """The pure function the scheduler asks where this runner would fit."""

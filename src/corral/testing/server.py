@@ -5,7 +5,6 @@ from __future__ import annotations
 import contextlib
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -17,11 +16,7 @@ from typing import Any
 import httpx
 import psutil
 
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
+from corral.runner import free_port
 
 
 def runner_pids(server_pid: int) -> set[int]:

