@@ -17,7 +17,9 @@ from typing import Any
 import pytest
 
 from corral import __version__, cli
-from corral.runner import free_port
+from corral.cli import chat, client, display, models, serve
+from corral.config import ConfigError
+from corral.runtime.runner import free_port
 
 NOW = datetime(2025, 1, 1, 12, 0, 0, tzinfo=timezone.utc)
 
@@ -42,7 +44,7 @@ NOW = datetime(2025, 1, 1, 12, 0, 0, tzinfo=timezone.utc)
     ],
 )
 def test_human_bytes(n: int, text: str) -> None:
-    assert cli.human_bytes(n) == text
+    assert display.human_bytes(n) == text
 
 
 @pytest.mark.parametrize(
@@ -50,7 +52,7 @@ def test_human_bytes(n: int, text: str) -> None:
     [(135_000_000, "135M"), (1_235_814_432, "1.2B"), (8_000_000_000, "8B"), (1500, "2K"), (7, "7")],
 )
 def test_human_number(n: int, text: str) -> None:
-    assert cli.human_number(n) == text
+    assert display.human_number(n) == text
 
 
 @pytest.mark.parametrize(
@@ -72,29 +74,30 @@ def test_human_number(n: int, text: str) -> None:
     ],
 )
 def test_human_time(offset: timedelta, text: str) -> None:
-    assert cli.human_time(NOW + offset, NOW) == text
+    assert display.human_time(NOW + offset, NOW) == text
 
 
 def test_human_time_zero_value() -> None:
-    assert cli.human_time(None, NOW) == "Never"
+    assert display.human_time(None, NOW) == "Never"
 
 
 def test_until_text() -> None:
-    assert cli.until_text(NOW + timedelta(minutes=4, seconds=59), NOW) == "4 minutes from now"
-    assert cli.until_text(NOW - timedelta(seconds=1), NOW) == "Stopping..."
-    assert cli.until_text(None, NOW) == "Forever"
-    assert cli.until_text(cli.parse_time("2318-04-11T23:47:16.854775807Z"), NOW) == "Forever"
+    assert display.until_text(NOW + timedelta(minutes=4, seconds=59), NOW) == "4 minutes from now"
+    assert display.until_text(NOW - timedelta(seconds=1), NOW) == "Stopping..."
+    assert display.until_text(None, NOW) == "Forever"
+    forever = display.parse_time("2318-04-11T23:47:16.854775807Z")
+    assert display.until_text(forever, NOW) == "Forever"
 
 
 def test_parse_time() -> None:
-    t = cli.parse_time("2024-06-04T14:38:31.837530123-07:00")
+    t = display.parse_time("2024-06-04T14:38:31.837530123-07:00")
     assert t == datetime(2024, 6, 4, 21, 38, 31, 837530, tzinfo=timezone.utc)
-    assert cli.parse_time("2025-01-01T12:00:00Z") == NOW
-    assert cli.parse_time("2025-01-01T12:00:00+0000") == NOW
-    assert cli.parse_time("0001-01-01T00:00:00Z") is None  # Go's zero time
-    assert cli.parse_time(None) is None
-    assert cli.parse_time("yesterday") is None
-    far = cli.parse_time("12025-01-01T00:00:00Z")
+    assert display.parse_time("2025-01-01T12:00:00Z") == NOW
+    assert display.parse_time("2025-01-01T12:00:00+0000") == NOW
+    assert display.parse_time("0001-01-01T00:00:00Z") is None  # Go's zero time
+    assert display.parse_time(None) is None
+    assert display.parse_time("yesterday") is None
+    far = display.parse_time("12025-01-01T00:00:00Z")
     assert far is not None and far.year == 9999
 
 
@@ -110,7 +113,7 @@ def test_parse_time() -> None:
     ],
 )
 def test_processor(size: int, vram: int, text: str) -> None:
-    assert cli.processor(size, vram) == text
+    assert display.processor(size, vram) == text
 
 
 @pytest.mark.parametrize(
@@ -127,7 +130,7 @@ def test_processor(size: int, vram: int, text: str) -> None:
     ],
 )
 def test_go_duration(ns: int, text: str) -> None:
-    assert cli.go_duration(ns) == text
+    assert display.go_duration(ns) == text
 
 
 def test_format_stats() -> None:
@@ -139,7 +142,7 @@ def test_format_stats() -> None:
         "eval_count": 50,
         "eval_duration": 2_000_000_000,
     }
-    assert cli.format_stats(final) == [
+    assert chat.format_stats(final) == [
         "total duration:       2.5s",
         "load duration:        1ms",
         "prompt eval count:    10 token(s)",
@@ -149,7 +152,7 @@ def test_format_stats() -> None:
         "eval duration:        2s",
         "eval rate:            25.00 tokens/s",
     ]
-    assert cli.format_stats({}) == []
+    assert chat.format_stats({}) == []
 
 
 @pytest.mark.parametrize(
@@ -171,30 +174,31 @@ def test_format_stats() -> None:
     ],
 )
 def test_base_url(host: str, url: str) -> None:
-    assert cli.base_url(host) == url
+    assert client.base_url(host) == url
 
 
 @pytest.mark.parametrize("host", ["host:port", "host:0", "host:70000", "[::1]x"])
 def test_base_url_rejects_bad_ports(host: str) -> None:
     with pytest.raises(ValueError):
-        cli.base_url(host)
+        client.base_url(host)
 
 
 def test_keep_alive_value() -> None:
-    assert cli.keep_alive_value("-1") == -1
-    assert cli.keep_alive_value("0") == 0
-    assert cli.keep_alive_value("2.5") == 2.5
-    assert cli.keep_alive_value("10m") == "10m"
+    assert chat.keep_alive_value("-1") == -1
+    assert chat.keep_alive_value("0") == 0
+    assert chat.keep_alive_value("2.5") == 2.5
+    assert chat.keep_alive_value("10m") == "10m"
 
 
 def test_error_message() -> None:
-    assert cli.error_message(404, "Not Found", '{"error": "model not found"}') == "model not found"
-    assert cli.error_message(502, "Bad Gateway", "upstream died\n") == "upstream died"
-    assert cli.error_message(500, "Internal Server Error", "") == "500 Internal Server Error"
+    body = '{"error": "model not found"}'
+    assert client.error_message(404, "Not Found", body) == "model not found"
+    assert client.error_message(502, "Bad Gateway", "upstream died\n") == "upstream died"
+    assert client.error_message(500, "Internal Server Error", "") == "500 Internal Server Error"
 
 
 def test_rows() -> None:
-    ps = cli.ps_rows(
+    ps = models.ps_rows(
         [
             {
                 "name": "a:latest",
@@ -208,7 +212,7 @@ def test_rows() -> None:
         NOW,
     )
     assert ps == [["a:latest", "0123456789ab", "98 MB", "100% CPU", "4096", "4 minutes from now"]]
-    tags = cli.list_rows(
+    tags = models.list_rows(
         [
             {
                 "name": "b:1b",
@@ -224,25 +228,25 @@ def test_rows() -> None:
 
 def test_token_printer_wraps_words() -> None:
     out = io.StringIO()
-    printer = cli.TokenPrinter(out, width=10)
+    printer = chat.TokenPrinter(out, width=10)
     for token in ["hel", "lo wo", "rld an", "d more"]:
         printer.write(token)
     # "world" would overflow: the partial "wor" is erased and rewritten on the next line
     assert out.getvalue() == "hello wor\x1b[3D\x1b[K\nworld and\nmore"
     plain = io.StringIO()
-    cli.TokenPrinter(plain).write("hello world and more")
+    chat.TokenPrinter(plain).write("hello world and more")
     assert plain.getvalue() == "hello world and more"
 
 
 def test_read_message_multiline() -> None:
     lines = iter(['"""first', "second", 'third"""'])
-    assert cli.read_message(lambda prompt: next(lines)) == "first\nsecond\nthird"
-    assert cli.read_message(lambda prompt: '"""one line"""') == "one line"
-    assert cli.read_message(lambda prompt: "plain") == "plain"
+    assert chat.read_message(lambda prompt: next(lines)) == "first\nsecond\nthird"
+    assert chat.read_message(lambda prompt: '"""one line"""') == "one line"
+    assert chat.read_message(lambda prompt: "plain") == "plain"
 
 
 def test_format_show() -> None:
-    text = cli.format_show(SHOW)
+    text = models.format_show(SHOW)
     assert text.splitlines() == [
         "  Model",
         "    architecture        llama",
@@ -288,10 +292,11 @@ def test_serve_passes_only_given_flags(fake_serve: list[dict[str, str]]) -> None
 
 def test_serve_maps_every_flag(fake_serve: list[dict[str, str]]) -> None:
     argv = ["serve"]
-    for i, flag in enumerate(cli.SERVE_FLAGS):
+    for i, flag in enumerate(serve.SERVE_FLAGS):
         argv += [flag, f"v{i}"]
     assert cli.main(argv) == 0
-    assert fake_serve[0] == {env: f"v{i}" for i, (env, _, _) in enumerate(cli.SERVE_FLAGS.values())}
+    flags = serve.SERVE_FLAGS.values()
+    assert fake_serve[0] == {env: f"v{i}" for i, (env, _, _) in enumerate(flags)}
     assert set(fake_serve[0]) == {
         "CORRAL_HOST",
         "CORRAL_MODELS",
@@ -310,14 +315,14 @@ def test_serve_maps_every_flag(fake_serve: list[dict[str, str]]) -> None:
 
 def test_serve_overrides_from_namespace() -> None:
     ns = argparse.Namespace(CORRAL_KEEP_ALIVE="10m", CORRAL_MAX_QUEUE=None)
-    assert cli.serve_overrides(ns) == {"CORRAL_KEEP_ALIVE": "10m"}
+    assert serve.serve_overrides(ns) == {"CORRAL_KEEP_ALIVE": "10m"}
 
 
 def test_serve_config_error(
     monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
 ) -> None:
     def serve(overrides: dict[str, str]) -> None:
-        raise cli.ConfigError("CORRAL_NUM_PARALLEL: expected an integer, got 'x'")
+        raise ConfigError("CORRAL_NUM_PARALLEL: expected an integer, got 'x'")
 
     module = types.ModuleType("corral.server")
     module.serve = serve  # type: ignore[attr-defined]
@@ -518,7 +523,7 @@ def test_show(server: FakeServer, capsys: pytest.CaptureFixture[str]) -> None:
     server.routes["POST", "/api/show"] = lambda body: (200, SHOW)
     assert cli.main(["show", "llama3.2"]) == 0
     out = capsys.readouterr().out
-    assert out == cli.format_show(SHOW) + "\n"
+    assert out == models.format_show(SHOW) + "\n"
     assert "    quantization        Q8_0\n" in out
     assert server.requests[-1] == ("POST", "/api/show", {"model": "llama3.2"})
 
@@ -668,7 +673,7 @@ def test_interactive_chat(
     server.routes["POST", "/api/generate"] = _generate_route([])
     server.routes["POST", "/api/chat"] = chat
     # Pretend stdin and stdout are a terminal (stderr is not, so no spinner).
-    monkeypatch.setattr(cli, "_isatty", lambda s: s is sys.stdin or s is sys.stdout)
+    monkeypatch.setattr("corral.cli.chat._isatty", lambda s: s is sys.stdin or s is sys.stdout)
     lines = iter(["hello", "/?", "", "again", "/clear", "/bogus"])
 
     def fake_input(prompt: str) -> str:

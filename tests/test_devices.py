@@ -12,9 +12,9 @@ from typing import Any
 import psutil
 import pytest
 
-from corral import devices
 from corral.config import ConfigError
-from corral.devices import Device, budgets, fake_devices, live_headroom
+from corral.core.devices import Device, budgets, fake_devices, live_headroom
+from corral.runtime import devices
 
 GiB = 2**30
 

@@ -7,16 +7,17 @@ from pathlib import Path
 
 import pytest
 
-from corral.estimate import (
+from corral.core.estimate import (
     KV_CACHE_TYPES,
     check_kv_cache_type,
     estimate,
     estimate_bytes,
     llama_params,
 )
-from corral.gguf_info import ModelInfo, read_model_info
-from corral.memreport import LOADED_MARKER, AllocationParser, device_of, parse_log
-from corral.runner import Runner, RunnerError, RunnerSpec
+from corral.core.gguf import ModelInfo, read_model_info
+from corral.core.memreport import LOADED_MARKER, AllocationParser, device_of, parse_log
+from corral.core.spec import RunnerSpec
+from corral.runtime.runner import Runner, RunnerError
 from corral.testing import synth
 
 MIB = 2**20

@@ -2,9 +2,9 @@
 
 from __future__ import annotations
 
-from corral.devices import fake_devices
-from corral.placement import ModelNeed, Placement, place
-from corral.service import launch_layout
+from corral.api.service import launch_layout
+from corral.core.devices import fake_devices
+from corral.core.placement import ModelNeed, Placement, place
 
 MiB = 2**20
 NEED = ModelNeed(

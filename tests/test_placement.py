@@ -6,8 +6,8 @@ from __future__ import annotations
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from corral.devices import Device, fake_devices
-from corral.placement import ModelNeed, NoFit, Placement, gpu_share, place
+from corral.core.devices import Device, fake_devices
+from corral.core.placement import ModelNeed, NoFit, Placement, gpu_share, place
 
 GiB = 2**30
 

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import math
 
-from corral.policy import Candidate, Snapshot, cost_aware, lru, ollama_like
-from corral.sched_core import Core
+from corral.core.books import Core
+from corral.core.policy import Candidate, Snapshot, cost_aware, lru, ollama_like
 
 
 def cand(

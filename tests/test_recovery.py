@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import dataclasses
 
-from corral.devices import fake_devices
-from corral.scheduler import wait_for_recovery
+from corral.core.devices import fake_devices
+from corral.runtime.scheduler import wait_for_recovery
 
 GiB = 2**30
 

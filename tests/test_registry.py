@@ -5,7 +5,7 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
-from corral.registry import BUILTIN_NAME, Registry, canonical_name
+from corral.runtime.registry import BUILTIN_NAME, Registry, canonical_name
 
 
 def test_canonical_names() -> None:

@@ -21,7 +21,7 @@ import gguf
 import numpy as np
 import pytest
 
-from corral.runner import free_port
+from corral.runtime.runner import free_port
 from corral.testing import synth
 
 pytestmark = pytest.mark.skipif(

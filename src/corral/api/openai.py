@@ -14,8 +14,8 @@ from starlette.responses import Response
 from starlette.routing import Route
 
 from corral.api.common import ApiError, field, model_field, read_json
+from corral.api.service import Service, until_disconnect
 from corral.api.stream import LeasedStream, json_response
-from corral.service import Service, until_disconnect
 
 
 def openai_error(e: ApiError) -> Response:

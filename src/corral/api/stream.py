@@ -10,7 +10,7 @@ import orjson
 from starlette.responses import Response, StreamingResponse
 from starlette.types import Receive, Scope, Send
 
-from corral.scheduler import Lease
+from corral.runtime.scheduler import Lease
 
 
 def json_response(data: Any, status: int = 200) -> Response:

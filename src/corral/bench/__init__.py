@@ -5,7 +5,7 @@ Every figure in docs/benchmarks.md comes from here. Benchmarks print figures; th
 pass/fail tests (tests/test_bench_smoke.py runs a tiny version of each so they keep working).
 
 This package imports nothing on import: corral.bench.cold_child runs inside every runner the
-cold-start benchmark starts, and must cost no more to start than corral.runner_child.
+cold-start benchmark starts, and must cost no more to start than corral.runtime.runner_child.
 """
 
 from __future__ import annotations

@@ -3,11 +3,11 @@
 Through corral: a streamed /api/generate with `keep_alive: 0` on a fresh server, so the model
 unloads right after and the next repetition is cold again; `load_duration` in the last chunk
 says how long the request waited for the load. Direct: the same runner child corral would
-start (`corral.bench.cold_child`, which runs corral.runner_child.main() with timestamps) with
-the same RunnerSpec, and, once it prints READY, the request corral would send it. A third
-variant loads with llama.cpp's warm-up run off, to split weights load from warm-up. The
-variants run interleaved, rotating which goes first; the file stays in the page cache for
-all of them alike.
+start (`corral.bench.cold_child`, which runs corral.runtime.runner_child.main() with
+timestamps) with the same RunnerSpec, and, once it prints READY, the request corral would
+send it. A third variant loads with llama.cpp's warm-up run off, to split weights load from
+warm-up. The variants run interleaved, rotating which goes first; the file stays in the page
+cache for all of them alike.
 """
 
 from __future__ import annotations
@@ -40,7 +40,7 @@ from corral.bench.common import (
     wait_until,
 )
 from corral.bench.proxy import SEED, ollama_payload
-from corral.runner import RunnerSpec
+from corral.core.spec import RunnerSpec
 from corral.testing import synth
 from corral.testing.server import CorralServer, start_corral
 
@@ -51,9 +51,9 @@ ENV = {"CORRAL_CONTEXT_LENGTH": "2048", "CORRAL_KEEP_ALIVE": "5m", "CORRAL_NUM_P
 
 def runner_spec(models_dir: Path, name: str, env: dict[str, str]) -> RunnerSpec:
     """The RunnerSpec corral builds for `name` with these settings (its own code path)."""
+    from corral.api.service import Service
     from corral.config import Settings
-    from corral.registry import Registry
-    from corral.service import Service
+    from corral.runtime.registry import Registry
 
     settings = Settings.load(environ={**os.environ, "CORRAL_MODELS": str(models_dir), **env})
     registry = Registry(settings.models_dir, builtin=settings.builtin_models)
@@ -156,7 +156,7 @@ def run(scale: Scale, work: Path, say: Say) -> Section:
     synth.write_llama_model(models_dir / "bench-tiny.gguf", n_layer=2, context_length=4096)
     names = ["bench-tiny:latest"]
     if scale.cold_smollm2:
-        from corral.registry import smollm2_path
+        from corral.runtime.registry import smollm2_path
 
         if smollm2_path() is not None:
             names.append("smollm2:135m")

@@ -1,6 +1,6 @@
-"""corral.runner_child with timestamps, for the cold-start benchmark's direct side.
+"""corral.runtime.runner_child with timestamps, for the cold-start benchmark's direct side.
 
-Run as `python -m corral.bench.cold_child SPEC_JSON`: it runs corral.runner_child.main()
+Run as `python -m corral.bench.cold_child SPEC_JSON`: it runs corral.runtime.runner_child.main()
 unchanged, having wrapped xllamacpp.Server to print `MARK <phase> <time.monotonic()>` lines on
 stdout around the model load. CLOCK_MONOTONIC is system-wide on Linux, so the parent can place
 the marks on its own clock. `"bench_warmup": false` in the spec turns llama.cpp's warm-up run
@@ -29,7 +29,7 @@ def main() -> None:
     mark("main", T_MAIN)
     import xllamacpp
 
-    from corral import runner_child
+    from corral.runtime import runner_child
 
     mark("imported")
     real_server = xllamacpp.Server

@@ -4,7 +4,7 @@ For every model the test suite makes or ships (synthetic llama at three sizes an
 vocabulary, gemma3 with sliding-window layers, bert for embeddings, the real SmolLM2), at
 several contexts, parallel slots and KV cache types: load the model in a real runner, read
 llama.cpp's own account of its buffers (Runner.allocation) and compare it with
-corral.estimate. The goal is real <= estimate <= 1.10 x real on every row.
+corral.core.estimate. The goal is real <= estimate <= 1.10 x real on every row.
 
     python -m corral.bench.estimates [--quick] [MODELS_DIR]
 """
@@ -20,9 +20,10 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from corral.estimate import check_kv_cache_type, estimate
-from corral.gguf_info import ModelInfo, read_model_info
-from corral.runner import Runner, RunnerSpec
+from corral.core.estimate import check_kv_cache_type, estimate
+from corral.core.gguf import ModelInfo, read_model_info
+from corral.core.spec import RunnerSpec
+from corral.runtime.runner import Runner
 from corral.testing import synth
 
 MIB = 2**20

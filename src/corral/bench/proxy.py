@@ -153,7 +153,7 @@ def overhead(scale: Scale, work: Path, say: Say, sec: Section) -> None:
     synth.write_llama_model(models_dir / f"{TINY}.gguf", n_layer=2, context_length=4096)
     models = [f"{TINY}:latest"]
     if scale.proxy_smollm2:
-        from corral.registry import smollm2_path
+        from corral.runtime.registry import smollm2_path
 
         if smollm2_path() is not None:
             models.append(SMOLLM2)
@@ -355,14 +355,14 @@ def capacity(scale: Scale, work: Path, say: Say, sec: Section) -> None:
 
 
 def core_bench(cycles: int) -> tuple[Table, dict[str, Any]]:
-    """Request -> grant -> release cycles per second of corral.sched_core.Core (no I/O)."""
-    from corral.policy import POLICIES
-    from corral.runner import RunnerSpec
-    from corral.sched_core import Core, Fail, Grant, Load, Request, Stop
+    """Request -> grant -> release cycles per second of corral.core.books.Core (no I/O)."""
+    from corral.core.books import Core, Fail, Grant, Load, Request, Stop
+    from corral.core.policy import POLICIES
+    from corral.core.spec import RunnerSpec
 
     rng = random.Random(SEED)
     table = Table(
-        "Scheduler core (corral.sched_core.Core), one thread, no I/O",
+        "Scheduler core (corral.core.books.Core), one thread, no I/O",
         ["scenario", "cycles/s", "us per cycle"],
     )
     data: dict[str, Any] = {}

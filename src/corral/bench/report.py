@@ -61,7 +61,7 @@ and the pure scheduler core's request/grant/release cycles per second.""",
 Time to first token for a model that is not loaded. Through corral: a streamed `/api/generate`
 with `keep_alive: 0`, so each repetition starts cold; the response's `load_duration` is the
 wait for the load. Direct: the runner child corral would spawn, with the same RunnerSpec
-(`corral.bench.cold_child` runs `corral.runner_child` unchanged, with timestamps), then the
+(`corral.bench.cold_child` runs `corral.runtime.runner_child` unchanged, with timestamps), then the
 request corral would send it. A third variant loads with llama.cpp's warm-up run off, to split
 weights load from warm-up. One discarded round first, then the repetitions interleaved.""",
     "swap": """\
@@ -76,7 +76,7 @@ computed for the same trace, limit and sizes by driving corral's scheduler core 
 a time (`corral.bench.trace.simulate`). With `CORRAL_BENCH_LLAMA_SERVER=/path/to/llama-server`
 the trace is also replayed against llama.cpp's router mode.""",
     "estimates": """\
-corral's memory estimate (`corral.estimate`) against what llama.cpp reports it allocated, for
+corral's memory estimate (`corral.core.estimate`) against what llama.cpp reports it allocated, for
 synthetic and real models at several contexts, slots and KV cache types
 (`corral.bench.estimates`). Goal: real <= estimate <= 1.10 x real on every row.""",
 }

@@ -69,8 +69,8 @@ def write_models(models_dir: Path, sizes_mb: tuple[int, ...], say: Say) -> list[
 def estimated_sizes(models_dir: Path, names: list[str]) -> dict[str, int]:
     """What corral books for each model when a request arrives (its estimate)."""
     from corral.bench.cold import runner_spec
-    from corral.estimate import estimate
-    from corral.gguf_info import read_model_info
+    from corral.core.estimate import estimate
+    from corral.core.gguf import read_model_info
 
     out = {}
     for name in names:

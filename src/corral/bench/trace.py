@@ -3,7 +3,7 @@
 `generate_trace` makes a reproducible, realistic mix: chat sessions on models picked with
 Zipf-like popularity, one chat model in a long session that spans the whole trace, an embedding
 model hit constantly, and bursts (a batch job hammering one model). `simulate` replays the
-order of a trace through the real scheduler core (corral.sched_core.Core) one request at a
+order of a trace through the real scheduler core (corral.core.books.Core) one request at a
 time with a given eviction policy, or with `belady`: evict the model whose next use is
 farthest in the future, which only an offline simulation can know.
 """
@@ -16,9 +16,9 @@ import random
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 
-from corral.policy import POLICIES, Candidate, Policy, Snapshot
-from corral.runner import RunnerSpec
-from corral.sched_core import Core, Fail, Grant, Load, Request, Stop
+from corral.core.books import Core, Fail, Grant, Load, Request, Stop
+from corral.core.policy import POLICIES, Candidate, Policy, Snapshot
+from corral.core.spec import RunnerSpec
 
 CHAT, EMBED = "chat", "embed"
 OFFLINE = "belady"
@@ -192,7 +192,7 @@ def simulate(
     load_seconds: Callable[[str], float] | None = None,
 ) -> SimResult:
     """Serve `sequence` (model names) one request at a time through corral's scheduler core
-    with `budget` bytes and `policy` (a name in corral.policy.POLICIES, or "belady").
+    with `budget` bytes and `policy` (a name in corral.core.policy.POLICIES, or "belady").
 
     `sizes` is what a request books (the estimate); `loaded_sizes`, if given, replaces it once
     the model is loaded (what the runner really allocated), as the real scheduler does.

@@ -16,7 +16,7 @@ from typing import Any
 import httpx
 import psutil
 
-from corral.runner import free_port
+from corral.runtime.runner import free_port
 
 
 def runner_pids(server_pid: int) -> set[int]:
@@ -32,7 +32,7 @@ def all_runner_pids() -> set[int]:
     out: set[int] = set()
     for p in psutil.process_iter(["cmdline"]):
         with contextlib.suppress(psutil.Error):
-            if "corral.runner_child" in " ".join(p.info["cmdline"] or []):
+            if "corral.runtime.runner_child" in " ".join(p.info["cmdline"] or []):
                 out.add(p.pid)
     return out
 

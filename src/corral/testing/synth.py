@@ -22,7 +22,7 @@ from typing import Any
 import gguf
 import numpy as np
 
-from corral import registry
+from corral.runtime import registry
 
 SMOLLM2_N_VOCAB = 49152
 # 8192 tokens keep common English words whole while the f16 embedding stays ~1 MB at n_embd=64.

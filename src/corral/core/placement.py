@@ -36,7 +36,7 @@ from __future__ import annotations
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 
-from corral.devices import CPU, Device
+from corral.core.devices import CPU, Device
 
 
 @dataclass(frozen=True)

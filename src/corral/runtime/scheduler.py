@@ -1,6 +1,6 @@
 """The scheduler's shell: carries out the core's decisions with real runner processes.
 
-Every state change goes through corral.sched_core.Core, called synchronously on the event loop
+Every state change goes through corral.core.books.Core, called synchronously on the event loop
 (no await between reading and changing the books), so there are no locks and no lock-order
 deadlocks. Slow work (spawning, loading, stopping runners) runs in tasks that report back
 with another synchronous event.
@@ -18,10 +18,7 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from corral.devices import Device
-from corral.policy import DEFAULT_POLICY, POLICIES
-from corral.runner import Layout, Runner, RunnerError, RunnerSpec
-from corral.sched_core import (
+from corral.core.books import (
     Core,
     Fail,
     Grant,
@@ -32,6 +29,10 @@ from corral.sched_core import (
     RunnerBook,
     Stop,
 )
+from corral.core.devices import Device
+from corral.core.policy import DEFAULT_POLICY, POLICIES
+from corral.core.spec import Layout, RunnerSpec
+from corral.runtime.runner import Runner, RunnerError
 
 log = logging.getLogger(__name__)
 

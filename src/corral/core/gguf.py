@@ -223,7 +223,7 @@ def _describe(e: BaseException) -> str:
 
 class _Reader(GGUFReader):
     """GGUFReader with bounds checks and lazy long arrays (see the module docstring). It
-    overrides GGUFReader internals; tests/test_gguf_info.py checks them against the installed
+    overrides GGUFReader internals; tests/test_gguf.py checks them against the installed
     gguf."""
 
     def _get(

@@ -1,6 +1,6 @@
 """Runner child process: llama.cpp's native HTTP server (through xllamacpp) for one model.
 
-Started by corral.runner as `python -m corral.runner_child SPEC_JSON`. It prints
+Started by corral.runtime.runner as `python -m corral.runtime.runner_child SPEC_JSON`. It prints
 `READY http://127.0.0.1:PORT` on stdout once the model is loaded and serving, logs llama.cpp's
 output on stderr, and exits when its parent dies: PR_SET_PDEATHSIG covers SIGKILL of the parent
 on Linux, and EOF on stdin (the parent holds the other end) covers everything else.
@@ -20,8 +20,8 @@ import signal
 import sys
 from typing import Any
 
-from corral.estimate import KV_CACHE_TYPES, check_kv_cache_type
-from corral.memreport import LOADED_MARKER
+from corral.core.estimate import KV_CACHE_TYPES, check_kv_cache_type
+from corral.core.memreport import LOADED_MARKER
 
 PR_SET_PDEATHSIG = 1
 LOAD_VERBOSITY = 4  # LLAMA_LOG_INFO maps to verbosity 4 ("trace") in llama.cpp's common log
@@ -121,7 +121,7 @@ def main() -> None:
             # A quantized KV cache the model cannot use fails here, with a message that says
             # why, rather than deep in llama.cpp's context setup. (Imported only then: the
             # GGUF reader costs ~16 MiB in every runner.)
-            from corral.gguf_info import read_model_info
+            from corral.core.gguf import read_model_info
 
             check_kv_cache_type(read_model_info(spec["path"]), kv_type)
         params = build_params(spec)

@@ -1,7 +1,7 @@
 """The scheduler's pure core: books of runners and queued requests, driven by events.
 
 No I/O and no clock: every event method takes `now` and appends Actions for the shell
-(corral.scheduler) to carry out. That makes every decision testable with thousands of random
+(corral.runtime.scheduler) to carry out. That makes every decision testable with thousands of random
 event sequences, and keeps all state in one place that is changed only synchronously, so the
 asyncio shell needs no locks.
 
@@ -24,8 +24,8 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
-from corral.policy import Candidate, Policy, Snapshot, lru
-from corral.runner import RunnerSpec
+from corral.core.policy import Candidate, Policy, Snapshot, lru
+from corral.core.spec import RunnerSpec
 
 State = Literal["loading", "ready", "unloading"]
 

@@ -9,9 +9,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from corral.policy import POLICIES
-from corral.runner import RunnerSpec
-from corral.sched_core import (
+from corral.core.books import (
     QUEUE_FULL_MESSAGE,
     Core,
     Fail,
@@ -21,6 +19,8 @@ from corral.sched_core import (
     Request,
     Stop,
 )
+from corral.core.policy import POLICIES
+from corral.core.spec import RunnerSpec
 
 MODELS = {"a": 300, "b": 500, "c": 700, "d": 1200}  # name -> bytes; budget 1000 holds 1-2
 

@@ -19,12 +19,13 @@ import signal
 import socket
 import sys
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict
 from typing import Any
 
 import aiohttp
 
-from corral.memreport import Allocation, AllocationParser
+from corral.core.memreport import Allocation, AllocationParser
+from corral.core.spec import Layout, RunnerSpec
 
 log = logging.getLogger(__name__)
 
@@ -35,30 +36,8 @@ class RunnerError(Exception):
     """The runner failed to start or died; the message quotes the end of its log."""
 
 
-@dataclass(frozen=True)
-class RunnerSpec:
-    """Everything that shapes a runner process. Two requests with equal specs share a runner;
-    a different spec for a loaded model means a reload."""
-
-    path: str
-    n_ctx: int  # context per request (Ollama's num_ctx)
-    num_parallel: int
-    n_gpu_layers: int = 0
-    main_gpu: int | None = None
-    embedding: bool = False
-    pooling_type: int | None = None
-    threads: int | None = None
-    kv_cache_type: str = "f16"  # KV cache type (K and V): f16, q8_0, q4_0, ...
 
 
-@dataclass(frozen=True)
-class Layout:
-    """Where placement put the model: how the runner must be started to match the books."""
-
-    n_gpu_layers: int = 0
-    tensor_split: tuple[float, ...] | None = None  # per visible GPU
-    main_gpu: int | None = None  # index among the visible GPUs
-    env: tuple[tuple[str, str], ...] = ()  # e.g. CUDA_VISIBLE_DEVICES: only the GPUs booked
 
 
 class Runner:
@@ -132,7 +111,7 @@ class Runner:
                 "name": self.name,
                 "parent_pid": os.getpid(),
             }
-            cmd = [sys.executable, "-m", "corral.runner_child", json.dumps(payload)]
+            cmd = [sys.executable, "-m", "corral.runtime.runner_child", json.dumps(payload)]
         # GGML_NO_BACKTRACE: a llama.cpp abort must exit at once, not wait on gdb for a trace.
         env = {
             **os.environ,

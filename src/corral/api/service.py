@@ -20,14 +20,15 @@ from starlette.requests import Request
 
 from corral.api.common import ApiError
 from corral.config import Settings
-from corral.devices import Device
-from corral.estimate import Estimate, check_kv_cache_type, estimate
-from corral.gguf_info import GGUFError, ModelInfo, read_model_info
-from corral.placement import ModelNeed, Placement, place
-from corral.registry import ModelEntry, Registry
-from corral.runner import Layout, Runner, RunnerSpec
-from corral.sched_core import Fit, Placer
-from corral.scheduler import Lease, Scheduler, SchedulerError
+from corral.core.books import Fit, Placer
+from corral.core.devices import Device
+from corral.core.estimate import Estimate, check_kv_cache_type, estimate
+from corral.core.gguf import GGUFError, ModelInfo, read_model_info
+from corral.core.placement import ModelNeed, Placement, place
+from corral.core.spec import Layout, RunnerSpec
+from corral.runtime.registry import ModelEntry, Registry
+from corral.runtime.runner import Runner
+from corral.runtime.scheduler import Lease, Scheduler, SchedulerError
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")

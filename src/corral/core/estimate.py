@@ -1,7 +1,7 @@
 """Memory estimates (pure): bytes a runner will hold for a model at a context and parallelism.
 
 Arithmetic over the GGUF metadata (ModelInfo) that reproduces the buffers llama.cpp allocates
-when it loads the model (the `... buffer size = N MiB` lines that corral.memreport reads):
+when it loads the model (the `... buffer size = N MiB` lines that corral.core.memreport reads):
 
 - weights: the tensor data, per layer and outside the layers (token embedding, output, norms);
 - KV cache: per layer, cells x streams x (K row + V row), sliding-window layers holding only
@@ -22,7 +22,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:  # runner_child imports this module and must not pay for the GGUF reader
-    from corral.gguf_info import ModelInfo
+    from corral.core.gguf import ModelInfo
 
 __all__ = [
     "KV_CACHE_TYPES",
@@ -111,7 +111,7 @@ def llama_params(info: ModelInfo, n_ctx: int, num_parallel: int) -> LlamaParams:
     # warns), so neither does this.
     n_ctx_seq = _pad(_pad(requested, N_CTX_PAD) // n_seq, N_CTX_PAD)
     total = n_ctx_seq * n_seq
-    from corral.gguf_info import EMBEDDING_ARCHITECTURES  # loaded already: `info` is from it
+    from corral.core.gguf import EMBEDDING_ARCHITECTURES  # loaded already: `info` is from it
 
     has_kv = info.architecture not in EMBEDDING_ARCHITECTURES
     causal = info.metadata.get(f"{info.architecture}.attention.causal", has_kv) is not False

@@ -12,9 +12,7 @@ numbers CUDA devices in the CUDA runtime's order, which is fastest-first unless
 CUDA_DEVICE_ORDER=PCI_BUS_ID: runners must set that (or pick devices by UUID) for an index here
 to mean the same GPU there.
 
-Budgets (how much corral may book per device) are pure: `budgets()`. `live_headroom()` computes
-what a device really has free right now for other processes' use to be respected; the scheduler
-does not call it yet (it books against the budgets only).
+The Device type, budgets and fake device sets are pure: `corral.core.devices`.
 """
 
 from __future__ import annotations
@@ -22,37 +20,18 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
-import re
 import threading
 from collections.abc import Iterable, Sequence
-from dataclasses import dataclass, replace
+from dataclasses import replace
 from pathlib import Path
 from types import ModuleType
 from typing import Any
 
 import psutil
 
-from corral.config import ConfigError, parse_size
+from corral.core.devices import CPU, Device
 
 log = logging.getLogger(__name__)
-
-LIBRARIES = ("cpu", "cuda", "rocm")
-CPU = "cpu"  # the id of system memory in device lists, budgets and bookings
-
-
-@dataclass(frozen=True)
-class Device:
-    id: str  # "cpu", "cuda:0", "rocm:1": the key of budgets and bookings
-    library: str  # "cpu", "cuda" or "rocm"
-    index: int  # the runtime's device index; -1 for the CPU
-    name: str
-    total: int  # bytes
-    free: int  # bytes free now, as the driver (or the kernel) reports it
-    # False where the free figure cannot be trusted: unified-memory GPUs (NVML reports no
-    # memory of their own; system memory stands in), or a read that failed.
-    free_reliable: bool = True
-    compute_capability: str | None = None  # "9.0" (CUDA); the gfx target for AMD ("gfx90a")
-    uuid: str | None = None  # the driver's stable id; refresh() re-reads only devices with one
 
 
 # ---- discovery ---------------------------------------------------------------------------------
@@ -371,92 +350,3 @@ def _amd_refresh(d: Device) -> Device:
             total, free, reliable = _amd_memory(amd, h)
             return replace(d, total=total, free=free, free_reliable=reliable)
     return replace(d, free_reliable=False)
-
-
-# ---- budgets -----------------------------------------------------------------------------------
-
-
-def budgets(devices: Iterable[Device], margin: int, limit: int | None = None) -> dict[str, int]:
-    """Bytes corral's runners may book on each device: total - margin, capped by limit
-    (CORRAL_MEMORY_LIMIT, "the most that corral's models may use on any one device"); never
-    negative.
-
-    For the CPU this is system memory (or the cgroup limit) less the margin, on purpose not the
-    memory available at start-up: that would shrink the budget by whatever the page cache held
-    then. The OS and other processes use memory too; the margin is what covers them today
-    (`live_headroom()` is the finer check, not yet wired into the scheduler).
-    """
-    out = {}
-    for d in devices:
-        b = d.total - margin
-        if limit is not None:
-            b = min(b, limit)
-        out[d.id] = max(0, b)
-    return out
-
-
-def live_headroom(
-    device: Device, booked_by_us: int, *, in_use_by_us: int | None = None, margin: int = 0
-) -> int:
-    """The most corral's runners may have booked on this device in all, given what other
-    processes use right now: free + what our own runners already hold, less the margin.
-
-    Meant for the scheduler to keep `booked + new <= min(budget, live_headroom(...))` (not yet
-    wired in). The device's free
-    figure leaves out what our runners hold (they are using it), so that is added back; the
-    rest of its used memory belongs to others (another CUDA program, the desktop, the page
-    cache a database pins) and is not ours to take.
-
-    What our runners hold is `in_use_by_us` when measured (runner RSS, NVML's per-process
-    memory), else assumed to be what they booked, which holds once they are loaded. Only the
-    smaller of booked and in use is added back: a runner still loading has booked memory it
-    has not allocated yet (the free figure still counts it, so adding it back would let a
-    second load take it too), and one that allocated more than booked really has it.
-
-    For the CPU, pass our runners' anonymous memory (RssAnon: KV cache, buffers) as
-    `in_use_by_us`: weights llama.cpp maps from the file are page cache, which the kernel's
-    "available" figure already counts as free, so booking them again would count them twice.
-
-    Where the free figure is unreliable (`free_reliable` false) there is no live check: the
-    device's total is returned and the budget alone applies.
-    """
-    if not device.free_reliable:
-        return device.total
-    held = booked_by_us if in_use_by_us is None else min(booked_by_us, in_use_by_us)
-    return max(0, device.free + held - margin)
-
-
-# ---- fakes -------------------------------------------------------------------------------------
-
-_FAKE_ENTRY = re.compile(r"^\s*(cpu|cuda|rocm)\s*=\s*([^/]+?)\s*(?:/\s*(.+?)\s*)?$", re.I)
-
-
-def fake_devices(spec: str) -> list[Device]:
-    """Devices from "cpu=24GiB,cuda=24GiB,cuda=8GiB/6GiB" for tests and benchmarks: one entry
-    per device, `library=total[/free]` (free defaults to total), GPUs numbered per library in
-    the order given. The CPU entry is required (exactly one). Fakes have no uuid, so refresh()
-    leaves them as they are. ConfigError for anything else."""
-    out: list[Device] = []
-    counts = dict.fromkeys(LIBRARIES, 0)
-    for entry in spec.split(","):
-        m = _FAKE_ENTRY.match(entry)
-        if not m:
-            raise ConfigError(
-                f"device spec: invalid entry {entry.strip()!r} (use e.g. 'cpu=24GiB,cuda=8GiB')"
-            )
-        lib = m.group(1).lower()
-        total = parse_size(m.group(2), f"device spec {lib}")
-        free = parse_size(m.group(3), f"device spec {lib}") if m.group(3) else total
-        if free > total:
-            raise ConfigError(f"device spec: {entry.strip()!r} has more free than total memory")
-        index = counts[lib]
-        counts[lib] += 1
-        if lib == "cpu":
-            out.append(Device(CPU, "cpu", -1, "Fake CPU", total, free))
-        else:
-            name = f"Fake {'CUDA' if lib == 'cuda' else 'ROCm'} GPU {index}"
-            out.append(Device(f"{lib}:{index}", lib, index, name, total, free))
-    if counts["cpu"] != 1:
-        raise ConfigError("device spec: needs exactly one 'cpu=SIZE' entry")
-    out.sort(key=lambda d: (d.library != "cpu", d.library, d.index))
-    return out

@@ -1,0 +1,118 @@
+"""The `corral` command: start the server, or talk to a running one like the `ollama` CLI does.
+
+Client commands use only Ollama's public routes and fields (/api/generate, /api/chat, /api/ps,
+/api/tags, /api/show, /api/version), so they work against corral or a real Ollama server. The
+formatting helpers are plain functions that mirror Ollama's Go formatting, for unit tests.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import os
+import sys
+from collections.abc import Callable
+
+from corral.cli.chat import cmd_run
+from corral.cli.client import CLIError
+from corral.cli.models import cmd_list, cmd_ps, cmd_show, cmd_stop, cmd_version
+from corral.cli.serve import SERVE_FLAGS, cmd_serve
+from corral.config import DEFAULTS
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="corral",
+        description="Serve GGUF models through the Ollama and OpenAI APIs, and talk to the server."
+        " Client commands reach the server at CORRAL_HOST (default 127.0.0.1:11434).",
+    )
+    parser.add_argument("--version", action="store_true", help="show client and server versions")
+    sub = parser.add_subparsers(title="commands", metavar="COMMAND")
+
+    p = sub.add_parser("serve", help="start the server")
+    for flag, (env, metavar, text) in SERVE_FLAGS.items():
+        default = DEFAULTS.get(env)
+        suffix = f" (env {env}" + (f", default {default})" if default else ")")
+        p.add_argument(flag, dest=env, metavar=metavar, help=text + suffix)
+    p.set_defaults(func=cmd_serve)
+
+    p = sub.add_parser("run", help="run a model: answer a prompt, or chat")
+    p.add_argument("model")
+    p.add_argument("prompt", nargs="*", help="prompt (default: stdin if piped, else chat)")
+    p.add_argument("--verbose", action="store_true", help="show timings after the answer")
+    p.add_argument("--keepalive", metavar="DURATION", help="how long the model stays loaded")
+    p.add_argument("--format", choices=["json"], help="response format")
+    p.add_argument("--nowordwrap", action="store_true", help="don't wrap words")
+    p.set_defaults(func=cmd_run)
+
+    p = sub.add_parser("ps", help="list running models")
+    p.set_defaults(func=cmd_ps)
+
+    p = sub.add_parser("stop", help="unload a running model")
+    p.add_argument("model")
+    p.set_defaults(func=cmd_stop)
+
+    p = sub.add_parser("list", aliases=["ls"], help="list models")
+    p.set_defaults(func=cmd_list)
+
+    p = sub.add_parser("show", help="show information about a model")
+    p.add_argument("model")
+    only = p.add_mutually_exclusive_group()
+    for name in ("modelfile", "template", "parameters", "system", "license"):
+        only.add_argument(
+            f"--{name}",
+            dest="field",
+            action="store_const",
+            const=name,
+            help=f"show only the {name}",
+        )
+    p.set_defaults(func=cmd_show, field=None)
+
+    p = sub.add_parser("version", help="show client and server versions")
+    p.set_defaults(func=cmd_version)
+
+    # Listed for --help only: main() hands `corral bench ...` to corral.bench's own parser.
+    sub.add_parser("bench", help="run the benchmarks (corral bench --help)", add_help=False)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args_in = sys.argv[1:] if argv is None else argv
+    if args_in[:1] == ["bench"]:
+        from corral.bench import main as bench_main
+
+        return bench_main(args_in[1:])
+    parser = build_parser()
+    try:
+        args, extra = parser.parse_known_args(argv)
+        # argparse stops filling PROMPT at the first option (`run m --verbose hi`); ollama
+        # takes prompt words anywhere, so take the leftovers back.
+        if getattr(args, "func", None) is cmd_run and not any(a.startswith("-") for a in extra):
+            args.prompt = [*args.prompt, *extra]
+        elif extra:
+            parser.error(f"unrecognized arguments: {' '.join(extra)}")
+    except SystemExit as e:  # --help, or a usage error argparse has already printed
+        return e.code if isinstance(e.code, int) else 0 if e.code is None else 2
+
+    func: Callable[[argparse.Namespace], int] | None = (
+        cmd_version if args.version else getattr(args, "func", None)
+    )
+    if func is None:
+        parser.print_help()
+        return 0
+    try:
+        return func(args)
+    except CLIError as e:
+        print(f"Error: {e}", file=sys.stderr)
+        return 1
+    except KeyboardInterrupt:
+        print(file=sys.stderr)
+        return 130
+    except BrokenPipeError:  # e.g. `corral run m hi | head -1`
+        with contextlib.suppress(OSError, ValueError):
+            os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 1
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,288 @@
+"""`corral run`: answer a prompt or chat, streaming tokens with word wrap."""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import shutil
+import sys
+from collections.abc import Callable, Mapping
+from types import TracebackType
+from typing import Any, TextIO
+
+from rich.cells import cell_len
+from rich.console import Console
+from rich.live import Live
+from rich.spinner import Spinner
+
+from corral.cli.client import JSON, Client, CLIError, Unreachable, connect
+from corral.cli.display import _int, _isatty, go_duration
+
+CHAT_HELP = '''Available Commands:
+  /clear          Clear session context
+  /bye            Exit
+  /?, /help       Help for a command
+
+Use """ to begin a multi-line message.'''
+
+
+def format_stats(final: Mapping[str, Any]) -> list[str]:
+    """Ollama's `--verbose` summary from the last chunk of a reply (durations in nanoseconds)."""
+    total, load = _int(final.get("total_duration")), _int(final.get("load_duration"))
+    p_count, p_dur = _int(final.get("prompt_eval_count")), _int(final.get("prompt_eval_duration"))
+    count, dur = _int(final.get("eval_count")), _int(final.get("eval_duration"))
+    lines: list[str] = []
+    if total > 0:
+        lines.append(f"total duration:       {go_duration(total)}")
+    if load > 0:
+        lines.append(f"load duration:        {go_duration(load)}")
+    if p_count > 0:
+        lines.append(f"prompt eval count:    {p_count} token(s)")
+    if p_dur > 0:
+        lines.append(f"prompt eval duration: {go_duration(p_dur)}")
+        lines.append(f"prompt eval rate:     {p_count / (p_dur / 1e9):.2f} tokens/s")
+    if count > 0:
+        lines.append(f"eval count:           {count} token(s)")
+    if dur > 0:
+        lines.append(f"eval duration:        {go_duration(dur)}")
+        lines.append(f"eval rate:            {count / (dur / 1e9):.2f} tokens/s")
+    return lines
+
+
+def keep_alive_value(text: str) -> str | int | float:
+    """--keepalive as Ollama's API takes it: numbers (seconds; negative = forever) stay numbers,
+    since Go's duration parser rejects unitless strings like "-1"."""
+    for kind in (int, float):
+        with contextlib.suppress(ValueError):
+            return kind(text)
+    return text
+
+
+class TokenPrinter:
+    """Writes streamed text as it arrives; with a width, wraps at word boundaries like ollama:
+    a word that would overflow is erased and rewritten on the next line."""
+
+    def __init__(self, out: TextIO, width: int | None = None) -> None:
+        self.out = out
+        # Never use the last column: the terminal's pending-wrap state would misplace the cursor.
+        self.limit = width - 1 if width else 0
+        self.col = 0
+        self.word = ""
+        self.at_line_start = True
+
+    def write(self, text: str) -> None:
+        if not text:
+            return
+        if self.limit > 0:
+            text = self._wrap(text)
+        self.out.write(text)
+        self.out.flush()
+        self.at_line_start = text.endswith("\n")
+
+    def end_line(self) -> None:
+        if not self.at_line_start:
+            self.write("\n")
+
+    def _wrap(self, text: str) -> str:
+        parts: list[str] = []
+        for ch in text:
+            if ch == "\n":
+                parts.append(ch)
+                self.col, self.word = 0, ""
+                continue
+            w = cell_len(ch)
+            if self.col + w > self.limit:
+                if ch.isspace():  # the break itself replaces the space
+                    parts.append("\n")
+                    self.col, self.word = 0, ""
+                    continue
+                word_w = cell_len(self.word)
+                if 0 < word_w < self.col:  # back up over the partial word, clear, rewrite below
+                    parts.append(f"\x1b[{word_w}D\x1b[K\n{self.word}")
+                    self.col = word_w
+                else:  # the word alone fills the line: hard break
+                    parts.append("\n")
+                    self.col, self.word = 0, ""
+            parts.append(ch)
+            self.col += w
+            self.word = "" if ch.isspace() else self.word + ch
+        return "".join(parts)
+
+
+class _Waiting:
+    """A spinner on stderr while nothing has arrived yet; off unless stderr is a terminal."""
+
+    def __init__(self, enabled: bool) -> None:
+        self._live: Live | None = None
+        if enabled:
+            # No stdout redirection: tokens are written to the real stdout once this stops.
+            self._live = Live(
+                Spinner("dots"),
+                console=Console(stderr=True),
+                transient=True,
+                redirect_stdout=False,
+                redirect_stderr=False,
+                refresh_per_second=12,
+            )
+
+    def __enter__(self) -> _Waiting:
+        if self._live:
+            self._live.start()
+        return self
+
+    def stop(self) -> None:
+        if self._live:
+            self._live.stop()
+
+    def __exit__(
+        self, et: type[BaseException] | None, e: BaseException | None, tb: TracebackType | None
+    ) -> None:
+        self.stop()
+
+
+def _read_stdin() -> str:
+    try:
+        return sys.stdin.read()
+    except (OSError, ValueError):  # closed or unreadable stdin: no piped prompt
+        return ""
+
+
+def stream_reply(
+    client: Client, path: str, body: Mapping[str, Any], printer: TokenPrinter, spin: bool
+) -> tuple[str, JSON | None]:
+    """Stream a /api/generate or /api/chat reply to the printer; returns (text, final chunk)."""
+    parts: list[str] = []
+    final: JSON | None = None
+    thinking = False
+    with _Waiting(spin) as waiting, contextlib.closing(client.stream(path, body)) as chunks:
+        for chunk in chunks:
+            waiting.stop()
+            source = (chunk.get("message") or {}) if path == "/api/chat" else chunk
+            think, content = source.get("thinking"), source.get("content", source.get("response"))
+            if think:
+                if not thinking:
+                    printer.write("Thinking...\n")
+                    thinking = True
+                printer.write(str(think))
+            if content:
+                if thinking:
+                    printer.end_line()
+                    printer.write("...done thinking.\n\n")
+                    thinking = False
+                printer.write(str(content))
+                parts.append(str(content))
+            if chunk.get("done"):
+                final = chunk
+    return "".join(parts), final
+
+
+def _print_stats(final: JSON | None) -> None:
+    for line in format_stats(final or {}):
+        print(line, file=sys.stderr)
+
+
+def read_message(read: Callable[[str], str]) -> str:
+    """One user message; text between triple quotes may span lines, as in ollama."""
+    line = read(">>> ")
+    if not line.startswith('"""'):
+        return line
+    first = line[3:]
+    if first.rstrip().endswith('"""'):
+        return first.rstrip()[:-3]
+    parts = [first]
+    while True:
+        nxt = read("... ")
+        if nxt.rstrip().endswith('"""'):
+            parts.append(nxt.rstrip()[:-3])
+            return "\n".join(parts).strip("\n")
+        parts.append(nxt)
+
+
+def chat_loop(client: Client, args: argparse.Namespace, options: JSON, wrap: int | None) -> int:
+    with contextlib.suppress(ImportError):
+        import readline  # noqa: F401  (line editing and history for input())
+    messages: list[JSON] = []
+    printer = TokenPrinter(sys.stdout, wrap)
+    spin = _isatty(sys.stderr)
+    while True:
+        try:
+            text = read_message(input)
+        except EOFError:
+            print()
+            return 0
+        except KeyboardInterrupt:
+            print("\nUse Ctrl + d or /bye to exit.")
+            continue
+        if not text.strip():
+            continue
+        if text.startswith("/"):
+            command = text.split()[0]
+            if command in ("/bye", "/exit"):
+                return 0
+            if command == "/clear":
+                messages.clear()
+                print("Cleared session context")
+            elif command in ("/?", "/help"):
+                print(CHAT_HELP)
+            else:
+                print(f"Unknown command '{command}'. Type /? for help")
+            continue
+        messages.append({"role": "user", "content": text})
+        body = {"model": args.model, "messages": messages, "stream": True, **options}
+        try:
+            reply, final = stream_reply(client, "/api/chat", body, printer, spin)
+        except KeyboardInterrupt:  # stop this answer; forget the unanswered question
+            messages.pop()
+            printer.end_line()
+            print()
+            continue
+        except Unreachable:
+            raise
+        except CLIError as e:  # keep the session; the server may accept the next message
+            messages.pop()
+            printer.end_line()
+            print(f"Error: {e}", file=sys.stderr)
+            continue
+        messages.append({"role": "assistant", "content": reply})
+        printer.end_line()
+        print()
+        if args.verbose:
+            _print_stats(final)
+
+
+def cmd_run(args: argparse.Namespace) -> int:
+    stdin_tty = _isatty(sys.stdin)
+    words = list(args.prompt)
+    if not stdin_tty and (piped := _read_stdin()):  # piped text comes before the arguments
+        words.insert(0, piped)
+    prompt = " ".join(words)
+    interactive = not words and stdin_tty and _isatty(sys.stdout)
+    wrap = None
+    if stdin_tty and _isatty(sys.stdout) and not args.nowordwrap:
+        wrap = shutil.get_terminal_size().columns
+
+    options: JSON = {}
+    if args.keepalive is not None:
+        options["keep_alive"] = keep_alive_value(args.keepalive)
+    with connect() as client:
+        # Load first, so an unknown model or a failed load is reported before any prompt.
+        with _Waiting(_isatty(sys.stderr)):
+            for _ in client.stream("/api/generate", {"model": args.model, **options}):
+                pass
+        if args.format:
+            options["format"] = args.format
+        if interactive:
+            return chat_loop(client, args, options, wrap)
+        if not prompt:
+            return 0
+        printer = TokenPrinter(sys.stdout, wrap)
+        body = {"model": args.model, "prompt": prompt, "stream": True, **options}
+        try:
+            _, final = stream_reply(client, "/api/generate", body, printer, _isatty(sys.stderr))
+        except KeyboardInterrupt:
+            printer.end_line()
+            return 130
+        printer.end_line()
+        if args.verbose:
+            _print_stats(final)
+    return 0

@@ -1,0 +1,153 @@
+"""The CLI's HTTP client of a running server: addresses, errors, NDJSON streams."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+from collections.abc import Generator, Iterator, Mapping
+from typing import Any
+
+import httpx
+
+JSON = dict[str, Any]
+
+
+DEFAULT_HOST = "127.0.0.1:11434"
+
+
+class CLIError(Exception):
+    """A failure reported as `Error: <message>` with exit status 1, never as a traceback."""
+
+
+class Unreachable(CLIError):
+    def __init__(self, url: str) -> None:
+        super().__init__(
+            f"could not connect to corral server at {url}; is it running? "
+            "(start it with: corral serve)"
+        )
+
+
+def base_url(host: str) -> str:
+    """Client URL for a CORRAL_HOST value: "host:port", ":port", "host" or "http(s)://host[:port]".
+
+    Follows OLLAMA_HOST: bare values mean http on port 11434, a URL's scheme sets its default
+    port, and a path after the address is kept (for servers behind a prefix).
+    """
+    text = host.strip() or DEFAULT_HOST
+    scheme, sep, rest = text.partition("://")
+    if sep:
+        scheme = scheme.lower()
+        default_port = 443 if scheme == "https" else 80
+    else:
+        scheme, rest, default_port = "http", text, 11434
+    hostport, _, path = rest.partition("/")
+    if hostport.startswith("["):  # [v6]:port
+        name, _, tail = hostport[1:].partition("]")
+        if tail and not tail.startswith(":"):
+            raise ValueError(f"invalid address {host!r}")
+        port_text = tail[1:]
+    elif hostport.count(":") == 1:
+        name, port_text = hostport.split(":")
+    else:  # a bare name, or an IPv6 literal without brackets or port
+        name, port_text = hostport, ""
+    if port_text and not (port_text.isdigit() and 0 < int(port_text) < 65536):
+        raise ValueError(f"invalid port in {host!r}")
+    port = int(port_text) if port_text else default_port
+    # A server listening on every interface is reached through loopback.
+    name = {"": "127.0.0.1", "0.0.0.0": "127.0.0.1", "::": "::1"}.get(name, name)
+    netloc = f"[{name}]:{port}" if ":" in name else f"{name}:{port}"
+    path = path.strip("/")
+    return f"{scheme}://{netloc}" + (f"/{path}" if path else "")
+
+
+def error_message(status: int, reason: str, body: str) -> str:
+    """The message of an HTTP error answer: its JSON "error", else its text, else the status."""
+    with contextlib.suppress(ValueError):
+        data = json.loads(body)
+        if isinstance(data, dict) and data.get("error"):
+            return str(data["error"])
+    text = body.strip()
+    return text[:500] if text else f"{status} {reason}".strip()
+
+
+class Client:
+    """Synchronous client for the Ollama API that turns transport and API failures into CLIError."""
+
+    def __init__(self, url: str) -> None:
+        self.url = url
+        # Loads and generations can take minutes, so only connecting is time-limited. Proxy
+        # variables are ignored: the server is almost always local.
+        self._http = httpx.Client(
+            base_url=url, timeout=httpx.Timeout(None, connect=10.0), trust_env=False
+        )
+
+    def __enter__(self) -> Client:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._http.close()
+
+    @contextlib.contextmanager
+    def _errors(self) -> Iterator[None]:
+        try:
+            yield
+        except (httpx.ConnectError, httpx.ConnectTimeout):
+            raise Unreachable(self.url) from None
+        except httpx.TimeoutException:
+            raise CLIError(f"timed out talking to corral server at {self.url}") from None
+        except httpx.TransportError as e:
+            raise CLIError(f"lost connection to corral server at {self.url}: {e}") from None
+        except httpx.HTTPError as e:
+            raise CLIError(str(e)) from None
+
+    def get(self, path: str) -> JSON:
+        with self._errors():
+            resp = self._http.get(path)
+        return _decode(_checked(resp).text)
+
+    def post(self, path: str, body: Mapping[str, Any]) -> JSON:
+        with self._errors():
+            resp = self._http.post(path, json=body)
+        return _decode(_checked(resp).text)
+
+    def stream(self, path: str, body: Mapping[str, Any]) -> Generator[JSON, None, None]:
+        """POST and yield NDJSON objects as they arrive; an {"error"} line raises CLIError."""
+        with self._errors(), self._http.stream("POST", path, json=body) as resp:
+            if resp.status_code >= 400:
+                resp.read()
+                _checked(resp)
+            # A plain JSON answer (e.g. to a load request) is a one-line stream.
+            for line in resp.iter_lines():
+                if not line.strip():
+                    continue
+                chunk = _decode(line)
+                if "error" in chunk:
+                    raise CLIError(str(chunk["error"]))
+                yield chunk
+
+
+def _checked(resp: httpx.Response) -> httpx.Response:
+    if resp.status_code >= 400:
+        raise CLIError(error_message(resp.status_code, resp.reason_phrase, resp.text))
+    return resp
+
+
+def _decode(text: str) -> JSON:
+    try:
+        data = json.loads(text)
+    except ValueError:
+        data = None
+    if not isinstance(data, dict):
+        raise CLIError(f"unexpected response from server: {text[:200]!r}")
+    if "error" in data and len(data) == 1:
+        raise CLIError(str(data["error"]))
+    return data
+
+
+def connect() -> Client:
+    host = os.environ.get("CORRAL_HOST", "")
+    try:
+        return Client(base_url(host))
+    except ValueError as e:
+        raise CLIError(f"CORRAL_HOST: {e}") from None

@@ -1,0 +1,155 @@
+"""`corral list / show / ps / stop / version`: the models on disk and in memory."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from collections.abc import Mapping, Sequence
+from datetime import datetime
+from typing import Any
+
+from rich.cells import cell_len
+
+from corral import __version__
+from corral.cli.client import CLIError, Unreachable, connect
+from corral.cli.display import (
+    _head,
+    _int,
+    _number,
+    human_bytes,
+    human_number,
+    human_time,
+    parse_time,
+    print_table,
+    processor,
+    short_id,
+    until_text,
+)
+
+
+def ps_rows(models: Sequence[Mapping[str, Any]], now: datetime | None = None) -> list[list[str]]:
+    """NAME, ID, SIZE, PROCESSOR, CONTEXT, UNTIL rows from /api/ps models."""
+    rows = []
+    for m in models:
+        size, vram = _int(m.get("size")), _int(m.get("size_vram"))
+        context = m.get("context_length")
+        rows.append(
+            [
+                str(m.get("name") or m.get("model") or ""),
+                short_id(m.get("digest")),
+                human_bytes(size),
+                processor(size, vram),
+                str(context) if context is not None else "-",
+                until_text(parse_time(m.get("expires_at")), now),
+            ]
+        )
+    return rows
+
+
+def list_rows(models: Sequence[Mapping[str, Any]], now: datetime | None = None) -> list[list[str]]:
+    """NAME, ID, SIZE, MODIFIED rows from /api/tags models."""
+    return [
+        [
+            str(m.get("name") or m.get("model") or ""),
+            short_id(m.get("digest")),
+            human_bytes(_int(m.get("size"))),
+            human_time(parse_time(m.get("modified_at")), now),
+        ]
+        for m in models
+    ]
+
+
+def format_show(info: Mapping[str, Any]) -> str:
+    """Ollama's `show` summary: Model, Capabilities, Parameters, System and License sections."""
+    details: Mapping[str, Any] = info.get("details") or {}
+    model_info: Mapping[str, Any] = info.get("model_info") or {}
+    model: list[list[str]] = []
+    if model_info:
+        arch = str(model_info.get("general.architecture") or details.get("family") or "")
+        params = details.get("parameter_size") or ""
+        if not params and "general.parameter_count" in model_info:
+            params = human_number(_int(model_info["general.parameter_count"]))
+        model += [["architecture", arch], ["parameters", str(params)]]
+        for key, label in (
+            ("context_length", "context length"),
+            ("embedding_length", "embedding length"),
+        ):
+            if f"{arch}.{key}" in model_info:
+                model.append([label, _number(model_info[f"{arch}.{key}"])])
+    else:
+        model += [
+            ["architecture", str(details.get("family") or "")],
+            ["parameters", str(details.get("parameter_size") or "")],
+        ]
+    model.append(["quantization", str(details.get("quantization_level") or "")])
+
+    sections: list[tuple[str, list[list[str]]]] = [("Model", model)]
+    if caps := info.get("capabilities"):
+        sections.append(("Capabilities", [[str(c)] for c in caps]))
+    if params_text := info.get("parameters"):
+        # "stop  "<|im_end|>"" lines: the name, then the value (which may hold spaces)
+        rows = [line.split(None, 1) for line in str(params_text).splitlines() if line.strip()]
+        sections.append(("Parameters", rows))
+    for key, title in (("system", "System"), ("license", "License")):
+        if text := info.get(key):
+            sections.append((title, [[line] for line in _head(str(text), 2)]))
+
+    out: list[str] = []
+    for title, rows in sections:
+        out.append(f"  {title}")
+        widths: dict[int, int] = {}
+        for row in rows:
+            for i, cell in enumerate(row[:-1]):
+                widths[i] = max(widths.get(i, 0), cell_len(cell))
+        for row in rows:
+            cells = [c + " " * (widths[i] - cell_len(c)) for i, c in enumerate(row[:-1])]
+            out.append("    " + "    ".join([*cells, row[-1]]).rstrip())
+        out.append("")
+    return "\n".join(out)
+
+
+def cmd_ps(args: argparse.Namespace) -> int:
+    with connect() as client:
+        data = client.get("/api/ps")
+    headers = ["NAME", "ID", "SIZE", "PROCESSOR", "CONTEXT", "UNTIL"]
+    print_table(headers, ps_rows(data.get("models") or []))
+    return 0
+
+
+def cmd_list(args: argparse.Namespace) -> int:
+    with connect() as client:
+        data = client.get("/api/tags")
+    print_table(["NAME", "ID", "SIZE", "MODIFIED"], list_rows(data.get("models") or []))
+    return 0
+
+
+def cmd_stop(args: argparse.Namespace) -> int:
+    with connect() as client:
+        for _ in client.stream("/api/generate", {"model": args.model, "keep_alive": 0}):
+            pass
+    return 0
+
+
+def cmd_show(args: argparse.Namespace) -> int:
+    with connect() as client:
+        info = client.post("/api/show", {"model": args.model})
+    if args.field:
+        text = str(info.get(args.field) or "")
+        sys.stdout.write(text if text.endswith("\n") or not text else text + "\n")
+    else:
+        sys.stdout.write(format_show(info) + "\n")
+    return 0
+
+
+def cmd_version(args: argparse.Namespace) -> int:
+    print(f"corral client version {__version__}")
+    try:
+        with connect() as client:
+            server = client.get("/api/version").get("version", "unknown")
+    except Unreachable as e:
+        print(f"Warning: {e}", file=sys.stderr)
+    except CLIError as e:
+        print(f"Warning: could not get the server version: {e}", file=sys.stderr)
+    else:
+        print(f"corral server version {server}")
+    return 0

@@ -1,0 +1,50 @@
+"""`corral serve`: the flags, each an override of its CORRAL_* variable."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+from corral.cli.client import CLIError
+from corral.config import ConfigError
+
+# `corral serve` flag -> (environment variable, metavar, help). The server reads settings from
+# these variables, so a flag is only an override of its variable; this is the one table of them.
+SERVE_FLAGS: dict[str, tuple[str, str, str]] = {
+    "--host": ("CORRAL_HOST", "HOST", "address to listen on, host:port"),
+    "--models": ("CORRAL_MODELS", "DIR", "directory of GGUF models"),
+    "--keep-alive": ("CORRAL_KEEP_ALIVE", "DURATION", "how long an idle model stays loaded"),
+    "--context-length": ("CORRAL_CONTEXT_LENGTH", "N", "default context length"),
+    "--num-parallel": ("CORRAL_NUM_PARALLEL", "N", "requests each model serves at once"),
+    "--load-timeout": ("CORRAL_LOAD_TIMEOUT", "DURATION", "give up loading a model after this"),
+    "--max-loaded-models": ("CORRAL_MAX_LOADED_MODELS", "N", "most models loaded (0: by memory)"),
+    "--max-queue": ("CORRAL_MAX_QUEUE", "N", "most requests waiting for a model"),
+    "--memory-margin": ("CORRAL_MEMORY_MARGIN", "SIZE", "memory to leave free, e.g. 1GiB"),
+    "--memory-limit": ("CORRAL_MEMORY_LIMIT", "SIZE", "most memory for loaded models"),
+    "--llama-server": ("CORRAL_LLAMA_SERVER", "PATH", "run models with this llama-server binary"),
+    "--log-level": ("CORRAL_LOG_LEVEL", "LEVEL", "debug, info, warning or error"),
+}
+
+
+def serve_overrides(args: argparse.Namespace) -> dict[str, str]:
+    """Environment-variable overrides for the `serve` flags the user actually gave."""
+    return {
+        env: str(value)
+        for env, _, _ in SERVE_FLAGS.values()
+        if (value := getattr(args, env, None)) is not None
+    }
+
+
+def cmd_serve(args: argparse.Namespace) -> int:
+    from corral.server import serve  # imported late: it pulls in the whole server stack
+
+    try:
+        serve(serve_overrides(args))
+    except ConfigError as e:
+        raise CLIError(str(e)) from None
+    except SystemExit as e:  # the server may exit with its own message; main() still returns
+        if isinstance(e.code, str):
+            print(e.code, file=sys.stderr)
+            return 1
+        return e.code or 0
+    return 0
