@@ -22,6 +22,9 @@ def models_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     # A 32k training context lets a stream run for seconds (llama.cpp caps num_ctx at it).
     synth.write_llama_model(d / "long.gguf", n_layer=2, context_length=32768, seed=2)
     synth.write_bert_model(d / "embed.gguf")
+    # Chat templates with tool calls and with reasoning, for the API families' tools/thinking.
+    synth.write_llama_model(d / "tools.gguf", chat_template=synth.TOOLS_TEMPLATE, seed=3)
+    synth.write_llama_model(d / "think.gguf", chat_template=synth.THINKING_TEMPLATE, seed=4)
     synth.write_not_gguf(d / "notgguf.gguf")
     synth.write_truncated_copy(d / "tiny.gguf", d / "truncated.gguf", 0.6)
     return d

@@ -15,9 +15,11 @@ from starlette.responses import Response
 from starlette.routing import Route
 
 import corral
+from corral.api.anthropic import Anthropic, anthropic_error
 from corral.api.common import ApiError
 from corral.api.ollama import Ollama
 from corral.api.openai import OpenAI, Router, openai_error
+from corral.api.responses import Responses
 from corral.api.service import Service
 from corral.api.stream import json_response
 from corral.config import ConfigError, Settings
@@ -30,6 +32,9 @@ log = logging.getLogger("corral")
 
 
 def error_response(request: Request, e: ApiError) -> Response:
+    """The error in the shape of the API family the client spoke."""
+    if request.url.path.startswith("/v1/messages"):
+        return anthropic_error(e)
     if request.url.path.startswith("/v1/"):
         return openai_error(e)
     return json_response({"error": e.message}, e.status)
@@ -92,6 +97,8 @@ def create_app(settings: Settings, devices: list[Device] | None = None) -> Starl
         Route("/health", health, methods=["GET"]),
         *Ollama(service).routes(),
         *OpenAI(service).routes(),
+        *Anthropic(service).routes(),
+        *Responses(service).routes(),
         *Router(service).routes(),
     ]
     app = Starlette(

@@ -139,3 +139,15 @@ def rfc3339(ts: float) -> str:
     if not math.isfinite(ts) or ts > 253402300799:  # year 9999: Go clients' "forever"
         ts = 253402300799 if ts > 0 else 0
     return dt.datetime.fromtimestamp(ts, dt.timezone.utc).isoformat().replace("+00:00", "Z")
+
+
+def runner_error_message(body: bytes, status: int) -> str:
+    try:
+        data = orjson.loads(body)
+        err = data.get("error", data) if isinstance(data, dict) else data
+        msg = err.get("message") if isinstance(err, dict) else err
+        if msg:
+            return str(msg)
+    except orjson.JSONDecodeError:
+        pass
+    return body.decode(errors="replace").strip() or f"runner answered HTTP {status}"

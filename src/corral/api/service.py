@@ -18,7 +18,8 @@ import aiohttp
 import orjson
 from starlette.requests import Request
 
-from corral.api.common import ApiError
+from corral.api.common import ApiError, runner_error_message
+from corral.api.events import Chat, Generation, forced_schema
 from corral.config import Settings
 from corral.core.books import Fit, Placer
 from corral.core.devices import Device
@@ -210,6 +211,70 @@ class Service:
         finally:
             resp.release()
 
+    # ---- generating ------------------------------------------------------------------------
+    async def generate(
+        self,
+        request: Request,
+        r: Resolved,
+        chat: Chat,
+        options: dict[str, Any],
+        keep_alive: float | None,
+        stop: list[str] | None = None,
+    ) -> Generation:
+        """Lease a slot and start the runner on `chat`; the events come from the Generation.
+        `stop` sequences are found by corral (not llama.cpp) so that the one that ended the
+        text can be reported. Every check the client can fail comes before the lease."""
+        self.require(r, "completion", "chat")
+        if "vision" not in r.info.capabilities and has_images(chat.messages):
+            raise ApiError(400, f"model '{r.requested}' does not support images", "messages")
+        forced = chat.forced_tools
+        if forced is not None and not forced:
+            raise ApiError(
+                400, f"tool_choice names '{chat.tool_choice}', which is not among the tools",
+                "tool_choice",
+            )  # fmt: skip
+        lease = await self.lease(request, r, options, keep_alive)
+        try:
+            if forced is not None:
+                tmpl = await self.post_json(lease, "/apply-template", {
+                    "messages": chat.messages, "tools": chat.tools,
+                    "chat_template_kwargs": {"enable_thinking": False},
+                })  # fmt: skip
+                params = {k: v for k, v in chat.params.items() if k in COMPLETION_PARAMS}
+                payload = {"prompt": tmpl["prompt"], "json_schema": forced_schema(forced),
+                           **params, "stream": True}  # fmt: skip
+                resp = await self.post(lease, "/completion", payload)
+            else:
+                payload = {"messages": chat.messages, **chat.params, "stream": True,
+                           "stream_options": {"include_usage": True}}  # fmt: skip
+                if chat.tools and chat.tool_choice != "none":
+                    payload["tools"] = chat.tools
+                resp = await self.post(lease, "/v1/chat/completions", payload)
+        except BaseException:
+            lease.release()
+            raise
+
+        async def explain() -> str:
+            return await explain_failure(lease.runner)
+
+        return Generation(lease, resp, forced is not None, stop or [], explain)
+
+
+
+# llama.cpp /completion parameters a chat request may carry (forced tool calls go there).
+COMPLETION_PARAMS = frozenset({
+    "max_tokens", "n_predict", "temperature", "top_p", "top_k", "min_p", "seed", "stop",
+    "repeat_penalty", "presence_penalty", "frequency_penalty", "typical_p",
+})  # fmt: skip
+
+
+def has_images(messages: list[dict[str, Any]]) -> bool:
+    return any(
+        isinstance(part, dict) and part.get("type") in ("image_url", "input_image", "image")
+        for m in messages if isinstance(m.get("content"), list)
+        for part in m["content"]
+    )  # fmt: skip
+
 
 def launch_layout(p: Placement, devices: list[Device]) -> Layout:
     """How to start a runner so that it uses exactly the devices placement booked: only those
@@ -254,18 +319,6 @@ async def explain_failure(runner: Runner, wait: float = 2.0) -> str:
         with contextlib.suppress(asyncio.TimeoutError):
             await asyncio.wait_for(asyncio.shield(runner.wait_exit()), wait)
     return runner.failure_message()
-
-
-def runner_error_message(body: bytes, status: int) -> str:
-    try:
-        data = orjson.loads(body)
-        err = data.get("error", data) if isinstance(data, dict) else data
-        msg = err.get("message") if isinstance(err, dict) else err
-        if msg:
-            return str(msg)
-    except orjson.JSONDecodeError:
-        pass
-    return body.decode(errors="replace").strip() or f"runner answered HTTP {status}"
 
 
 async def until_disconnect(request: Request, work: Awaitable[T]) -> T:

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import functools
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -158,6 +158,19 @@ def _add_vocab(
     writer.add_add_space_prefix(vocab.add_space_prefix)
     writer.add_chat_template(vocab.chat_template)
 
+
+# ---- chat templates with tools and reasoning -----------------------------------------------
+_TEMPLATES = Path(__file__).parent / "templates"
+# ChatML with Hermes-style tool calls (the format of Qwen 2.5 and many others): tools listed in
+# the system turn, calls as <tool_call>{"name": ..., "arguments": ...}</tool_call>, results in
+# <tool_response>. llama.cpp recognises the format from the template, parses the calls out of
+# the output and, for tool_choice "required" or a named function, constrains decoding to one,
+# so a random-weight model answers with a well-formed call.
+TOOLS_TEMPLATE = (_TEMPLATES / "tools.jinja").read_text()
+# The same with reasoning that the prompt opens (as DeepSeek-R1 and Qwen3's thinking models do):
+# the generation prompt ends in "<think>\n" unless enable_thinking is false, so everything such a
+# model writes is reasoning until it closes the tag.
+THINKING_TEMPLATE = (_TEMPLATES / "thinking.jinja").read_text()
 
 # --------------------------------------------------------------------------- tensors
 
@@ -346,11 +359,14 @@ def _write_decoder(
     name: str,
     seed: int,
     sliding_window: int | None = None,
+    chat_template: str | None = None,
 ) -> Path:
     dims.validate()
     if target_bytes is not None:
         dims = plan_llama_dims(target_bytes, dims, n_vocab, arch)
     vocab = _vocab(n_vocab)
+    if chat_template is not None:
+        vocab = replace(vocab, chat_template=chat_template)
     writer = gguf.GGUFWriter(None, arch)
     writer.add_type("model")
     writer.add_name(name)
@@ -387,8 +403,10 @@ def write_llama_model(
     n_vocab: int | None = DEFAULT_N_VOCAB,
     name: str = "synthetic-llama",
     seed: int = 0,
+    chat_template: str | None = None,
 ) -> Path:
-    """Write a random-weight f16 ``llama`` GGUF with SmolLM2's tokenizer and chat template.
+    """Write a random-weight f16 ``llama`` GGUF with SmolLM2's tokenizer and chat template
+    (or ``chat_template``, e.g. ``TOOLS_TEMPLATE`` or ``THINKING_TEMPLATE``).
 
     ``target_bytes`` overrides ``n_layer`` (and grows n_embd/n_ff when needed; see
     ``plan_llama_dims``). ``n_vocab=None`` keeps SmolLM2's full 49152-token vocabulary (adds
@@ -409,6 +427,7 @@ def write_llama_model(
         n_vocab=n_vocab,
         name=name,
         seed=seed,
+        chat_template=chat_template,
     )
 
 

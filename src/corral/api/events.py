@@ -1,0 +1,315 @@
+"""The layer every generating API family shares: one neutral chat request goes down to the
+runner, one stream of neutral events comes back up, and each family only renders them.
+
+A request's path: the adapter builds a `Chat` (OpenAI chat messages, which is what llama.cpp's
+templates take, plus tools and sampling parameters), `Service.generate` leases a runner slot and
+starts the upstream call, and `Generation` yields `Text`, `Thinking`, `ToolCall` and finally
+`Done` events. The lease is returned however the response ends (`Generation.response`).
+
+Forced tool use (`tool_choice` "required" or a named function) does not rely on the model's
+template being one llama.cpp knows how to constrain: the prompt is rendered with the tools by
+the runner's own template (/apply-template) and the completion is constrained by a JSON schema
+to `{"name": ..., "arguments": {...}}` for one of the allowed tools, so any model answers with
+a well-formed call.
+"""
+
+from __future__ import annotations
+
+import time
+import uuid
+from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass, field, replace
+from typing import Any
+
+import aiohttp
+import orjson
+from starlette.responses import Response, StreamingResponse
+from starlette.types import Receive, Scope, Send
+
+from corral.api.common import ApiError, runner_error_message
+from corral.runtime.scheduler import Lease
+
+# ---- the neutral request -------------------------------------------------------------------
+
+
+@dataclass
+class Chat:
+    """A chat request in llama.cpp's terms (its /v1/chat/completions body, less streaming).
+
+    `tool_choice` is "auto", "none", "required" or a tool name; `params` go to llama.cpp as
+    they are (max_tokens, temperature, top_p, top_k, stop, seed, response_format,
+    chat_template_kwargs, logprobs, ...)."""
+
+    messages: list[dict[str, Any]]
+    tools: list[dict[str, Any]] = field(default_factory=list)
+    tool_choice: str = "auto"
+    params: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def forced_tools(self) -> list[dict[str, Any]] | None:
+        """The tools one of which the answer must call, or None when the model may choose."""
+        if not self.tools or self.tool_choice in ("auto", "none"):
+            return None
+        if self.tool_choice == "required":
+            return self.tools
+        return [t for t in self.tools if tool_name(t) == self.tool_choice]
+
+
+def tool_name(tool: dict[str, Any]) -> str:
+    fn = tool.get("function")
+    return str(fn.get("name", "")) if isinstance(fn, dict) else ""
+
+
+# ---- the neutral events --------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Text:
+    text: str
+
+
+@dataclass(frozen=True)
+class Thinking:
+    text: str
+
+
+@dataclass(frozen=True)
+class ToolCall:
+    """A tool call's start (name and id set) or a piece of its JSON arguments."""
+
+    index: int
+    id: str = ""
+    name: str = ""
+    arguments: str = ""
+
+
+@dataclass(frozen=True)
+class Usage:
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+    cached_tokens: int = 0
+    prompt_ms: float = 0.0
+    predicted_ms: float = 0.0
+
+
+@dataclass(frozen=True)
+class Done:
+    """The end of a generation: why it stopped ("stop", "length" or "tool_calls"), the stop
+    sequence that ended it if one did, and the token counts."""
+
+    reason: str
+    usage: Usage
+    stop_sequence: str | None = None
+    logprobs: list[dict[str, Any]] | None = None
+
+
+Event = Text | Thinking | ToolCall | Done
+
+
+@dataclass
+class Result:
+    """A whole generation, for non-streamed answers."""
+
+    text: str
+    thinking: str
+    tool_calls: list[dict[str, str]]  # {"id", "name", "arguments" (JSON text)}
+    done: Done
+
+
+def new_id(prefix: str) -> str:
+    return f"{prefix}{uuid.uuid4().hex[:24]}"
+
+
+# ---- a generation in progress --------------------------------------------------------------
+
+
+class Generation:
+    """One leased runner call turned into events. Iterate `events()` once, inside
+    `response()` (streamed) or `collect()` (whole)."""
+
+    def __init__(
+        self,
+        lease: Lease,
+        upstream: aiohttp.ClientResponse,
+        forced: bool,
+        stop: list[str],
+        explain: Callable[[], Any],
+    ) -> None:
+        self.lease = lease
+        self.upstream = upstream
+        self.forced = forced  # the upstream is a /completion whose output is one tool call
+        self.stop = stop
+        self.explain = explain
+        self.started = time.monotonic()
+
+    def close(self) -> None:
+        self.upstream.close()
+        self.lease.release()
+
+    async def _sse(self) -> AsyncIterator[dict[str, Any]]:
+        try:
+            async for line in self.upstream.content:
+                if line.startswith(b"data: "):
+                    data = line[6:].strip()
+                    if data == b"[DONE]":
+                        return
+                    yield orjson.loads(data)
+                elif line.startswith(b"error: "):
+                    raise ApiError(500, runner_error_message(line[7:], 500))
+        except (aiohttp.ClientError, OSError):
+            raise ApiError(500, await self.explain()) from None
+
+    async def events(self) -> AsyncIterator[Event]:
+        if self.forced:
+            async for ev in self._forced_events():
+                yield ev
+            return
+        reason, usage, logprobs = "stop", Usage(), None
+        scan = StopScanner(self.stop)
+        deltas = 0  # content deltas: one token each, the count when a stop sequence cuts in
+        async for data in self._sse():
+            if data.get("timings"):
+                usage = _usage(data)
+            for choice in data.get("choices") or ():
+                delta = choice.get("delta") or {}
+                if delta.get("reasoning_content"):
+                    yield Thinking(delta["reasoning_content"])
+                if delta.get("content"):
+                    deltas += 1
+                    text, hit = scan.feed(delta["content"])
+                    if text:
+                        yield Text(text)
+                    if hit is not None:  # returning closes the upstream: llama.cpp stops
+                        yield Done("stop", replace(usage, completion_tokens=deltas), hit)
+                        return
+                for tc in delta.get("tool_calls") or ():
+                    fn = tc.get("function") or {}
+                    yield ToolCall(
+                        tc.get("index", 0), tc.get("id") or "", fn.get("name") or "",
+                        fn.get("arguments") or "",
+                    )  # fmt: skip
+                lp = (choice.get("logprobs") or {}).get("content")
+                if lp:
+                    logprobs = (logprobs or []) + lp
+                if choice.get("finish_reason"):
+                    reason = choice["finish_reason"]
+        rest = scan.flush()
+        if rest:
+            yield Text(rest)
+        yield Done(reason, usage, None, logprobs)
+
+    async def _forced_events(self) -> AsyncIterator[Event]:
+        parts: list[str] = []
+        final: dict[str, Any] = {}
+        async for data in self._sse():
+            parts.append(data.get("content", ""))
+            if data.get("stop"):
+                final = data
+        usage = _usage(final)
+        try:
+            call = orjson.loads("".join(parts))
+            name, args = call["name"], orjson.dumps(call["arguments"]).decode()
+        except (orjson.JSONDecodeError, KeyError, TypeError):
+            # Cut off by max_tokens before the call was complete: no call to report.
+            yield Text("".join(parts))
+            yield Done("length", usage)
+            return
+        yield ToolCall(0, new_id("call_"), name, args)
+        yield Done("tool_calls", usage)
+
+    async def collect(self) -> Result:
+        text: list[str] = []
+        thinking: list[str] = []
+        calls: dict[int, dict[str, str]] = {}
+        done = Done("stop", Usage())
+        async for ev in self.events():
+            if isinstance(ev, Text):
+                text.append(ev.text)
+            elif isinstance(ev, Thinking):
+                thinking.append(ev.text)
+            elif isinstance(ev, ToolCall):
+                c = calls.setdefault(ev.index, {"id": "", "name": "", "arguments": ""})
+                c["id"] = c["id"] or ev.id or new_id("call_")
+                c["name"] += ev.name
+                c["arguments"] += ev.arguments
+            else:
+                done = ev
+        return Result("".join(text), "".join(thinking), [calls[i] for i in sorted(calls)], done)
+
+    def response(
+        self, render: Callable[[AsyncIterator[Event]], AsyncIterator[bytes]], media_type: str
+    ) -> Response:
+        """A streaming response of `render(events)`; the lease and the upstream go back when it
+        ends, fails or the client leaves."""
+        return _GenerationStream(render(self.events()), self, media_type)
+
+
+class _GenerationStream(StreamingResponse):
+    def __init__(self, body: AsyncIterator[bytes], gen: Generation, media_type: str) -> None:
+        super().__init__(body, media_type=media_type)
+        self.gen = gen
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            self.gen.close()  # closing the upstream makes llama.cpp stop generating
+
+
+def _usage(ev: dict[str, Any]) -> Usage:
+    t = ev.get("timings") or {}
+    u = ev.get("usage") or {}
+    prompt = int(u.get("prompt_tokens") or (t.get("prompt_n", 0) + t.get("cache_n", 0)))
+    completion = int(u.get("completion_tokens") or t.get("predicted_n", 0))
+    return Usage(
+        prompt, completion, int(t.get("cache_n", 0)),
+        float(t.get("prompt_ms", 0.0)), float(t.get("predicted_ms", 0.0)),
+    )  # fmt: skip
+
+
+class StopScanner:
+    """Finds stop sequences in streamed text, holding back only what may be the start of one,
+    so that corral (not llama.cpp, whose chat API does not say which one matched) can report
+    the sequence that ended a generation."""
+
+    def __init__(self, stops: list[str]) -> None:
+        self.stops = [s for s in stops if s]
+        self.buf = ""
+
+    def feed(self, text: str) -> tuple[str, str | None]:
+        """The text that is safe to pass on, and the stop sequence if one is now complete
+        (the text from it on is dropped)."""
+        if not self.stops:
+            return text, None
+        self.buf += text
+        hits = [(i, s) for s in self.stops if (i := self.buf.find(s)) >= 0]
+        if hits:
+            i, s = min(hits)
+            out, self.buf = self.buf[:i], ""
+            return out, s
+        keep = 0
+        for s in self.stops:
+            for k in range(min(len(s) - 1, len(self.buf)), keep, -1):
+                if self.buf.endswith(s[:k]):
+                    keep = k
+                    break
+        out, self.buf = self.buf[: len(self.buf) - keep], self.buf[len(self.buf) - keep :]
+        return out, None
+
+    def flush(self) -> str:
+        out, self.buf = self.buf, ""
+        return out
+
+
+def forced_schema(tools: list[dict[str, Any]]) -> dict[str, Any]:
+    """The JSON schema of one call to one of `tools`."""
+    variants = []
+    for t in tools:
+        fn = t.get("function") or {}
+        params = fn.get("parameters") or {"type": "object"}
+        variants.append({
+            "type": "object",
+            "properties": {"name": {"const": fn.get("name", "")}, "arguments": params},
+            "required": ["name", "arguments"],
+        })  # fmt: skip
+    return variants[0] if len(variants) == 1 else {"anyOf": variants}
