@@ -534,3 +534,36 @@ def test_model_info_is_hashable_and_frozen(tmp_path: Path) -> None:
     mutable: Any = info
     with pytest.raises(dataclasses.FrozenInstanceError):
         mutable.n_layer = 3
+
+
+@pytest.mark.parametrize(
+    ("template", "fim", "pooling", "expected"),
+    [
+        ("{{ messages }}", False, None, ("completion",)),
+        ("{%- if tools %}{{ tools | tojson }}{% endif %}", False, None, ("completion", "tools")),
+        ("Use the tools wisely: {{ messages }}", False, None, ("completion",)),  # text only
+        ("{% if enable_thinking %}<think>{% endif %}", False, None, ("completion", "thinking")),
+        ("{{ m.reasoning_content }}{% for t in tools %}{% endfor %}", True, None,
+         ("completion", "tools", "thinking", "insert")),
+        (None, True, None, ("completion", "insert")),
+        (None, False, gguf.PoolingType.RANK, ("rerank",)),
+    ],
+)  # fmt: skip
+def test_capabilities_from_template_vocab_and_pooling(
+    tmp_path: Path,
+    template: str | None,
+    fim: bool,
+    pooling: gguf.PoolingType | None,
+    expected: tuple[str, ...],
+) -> None:
+    def extra(w: gguf.GGUFWriter) -> None:
+        if template is not None:
+            w.add_chat_template(template)
+        if fim:
+            w.add_uint32("tokenizer.ggml.fim_pre_token_id", 1)
+            w.add_uint32("tokenizer.ggml.fim_suf_token_id", 2)
+        if pooling is not None:
+            w.add_pooling_type(pooling)
+
+    info = read_model_info(write_gguf(tmp_path / "m.gguf", "qwen2", extra=extra))
+    assert info.capabilities == expected

@@ -66,6 +66,8 @@ def tool_name(tool: dict[str, Any]) -> str:
 @dataclass(frozen=True)
 class Text:
     text: str
+    # llama.cpp's per-token entries ({token, logprob, bytes, top_logprobs}) when asked for
+    logprobs: tuple[dict[str, Any], ...] = ()
 
 
 @dataclass(frozen=True)
@@ -100,7 +102,6 @@ class Done:
     reason: str
     usage: Usage
     stop_sequence: str | None = None
-    logprobs: list[dict[str, Any]] | None = None
 
 
 Event = Text | Thinking | ToolCall | Done
@@ -114,6 +115,7 @@ class Result:
     thinking: str
     tool_calls: list[dict[str, str]]  # {"id", "name", "arguments" (JSON text)}
     done: Done
+    logprobs: list[dict[str, Any]]
 
 
 def new_id(prefix: str) -> str:
@@ -131,13 +133,15 @@ class Generation:
         self,
         lease: Lease,
         upstream: aiohttp.ClientResponse,
-        forced: bool,
+        mode: str,
         stop: list[str],
         explain: Callable[[], Any],
     ) -> None:
         self.lease = lease
         self.upstream = upstream
-        self.forced = forced  # the upstream is a /completion whose output is one tool call
+        # "chat": a /v1/chat/completions stream; "completion": a /completion (or /infill)
+        # stream of raw text; "tool": a /completion constrained to one tool call.
+        self.mode = mode
         self.stop = stop
         self.explain = explain
         self.started = time.monotonic()
@@ -160,11 +164,12 @@ class Generation:
             raise ApiError(500, await self.explain()) from None
 
     async def events(self) -> AsyncIterator[Event]:
-        if self.forced:
-            async for ev in self._forced_events():
+        if self.mode != "chat":
+            source = self._tool_events() if self.mode == "tool" else self._completion_events()
+            async for ev in source:
                 yield ev
             return
-        reason, usage, logprobs = "stop", Usage(), None
+        reason, usage = "stop", Usage()
         scan = StopScanner(self.stop)
         deltas = 0  # content deltas: one token each, the count when a stop sequence cuts in
         async for data in self._sse():
@@ -177,8 +182,9 @@ class Generation:
                 if delta.get("content"):
                     deltas += 1
                     text, hit = scan.feed(delta["content"])
-                    if text:
-                        yield Text(text)
+                    lp = tuple((choice.get("logprobs") or {}).get("content") or ())
+                    if text or lp:
+                        yield Text(text, lp)
                     if hit is not None:  # returning closes the upstream: llama.cpp stops
                         yield Done("stop", replace(usage, completion_tokens=deltas), hit)
                         return
@@ -188,17 +194,35 @@ class Generation:
                         tc.get("index", 0), tc.get("id") or "", fn.get("name") or "",
                         fn.get("arguments") or "",
                     )  # fmt: skip
-                lp = (choice.get("logprobs") or {}).get("content")
-                if lp:
-                    logprobs = (logprobs or []) + lp
                 if choice.get("finish_reason"):
                     reason = choice["finish_reason"]
         rest = scan.flush()
         if rest:
             yield Text(rest)
-        yield Done(reason, usage, None, logprobs)
+        yield Done(reason, usage)
 
-    async def _forced_events(self) -> AsyncIterator[Event]:
+    async def _completion_events(self) -> AsyncIterator[Event]:
+        scan = StopScanner(self.stop)
+        deltas = 0
+        async for data in self._sse():
+            if data.get("content"):
+                deltas += 1
+                text, hit = scan.feed(data["content"])
+                lp = tuple(data.get("completion_probabilities") or ())
+                if text or lp:
+                    yield Text(text, lp)
+                if hit is not None:
+                    yield Done("stop", Usage(completion_tokens=deltas), hit)
+                    return
+            if data.get("stop"):
+                rest = scan.flush()
+                if rest:
+                    yield Text(rest)
+                reason = "length" if data.get("stop_type") == "limit" else "stop"
+                yield Done(reason, _usage(data))
+                return
+
+    async def _tool_events(self) -> AsyncIterator[Event]:
         parts: list[str] = []
         final: dict[str, Any] = {}
         async for data in self._sse():
@@ -221,10 +245,12 @@ class Generation:
         text: list[str] = []
         thinking: list[str] = []
         calls: dict[int, dict[str, str]] = {}
+        logprobs: list[dict[str, Any]] = []
         done = Done("stop", Usage())
         async for ev in self.events():
             if isinstance(ev, Text):
                 text.append(ev.text)
+                logprobs.extend(ev.logprobs)
             elif isinstance(ev, Thinking):
                 thinking.append(ev.text)
             elif isinstance(ev, ToolCall):
@@ -234,7 +260,8 @@ class Generation:
                 c["arguments"] += ev.arguments
             else:
                 done = ev
-        return Result("".join(text), "".join(thinking), [calls[i] for i in sorted(calls)], done)
+        tool_calls = [calls[i] for i in sorted(calls)]
+        return Result("".join(text), "".join(thinking), tool_calls, done, logprobs)
 
     def response(
         self, render: Callable[[AsyncIterator[Event]], AsyncIterator[bytes]], media_type: str
@@ -311,5 +338,10 @@ def forced_schema(tools: list[dict[str, Any]]) -> dict[str, Any]:
             "type": "object",
             "properties": {"name": {"const": fn.get("name", "")}, "arguments": params},
             "required": ["name", "arguments"],
+            # Closed, or a weak model goes on after the arguments with keys of its own.
+            "additionalProperties": False,
         })  # fmt: skip
-    return variants[0] if len(variants) == 1 else {"anyOf": variants}
+    schema = variants[0] if len(variants) == 1 else {"anyOf": variants}
+    # llama.cpp's llguidance allows any whitespace between JSON tokens by default, and a weak
+    # model can fill max_tokens with it before the call's first key.
+    return {**schema, "x-guidance": {"whitespace_flexible": False}}

@@ -1,15 +1,19 @@
 """Ollama API: /api/generate, /api/chat, /api/embed, /api/embeddings, /api/tags, /api/ps,
 /api/show, /api/version, field for field as Ollama's docs give them.
 
-Generation goes to the runner's /v1/chat/completions (the model's chat template applies) or,
-for raw prompts and template-less models, /completion; both stream SSE, which becomes NDJSON.
+Generation goes through the shared layer (api/events): chat and templated generate become a
+neutral `Chat` (the model's chat template applies, tools and thinking included); raw prompts,
+template-less models and fill-in-the-middle go to llama.cpp's /completion or /infill. The
+events become NDJSON chunks.
 """
 
 from __future__ import annotations
 
+import base64
+import binascii
 import math
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any
 
 import orjson
@@ -27,10 +31,10 @@ from corral.api.common import (
     read_json,
     rfc3339,
 )
-from corral.api.service import Resolved, Service, sse_events, until_disconnect
-from corral.api.stream import LeasedStream, json_response
+from corral.api.events import Chat, Event, Generation, Text, Thinking, ToolCall
+from corral.api.service import Resolved, Service, until_disconnect
+from corral.api.stream import json_response
 from corral.config import ConfigError, parse_duration
-from corral.runtime.scheduler import Lease
 
 # Ollama option -> llama.cpp sampling parameter (both endpoints accept llama.cpp's names).
 SAMPLING = {
@@ -38,7 +42,7 @@ SAMPLING = {
     "typical_p": "typical_p", "seed": "seed", "repeat_penalty": "repeat_penalty",
     "repeat_last_n": "repeat_last_n", "presence_penalty": "presence_penalty",
     "frequency_penalty": "frequency_penalty", "mirostat": "mirostat",
-    "mirostat_tau": "mirostat_tau", "mirostat_eta": "mirostat_eta", "stop": "stop",
+    "mirostat_tau": "mirostat_tau", "mirostat_eta": "mirostat_eta",
     "num_keep": "n_keep", "num_predict": "n_predict",
 }  # fmt: skip
 
@@ -95,38 +99,68 @@ class Ollama:
         body = await read_json(request)
         name = model_field(body)
         prompt = field(body, "prompt", str, "")
+        suffix = field(body, "suffix", str, "")
         system = field(body, "system", str)
+        template = field(body, "template", str)
+        context = token_list(field(body, "context", list, []))
         raw = field(body, "raw", bool, False)
         stream = field(body, "stream", bool, True)
-        images = field(body, "images", list)
-        field(body, "suffix", str)
+        images = image_list(body.get("images"), "images")
+        think = think_field(body)
+        top = logprob_fields(body)
         options = check_options(body.get("options"))
         keep_alive = keep_alive_field(body)
         r = self.svc.resolve(name)
-        if not prompt and not images:
+        if not prompt and not images and not suffix:
             return await self._load_or_unload(request, r, keep_alive, options, {"response": ""})
         self.svc.require(r, "completion", "generate")
-        if images:
+        check_think(r, think)
+        if images and "vision" not in r.info.capabilities:
             raise ApiError(400, f"model '{name}' does not support images", "images")
-        if raw or not r.info.chat_template:
-            path = "/completion"
-            payload = {"prompt": prompt, **format_params(body.get("format"), chat=False)}
+        if template:
+            raise ApiError(
+                400, "'template' (a Go template) is not supported: corral applies the model's "
+                "own chat template; send the prompt already templated with \"raw\": true",
+                "template",
+            )  # fmt: skip
+        stop = options.get("stop")
+        start = time.monotonic()
+        if suffix or raw or not r.info.chat_template:
+            if suffix and "insert" not in r.info.capabilities:
+                raise ApiError(400, f"model '{name}' does not support insert", "suffix")
+            params = {**sampling(options), **completion_logprobs(top)}
+            if suffix:  # fill in the middle
+                path, payload = "/infill", {"input_prefix": prompt, "input_suffix": suffix}
+            else:
+                path, payload = "/completion", {"prompt": [*context, prompt]}
+                payload |= format_params(body.get("format"), chat=False)
+            gen = await self.svc.complete(
+                request, r, path, payload | params, options, keep_alive, stop
+            )
+            context_of = None
         else:
-            path = "/v1/chat/completions"
-            messages = ([{"role": "system", "content": system}] if system else []) + [
-                {"role": "user", "content": prompt}
-            ]
-            payload = {"messages": messages, **format_params(body.get("format"), chat=True)}
-        payload |= sampling(options) | {"stream": True}
-        return await self._run(request, r, path, payload, options, keep_alive, stream, "response")
+            messages = [{"role": "system", "content": system}] if system else []
+            messages.append(user_message(prompt, images))
+            chat = Chat(messages, params=chat_params(body, options, think, top))
+            gen = await self.svc.generate(
+                request, r, chat, options, keep_alive, stop, prefix=context
+            )
+
+            async def context_of(answer: str) -> list[int]:
+                return await self.svc.context_tokens(gen.lease, messages, context, answer)
+
+        return await respond(
+            request, stream, gen, r.requested, "response", start, top, context_of
+        )
 
     async def chat(self, request: Request) -> Response:
         body = await read_json(request)
         name = model_field(body)
         messages = field(body, "messages", list, [])
         stream = field(body, "stream", bool, True)
-        tools = field(body, "tools", list)
-        think = field(body, "think", (bool, str))
+        tools = field(body, "tools", list, [])
+        think = think_field(body)
+        top = logprob_fields(body)
         options = check_options(body.get("options"))
         keep_alive = keep_alive_field(body)
         r = self.svc.resolve(name)
@@ -135,19 +169,17 @@ class Ollama:
                 request, r, keep_alive, options, {"message": {"role": "assistant", "content": ""}}
             )
         self.svc.require(r, "completion", "chat")
-        payload: dict[str, Any] = {
-            "messages": [to_openai_message(m, i) for i, m in enumerate(messages)],
-            "stream": True,
-            **format_params(body.get("format"), chat=True),
-            **sampling(options),
-        }
-        if tools:
-            payload["tools"] = tools
-        if think is not None:
-            payload["chat_template_kwargs"] = {"enable_thinking": bool(think)}
-        return await self._run(
-            request, r, "/v1/chat/completions", payload, options, keep_alive, stream, "message"
+        check_think(r, think)
+        if tools and "tools" not in r.info.capabilities:
+            raise ApiError(400, f"model '{name}' does not support tools", "tools")
+        chat = Chat(
+            [to_openai_message(m, i) for i, m in enumerate(messages)],
+            tools=[check_tool(t, i) for i, t in enumerate(tools)],
+            params=chat_params(body, options, think, top),
         )
+        start = time.monotonic()
+        gen = await self.svc.generate(request, r, chat, options, keep_alive, options.get("stop"))
+        return await respond(request, stream, gen, r.requested, "message", start, top)
 
     async def _load_or_unload(
         self,
@@ -171,36 +203,6 @@ class Ollama:
             "done_reason": reason, "total_duration": ns(time.monotonic() - start),
         })  # fmt: skip
 
-    async def _run(
-        self,
-        request: Request,
-        r: Resolved,
-        path: str,
-        payload: dict[str, Any],
-        options: dict[str, Any],
-        keep_alive: float | None,
-        stream: bool,
-        kind: str,
-    ) -> Response:
-        start = time.monotonic()
-        if path.startswith("/v1/"):
-            payload["stream_options"] = {"include_usage": True}  # timings ride on the last chunk
-        lease = await self.svc.lease(request, r, options, keep_alive)
-        try:
-            resp = await self.svc.post(lease, path, payload)
-        except BaseException:
-            lease.release()
-            raise
-        chunks = translate(r.requested, kind, sse_events(resp, lease.runner), start, lease)
-        if stream:
-            return LeasedStream(ndjson(chunks), lease, resp, media_type="application/x-ndjson")
-        try:
-            final = await until_disconnect(request, collect(chunks, kind))
-        finally:
-            resp.release()
-            lease.release()
-        return json_response(final)
-
     # ---- embeddings ------------------------------------------------------------------------
     async def embed(self, request: Request) -> Response:
         body = await read_json(request)
@@ -217,7 +219,7 @@ class Ollama:
         dims = field(body, "dimensions", int)
         if dims is not None and dims < 1:
             raise ApiError(400, "'dimensions' must be positive", "dimensions")
-        field(body, "truncate", bool)
+        cut = field(body, "truncate", bool, True)
         options = check_options(body.get("options"))
         keep_alive = keep_alive_field(body)
         r = self.svc.resolve(name)
@@ -229,8 +231,9 @@ class Ollama:
                 vectors: list[list[float]] = []
                 tokens = 0
             else:
+                fitted = await self.svc.fit_embedding_inputs(lease, inputs, cut)
                 data = await until_disconnect(
-                    request, self.svc.post_json(lease, "/v1/embeddings", {"input": inputs})
+                    request, self.svc.post_json(lease, "/v1/embeddings", {"input": fitted})
                 )
                 items = sorted(data["data"], key=lambda d: d["index"])
                 vectors = [truncate(d["embedding"], dims) for d in items]
@@ -330,8 +333,85 @@ class Ollama:
         return json_response({"version": corral.__version__})
 
 
-# ---- translation helpers (pure where possible) -------------------------------------------------
+# ---- request fields ------------------------------------------------------------------------
+def think_field(body: dict[str, Any]) -> bool | str | None:
+    think = field(body, "think", (bool, str))
+    if isinstance(think, str) and think not in ("low", "medium", "high"):
+        raise ApiError(400, "invalid 'think': expected true, false, \"low\", \"medium\" or "
+                       "\"high\"", "think")  # fmt: skip
+    return think
+
+
+def check_think(r: Resolved, think: bool | str | None) -> None:
+    if think not in (None, False) and "thinking" not in r.info.capabilities:
+        raise ApiError(400, f"model '{r.requested}' does not support thinking", "think")
+
+
+def logprob_fields(body: dict[str, Any]) -> int | None:
+    """None without `logprobs`, else how many alternatives per token (`top_logprobs`)."""
+    top = field(body, "top_logprobs", int, 0)
+    if not 0 <= top <= 20:
+        raise ApiError(400, "'top_logprobs' must be between 0 and 20", "top_logprobs")
+    return top if field(body, "logprobs", bool, False) else None
+
+
+def completion_logprobs(top: int | None) -> dict[str, Any]:
+    return {} if top is None else {"n_probs": max(top, 1)}
+
+
+def chat_params(
+    body: dict[str, Any], options: dict[str, Any], think: bool | str | None, top: int | None
+) -> dict[str, Any]:
+    params = {**format_params(body.get("format"), chat=True), **sampling(options)}
+    if think is not None:
+        kwargs: dict[str, Any] = {"enable_thinking": think is not False}
+        if isinstance(think, str):
+            kwargs["reasoning_effort"] = think
+        params["chat_template_kwargs"] = kwargs
+    if top is not None:
+        params |= {"logprobs": True, "top_logprobs": max(top, 1)}  # 0 turns them off there
+    return params
+
+
+def token_list(value: list[Any]) -> list[int]:
+    if not all(isinstance(t, int) and not isinstance(t, bool) and t >= 0 for t in value):
+        raise ApiError(400, "invalid 'context': expected an array of token ids", "context")
+    return value
+
+
+def image_list(value: Any, name: str) -> list[str]:
+    """Ollama's `images`: base64 strings (checked, not decoded here)."""
+    if value is None:
+        return []
+    if not isinstance(value, list) or not all(isinstance(v, str) and v for v in value):
+        raise ApiError(400, f"invalid type for '{name}': expected an array of base64 strings",
+                       name)  # fmt: skip
+    for v in value:
+        try:  # a prefix of whole 4-character groups is enough to tell base64 from a path
+            base64.b64decode(v[: min(len(v), 4096) // 4 * 4], validate=True)
+        except (binascii.Error, ValueError):
+            raise ApiError(400, f"invalid '{name}': not base64-encoded image data", name) from None
+    return value
+
+
+def user_message(text: str, images: list[str]) -> dict[str, Any]:
+    if not images:
+        return {"role": "user", "content": text}
+    parts: list[dict[str, Any]] = [{"type": "text", "text": text}] if text else []
+    parts += [{"type": "image_url", "image_url": {"url": f"data:image/*;base64,{b}"}}
+              for b in images]  # fmt: skip
+    return {"role": "user", "content": parts}
+
+
+def check_tool(tool: Any, i: int) -> dict[str, Any]:
+    if not isinstance(tool, dict) or not isinstance(tool.get("function"), dict):
+        raise ApiError(400, f"invalid 'tools[{i}]': expected {{\"type\": \"function\", "
+                       "\"function\": {...}}", "tools")  # fmt: skip
+    return {"type": "function", "function": tool["function"]}
+
+
 def to_openai_message(m: Any, i: int) -> dict[str, Any]:
+    """An Ollama chat message as the OpenAI-style message llama.cpp's templates take."""
     if not isinstance(m, dict):
         raise ApiError(400, f"invalid type for 'messages[{i}]': expected an object", "messages")
     role = m.get("role")
@@ -342,16 +422,21 @@ def to_openai_message(m: Any, i: int) -> dict[str, Any]:
         raise ApiError(
             400, f"invalid type for 'messages[{i}].content': expected a string", "messages"
         )
-    if m.get("images"):
-        raise ApiError(400, "this model does not support images", "messages")
-    out: dict[str, Any] = {"role": role, "content": content or ""}
+    out = user_message(content or "", image_list(m.get("images"), f"messages[{i}].images"))
+    out["role"] = role
+    if isinstance(m.get("thinking"), str) and m["thinking"]:
+        out["reasoning_content"] = m["thinking"]
     if m.get("tool_calls"):
+        calls = m["tool_calls"]
+        if not isinstance(calls, list) or not all(
+            isinstance(tc, dict) and isinstance(tc.get("function"), dict) for tc in calls
+        ):
+            raise ApiError(400, f"invalid 'messages[{i}].tool_calls'", "messages")
         out["tool_calls"] = [
             {"id": f"call_{i}_{j}", "type": "function",
-             "function": {"name": tc.get("function", {}).get("name", ""),
-                          "arguments": orjson.dumps(tc.get("function", {}).get("arguments", {}))
-                          .decode()}}
-            for j, tc in enumerate(m["tool_calls"])
+             "function": {"name": tc["function"].get("name", ""),
+                          "arguments": orjson.dumps(tc["function"].get("arguments", {})).decode()}}
+            for j, tc in enumerate(calls)
         ]  # fmt: skip
     if role == "tool" and m.get("tool_name"):
         out["name"] = m["tool_name"]
@@ -366,52 +451,60 @@ def truncate(vec: list[float], dims: int | None) -> list[float]:
     return [x / norm for x in cut]
 
 
-async def translate(
-    model: str, kind: str, events: AsyncIterator[dict[str, Any]], start: float, lease: Lease
+# ---- rendering -----------------------------------------------------------------------------
+async def ollama_chunks(
+    events: AsyncIterator[Event],
+    gen: Generation,
+    model: str,
+    kind: str,
+    start: float,
+    top: int | None,
+    context_of: Callable[[str], Awaitable[list[int]]] | None = None,
 ) -> AsyncIterator[dict[str, Any]]:
-    """llama.cpp stream events -> Ollama chunks; the last one carries done and the timings."""
-    timings: dict[str, Any] = {}
-    reason = "stop"
-    tool_calls: dict[int, dict[str, Any]] = {}
+    """Events -> Ollama chunks (`response` for generate, `message` for chat); the last one
+    carries done, the reason and the timings."""
+    calls: dict[int, dict[str, str]] = {}
+    answer: list[str] = []
     async for ev in events:
-        timings = ev.get("timings") or timings
-        if "choices" in ev:  # /v1/chat/completions
-            for choice in ev["choices"]:
-                delta = choice.get("delta") or {}
-                for tc in delta.get("tool_calls") or []:
-                    slot = tool_calls.setdefault(tc.get("index", 0), {"name": "", "arguments": ""})
-                    fn = tc.get("function") or {}
-                    slot["name"] += fn.get("name") or ""
-                    slot["arguments"] += fn.get("arguments") or ""
-                text, thinking = delta.get("content"), delta.get("reasoning_content")
-                if text or thinking:
-                    yield _chunk(model, kind, text or "", thinking)
-                if choice.get("finish_reason"):
-                    reason = "length" if choice["finish_reason"] == "length" else "stop"
-        else:  # /completion
-            text = ev.get("content", "")
-            if text:
-                yield _chunk(model, kind, text, None)
-            if ev.get("stop"):
-                reason = "length" if ev.get("stop_type") == "limit" else "stop"
-    last: Any = "" if kind == "response" else {"role": "assistant", "content": ""}
-    if tool_calls and kind == "message":
-        last["tool_calls"] = [
-            {"function": {"name": t["name"], "arguments": _json_or_str(t["arguments"])}}
-            for _, t in sorted(tool_calls.items())
-        ]
-    yield {
-        "model": model, "created_at": now_rfc3339(), kind: last, "done": True,
-        "done_reason": reason, "total_duration": ns(time.monotonic() - start),
-        "load_duration": ns(lease.waited) if lease.loaded else 0,
-        "prompt_eval_count": int(timings.get("prompt_n", 0)),
-        "prompt_eval_duration": int(timings.get("prompt_ms", 0) * 1e6),
-        "eval_count": int(timings.get("predicted_n", 0)),
-        "eval_duration": int(timings.get("predicted_ms", 0) * 1e6),
-    }  # fmt: skip
+        if isinstance(ev, Text):
+            answer.append(ev.text)
+            yield _chunk(model, kind, ev.text, None, _logprobs(ev.logprobs, top))
+        elif isinstance(ev, Thinking):
+            yield _chunk(model, kind, "", ev.text, None)
+        elif isinstance(ev, ToolCall):
+            c = calls.setdefault(ev.index, {"name": "", "arguments": ""})
+            c["name"] += ev.name
+            c["arguments"] += ev.arguments
+        else:
+            if calls and kind == "message":
+                last = _chunk(model, kind, "", None, None)
+                last["message"]["tool_calls"] = [
+                    {"function": {"name": c["name"], "arguments": _json_or_str(c["arguments"])}}
+                    for _, c in sorted(calls.items())
+                ]
+                yield last
+            u = ev.usage
+            final: dict[str, Any] = {
+                "model": model, "created_at": now_rfc3339(),
+                kind: "" if kind == "response" else {"role": "assistant", "content": ""},
+                "done": True, "done_reason": "length" if ev.reason == "length" else "stop",
+            }  # fmt: skip
+            if context_of is not None:
+                final["context"] = await context_of("".join(answer))
+            final |= {
+                "total_duration": ns(time.monotonic() - start),
+                "load_duration": ns(gen.lease.waited) if gen.lease.loaded else 0,
+                "prompt_eval_count": u.prompt_tokens,
+                "prompt_eval_duration": int(u.prompt_ms * 1e6),
+                "eval_count": u.completion_tokens,
+                "eval_duration": int(u.predicted_ms * 1e6),
+            }
+            yield final
 
 
-def _chunk(model: str, kind: str, text: str, thinking: str | None) -> dict[str, Any]:
+def _chunk(
+    model: str, kind: str, text: str, thinking: str | None, logprobs: list[dict[str, Any]] | None
+) -> dict[str, Any]:
     """One streamed Ollama chunk: generate has `response` (+ `thinking`), chat a `message`."""
     out: dict[str, Any] = {"model": model, "created_at": now_rfc3339()}
     if kind == "response":
@@ -423,7 +516,24 @@ def _chunk(model: str, kind: str, text: str, thinking: str | None) -> dict[str, 
         if thinking:
             out["message"]["thinking"] = thinking
     out["done"] = False
+    if logprobs is not None:
+        out["logprobs"] = logprobs
     return out
+
+
+def _logprobs(entries: tuple[dict[str, Any], ...], top: int | None) -> list[dict[str, Any]] | None:
+    """llama.cpp's per-token entries in Ollama's shape; None when not asked for."""
+    if top is None:
+        return None
+
+    def one(e: dict[str, Any]) -> dict[str, Any]:
+        return {"token": e.get("token", ""), "logprob": e.get("logprob", 0.0),
+                "bytes": e.get("bytes")}  # fmt: skip
+
+    return [
+        {**one(e), "top_logprobs": [one(t) for t in (e.get("top_logprobs") or [])[:top]]}
+        for e in entries
+    ]
 
 
 def _json_or_str(text: str) -> Any:
@@ -433,30 +543,53 @@ def _json_or_str(text: str) -> Any:
         return text
 
 
-async def collect(chunks: AsyncIterator[dict[str, Any]], kind: str) -> dict[str, Any]:
+def merge(chunks: list[dict[str, Any]], kind: str) -> dict[str, Any]:
     """A whole non-streamed answer from the chunks of a streamed one."""
-    parts: list[str] = []
-    thinking: list[str] = []
-    final: dict[str, Any] = {}
-    async for c in chunks:
-        if c["done"]:
-            final = c
-            break
-        if kind == "response":
-            parts.append(c["response"])
-            thinking.append(c.get("thinking", ""))
-        else:
-            parts.append(c["message"]["content"])
-            thinking.append(c["message"].get("thinking", ""))
+    final = chunks[-1]
+    body = [c for c in chunks[:-1]]
     if kind == "response":
-        final["response"] = "".join(parts)
-        if any(thinking):
-            final["thinking"] = "".join(thinking)
+        final["response"] = "".join(c["response"] for c in body)
+        thinking = "".join(c.get("thinking", "") for c in body)
+        if thinking:
+            final["thinking"] = thinking
     else:
-        final["message"]["content"] = "".join(parts)
-        if any(thinking):
-            final["message"]["thinking"] = "".join(thinking)
+        msg = final["message"]
+        msg["content"] = "".join(c["message"]["content"] for c in body)
+        thinking = "".join(c["message"].get("thinking", "") for c in body)
+        if thinking:
+            msg["thinking"] = thinking
+        calls = [tc for c in body for tc in c["message"].get("tool_calls", [])]
+        if calls:
+            msg["tool_calls"] = calls
+    if any("logprobs" in c for c in body):
+        final["logprobs"] = [lp for c in body for lp in c.get("logprobs", [])]
     return final
+
+
+async def respond(
+    request: Request,
+    stream: bool,
+    gen: Generation,
+    model: str,
+    kind: str,
+    start: float,
+    top: int | None,
+    context_of: Callable[[str], Awaitable[list[int]]] | None = None,
+) -> Response:
+    def chunks(events: AsyncIterator[Event]) -> AsyncIterator[dict[str, Any]]:
+        return ollama_chunks(events, gen, model, kind, start, top, context_of)
+
+    if stream:
+        return gen.response(lambda events: ndjson(chunks(events)), "application/x-ndjson")
+    try:
+        whole = await until_disconnect(request, _all(chunks(gen.events())))
+        return json_response(merge(whole, kind))
+    finally:
+        gen.close()
+
+
+async def _all(chunks: AsyncIterator[dict[str, Any]]) -> list[dict[str, Any]]:
+    return [c async for c in chunks]
 
 
 async def ndjson(chunks: AsyncIterator[dict[str, Any]]) -> AsyncIterator[bytes]:

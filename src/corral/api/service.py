@@ -211,6 +211,34 @@ class Service:
         finally:
             resp.release()
 
+    async def fit_embedding_inputs(
+        self, lease: Lease, inputs: list[str], truncate: bool
+    ) -> list[str | list[int]]:
+        """Inputs an embedding runner can take whole: llama.cpp embeds one input in one
+        physical batch and fails on longer ones, so those are cut to it (as token ids) or, with
+        `truncate` false, refused. Only inputs with more bytes than the limit are tokenized:
+        a token is never shorter than a byte."""
+        limit = min(lease.runner.spec.n_ctx, EMBED_BATCH)
+        out: list[str | list[int]] = []
+        for i, text in enumerate(inputs):
+            if len(text.encode()) + 2 <= limit:  # + the specials the model adds ([CLS], [SEP])
+                out.append(text)
+                continue
+            toks = (await self.post_json(
+                lease, "/tokenize", {"content": text, "add_special": True}
+            ))["tokens"]  # fmt: skip
+            if len(toks) <= limit:
+                out.append(text)
+            elif truncate:
+                out.append(toks[:limit])
+            else:
+                raise ApiError(
+                    400, f"input {i} is {len(toks)} tokens, more than the {limit} this model "
+                    "embeds at once; send \"truncate\": true to cut it",
+                    "input",
+                )  # fmt: skip
+        return out
+
     # ---- generating ------------------------------------------------------------------------
     async def generate(
         self,
@@ -220,10 +248,13 @@ class Service:
         options: dict[str, Any],
         keep_alive: float | None,
         stop: list[str] | None = None,
+        prefix: list[int] | None = None,
     ) -> Generation:
         """Lease a slot and start the runner on `chat`; the events come from the Generation.
+
         `stop` sequences are found by corral (not llama.cpp) so that the one that ended the
-        text can be reported. Every check the client can fail comes before the lease."""
+        text can be reported. `prefix` (token ids, Ollama's `context`) goes before the rendered
+        prompt. Every check the client can fail comes before the lease."""
         self.require(r, "completion", "chat")
         if "vision" not in r.info.capabilities and has_images(chat.messages):
             raise ApiError(400, f"model '{r.requested}' does not support images", "messages")
@@ -235,37 +266,94 @@ class Service:
             )  # fmt: skip
         lease = await self.lease(request, r, options, keep_alive)
         try:
-            if forced is not None:
-                tmpl = await self.post_json(lease, "/apply-template", {
-                    "messages": chat.messages, "tools": chat.tools,
-                    "chat_template_kwargs": {"enable_thinking": False},
-                })  # fmt: skip
-                params = {k: v for k, v in chat.params.items() if k in COMPLETION_PARAMS}
-                payload = {"prompt": tmpl["prompt"], "json_schema": forced_schema(forced),
-                           **params, "stream": True}  # fmt: skip
-                resp = await self.post(lease, "/completion", payload)
-            else:
-                payload = {"messages": chat.messages, **chat.params, "stream": True,
+            if forced is None and not prefix:
+                payload = {"messages": chat.messages, **chat.params,
                            "stream_options": {"include_usage": True}}  # fmt: skip
                 if chat.tools and chat.tool_choice != "none":
                     payload["tools"] = chat.tools
-                resp = await self.post(lease, "/v1/chat/completions", payload)
+                return await self._start(lease, "/v1/chat/completions", payload, "chat", stop)
+            # Rendered here, then completed as raw text: a forced call is constrained by a
+            # schema, which llama.cpp refuses alongside tools on its chat endpoint.
+            kwargs = chat.params.get("chat_template_kwargs") or {}
+            if forced is not None:
+                kwargs = {**kwargs, "enable_thinking": False}
+            tmpl = await self.post_json(lease, "/apply-template", {
+                "messages": chat.messages, "tools": chat.tools, "chat_template_kwargs": kwargs,
+            })  # fmt: skip
+            payload = {k: v for k, v in chat.params.items() if k in COMPLETION_PARAMS}
+            payload["prompt"] = [*(prefix or []), tmpl["prompt"]]
+            if forced is not None:
+                payload["json_schema"] = forced_schema(forced)
+            elif (fmt := chat.params.get("response_format") or {}).get("type") in JSON_FORMATS:
+                payload["json_schema"] = response_schema(fmt)
+            return await self._start(
+                lease, "/completion", payload, "completion" if forced is None else "tool", stop
+            )
         except BaseException:
             lease.release()
             raise
 
+    async def context_tokens(
+        self, lease: Lease, messages: list[dict[str, Any]], prefix: list[int], answer: str
+    ) -> list[int]:
+        """Ollama's `context`: the token ids of the conversation so far (the rendered prompt
+        and the answer), which a client may send back to continue it."""
+        tmpl = await self.post_json(lease, "/apply-template", {"messages": messages})
+        toks = await self.post_json(
+            lease, "/tokenize", {"content": tmpl["prompt"] + answer, "add_special": False}
+        )
+        return [*prefix, *toks["tokens"]]
+
+    async def complete(
+        self,
+        request: Request,
+        r: Resolved,
+        path: str,
+        payload: dict[str, Any],
+        options: dict[str, Any],
+        keep_alive: float | None,
+        stop: list[str] | None = None,
+    ) -> Generation:
+        """Lease a slot and start a raw completion (llama.cpp's /completion or /infill)."""
+        self.require(r, "completion", "generate")
+        lease = await self.lease(request, r, options, keep_alive)
+        try:
+            return await self._start(lease, path, payload, "completion", stop)
+        except BaseException:
+            lease.release()
+            raise
+
+    async def _start(
+        self, lease: Lease, path: str, payload: dict[str, Any], mode: str, stop: list[str] | None
+    ) -> Generation:
+        resp = await self.post(lease, path, {**payload, "stream": True})
+
         async def explain() -> str:
             return await explain_failure(lease.runner)
 
-        return Generation(lease, resp, forced is not None, stop or [], explain)
+        return Generation(lease, resp, mode, stop or [], explain)
 
 
+# llama.cpp's default physical batch (n_ubatch): the most tokens one embedding input may have.
+EMBED_BATCH = 512
 
 # llama.cpp /completion parameters a chat request may carry (forced tool calls go there).
 COMPLETION_PARAMS = frozenset({
-    "max_tokens", "n_predict", "temperature", "top_p", "top_k", "min_p", "seed", "stop",
-    "repeat_penalty", "presence_penalty", "frequency_penalty", "typical_p",
+    "max_tokens", "n_predict", "temperature", "top_p", "top_k", "min_p", "seed",
+    "repeat_penalty", "repeat_last_n", "presence_penalty", "frequency_penalty", "typical_p",
+    "mirostat", "mirostat_tau", "mirostat_eta", "n_keep", "n_probs", "json_schema",
 })  # fmt: skip
+
+
+JSON_FORMATS = ("json_object", "json_schema")
+
+
+def response_schema(fmt: dict[str, Any]) -> dict[str, Any]:
+    """An OpenAI JSON response_format as the JSON schema llama.cpp's /completion takes ({}:
+    any JSON)."""
+    if fmt.get("type") == "json_schema":
+        return dict((fmt.get("json_schema") or {}).get("schema") or {})
+    return {}
 
 
 def has_images(messages: list[dict[str, Any]]) -> bool:

@@ -151,21 +151,43 @@ class ModelInfo:
 
 
 def model_capabilities(
-    architecture: str, pooling_type: int | None, causal_attention: bool | None
+    architecture: str,
+    pooling_type: int | None,
+    causal_attention: bool | None,
+    chat_template: str | None = None,
+    fim: bool = False,
 ) -> tuple[str, ...]:
-    """("embedding",) for embedding models, else ("completion",).
+    """What the model can be asked for, in Ollama's words.
 
-    An embedding model is an encoder architecture, or a file that sets {arch}.pooling_type
-    without declaring causal attention. Ollama's own rule is "has a pooling_type"; the causal
-    check keeps a generative model whose converter wrote a pooling type a completion model,
-    while causal embedding models such as Qwen3-Embedding (pooling set, no causal key) count as
-    embedding models.
+    ("rerank",) for a rank-pooling model; ("embedding",) for an encoder architecture, or a
+    file that sets {arch}.pooling_type without declaring causal attention (Ollama's own rule
+    is "has a pooling_type"; the causal check keeps a generative model whose converter wrote a
+    pooling type a completion model, while causal embedding models such as Qwen3-Embedding
+    count as embedding models). Otherwise "completion", plus "tools" when the chat template
+    renders a tools list, "thinking" when it knows reasoning (a <think> tag or the
+    enable_thinking / reasoning_content variables), and "insert" when the vocabulary names
+    fill-in-the-middle tokens. ("vision" comes from a projector, not from this file.)
     """
+    if pooling_type == RANK_POOLING:
+        return ("rerank",)
     if architecture in EMBEDDING_ARCHITECTURES:
         return ("embedding",)
     if pooling_type is not None and causal_attention is not True:
         return ("embedding",)
-    return ("completion",)
+    caps = ["completion"]
+    if chat_template and _TOOLS_IN_TEMPLATE.search(chat_template):
+        caps.append("tools")
+    if chat_template and _THINKING_IN_TEMPLATE.search(chat_template):
+        caps.append("thinking")
+    if fim:
+        caps.append("insert")
+    return tuple(caps)
+
+
+RANK_POOLING = 4  # llama.cpp's LLAMA_POOLING_TYPE_RANK (gguf.PoolingType.RANK)
+# `tools` used inside a Jinja tag or expression, as tool-calling templates do.
+_TOOLS_IN_TEMPLATE = re.compile(r"\{[{%][^}]*\btools\b")
+_THINKING_IN_TEMPLATE = re.compile(r"<think>|enable_thinking|reasoning_content")
 
 
 def read_model_info(path: str | Path) -> ModelInfo:
@@ -474,7 +496,12 @@ def _model_info(
         pooling_type=pooling_type,
         chat_template=chat_template if isinstance(chat_template, str) else None,
         capabilities=model_capabilities(
-            arch, pooling_type, causal if isinstance(causal, bool) else None
+            arch,
+            pooling_type,
+            causal if isinstance(causal, bool) else None,
+            chat_template if isinstance(chat_template, str) else None,
+            fim="tokenizer.ggml.fim_pre_token_id" in meta
+            and "tokenizer.ggml.fim_suf_token_id" in meta,
         ),
         metadata=MappingProxyType(meta),
         array_lengths=MappingProxyType(array_lengths),

@@ -1,0 +1,199 @@
+"""Ollama's generation details through the real `ollama` client: thinking, tools, logprobs,
+images, fill-in-the-middle, context, format and stop; plus the chunk renderer on its own."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from collections.abc import AsyncIterator
+from typing import Any
+
+import httpx
+import ollama
+import pytest
+
+from corral.api.events import Done, Event, Text, Thinking, ToolCall, Usage
+from corral.api.ollama import merge, ollama_chunks
+
+SMOL = "smollm2:135m"
+PNG = "iVBORw0KGgoAAAANSUhEUgAAAAEAAAABCAYAAAAfFcSJAAAADUlEQVR42mP8z8BQDwAEhQGAhKmMIQAAAABJRU5ErkJggg=="
+WEATHER = {
+    "type": "function",
+    "function": {
+        "name": "get_weather",
+        "description": "Current weather in a city",
+        "parameters": {
+            "type": "object",
+            "properties": {"city": {"type": "string"}},
+            "required": ["city"],
+        },
+    },
+}
+
+
+@pytest.fixture(scope="module")
+def client(server) -> ollama.Client:
+    return ollama.Client(host=server.url)
+
+
+def test_think_separates_reasoning(client: ollama.Client) -> None:
+    r = client.chat(
+        model="think", messages=[{"role": "user", "content": "hi"}], think=True,
+        options={"num_predict": 8, "seed": 1},
+    )  # fmt: skip
+    # The template opens <think> and random weights never close it: all of it is reasoning.
+    assert r.message.thinking and not r.message.content
+    off = client.chat(
+        model="think", messages=[{"role": "user", "content": "hi"}], think=False,
+        options={"num_predict": 8, "seed": 1},
+    )  # fmt: skip
+    assert off.message.content and not off.message.thinking
+    streamed = list(client.generate(
+        model="think", prompt="hi", think="high", stream=True, options={"num_predict": 6},
+    ))  # fmt: skip
+    assert "".join(c.thinking or "" for c in streamed) and streamed[-1].done
+
+
+def test_think_on_a_model_without_reasoning_is_a_400(client: ollama.Client) -> None:
+    with pytest.raises(ollama.ResponseError) as e:
+        client.chat(model="tiny", messages=[{"role": "user", "content": "hi"}], think=True)
+    assert e.value.status_code == 400 and "does not support thinking" in e.value.error
+
+
+def test_tools_need_a_tool_template(client: ollama.Client) -> None:
+    with pytest.raises(ollama.ResponseError) as e:
+        client.chat(model="tiny", messages=[{"role": "user", "content": "hi"}], tools=[WEATHER])
+    assert e.value.status_code == 400 and "does not support tools" in e.value.error
+
+
+def test_tool_history_goes_through_the_template(client: ollama.Client) -> None:
+    messages = [
+        {"role": "user", "content": "Weather in Paris?"},
+        {"role": "assistant", "content": "", "tool_calls": [
+            {"function": {"name": "get_weather", "arguments": {"city": "Paris"}}}]},
+        {"role": "tool", "content": "18 degrees, sunny", "tool_name": "get_weather"},
+    ]  # fmt: skip
+    r = client.chat(model="tools", messages=messages, tools=[WEATHER], options={"num_predict": 4})
+    assert r.done and r.prompt_eval_count and r.prompt_eval_count > 30
+
+
+def test_logprobs_on_generate_and_chat(client: ollama.Client) -> None:
+    r = client.generate(
+        model=SMOL, prompt="Say hi.", logprobs=True, top_logprobs=3,
+        options={"num_predict": 5, "temperature": 0},
+    )  # fmt: skip
+    assert r.logprobs and len(r.logprobs) == r.eval_count
+    for lp in r.logprobs:
+        assert lp.token and lp.logprob <= 0
+        assert lp.top_logprobs and len(lp.top_logprobs) == 3
+        assert lp.top_logprobs[0].logprob >= lp.top_logprobs[-1].logprob
+    assert "".join(lp.token for lp in r.logprobs) == r.response
+    chunks = list(client.chat(
+        model=SMOL, messages=[{"role": "user", "content": "Say hi."}], logprobs=True,
+        stream=True, options={"num_predict": 5, "temperature": 0},
+    ))  # fmt: skip
+    tokens = [lp.token for c in chunks for lp in (c.logprobs or [])]
+    assert "".join(tokens) == "".join(c.message.content for c in chunks)
+    plain = client.generate(model=SMOL, prompt="Say hi.", options={"num_predict": 2})
+    assert plain.logprobs is None
+
+
+def test_images_without_a_projector_are_a_400(client: ollama.Client) -> None:
+    with pytest.raises(ollama.ResponseError) as e:
+        client.generate(model=SMOL, prompt="What is this?", images=[PNG])
+    assert e.value.status_code == 400 and "does not support images" in e.value.error
+    with pytest.raises(ollama.ResponseError) as e:
+        client.chat(model=SMOL, messages=[{"role": "user", "content": "?", "images": [PNG]}])
+    assert e.value.status_code == 400 and "does not support images" in e.value.error
+
+
+def test_generate_details(client: ollama.Client, server) -> None:
+    with pytest.raises(ollama.ResponseError) as e:
+        client.generate(model=SMOL, prompt="def f(", suffix="return 1")
+    assert e.value.status_code == 400 and "does not support insert" in e.value.error
+    r = client.generate(model=SMOL, prompt="Hi", options={"num_predict": 3, "temperature": 0})
+    assert r.context and all(isinstance(t, int) for t in r.context)
+    again = client.generate(
+        model=SMOL, prompt="And again?", context=r.context, options={"num_predict": 3}
+    )
+    assert again.done and len(again.context or []) > len(r.context)
+    raw = client.generate(model=SMOL, prompt="The sky is", raw=True, options={"num_predict": 3})
+    assert raw.response and raw.context is None
+    resp = server.client.post(
+        "/api/generate", json={"model": SMOL, "prompt": "x", "template": "{{ .Prompt }}"}
+    )
+    assert resp.status_code == 400 and "template" in resp.json()["error"]
+    for body in ({"think": "max"}, {"top_logprobs": 50, "logprobs": True}, {"context": ["a"]},
+                 {"images": "x"}):  # fmt: skip
+        resp = server.client.post("/api/generate", json={"model": SMOL, "prompt": "x", **body})
+        assert resp.status_code == 400, body
+
+
+def test_chat_format_schema_and_stop(client: ollama.Client) -> None:
+    schema = {"type": "object", "properties": {"answer": {"enum": ["yes", "no"]}},
+              "required": ["answer"]}  # fmt: skip
+    r = client.chat(
+        model=SMOL, messages=[{"role": "user", "content": "Is the sky blue?"}], format=schema,
+        options={"num_predict": 40, "temperature": 0},
+    )  # fmt: skip
+    assert json.loads(r.message.content)["answer"] in ("yes", "no")
+    r = client.chat(
+        model=SMOL, messages=[{"role": "user", "content": "Write a sentence about cats."}],
+        options={"num_predict": 30, "temperature": 0, "stop": [" "]},
+    )  # fmt: skip
+    assert r.message.content and " " not in r.message.content and r.done_reason == "stop"
+
+
+def test_generate_model_name_is_echoed(server) -> None:
+    body = {"model": "tiny:latest", "prompt": "hi", "stream": False, "options": {"num_predict": 2}}
+    assert httpx.post(f"{server.url}/api/generate", json=body, timeout=60).json()["model"] == (
+        "tiny:latest"
+    )
+
+
+# ---- the renderer alone ---------------------------------------------------------------------
+class _Lease:
+    waited, loaded = 0.0, False
+
+
+class _Gen:
+    lease = _Lease()
+
+
+async def _events() -> AsyncIterator[Event]:
+    yield Thinking("hmm")
+    yield Text("ok")
+    yield ToolCall(0, "call_1", "get_weather", '{"ci')
+    yield ToolCall(0, "", "", 'ty": "Paris"}')
+    yield ToolCall(1, "call_2", "get_time", "{}")
+    yield Done("tool_calls", Usage(7, 5, 0, 1.0, 2.0))
+
+
+def test_chunks_carry_tool_calls_with_object_arguments() -> None:
+    async def run() -> list[dict[str, Any]]:
+        gen: Any = _Gen()
+        return [c async for c in ollama_chunks(_events(), gen, "m", "message", 0.0, None)]
+
+    chunks = asyncio.run(run())
+    assert [c["done"] for c in chunks] == [False, False, False, True]
+    calls = chunks[2]["message"]["tool_calls"]
+    assert calls == [
+        {"function": {"name": "get_weather", "arguments": {"city": "Paris"}}},
+        {"function": {"name": "get_time", "arguments": {}}},
+    ]
+    final = chunks[-1]
+    assert final["done_reason"] == "stop" and final["eval_count"] == 5
+    assert final["prompt_eval_count"] == 7 and final["eval_duration"] == 2_000_000
+    whole = merge(chunks, "message")
+    assert whole["message"]["content"] == "ok" and whole["message"]["thinking"] == "hmm"
+    assert whole["message"]["tool_calls"] == calls
+
+
+def test_embed_truncates_long_input_unless_told_not_to(client: ollama.Client) -> None:
+    long = "word " * 3000  # well past the 512 tokens one embedding batch holds
+    r = client.embed(model="embed", input=["short", long])
+    assert len(r.embeddings) == 2 and len(r.embeddings[0]) == len(r.embeddings[1])
+    assert r.embeddings[0] != r.embeddings[1]
+    with pytest.raises(ollama.ResponseError) as e:
+        client.embed(model="embed", input=long, truncate=False)
+    assert e.value.status_code == 400 and "truncate" in e.value.error
