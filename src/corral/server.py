@@ -19,6 +19,7 @@ from corral.api.anthropic import Anthropic, anthropic_error
 from corral.api.common import ApiError
 from corral.api.ollama import Ollama
 from corral.api.openai import OpenAI, Router, openai_error
+from corral.api.rerank import Rerank
 from corral.api.responses import Responses
 from corral.api.service import Service
 from corral.api.stream import json_response
@@ -99,6 +100,7 @@ def create_app(settings: Settings, devices: list[Device] | None = None) -> Starl
         *OpenAI(service).routes(),
         *Anthropic(service).routes(),
         *Responses(service).routes(),
+        *Rerank(service).routes(),
         *Router(service).routes(),
     ]
     app = Starlette(

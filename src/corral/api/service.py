@@ -97,7 +97,7 @@ class Service:
     ) -> tuple[RunnerSpec, frozenset[str]]:
         """The runner to load for these options, and which spec fields the request pinned."""
         defaults = r.entry.options
-        embedding = "embedding" in r.info.capabilities
+        embedding = "embedding" in r.info.capabilities or "rerank" in r.info.capabilities
         n_ctx = defaults.get("num_ctx") or min(
             self.settings.context_length or r.info.context_length, r.info.context_length or 2**31
         )

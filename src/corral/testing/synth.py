@@ -481,7 +481,8 @@ def write_bert_model(
     name: str = "synthetic-bert",
     seed: int = 0,
 ) -> Path:
-    """Write a random-weight f16 ``bert`` embedding GGUF (``pooling_type`` 1 = mean).
+    """Write a random-weight f16 ``bert`` embedding GGUF (``pooling_type`` 1 = mean; 4 = rank,
+    a reranker, which gets the classification head llama.cpp scores with).
 
     llama.cpp does not tie the vocabulary type to the architecture, so SmolLM2's gpt2 BPE vocab
     works here too (like RoBERTa conversions); BOS/EOS play CLS/SEP.
@@ -514,6 +515,13 @@ def write_bert_model(
             _Tensor(b + "ffn_down.bias", (e,), "zeros"),
             _Tensor(b + "layer_output_norm.weight", (e,), "ones"),
             _Tensor(b + "layer_output_norm.bias", (e,), "zeros"),
+        ]
+    if pooling_type == gguf.PoolingType.RANK:  # dense + one score, as BERT rerankers have
+        tensors += [
+            _Tensor("cls.weight", (e, e)),
+            _Tensor("cls.bias", (e,), "zeros"),
+            _Tensor("cls.output.weight", (1, e)),
+            _Tensor("cls.output.bias", (1,), "zeros"),
         ]
     writer = gguf.GGUFWriter(None, "bert")
     writer.add_type("model")
