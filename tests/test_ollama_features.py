@@ -16,7 +16,9 @@ from corral.api.events import Done, Event, Text, Thinking, ToolCall, Usage
 from corral.api.ollama import merge, ollama_chunks
 
 SMOL = "smollm2:135m"
-PNG = "iVBORw0KGgoAAAANSUhEUgAAAAEAAAABCAYAAAAfFcSJAAAADUlEQVR42mP8z8BQDwAEhQGAhKmMIQAAAABJRU5ErkJggg=="
+PNG = (  # a 1x1 PNG
+    "iVBORw0KGgoAAAANSUhEUgAAAAEAAAABCAYAAAAfFcSJAAAADUlEQVR42mP8z8BQDwAEhQGAhKmMIQAAAABJRU5ErkJggg=="
+)
 WEATHER = {
     "type": "function",
     "function": {

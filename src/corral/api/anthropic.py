@@ -1,13 +1,31 @@
-"""Anthropic Messages API: POST /v1/messages and /v1/messages/count_tokens."""
+"""Anthropic Messages API: POST /v1/messages and /v1/messages/count_tokens.
+
+A thin renderer over the shared generation layer (`api/events.py`): the Anthropic request
+becomes a neutral `Chat` (OpenAI chat messages, function tools), and the neutral events become
+Anthropic's message object or its SSE events. `x-api-key` and `anthropic-version` are accepted
+and ignored (no authentication).
+
+Token usage: a streamed answer's `message_start` carries the prompt's token count, rendered by
+the runner's own template and tokenizer before the first event; the `message_delta` at the end
+repeats it as llama.cpp counted it, split into `input_tokens` (evaluated) and
+`cache_read_input_tokens` (reused from the slot's KV cache), as Anthropic splits them.
+"""
 
 from __future__ import annotations
 
+from collections.abc import AsyncIterator
+from typing import Any
+
+import orjson
+from starlette.requests import Request
 from starlette.responses import Response
 from starlette.routing import Route
 
-from corral.api.common import ApiError
-from corral.api.service import Service
+from corral.api.common import ApiError, field, model_field, read_json
+from corral.api.events import Chat, Done, Event, Result, Text, Thinking, ToolCall, Usage, new_id
+from corral.api.service import Resolved, Service, has_images, until_disconnect
 from corral.api.stream import json_response
+from corral.runtime.scheduler import Lease
 
 # HTTP status -> Anthropic's error type (https://docs.anthropic.com/en/api/errors)
 ERROR_TYPES = {
@@ -17,9 +35,13 @@ ERROR_TYPES = {
 }  # fmt: skip
 
 
-def anthropic_error(e: ApiError) -> Response:
+def error_body(e: ApiError) -> dict[str, Any]:
     kind = ERROR_TYPES.get(e.status, "invalid_request_error" if e.status < 500 else "api_error")
-    return json_response({"type": "error", "error": {"type": kind, "message": e.message}}, e.status)
+    return {"type": "error", "error": {"type": kind, "message": e.message}}
+
+
+def anthropic_error(e: ApiError) -> Response:
+    return json_response(error_body(e), e.status)
 
 
 class Anthropic:
@@ -27,4 +49,485 @@ class Anthropic:
         self.svc = service
 
     def routes(self) -> list[Route]:
-        return []
+        return [
+            Route("/v1/messages", self.messages, methods=["POST"]),
+            Route("/v1/messages/count_tokens", self.count_tokens, methods=["POST"]),
+        ]
+
+    async def messages(self, request: Request) -> Response:
+        body = await read_json(request)
+        name = model_field(body)
+        max_tokens = field(body, "max_tokens", int)
+        if max_tokens is None:
+            raise ApiError(400, "max_tokens: Field required", "max_tokens")
+        if max_tokens < 1:
+            raise ApiError(400, "max_tokens: must be greater than or equal to 1", "max_tokens")
+        stream = field(body, "stream", bool, False)
+        stop = stop_sequences(body)
+        chat = to_chat(body)
+        shown = thinking(body.get("thinking"))[1]
+        chat.params["max_tokens"] = max_tokens
+        r = self.svc.resolve(name)
+        gen = await self.svc.generate(request, r, chat, options={}, keep_alive=None, stop=stop)
+        if stream:
+            try:
+                input_tokens = await self._count(gen.lease, chat)
+            except ApiError:
+                input_tokens = 0  # a courtesy figure: the message_delta carries the real one
+            except BaseException:
+                gen.close()
+                raise
+
+            def render(events: AsyncIterator[Event]) -> AsyncIterator[bytes]:
+                return sse_stream(events, r.requested, input_tokens, shown)
+
+            return gen.response(render, "text/event-stream")
+        try:
+            result = await until_disconnect(request, gen.collect())
+        finally:
+            gen.close()
+        return json_response(message(r.requested, result, shown))
+
+    async def count_tokens(self, request: Request) -> Response:
+        body = await read_json(request)
+        name = model_field(body)
+        chat = to_chat(body)
+        r = self.svc.resolve(name)
+        self._check(r, chat)
+        lease = await self.svc.lease(request, r, {}, None)
+        try:
+            n = await until_disconnect(request, self._count(lease, chat))
+        finally:
+            lease.release()
+        return json_response({"input_tokens": n})
+
+    def _check(self, r: Resolved, chat: Chat) -> None:
+        """The checks Service.generate makes, for count_tokens, which does not generate."""
+        self.svc.require(r, "completion", "chat")
+        if "vision" not in r.info.capabilities and has_images(chat.messages):
+            raise ApiError(400, f"model '{r.requested}' does not support images", "messages")
+
+    async def _count(self, lease: Lease, chat: Chat) -> int:
+        """The prompt's length in tokens as the runner renders it: its own chat template, then
+        its tokenizer (image tokens are not counted)."""
+        payload: dict[str, Any] = {"messages": chat.messages}
+        if chat.tools and chat.tool_choice != "none":  # as Service.generate sends them
+            payload["tools"] = chat.tools
+        if "chat_template_kwargs" in chat.params:
+            payload["chat_template_kwargs"] = chat.params["chat_template_kwargs"]
+        tmpl = await self.svc.post_json(lease, "/apply-template", payload)
+        # add_special and parse_special as llama.cpp tokenizes a chat prompt for generation.
+        toks = await self.svc.post_json(lease, "/tokenize", {
+            "content": tmpl["prompt"], "add_special": True, "parse_special": True,
+        })  # fmt: skip
+        return len(toks["tokens"])
+
+
+# ---- request -> Chat ------------------------------------------------------------------------
+def stop_sequences(body: dict[str, Any]) -> list[str]:
+    stops = field(body, "stop_sequences", list, [])
+    if not all(isinstance(s, str) for s in stops):
+        raise ApiError(400, "stop_sequences: expected an array of strings", "stop_sequences")
+    return stops
+
+
+def to_chat(body: dict[str, Any]) -> Chat:
+    """The neutral chat request of a Messages (or count_tokens) body."""
+    messages: list[dict[str, Any]] = []
+    system = system_text(body.get("system"))
+    if system:
+        messages.append({"role": "system", "content": system})
+    raw = field(body, "messages", list)
+    if not raw:
+        raise ApiError(400, "messages: at least one message is required", "messages")
+    for i, m in enumerate(raw):
+        messages.extend(to_openai_messages(m, f"messages.{i}"))
+    tools = [to_openai_tool(t, f"tools.{i}") for i, t in enumerate(field(body, "tools", list, []))]
+    choice, parallel = tool_choice(body.get("tool_choice"), bool(tools))
+    params: dict[str, Any] = {}
+    for key, lo, hi in (("temperature", 0.0, 1.0), ("top_p", 0.0, 1.0)):
+        value = field(body, key, float)
+        if value is not None:
+            if not lo <= value <= hi:
+                raise ApiError(400, f"{key}: must be between {lo:g} and {hi:g}", key)
+            params[key] = value
+    top_k = field(body, "top_k", int)
+    if top_k is not None:
+        if top_k < 0:
+            raise ApiError(400, "top_k: must be greater than or equal to 0", "top_k")
+        params["top_k"] = top_k
+    if tools and parallel is not None:
+        params["parallel_tool_calls"] = parallel
+    params |= output_format(body.get("output_config"))
+    params["chat_template_kwargs"] = {"enable_thinking": thinking(body.get("thinking"))[0]}
+    field(body, "metadata", dict)  # accepted (user_id), nothing to do with it locally
+    return Chat(messages, tools, choice, params)
+
+
+def system_text(system: Any) -> str:
+    if system is None or isinstance(system, str):
+        return system or ""
+    if not isinstance(system, list):
+        raise ApiError(400, "system: expected a string or an array of text blocks", "system")
+    parts = []
+    for j, b in enumerate(system):
+        if block_type(b, f"system.{j}") != "text":
+            raise ApiError(400, f"system.{j}: only text blocks are allowed in system", "system")
+        parts.append(text_of(b, f"system.{j}"))
+    return "\n".join(parts)
+
+
+def block_type(b: Any, where: str) -> str:
+    if not isinstance(b, dict):
+        raise ApiError(400, f"{where}: expected a content block object", where)
+    kind = b.get("type")
+    if not isinstance(kind, str):
+        raise ApiError(400, f"{where}.type: Field required", where)
+    return kind
+
+
+def text_of(b: dict[str, Any], where: str) -> str:
+    text = field(b, "text", str, prefix=f"{where}.")
+    if text is None:
+        raise ApiError(400, f"{where}.text: Field required", where)
+    return str(text)
+
+
+def image_part(b: dict[str, Any], where: str) -> dict[str, Any]:
+    """An Anthropic image block as an OpenAI image_url part (llama.cpp's vision input)."""
+    src = field(b, "source", dict, prefix=f"{where}.")
+    kind = src.get("type") if src else None
+    if src is not None and kind == "base64":
+        data = field(src, "data", str, prefix=f"{where}.source.")
+        media = field(src, "media_type", str, prefix=f"{where}.source.")
+        if data and media:
+            return {"type": "image_url", "image_url": {"url": f"data:{media};base64,{data}"}}
+    elif src is not None and kind == "url":
+        url = field(src, "url", str, prefix=f"{where}.source.")
+        if url:
+            return {"type": "image_url", "image_url": {"url": url}}
+    raise ApiError(
+        400, f"{where}.source: expected a base64 source (media_type, data) or a url source",
+        where,
+    )  # fmt: skip
+
+
+def content_value(parts: list[dict[str, Any]]) -> str | list[dict[str, Any]]:
+    """Text-only content as one string (what every chat template can render); content with
+    images as a list of parts."""
+    if all(p["type"] == "text" for p in parts):
+        return "\n".join(p["text"] for p in parts)
+    return parts
+
+
+def to_openai_messages(m: Any, where: str) -> list[dict[str, Any]]:
+    """One Anthropic message as OpenAI chat messages: a user turn's tool_result blocks become
+    "tool" messages ahead of the rest of the turn; an assistant's tool_use blocks become its
+    tool_calls; thinking blocks from earlier turns are dropped (templates drop them anyway)."""
+    if not isinstance(m, dict):
+        raise ApiError(400, f"{where}: expected an object", where)
+    role = m.get("role")
+    if role not in ("user", "assistant"):
+        raise ApiError(400, f"{where}.role: expected 'user' or 'assistant'", where)
+    content = m.get("content")
+    if isinstance(content, str):
+        return [{"role": role, "content": content}]
+    if not isinstance(content, list):
+        raise ApiError(400, f"{where}.content: expected a string or an array of blocks", where)
+    parts: list[dict[str, Any]] = []
+    results: list[dict[str, Any]] = []
+    calls: list[dict[str, Any]] = []
+    for j, b in enumerate(content):
+        at = f"{where}.content.{j}"
+        kind = block_type(b, at)
+        if kind == "text":
+            parts.append({"type": "text", "text": text_of(b, at)})
+        elif kind == "image" and role == "user":
+            parts.append(image_part(b, at))
+        elif kind == "tool_result" and role == "user":
+            results.append(tool_result(b, at))
+        elif kind == "tool_use" and role == "assistant":
+            calls.append(tool_use(b, at))
+        elif kind in ("thinking", "redacted_thinking") and role == "assistant":
+            continue
+        else:
+            raise ApiError(400, f"{at}: '{kind}' blocks are not supported in {role} messages", at)
+    out = results
+    if role == "assistant":
+        msg: dict[str, Any] = {"role": "assistant", "content": content_value(parts)}
+        if calls:
+            msg["content"] = msg["content"] or None
+            msg["tool_calls"] = calls
+        out.append(msg)
+    elif parts or not results:
+        out.append({"role": "user", "content": content_value(parts)})
+    return out
+
+
+def tool_result(b: dict[str, Any], where: str) -> dict[str, Any]:
+    call_id = field(b, "tool_use_id", str, prefix=f"{where}.")
+    if not call_id:
+        raise ApiError(400, f"{where}.tool_use_id: Field required", where)
+    field(b, "is_error", bool, prefix=f"{where}.")  # accepted; the content says what failed
+    content = b.get("content")
+    if content is None or isinstance(content, str):
+        text: str | list[dict[str, Any]] = content or ""
+    elif isinstance(content, list):
+        parts = []
+        for k, c in enumerate(content):
+            at = f"{where}.content.{k}"
+            kind = block_type(c, at)
+            if kind == "text":
+                parts.append({"type": "text", "text": text_of(c, at)})
+            elif kind == "image":
+                parts.append(image_part(c, at))
+            else:
+                raise ApiError(400, f"{at}: '{kind}' blocks are not supported in tool_result", at)
+        text = content_value(parts)
+    else:
+        raise ApiError(400, f"{where}.content: expected a string or an array of blocks", where)
+    return {"role": "tool", "tool_call_id": call_id, "content": text}
+
+
+def tool_use(b: dict[str, Any], where: str) -> dict[str, Any]:
+    call_id = field(b, "id", str, prefix=f"{where}.")
+    name = field(b, "name", str, prefix=f"{where}.")
+    if not call_id or not name:
+        raise ApiError(400, f"{where}: tool_use blocks need an id and a name", where)
+    args = field(b, "input", dict, {}, prefix=f"{where}.")
+    return {
+        "id": call_id, "type": "function",
+        "function": {"name": name, "arguments": orjson.dumps(args).decode()},
+    }  # fmt: skip
+
+
+def to_openai_tool(t: Any, where: str) -> dict[str, Any]:
+    if not isinstance(t, dict):
+        raise ApiError(400, f"{where}: expected an object", where)
+    kind = t.get("type")
+    if kind not in (None, "custom"):  # server tools (web search, bash, ...) run at Anthropic
+        raise ApiError(400, f"{where}: tool type '{kind}' is not supported", where)
+    name = field(t, "name", str, prefix=f"{where}.")
+    schema = field(t, "input_schema", dict, prefix=f"{where}.")
+    if not name:
+        raise ApiError(400, f"{where}.name: Field required", where)
+    if schema is None:
+        raise ApiError(400, f"{where}.input_schema: Field required", where)
+    fn: dict[str, Any] = {"name": name, "parameters": schema}
+    desc = field(t, "description", str, prefix=f"{where}.")
+    if desc:
+        fn["description"] = desc
+    return {"type": "function", "function": fn}
+
+
+def tool_choice(tc: Any, has_tools: bool) -> tuple[str, bool | None]:
+    """Anthropic's tool_choice as the neutral one, and whether parallel calls are allowed
+    (None: not said)."""
+    if tc is None:
+        return "auto", None
+    if not isinstance(tc, dict):
+        raise ApiError(400, "tool_choice: expected an object", "tool_choice")
+    kind = tc.get("type")
+    disable = field(tc, "disable_parallel_tool_use", bool, prefix="tool_choice.")
+    parallel = None if disable is None else not disable
+    if kind in ("auto", "none"):
+        return str(kind), parallel
+    if kind not in ("any", "tool"):
+        raise ApiError(
+            400, "tool_choice.type: expected 'auto', 'any', 'tool' or 'none'", "tool_choice"
+        )
+    if not has_tools:
+        raise ApiError(
+            400, "tool_choice: may only be specified while providing tools", "tool_choice"
+        )
+    if kind == "any":
+        return "required", parallel
+    name = field(tc, "name", str, prefix="tool_choice.")
+    if not name:
+        raise ApiError(400, "tool_choice.name: Field required", "tool_choice")
+    return name, parallel
+
+
+def thinking(value: Any) -> tuple[bool, bool]:
+    """Anthropic's `thinking` as (the template switch most reasoning templates read, whether
+    to show the reasoning). A budget is checked but not enforced: max_tokens bounds thinking
+    and answer together."""
+    if value is None:
+        return False, True
+    if not isinstance(value, dict):
+        raise ApiError(400, "thinking: expected an object", "thinking")
+    kind = value.get("type")
+    display = field(value, "display", str, prefix="thinking.")
+    if display not in (None, "summarized", "omitted"):
+        raise ApiError(400, "thinking.display: expected 'summarized' or 'omitted'", "thinking")
+    if kind == "enabled":
+        budget = field(value, "budget_tokens", int, prefix="thinking.")
+        if budget is None or budget < 1:
+            raise ApiError(400, "thinking.budget_tokens: expected a positive integer", "thinking")
+    elif kind not in ("adaptive", "between_tools", "disabled"):
+        raise ApiError(
+            400, "thinking.type: expected 'enabled', 'adaptive', 'between_tools' or 'disabled'",
+            "thinking",
+        )  # fmt: skip
+    return kind != "disabled", display != "omitted"
+
+
+def output_format(config: Any) -> dict[str, Any]:
+    """output_config.format (structured outputs) as llama.cpp's response_format; the effort
+    level has no local meaning and is ignored."""
+    if config is None:
+        return {}
+    if not isinstance(config, dict):
+        raise ApiError(400, "output_config: expected an object", "output_config")
+    fmt = field(config, "format", dict, prefix="output_config.")
+    if fmt is None:
+        return {}
+    schema = field(fmt, "schema", dict, prefix="output_config.format.")
+    if fmt.get("type") != "json_schema" or schema is None:
+        raise ApiError(
+            400, "output_config.format: expected {\"type\": \"json_schema\", \"schema\": {...}}",
+            "output_config",
+        )  # fmt: skip
+    return {"response_format": {"type": "json_schema", "json_schema": {"schema": schema}}}
+
+
+# ---- events -> Anthropic ----------------------------------------------------------------------
+def stop_reason(done: Done, called: bool) -> str:
+    if done.stop_sequence is not None:
+        return "stop_sequence"
+    if done.reason == "length":
+        return "max_tokens"
+    if done.reason == "tool_calls" or called:
+        return "tool_use"
+    return "end_turn"
+
+
+def usage(u: Usage) -> dict[str, int]:
+    # Anthropic's input_tokens excludes tokens read from the cache; their sum is the prompt.
+    return {
+        "input_tokens": max(u.prompt_tokens - u.cached_tokens, 0),
+        "output_tokens": u.completion_tokens,
+        "cache_creation_input_tokens": 0,
+        "cache_read_input_tokens": u.cached_tokens,
+    }
+
+
+def tool_input(arguments: str) -> dict[str, Any]:
+    try:
+        value = orjson.loads(arguments) if arguments.strip() else {}
+    except orjson.JSONDecodeError:
+        return {}  # llama.cpp parses calls out of the output, so this is not expected
+    return value if isinstance(value, dict) else {}
+
+
+def message(model: str, result: Result, shown: bool = True) -> dict[str, Any]:
+    """The whole message object of a non-streamed answer."""
+    content: list[dict[str, Any]] = []
+    if result.thinking and shown:
+        content.append({"type": "thinking", "thinking": result.thinking, "signature": ""})
+    if result.text:
+        content.append({"type": "text", "text": result.text})
+    for c in result.tool_calls:
+        content.append({
+            "type": "tool_use", "id": new_id("toolu_"), "name": c["name"],
+            "input": tool_input(c["arguments"]),
+        })  # fmt: skip
+    done = result.done
+    return {
+        "id": new_id("msg_"), "type": "message", "role": "assistant", "model": model,
+        "content": content, "stop_reason": stop_reason(done, bool(result.tool_calls)),
+        "stop_sequence": done.stop_sequence, "usage": usage(done.usage),
+    }  # fmt: skip
+
+
+def sse(event: str, data: dict[str, Any]) -> bytes:
+    return b"event: " + event.encode() + b"\ndata: " + orjson.dumps(data) + b"\n\n"
+
+
+class _Blocks:
+    """The content blocks of a streamed message: one is open at a time; an event of another
+    kind (or another tool call) closes it and opens the next at the next index."""
+
+    def __init__(self) -> None:
+        self.index = -1
+        self.open: tuple[str, int] | None = None  # (block type, tool call index)
+        self.called = False
+
+    def switch(self, key: tuple[str, int], start: dict[str, Any]) -> list[bytes]:
+        if self.open == key:
+            return []
+        out = self.close()
+        self.index += 1
+        self.open = key
+        out.append(sse("content_block_start", {
+            "type": "content_block_start", "index": self.index, "content_block": start,
+        }))  # fmt: skip
+        return out
+
+    def delta(self, delta: dict[str, Any]) -> bytes:
+        return sse("content_block_delta", {
+            "type": "content_block_delta", "index": self.index, "delta": delta,
+        })  # fmt: skip
+
+    def close(self) -> list[bytes]:
+        if self.open is None:
+            return []
+        out = []
+        if self.open[0] == "thinking":  # Anthropic ends every thinking block with a signature
+            out.append(self.delta({"type": "signature_delta", "signature": ""}))
+        out.append(sse("content_block_stop", {"type": "content_block_stop", "index": self.index}))
+        self.open = None
+        return out
+
+    def feed(self, ev: Text | Thinking | ToolCall) -> list[bytes]:
+        if isinstance(ev, Thinking):
+            start = {"type": "thinking", "thinking": "", "signature": ""}
+            out = self.switch(("thinking", 0), start)
+            return [*out, self.delta({"type": "thinking_delta", "thinking": ev.text})]
+        if isinstance(ev, Text):
+            out = self.switch(("text", 0), {"type": "text", "text": ""})
+            return [*out, self.delta({"type": "text_delta", "text": ev.text})]
+        self.called = True
+        out = self.switch(("tool_use", ev.index), {
+            "type": "tool_use", "id": new_id("toolu_"), "name": ev.name, "input": {},
+        })  # fmt: skip
+        if ev.arguments:
+            out.append(self.delta({"type": "input_json_delta", "partial_json": ev.arguments}))
+        return out
+
+
+async def sse_stream(
+    events: AsyncIterator[Event], model: str, input_tokens: int, shown: bool = True
+) -> AsyncIterator[bytes]:
+    """Anthropic's event stream; a failure once it has begun becomes an `error` event.
+    `shown`: False leaves the reasoning out (thinking.display "omitted")."""
+    yield sse("message_start", {"type": "message_start", "message": {
+        "id": new_id("msg_"), "type": "message", "role": "assistant", "model": model,
+        "content": [], "stop_reason": None, "stop_sequence": None,
+        "usage": {"input_tokens": input_tokens, "output_tokens": 0,
+                  "cache_creation_input_tokens": 0, "cache_read_input_tokens": 0},
+    }})  # fmt: skip
+    yield sse("ping", {"type": "ping"})
+    blocks = _Blocks()
+    done = Done("stop", Usage())
+    try:
+        async for ev in events:
+            if isinstance(ev, Done):
+                done = ev
+                continue
+            if isinstance(ev, Thinking) and not shown:
+                continue
+            for chunk in blocks.feed(ev):
+                yield chunk
+    except ApiError as e:
+        yield sse("error", error_body(e))
+        return
+    for chunk in blocks.close():
+        yield chunk
+    yield sse("message_delta", {
+        "type": "message_delta",
+        "delta": {"stop_reason": stop_reason(done, blocks.called),
+                  "stop_sequence": done.stop_sequence},
+        "usage": usage(done.usage),
+    })  # fmt: skip
+    yield sse("message_stop", {"type": "message_stop"})
