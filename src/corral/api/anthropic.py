@@ -108,19 +108,7 @@ class Anthropic:
             raise ApiError(400, f"model '{r.requested}' does not support images", "messages")
 
     async def _count(self, lease: Lease, chat: Chat) -> int:
-        """The prompt's length in tokens as the runner renders it: its own chat template, then
-        its tokenizer (image tokens are not counted)."""
-        payload: dict[str, Any] = {"messages": chat.messages}
-        if chat.tools and chat.tool_choice != "none":  # as Service.generate sends them
-            payload["tools"] = chat.tools
-        if "chat_template_kwargs" in chat.params:
-            payload["chat_template_kwargs"] = chat.params["chat_template_kwargs"]
-        tmpl = await self.svc.post_json(lease, "/apply-template", payload)
-        # add_special and parse_special as llama.cpp tokenizes a chat prompt for generation.
-        toks = await self.svc.post_json(lease, "/tokenize", {
-            "content": tmpl["prompt"], "add_special": True, "parse_special": True,
-        })  # fmt: skip
-        return len(toks["tokens"])
+        return len(await self.svc.prompt_tokens(lease, chat))
 
 
 # ---- request -> Chat ------------------------------------------------------------------------

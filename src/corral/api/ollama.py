@@ -147,7 +147,9 @@ class Ollama:
             )
 
             async def context_of(answer: str) -> list[int]:
-                return await self.svc.context_tokens(gen.lease, messages, context, answer)
+                # Ollama's `context`: the conversation's token ids, for the client to send back
+                prompt = await self.svc.prompt_tokens(gen.lease, chat)
+                return [*context, *prompt, *await self.svc.tokenize(gen.lease, answer)]
 
         return await respond(
             request, stream, gen, r.requested, "response", start, top, context_of

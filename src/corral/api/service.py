@@ -293,16 +293,23 @@ class Service:
             lease.release()
             raise
 
-    async def context_tokens(
-        self, lease: Lease, messages: list[dict[str, Any]], prefix: list[int], answer: str
-    ) -> list[int]:
-        """Ollama's `context`: the token ids of the conversation so far (the rendered prompt
-        and the answer), which a client may send back to continue it."""
-        tmpl = await self.post_json(lease, "/apply-template", {"messages": messages})
-        toks = await self.post_json(
-            lease, "/tokenize", {"content": tmpl["prompt"] + answer, "add_special": False}
-        )
-        return [*prefix, *toks["tokens"]]
+    async def prompt_tokens(self, lease: Lease, chat: Chat) -> list[int]:
+        """The token ids of `chat`'s prompt as the runner renders it: its own chat template
+        (with the tools, as generate sends them), then its tokenizer, as for generation.
+        Image tokens are not counted."""
+        payload: dict[str, Any] = {"messages": chat.messages}
+        if chat.tools and chat.tool_choice != "none":
+            payload["tools"] = chat.tools
+        if "chat_template_kwargs" in chat.params:
+            payload["chat_template_kwargs"] = chat.params["chat_template_kwargs"]
+        tmpl = await self.post_json(lease, "/apply-template", payload)
+        return await self.tokenize(lease, tmpl["prompt"], special=True)
+
+    async def tokenize(self, lease: Lease, text: str, special: bool = False) -> list[int]:
+        toks = await self.post_json(lease, "/tokenize", {
+            "content": text, "add_special": special, "parse_special": special,
+        })  # fmt: skip
+        return list(toks["tokens"])
 
     async def complete(
         self,
