@@ -19,6 +19,7 @@ import signal
 import socket
 import sys
 import time
+from collections.abc import AsyncIterator
 from dataclasses import asdict
 from typing import Any
 
@@ -30,6 +31,7 @@ from corral.core.spec import Layout, RunnerSpec
 log = logging.getLogger(__name__)
 
 LOG_TAIL_LINES = 40
+MAX_LINE = 4096  # characters of one log line kept; the rest is drained and dropped
 
 
 class RunnerError(Exception):
@@ -185,20 +187,30 @@ class Runner:
         return cmd
 
     async def _read(self, stream: asyncio.StreamReader, ready: bool) -> None:
-        while line := await stream.readline():
-            text = line.decode(errors="replace").rstrip()
-            if ready and text.startswith("READY ") and self._ready and not self._ready.done():
-                # The child logged its load (stderr, another pipe) before READY: let that
-                # reader catch up so that `allocation` is complete when start() returns.
-                with contextlib.suppress(asyncio.TimeoutError):
-                    await asyncio.wait_for(self._load_logged.wait(), 2.0)
-                self._ready.set_result(text.split(" ", 1)[1])
-                continue
-            self._alloc.feed(text)
-            if self._alloc.done:
-                self._load_logged.set()
-            self._tail.append(text)
-            log.debug("[%s] %s", self.name, text)
+        """Drain one of the runner's pipes to its end, line by line. Read in chunks, not with
+        readline(): a line past readline's limit (llama.cpp logs a client's 100 KB field on one
+        line) would kill the reader, the pipe would fill, and the runner would block for good.
+        A reader that fails anyway takes the runner with it, so it cannot hang half-alive."""
+        try:
+            async for text in _lines(stream):
+                await self._line(text, ready)
+        except Exception:
+            log.exception("reading the output of the runner for '%s' failed; killing it", self.name)
+            self.kill_now()
+
+    async def _line(self, text: str, ready: bool) -> None:
+        if ready and text.startswith("READY ") and self._ready and not self._ready.done():
+            # The child logged its load (stderr, another pipe) before READY: let that reader
+            # catch up so that `allocation` is complete when start() returns.
+            with contextlib.suppress(asyncio.TimeoutError):
+                await asyncio.wait_for(self._load_logged.wait(), 2.0)
+            self._ready.set_result(text.split(" ", 1)[1])
+            return
+        self._alloc.feed(text)
+        if self._alloc.done:
+            self._load_logged.set()
+        self._tail.append(text)
+        log.debug("[%s] %s", self.name, text)
 
     async def _wait_ready(self) -> str:
         assert self._ready is not None and self.proc is not None
@@ -262,10 +274,31 @@ class Runner:
             await proc.wait()
 
     def kill_now(self) -> None:
-        """Synchronous last resort at interpreter exit."""
+        """Kill the process at once (at interpreter exit, or when its output cannot be read);
+        whoever waits on it sees it exit."""
         if self.proc is not None and self.proc.returncode is None:
             with contextlib.suppress(ProcessLookupError):
                 self.proc.kill()
+
+
+async def _lines(stream: asyncio.StreamReader) -> AsyncIterator[str]:
+    """The lines of a stream, each cut to MAX_LINE characters (the rest of a longer line is
+    dropped unread into memory), until EOF."""
+    buf = b""
+    skipping = False  # inside a line already cut
+    while chunk := await stream.read(65536):
+        buf += chunk
+        *lines, buf = buf.split(b"\n")
+        for line in lines:
+            if not skipping:
+                yield line[:MAX_LINE].decode(errors="replace").rstrip()
+            skipping = False
+        if len(buf) > MAX_LINE:
+            if not skipping:
+                yield buf[:MAX_LINE].decode(errors="replace").rstrip() + " [...]"
+            skipping, buf = True, b""
+    if buf and not skipping:
+        yield buf[:MAX_LINE].decode(errors="replace").rstrip()
 
 
 def free_port() -> int:
