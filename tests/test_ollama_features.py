@@ -199,3 +199,24 @@ def test_embed_truncates_long_input_unless_told_not_to(client: ollama.Client) ->
     with pytest.raises(ollama.ResponseError) as e:
         client.embed(model="embed", input=long, truncate=False)
     assert e.value.status_code == 400 and "truncate" in e.value.error
+
+
+def test_a_loaded_model_whose_file_is_deleted_stays_listed_and_unloads(
+    start_server, tmp_path_factory: pytest.TempPathFactory
+) -> None:
+    from corral.testing import synth
+
+    d = tmp_path_factory.mktemp("vanishing")
+    synth.write_llama_model(d / "gone.gguf")
+    s = start_server(d, CORRAL_BUILTIN_MODELS="0")
+    ok = s.client.post("/api/generate", json={"model": "gone", "prompt": "hi", "stream": False,
+                                               "options": {"num_predict": 1}})  # fmt: skip
+    assert ok.status_code == 200
+    (d / "gone.gguf").unlink()
+    ps = s.client.get("/api/ps")
+    assert ps.status_code == 200 and [m["name"] for m in ps.json()["models"]] == ["gone:latest"]
+    r = s.client.post("/api/generate", json={"model": "gone", "keep_alive": 0})
+    assert r.status_code == 200 and r.json()["done_reason"] == "unload"
+    s.wait_for(lambda: not s.ps(), what="the runner to stop")
+    r = s.client.post("/api/generate", json={"model": "gone", "prompt": "hi"})
+    assert r.status_code == 404

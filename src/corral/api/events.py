@@ -15,6 +15,7 @@ a well-formed call.
 
 from __future__ import annotations
 
+import re
 import time
 import uuid
 from collections.abc import AsyncIterator, Callable
@@ -223,23 +224,51 @@ class Generation:
                 return
 
     async def _tool_events(self) -> AsyncIterator[Event]:
-        parts: list[str] = []
+        """A forced call streams like a native one: its name once the schema-shaped output
+        `{"name": "...", "arguments": {...}}` has it, then the arguments' JSON as it comes,
+        less the closing brace of the outer object. Cut short by max_tokens, the call keeps
+        its partial arguments and the reason is "length"."""
+        out = ""  # everything generated
+        header: re.Match[str] | None = None
+        sent = 0  # characters of the arguments already passed on
         final: dict[str, Any] = {}
         async for data in self._sse():
-            parts.append(data.get("content", ""))
+            out += data.get("content", "")
             if data.get("stop"):
                 final = data
+                break
+            if header is None:
+                header = _CALL_HEAD.match(out)
+                if header is None:
+                    continue
+                yield ToolCall(0, new_id("call_"), json_string(header.group(1)), "")
+            # The last "}" may be the outer object's: hold it back until more follows.
+            args = out[header.end() :].rstrip()
+            safe = len(args) - 1 if args.endswith("}") else len(args)
+            if safe > sent:
+                yield ToolCall(0, arguments=args[sent:safe])
+                sent = safe
         usage = _usage(final)
+        complete = True
         try:
-            call = orjson.loads("".join(parts))
-            name, args = call["name"], orjson.dumps(call["arguments"]).decode()
-        except (orjson.JSONDecodeError, KeyError, TypeError):
-            # Cut off by max_tokens before the call was complete: no call to report.
-            yield Text("".join(parts))
-            yield Done("length", usage)
-            return
-        yield ToolCall(0, new_id("call_"), name, args)
-        yield Done("tool_calls", usage)
+            orjson.loads(out)
+        except orjson.JSONDecodeError:
+            complete = False
+        if header is None:
+            # Cut before the arguments began: the call still has its name, if that is whole.
+            named = _CALL_HEAD.match(out) or _NAME_HEAD.match(out)
+            if named is not None:
+                yield ToolCall(0, new_id("call_"), json_string(named.group(1)), "")
+            if named is None or named.re is _NAME_HEAD:
+                yield Done("length", usage)
+                return
+            header = named
+        args = out[header.end() :].rstrip()
+        if complete:
+            args = args.removesuffix("}").rstrip()
+        if len(args) > sent:
+            yield ToolCall(0, arguments=args[sent:])
+        yield Done("tool_calls" if complete else "length", usage)
 
     async def collect(self) -> Result:
         text: list[str] = []
@@ -326,6 +355,16 @@ class StopScanner:
     def flush(self) -> str:
         out, self.buf = self.buf, ""
         return out
+
+
+# The start of a forced call as the schema shapes it, up to the arguments' first character.
+_NAME_HEAD = re.compile(r'\s*\{\s*"name"\s*:\s*"((?:[^"\\]|\\.)*)"')
+_CALL_HEAD = re.compile(_NAME_HEAD.pattern + r'\s*,\s*"arguments"\s*:\s*')
+
+
+def json_string(body: str) -> str:
+    """The value of a JSON string literal's body (escapes resolved)."""
+    return str(orjson.loads(f'"{body}"'))
 
 
 def forced_schema(tools: list[dict[str, Any]]) -> dict[str, Any]:

@@ -110,9 +110,9 @@ class Ollama:
         top = logprob_fields(body)
         options = check_options(body.get("options"))
         keep_alive = keep_alive_field(body)
-        r = self.svc.resolve(name)
         if not prompt and not images and not suffix:
-            return await self._load_or_unload(request, r, keep_alive, options, {"response": ""})
+            return await self._load_or_unload(request, name, keep_alive, options, {"response": ""})
+        r = self.svc.resolve(name)
         self.svc.require(r, "completion", "generate")
         check_think(r, think)
         if images and "vision" not in r.info.capabilities:
@@ -165,11 +165,10 @@ class Ollama:
         top = logprob_fields(body)
         options = check_options(body.get("options"))
         keep_alive = keep_alive_field(body)
-        r = self.svc.resolve(name)
         if not messages:
-            return await self._load_or_unload(
-                request, r, keep_alive, options, {"message": {"role": "assistant", "content": ""}}
-            )
+            empty = {"message": {"role": "assistant", "content": ""}}
+            return await self._load_or_unload(request, name, keep_alive, options, empty)
+        r = self.svc.resolve(name)
         self.svc.require(r, "completion", "chat")
         check_think(r, think)
         if tools and "tools" not in r.info.capabilities:
@@ -186,22 +185,24 @@ class Ollama:
     async def _load_or_unload(
         self,
         request: Request,
-        r: Resolved,
+        name: str,
         keep_alive: float | None,
         options: dict[str, Any],
         empty: dict[str, Any],
     ) -> Response:
-        """Ollama's convention: no prompt/messages loads the model; with keep_alive 0, unloads."""
+        """Ollama's convention: no prompt/messages loads the model; with keep_alive 0, unloads
+        (a loaded model whose file has gone too)."""
         start = time.monotonic()
         if keep_alive == 0:
-            self.svc.scheduler.unload(r.name)
+            self.svc.unload(name)
             reason = "unload"
         else:
+            r = self.svc.resolve(name)
             lease = await self.svc.lease(request, r, options, keep_alive)
             lease.release()
             reason = "load"
         return json_response({
-            "model": r.requested, "created_at": now_rfc3339(), **empty, "done": True,
+            "model": name, "created_at": now_rfc3339(), **empty, "done": True,
             "done_reason": reason, "total_duration": ns(time.monotonic() - start),
         })  # fmt: skip
 
@@ -288,7 +289,10 @@ class Ollama:
         now_wall, now_mono = time.time(), time.monotonic()
         models = []
         for book, runner in self.svc.scheduler.snapshot():
-            r = self.svc.resolve(book.model)
+            try:
+                r: Resolved | None = self.svc.resolve(book.model)
+            except ApiError:  # its file was removed or broken while loaded: still listed
+                r = None
             if book.state != "ready":
                 expires = math.inf if book.state == "loading" else now_wall
             elif book.inflight:
@@ -297,7 +301,7 @@ class Ollama:
                 expires = now_wall + (book.expires_at - now_mono)
             models.append({
                 "name": book.model, "model": book.model, "size": book.size,
-                "digest": r.digest, "details": r.info.details(),
+                "digest": r.digest if r else "", "details": r.info.details() if r else {},
                 "expires_at": rfc3339(expires),
                 "size_vram": sum(n for d, n in book.devices.items() if d != "cpu"),
                 "context_length": book.spec.n_ctx,

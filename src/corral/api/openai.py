@@ -1,29 +1,60 @@
 """OpenAI API: /v1/chat/completions, /v1/completions, /v1/embeddings, /v1/models.
 
-llama.cpp's server already speaks OpenAI's wire format, so requests pass through to the runner
-and its bytes stream back untouched: the fastest proxy is the one that parses least.
+llama.cpp's server already speaks OpenAI's wire format, so the common request passes through
+to the runner and its bytes stream back untouched but for the model's name: the fastest proxy
+is the one that parses least. Requests llama.cpp answers differently from OpenAI are parsed
+and rebuilt here:
+
+- `tool_choice` "required" or a named function: `Service.generate` forces a call (llama.cpp
+  does not constrain it for every template), and the events are rendered as OpenAI's.
+- `n` > 1: n generations on n leased slots (seed+i), merged into one answer or one stream.
+- completions `logprobs` / `echo`: llama.cpp's chat-style logprobs become the legacy shape.
+- embeddings `dimensions` / `encoding_format: "base64"`: truncated, renormalised, encoded here.
 """
 
 from __future__ import annotations
 
+import asyncio
+import base64
+import codecs
+import sys
 import time
-from typing import Any
+from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
+from typing import Any, TypeVar
 
+import numpy as np
+import orjson
 from starlette.requests import Request
-from starlette.responses import Response
+from starlette.responses import Response, StreamingResponse
 from starlette.routing import Route
+from starlette.types import Receive, Scope, Send
 
 from corral.api.common import ApiError, field, model_field, read_json
-from corral.api.service import Service, until_disconnect
+from corral.api.events import Chat, Done, Text, Thinking, ToolCall, Usage, new_id
+from corral.api.service import Resolved, Service, has_images, sse_events, until_disconnect
 from corral.api.stream import LeasedStream, json_response
+from corral.runtime.scheduler import Lease
+
+T = TypeVar("T")
+
+MAX_N = 16  # choices per request: each is a generation holding a runner slot
+MAX_LOGPROBS = 5  # legacy completions' limit
+MAX_TOP_LOGPROBS = 20  # chat's limit
+# Chat fields corral handles itself; the rest go to llama.cpp as sampling parameters.
+CHAT_OWN = frozenset({
+    "model", "messages", "tools", "tool_choice", "stream", "stream_options", "n",
+    "parallel_tool_calls",
+})  # fmt: skip
 
 
 def openai_error(e: ApiError) -> Response:
+    return json_response({"error": _error_body(e)}, e.status)
+
+
+def _error_body(e: ApiError) -> dict[str, Any]:
     kind = "invalid_request_error" if e.status < 500 else "server_error"
     code = "model_not_found" if e.status == 404 and e.param == "model" else None
-    return json_response(
-        {"error": {"message": e.message, "type": kind, "param": e.param, "code": code}}, e.status
-    )
+    return {"message": e.message, "type": kind, "param": e.param, "code": code}
 
 
 class OpenAI:
@@ -39,50 +70,303 @@ class OpenAI:
             Route("/v1/models/{model:path}", self.model, methods=["GET"]),
         ]
 
+    # ---- chat ------------------------------------------------------------------------------
     async def chat(self, request: Request) -> Response:
         body = await read_json(request)
         messages = field(body, "messages", list)
         if not messages:
             raise ApiError(400, "'messages' is required and must not be empty", "messages")
-        return await self._proxy(request, body, "/v1/chat/completions", "completion", "chat")
+        if not all(isinstance(m, dict) for m in messages):
+            raise ApiError(400, "invalid type for 'messages': expected objects", "messages")
+        stream, include_usage = _stream_fields(body)
+        n = _n(body)
+        seed = field(body, "seed", int)
+        tools = _tools(body)
+        choice = _tool_choice(body, tools)
+        field(body, "logprobs", bool)
+        _int_in(body, "top_logprobs", 0, MAX_TOP_LOGPROBS)
+        r = self.svc.resolve(model_field(body))
+        self.svc.require(r, "completion", "chat")
+        if "vision" not in r.info.capabilities and has_images(messages):
+            raise ApiError(400, f"model '{r.requested}' does not support images", "messages")
+        forced = choice not in ("auto", "none")
+        if n == 1 and not forced:
+            return await self._proxy(request, r, body, "/v1/chat/completions", stream)
 
+        if forced:
+            params = {k: v for k, v in body.items() if k not in CHAT_OWN}
+            # /completion (where forced calls go) knows max_tokens, not OpenAI's newer name.
+            if params.get("max_tokens") is None and "max_completion_tokens" in params:
+                params["max_tokens"] = params["max_completion_tokens"]
+
+            def chat_for(i: int) -> Chat:
+                return Chat(messages, tools, choice, _seeded(params, seed, i))
+
+            def whole(i: int) -> Awaitable[dict[str, Any]]:
+                return self._forced_whole(request, r, chat_for(i))
+
+            def chunks(i: int) -> AsyncIterator[dict[str, Any]]:
+                return self._forced_chunks(request, r, chat_for(i))
+
+        else:
+            upstream = {k: v for k, v in body.items() if k not in ("n", "stream_options")}
+
+            def whole(i: int) -> Awaitable[dict[str, Any]]:
+                return self._raw_whole(request, r, "/v1/chat/completions", {
+                    **_seeded(upstream, seed, i), "stream": False})  # fmt: skip
+
+            def chunks(i: int) -> AsyncIterator[dict[str, Any]]:
+                return self._raw_chunks(request, r, "/v1/chat/completions",
+                                        _seeded(upstream, seed, i))  # fmt: skip
+
+        if stream:
+            return await self._fan_out(
+                request, r, n, chunks, "chat.completion.chunk", "chatcmpl-", include_usage
+            )
+        return await self._merge(request, r, n, whole, "chat.completion", "chatcmpl-")
+
+    async def _forced_whole(self, request: Request, r: Resolved, chat: Chat) -> dict[str, Any]:
+        gen = await self.svc.generate(request, r, chat, {}, None)
+        try:
+            res = await gen.collect()
+        finally:
+            gen.close()
+        message: dict[str, Any] = {
+            "role": "assistant", "content": res.text or (None if res.tool_calls else ""),
+        }  # fmt: skip
+        if res.thinking:
+            message["reasoning_content"] = res.thinking  # llama.cpp's name for it
+        if res.tool_calls:
+            message["tool_calls"] = [
+                {"id": c["id"], "type": "function",
+                 "function": {"name": c["name"], "arguments": c["arguments"]}}
+                for c in res.tool_calls
+            ]  # fmt: skip
+        return {
+            "choices": [{"index": 0, "message": message, "logprobs": _chat_logprobs(res.logprobs),
+                         "finish_reason": res.done.reason}],
+            "usage": _usage(res.done.usage),
+        }  # fmt: skip
+
+    async def _forced_chunks(
+        self, request: Request, r: Resolved, chat: Chat
+    ) -> AsyncIterator[dict[str, Any]]:
+        gen = await self.svc.generate(request, r, chat, {}, None)
+        try:
+            yield _chunk({"role": "assistant", "content": None})
+            async for ev in gen.events():
+                if isinstance(ev, Done):
+                    yield _chunk({}, ev.reason)
+                    yield {"choices": [], "usage": _usage(ev.usage)}
+                elif isinstance(ev, Text):
+                    yield _chunk({"content": ev.text}, None, _chat_logprobs(ev.logprobs))
+                else:
+                    yield _chunk(_delta(ev))
+        finally:
+            gen.close()
+
+    # ---- completions -----------------------------------------------------------------------
     async def completions(self, request: Request) -> Response:
         body = await read_json(request)
-        if not isinstance(body.get("prompt"), str | list):
+        prompt = body.get("prompt")
+        if not isinstance(prompt, str | list):
             raise ApiError(400, "'prompt' is required: a string or array", "prompt")
-        return await self._proxy(request, body, "/v1/completions", "completion", "completions")
+        stream, include_usage = _stream_fields(body)
+        n = _n(body)
+        seed = field(body, "seed", int)
+        k = _int_in(body, "logprobs", 0, MAX_LOGPROBS)  # top k per token, or None
+        echo = field(body, "echo", bool, False)
+        prompts = _prompts(prompt) if echo else []
+        r = self.svc.resolve(model_field(body))
+        self.svc.require(r, "completion", "completions")
+        # llama.cpp streams several prompts with a `data: null` first event, which OpenAI's
+        # clients cannot parse: such streams are rebuilt too.
+        several = isinstance(prompt, list) and bool(prompt) and not isinstance(prompt[0], int)
+        if n == 1 and k is None and not echo and not (stream and several):
+            return await self._proxy(request, r, body, "/v1/completions", stream)
 
+        drop = ("n", "echo", "stream_options")
+        upstream = {key: value for key, value in body.items() if key not in drop}
+        if k is not None:
+            upstream["logprobs"] = max(k, 1)  # llama.cpp returns none at 0; the sampled token
+
+        def legacy() -> _Legacy | None:
+            return _Legacy(prompts, k, echo) if k is not None or echo else None
+
+        def whole(i: int) -> Awaitable[dict[str, Any]]:
+            payload = {**_seeded(upstream, seed, i), "stream": False}
+            return self._raw_whole(request, r, "/v1/completions", payload, legacy())
+
+        def chunks(i: int) -> AsyncIterator[dict[str, Any]]:
+            payload = _seeded(upstream, seed, i)
+            return self._raw_chunks(request, r, "/v1/completions", payload, legacy())
+
+        if stream:
+            return await self._fan_out(
+                request, r, n, chunks, "text_completion", "cmpl-", include_usage
+            )
+        return await self._merge(request, r, n, whole, "text_completion", "cmpl-")
+
+    # ---- embeddings ------------------------------------------------------------------------
     async def embeddings(self, request: Request) -> Response:
         body = await read_json(request)
         inputs = body.get("input")
         if not inputs or not isinstance(inputs, str | list):
             raise ApiError(400, "'input' is required: a string or array", "input")
-        return await self._proxy(request, body, "/v1/embeddings", "embedding", "embeddings")
-
-    async def _proxy(
-        self, request: Request, body: dict[str, Any], path: str, capability: str, what: str
-    ) -> Response:
+        dims = field(body, "dimensions", int)
+        if dims is not None and dims < 1:
+            raise ApiError(400, "'dimensions' must be a positive integer", "dimensions")
+        fmt = field(body, "encoding_format", str, "float")
+        if fmt not in ("float", "base64"):
+            raise ApiError(400, "'encoding_format' must be 'float' or 'base64'", "encoding_format")
         r = self.svc.resolve(model_field(body))
-        self.svc.require(r, capability, what)
-        stream = field(body, "stream", bool, False)
-        field(body, "stream_options", dict)
+        self.svc.require(r, "embedding", "embeddings")
+        if dims is None and (fmt == "float" or sys.byteorder == "little"):
+            # llama.cpp encodes base64 itself, from its floats in host byte order.
+            return await self._proxy(request, r, body, "/v1/embeddings", False)
+        payload = {k: v for k, v in body.items() if k not in ("dimensions", "encoding_format")}
+        data = await self._raw_whole(request, r, "/v1/embeddings", payload)
+        for item in data.get("data") or ():
+            vec = np.asarray(item["embedding"], dtype=np.float64)
+            if dims is not None and dims < vec.shape[-1]:
+                # Matryoshka truncation: the leading dimensions, scaled back to unit length.
+                vec = vec[..., :dims]
+                norm = np.linalg.norm(vec, axis=-1, keepdims=True)
+                vec = np.divide(vec, norm, out=vec, where=norm > 0)
+            f32 = vec.astype("<f4")  # little-endian float32, as OpenAI encodes base64
+            item["embedding"] = (
+                base64.b64encode(f32.tobytes()).decode() if fmt == "base64" else f32.tolist()
+            )
+        data["model"] = r.requested
+        return json_response(data)
+
+    # ---- talking to the runner ---------------------------------------------------------------
+    async def _proxy(
+        self, request: Request, r: Resolved, body: dict[str, Any], path: str, stream: bool
+    ) -> Response:
+        """The pass-through: the runner's bytes, renamed to the model the client asked for."""
         lease = await self.svc.lease(request, r, {}, None)
         try:
             resp = await self.svc.post(lease, path, body)
         except BaseException:
             lease.release()
             raise
+        # llama.cpp names the model by the runner's alias (the registry name); clients expect
+        # the name they sent. Replacing the exact `"model":"<alias>"` pair is safe: the same
+        # bytes inside generated text would be escaped (`\"model\":...`), so cannot match.
+        old, new = _model_pair(r.name), _model_pair(r.requested)
         if stream:
-            return LeasedStream(
-                resp.content.iter_any(), lease, resp, media_type="text/event-stream"
-            )
+            chunks: AsyncIterator[bytes] = resp.content.iter_any()
+            if old != new:
+                chunks = _renamed(chunks, old, new)
+            return LeasedStream(chunks, lease, resp, media_type="text/event-stream")
         try:
             data = await until_disconnect(request, resp.read())
         finally:
             resp.release()
             lease.release()
-        return Response(data, media_type="application/json")
+        return Response(data.replace(old, new), media_type="application/json")
 
+    async def _raw_whole(
+        self,
+        request: Request,
+        r: Resolved,
+        path: str,
+        payload: dict[str, Any],
+        legacy: _Legacy | None = None,
+    ) -> dict[str, Any]:
+        lease = await self.svc.lease(request, r, {}, None)
+        try:
+            if legacy is not None:
+                await legacy.prepare(self.svc, lease)
+            data: dict[str, Any] = await self.svc.post_json(lease, path, payload)
+        finally:
+            lease.release()
+        if legacy is not None:
+            legacy.whole(data)
+        return data
+
+    async def _raw_chunks(
+        self,
+        request: Request,
+        r: Resolved,
+        path: str,
+        payload: dict[str, Any],
+        legacy: _Legacy | None = None,
+    ) -> AsyncIterator[dict[str, Any]]:
+        lease = await self.svc.lease(request, r, {}, None)
+        try:
+            if legacy is not None:
+                await legacy.prepare(self.svc, lease)
+            payload = {**payload, "stream": True, "stream_options": {"include_usage": True}}
+            resp = await self.svc.post(lease, path, payload)
+            try:
+                if legacy is not None:
+                    for c in legacy.head():
+                        yield c
+                async for data in sse_events(resp, lease.runner):
+                    if not isinstance(data, dict):  # llama.cpp's `data: null` (several prompts)
+                        continue
+                    if legacy is not None:
+                        legacy.chunk(data)
+                    yield data
+            finally:
+                resp.close()  # makes llama.cpp stop generating if we stop early
+        finally:
+            lease.release()
+
+    # ---- n choices -------------------------------------------------------------------------
+    async def _merge(
+        self,
+        request: Request,
+        r: Resolved,
+        n: int,
+        whole: Callable[[int], Awaitable[dict[str, Any]]],
+        obj: str,
+        prefix: str,
+    ) -> Response:
+        """n whole answers, one choice each (one per prompt for several), as one answer."""
+        results = await until_disconnect(request, _gather([whole(i) for i in range(n)]))
+        choices, usage = [], _usage(Usage())
+        for i, res in enumerate(results):
+            for c in res.get("choices") or ():
+                c["index"] = int(c.get("index") or 0) * n + i  # prompt-major, as OpenAI orders
+                choices.append(c)
+            _add_usage(usage, res.get("usage"))
+        choices.sort(key=lambda c: c["index"])
+        out: dict[str, Any] = {"id": new_id(prefix), "object": obj, "created": int(time.time()),
+                               "model": r.requested}  # fmt: skip
+        if "system_fingerprint" in results[0]:
+            out["system_fingerprint"] = results[0]["system_fingerprint"]
+        out["choices"] = choices
+        out["usage"] = usage
+        if n == 1 and "timings" in results[0]:  # llama.cpp's extension, for one generation
+            out["timings"] = results[0]["timings"]
+        return json_response(out)
+
+    async def _fan_out(
+        self,
+        request: Request,
+        r: Resolved,
+        n: int,
+        chunks: Callable[[int], AsyncIterator[dict[str, Any]]],
+        obj: str,
+        prefix: str,
+        include_usage: bool,
+    ) -> Response:
+        """n streamed generations as one SSE stream, each chunk carrying its choice's index.
+        The first chunk is awaited before the response starts, so that a failure to start
+        (unknown tool, full queue, a runner that refuses the request) is an HTTP error."""
+        fan = _Fan([chunks(i) for i in range(n)])
+        body = _render(fan, n, obj, new_id(prefix), r.requested, include_usage)
+        try:
+            first = await until_disconnect(request, anext(body))
+        except BaseException:
+            fan.close()
+            raise
+        return _FanStream(_prepend(first, body), fan)
+
+    # ---- models ----------------------------------------------------------------------------
     def _model(self, name: str) -> dict[str, Any]:
         entry = self.svc.entry(name)
         return {
@@ -98,6 +382,370 @@ class OpenAI:
 
     async def model(self, request: Request) -> Response:
         return json_response(self._model(request.path_params["model"]))
+
+
+# ---- field checks ------------------------------------------------------------------------------
+
+
+def _stream_fields(body: dict[str, Any]) -> tuple[bool, bool]:
+    stream = field(body, "stream", bool, False)
+    opts = field(body, "stream_options", dict, {})
+    include = field(opts, "include_usage", bool, False, prefix="stream_options.")
+    return stream, include
+
+
+def _int_in(body: dict[str, Any], name: str, lo: int, hi: int) -> int | None:
+    value = field(body, name, int)
+    if value is not None and not lo <= value <= hi:
+        raise ApiError(400, f"'{name}' must be between {lo} and {hi}", name)
+    return value
+
+
+def _n(body: dict[str, Any]) -> int:
+    n = _int_in(body, "n", 1, MAX_N)
+    return 1 if n is None else n
+
+
+def _tools(body: dict[str, Any]) -> list[dict[str, Any]]:
+    tools: list[Any] = field(body, "tools", list, [])
+    for i, tool in enumerate(tools):
+        at = f"tools[{i}]"
+        if not isinstance(tool, dict):
+            raise ApiError(400, f"invalid type for '{at}': expected an object", at)
+        if tool.get("type") != "function":
+            raise ApiError(400, f"'{at}.type' must be 'function'", f"{at}.type")
+        fn = field(tool, "function", dict, prefix=f"{at}.")
+        if fn is None:
+            raise ApiError(400, f"'{at}.function' is required", f"{at}.function")
+        if not field(fn, "name", str, prefix=f"{at}.function."):
+            raise ApiError(400, f"'{at}.function.name' is required", f"{at}.function.name")
+        field(fn, "description", str, prefix=f"{at}.function.")
+        field(fn, "parameters", dict, prefix=f"{at}.function.")
+    return tools
+
+
+def _tool_choice(body: dict[str, Any], tools: list[dict[str, Any]]) -> str:
+    """`auto`, `none`, `required` or the name of the function the answer must call."""
+    value = body.get("tool_choice")
+    if value is None:
+        return "auto"
+    if isinstance(value, str):
+        if value not in ("auto", "none", "required"):
+            raise ApiError(
+                400, "'tool_choice' must be 'auto', 'none', 'required' or a function",
+                "tool_choice",
+            )  # fmt: skip
+        choice = value
+    elif isinstance(value, dict):
+        fn = value.get("function")
+        name = fn.get("name") if isinstance(fn, dict) else None
+        if value.get("type") != "function" or not isinstance(name, str) or not name:
+            raise ApiError(
+                400, "'tool_choice' must be {\"type\": \"function\", \"function\": "
+                "{\"name\": ...}} when it is an object", "tool_choice",
+            )  # fmt: skip
+        choice = name
+    else:
+        raise ApiError(400, "invalid type for 'tool_choice': expected a string or an object",
+                       "tool_choice")  # fmt: skip
+    if choice not in ("auto", "none") and not tools:
+        raise ApiError(
+            400, "'tool_choice' is only allowed when 'tools' are specified", "tool_choice"
+        )
+    return choice
+
+
+def _prompts(prompt: str | list[Any]) -> list[str | list[int]]:
+    """The prompts of a completions request (a string, strings, tokens, or token arrays)."""
+    if isinstance(prompt, str):
+        return [prompt]
+    if prompt and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
+        return [prompt]
+    out: list[str | list[int]] = []
+    for p in prompt:
+        if isinstance(p, str) or (
+            isinstance(p, list) and all(isinstance(t, int) and not isinstance(t, bool) for t in p)
+        ):
+            out.append(p)
+        else:
+            raise ApiError(
+                400, "'prompt' must be a string, an array of strings, an array of tokens or "
+                "an array of token arrays", "prompt",
+            )  # fmt: skip
+    return out
+
+
+def _seeded(params: dict[str, Any], seed: int | None, i: int) -> dict[str, Any]:
+    """Choice i's parameters: its own seed, so that seeded choices differ yet reproduce."""
+    return params if seed is None else {**params, "seed": seed + i}
+
+
+# ---- rendering -----------------------------------------------------------------------------
+
+
+def _model_pair(name: str) -> bytes:
+    return b'"model":' + orjson.dumps(name)
+
+
+async def _renamed(chunks: AsyncIterator[bytes], old: bytes, new: bytes) -> AsyncIterator[bytes]:
+    """`chunks` with `old` replaced by `new`, cut at line ends so that no pair is split."""
+    tail = b""
+    async for chunk in chunks:
+        buf = tail + chunk
+        cut = buf.rfind(b"\n") + 1
+        tail = buf[cut:]
+        if cut:
+            yield buf[:cut].replace(old, new)
+    if tail:
+        yield tail.replace(old, new)
+
+
+def _usage(u: Usage) -> dict[str, Any]:
+    return {
+        "prompt_tokens": u.prompt_tokens,
+        "completion_tokens": u.completion_tokens,
+        "total_tokens": u.prompt_tokens + u.completion_tokens,
+        "prompt_tokens_details": {"cached_tokens": u.cached_tokens},
+    }
+
+
+def _add_usage(total: dict[str, Any], u: Any) -> None:
+    if not isinstance(u, dict):
+        return
+    for key in ("prompt_tokens", "completion_tokens", "total_tokens"):
+        total[key] += int(u.get(key) or 0)
+    details = u.get("prompt_tokens_details") or {}
+    total["prompt_tokens_details"]["cached_tokens"] += int(details.get("cached_tokens") or 0)
+
+
+def _chunk(
+    delta: dict[str, Any], finish: str | None = None, logprobs: dict[str, Any] | None = None
+) -> dict[str, Any]:
+    return {"choices": [{"index": 0, "delta": delta, "logprobs": logprobs,
+                         "finish_reason": finish}]}  # fmt: skip
+
+
+def _delta(ev: Thinking | ToolCall) -> dict[str, Any]:
+    if isinstance(ev, Thinking):
+        return {"reasoning_content": ev.text}
+    call: dict[str, Any] = {"index": ev.index}
+    if ev.id:
+        call["id"] = ev.id
+        call["type"] = "function"
+    fn = {"name": ev.name, "arguments": ev.arguments} if ev.name else {"arguments": ev.arguments}
+    call["function"] = fn
+    return {"tool_calls": [call]}
+
+
+def _chat_logprobs(entries: Sequence[dict[str, Any]]) -> dict[str, Any] | None:
+    return {"content": list(entries)} if entries else None
+
+
+class _Cursor:
+    """Character offsets of tokens in the text they make up. A token can hold part of a UTF-8
+    character (llama.cpp then gives its bytes): it adds no characters until one completes."""
+
+    def __init__(self, at: int = 0) -> None:
+        self.at = at
+        self.decoder = codecs.getincrementaldecoder("utf-8")("replace")
+
+    def advance(self, data: bytes) -> int:
+        """The offset of a token with these bytes, moving past it."""
+        start = self.at
+        self.at += len(self.decoder.decode(data))
+        return start
+
+
+def _token_bytes(token: Any) -> bytes:
+    # llama.cpp gives a token that is not valid UTF-8 on its own as a list of byte values.
+    return bytes(token) if isinstance(token, list) else str(token).encode()
+
+
+class _Legacy:
+    """One generation's completions in OpenAI's legacy shape: the echoed prompt before the
+    text, and logprobs as parallel lists (tokens, token_logprobs, top_logprobs, text_offset)
+    instead of llama.cpp's chat-style `content` list.
+
+    llama.cpp cannot score prompt tokens, so an echoed prompt's tokens (as the model's
+    tokenizer splits its text) come with null token_logprobs and top_logprobs."""
+
+    def __init__(self, prompts: list[str | list[int]], k: int | None, echo: bool) -> None:
+        self.prompts = prompts
+        self.k = k
+        self.echo = echo
+        self.prefix: list[tuple[str, dict[str, Any] | None]] = []  # per prompt: text, logprobs
+        self.cursors: dict[int, _Cursor] = {}  # per prompt: where its next token starts
+
+    async def prepare(self, svc: Service, lease: Lease) -> None:
+        if not self.echo:
+            return
+        for p in self.prompts:
+            if isinstance(p, str):
+                text = p
+            else:
+                text = (await svc.post_json(lease, "/detokenize", {"tokens": p}))["content"]
+            lp = None
+            if self.k is not None:
+                toks = await svc.post_json(
+                    lease, "/tokenize", {"content": text, "with_pieces": True}
+                )
+                pieces = [_token_bytes(t.get("piece", "")) for t in toks.get("tokens") or ()]
+                cursor = _Cursor()
+                lp = {
+                    "tokens": [b.decode(errors="replace") for b in pieces],
+                    "token_logprobs": [None] * len(pieces),
+                    "top_logprobs": [None] * len(pieces),
+                    "text_offset": [cursor.advance(b) for b in pieces],
+                }
+            self.prefix.append((text, lp))
+
+    def _convert(self, choice: dict[str, Any]) -> None:
+        p = int(choice.get("index") or 0)
+        cursor = self.cursors.get(p)
+        if cursor is None:  # the generated text starts after the echoed prompt
+            start = len(self.prefix[p][0]) if p < len(self.prefix) else 0
+            cursor = self.cursors[p] = _Cursor(start)
+        lp = choice.get("logprobs")
+        content = lp.get("content") if isinstance(lp, dict) else None
+        if self.k is not None and content is not None:
+            out: dict[str, list[Any]] = {
+                "tokens": [], "token_logprobs": [], "top_logprobs": [], "text_offset": [],
+            }  # fmt: skip
+            for t in content:
+                token = str(t.get("token", ""))
+                top = {
+                    str(x.get("token", "")): x.get("logprob")
+                    for x in (t.get("top_logprobs") or ())[: self.k]
+                }
+                top.setdefault(token, t.get("logprob"))  # OpenAI: the top k plus the sampled
+                out["tokens"].append(token)
+                out["token_logprobs"].append(t.get("logprob"))
+                out["top_logprobs"].append(top)
+                out["text_offset"].append(cursor.advance(_token_bytes(t.get("bytes", token))))
+            choice["logprobs"] = out
+        else:
+            choice["logprobs"] = None
+        choice["text"] = str(choice.get("text") or "")
+
+    def whole(self, data: dict[str, Any]) -> None:
+        for choice in data.get("choices") or ():
+            p = int(choice.get("index") or 0)
+            self._convert(choice)
+            if self.echo and p < len(self.prefix):
+                text, plp = self.prefix[p]
+                choice["text"] = text + choice["text"]
+                lp = choice.get("logprobs")
+                if plp is not None:
+                    lp = lp or {key: [] for key in plp}
+                    choice["logprobs"] = {key: plp[key] + lp[key] for key in plp}
+
+    def head(self) -> list[dict[str, Any]]:
+        """Streamed: one chunk per prompt with the echoed prompt, before the generated text."""
+        return [
+            {"choices": [{"text": text, "index": p, "logprobs": lp, "finish_reason": None}]}
+            for p, (text, lp) in enumerate(self.prefix)
+        ]
+
+    def chunk(self, data: dict[str, Any]) -> None:
+        for choice in data.get("choices") or ():
+            self._convert(choice)
+
+
+class _Fan:
+    """n chunk sources pumped concurrently into one queue, tagged with their choice index."""
+
+    def __init__(self, sources: list[AsyncIterator[dict[str, Any]]]) -> None:
+        self.n = len(sources)
+        self.queue: asyncio.Queue[tuple[int, dict[str, Any] | BaseException | None]] = (
+            asyncio.Queue()
+        )
+        self.tasks = [asyncio.ensure_future(self._pump(i, s)) for i, s in enumerate(sources)]
+
+    async def _pump(self, i: int, source: AsyncIterator[dict[str, Any]]) -> None:
+        try:
+            async for chunk in source:
+                self.queue.put_nowait((i, chunk))
+        except Exception as e:  # handed to the reader, which reports it
+            self.queue.put_nowait((i, e))
+        else:
+            self.queue.put_nowait((i, None))
+
+    async def __aiter__(self) -> AsyncIterator[tuple[int, dict[str, Any]]]:
+        left = self.n
+        while left:
+            i, item = await self.queue.get()
+            if item is None:
+                left -= 1
+            elif isinstance(item, BaseException):
+                raise item
+            else:
+                yield i, item
+
+    def close(self) -> None:
+        """Stop every generation: their leases go back and the runner stops generating."""
+        for t in self.tasks:
+            t.cancel()
+
+
+async def _render(
+    fan: _Fan, n: int, obj: str, ident: str, model: str, include_usage: bool
+) -> AsyncIterator[bytes]:
+    """The merged SSE stream. An error before the first chunk is raised (an HTTP error);
+    after it, it is reported in the stream as OpenAI does."""
+    created = int(time.time())
+    usage = _usage(Usage())
+    sent = False
+    try:
+        async for i, chunk in fan:
+            _add_usage(usage, chunk.pop("usage", None))
+            choices = chunk.get("choices")
+            if not choices:
+                continue
+            for c in choices:
+                c["index"] = int(c.get("index") or 0) * n + i
+            chunk.update(id=ident, object=obj, created=created, model=model)
+            sent = True
+            yield b"data: " + orjson.dumps(chunk) + b"\n\n"
+    except ApiError as e:
+        if not sent:
+            raise
+        yield b"data: " + orjson.dumps({"error": _error_body(e)}) + b"\n\n"
+        return
+    if include_usage:
+        last = {"id": ident, "object": obj, "created": created, "model": model,
+                "choices": [], "usage": usage}  # fmt: skip
+        yield b"data: " + orjson.dumps(last) + b"\n\n"
+    yield b"data: [DONE]\n\n"
+
+
+async def _prepend(first: bytes, rest: AsyncIterator[bytes]) -> AsyncIterator[bytes]:
+    yield first
+    async for chunk in rest:
+        yield chunk
+
+
+class _FanStream(StreamingResponse):
+    """Streams a fan-out; every generation is stopped however the response ends."""
+
+    def __init__(self, body: AsyncIterator[bytes], fan: _Fan) -> None:
+        super().__init__(body, media_type="text/event-stream")
+        self.fan = fan
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            self.fan.close()
+
+
+async def _gather(aws: list[Awaitable[T]]) -> list[T]:
+    """All results; the first failure (or cancellation) stops the rest."""
+    tasks = [asyncio.ensure_future(a) for a in aws]
+    try:
+        return list(await asyncio.gather(*tasks))
+    finally:
+        for t in tasks:
+            t.cancel()
 
 
 class Router:
@@ -132,9 +780,9 @@ class Router:
 
     async def unload(self, request: Request) -> Response:
         body = await read_json(request)
-        entry = self.svc.entry(model_field(body))
-        if not self.svc.scheduler.unload(entry.name):
-            raise ApiError(400, f"model '{entry.name}' is not loaded", "model")
+        name = model_field(body)
+        if not self.svc.unload(name):
+            raise ApiError(400, f"model '{name}' is not loaded", "model")
         return json_response({"success": True})
 
 

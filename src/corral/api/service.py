@@ -27,7 +27,7 @@ from corral.core.estimate import Estimate, check_kv_cache_type, estimate
 from corral.core.gguf import GGUFError, ModelInfo, read_model_info
 from corral.core.placement import ModelNeed, Placement, place
 from corral.core.spec import Layout, RunnerSpec
-from corral.runtime.registry import ModelEntry, Registry
+from corral.runtime.registry import ModelEntry, Registry, canonical_name
 from corral.runtime.runner import Runner
 from corral.runtime.scheduler import Lease, Scheduler, SchedulerError
 
@@ -87,6 +87,15 @@ class Service:
         except GGUFError as e:
             raise ApiError(500, f"model '{name}' cannot be loaded: {e}") from None
         return Resolved(name, entry, info)
+
+    def unload(self, name: str) -> bool:
+        """Unload a model by name: a model on disk, or a loaded one whose file is gone (the
+        scheduler still knows it). False if it was not loaded; 404 if it is neither."""
+        loaded = {canonical_name(b.model): b.model for b, _ in self.scheduler.snapshot()}
+        model = loaded.get(canonical_name(name))
+        if model is None:
+            model = self.entry(name).name
+        return self.scheduler.unload(model)
 
     def require(self, r: Resolved, capability: str, what: str) -> None:
         if capability not in r.info.capabilities:
