@@ -15,10 +15,11 @@ a well-formed call.
 
 from __future__ import annotations
 
+import asyncio
 import re
 import time
 import uuid
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass, field, replace
 from typing import Any
 
@@ -136,7 +137,7 @@ class Generation:
         upstream: aiohttp.ClientResponse,
         mode: str,
         stop: list[str],
-        explain: Callable[[], Any],
+        explain: Callable[[], Awaitable[str]],
     ) -> None:
         self.lease = lease
         self.upstream = upstream
@@ -151,18 +152,8 @@ class Generation:
         self.upstream.close()
         self.lease.release()
 
-    async def _sse(self) -> AsyncIterator[dict[str, Any]]:
-        try:
-            async for line in self.upstream.content:
-                if line.startswith(b"data: "):
-                    data = line[6:].strip()
-                    if data == b"[DONE]":
-                        return
-                    yield orjson.loads(data)
-                elif line.startswith(b"error: "):
-                    raise ApiError(500, runner_error_message(line[7:], 500))
-        except (aiohttp.ClientError, OSError):
-            raise ApiError(500, await self.explain()) from None
+    def _sse(self) -> AsyncIterator[dict[str, Any]]:
+        return sse_events(self.upstream, self.explain)
 
     async def events(self) -> AsyncIterator[Event]:
         if self.mode != "chat":
@@ -321,6 +312,24 @@ def _usage(ev: dict[str, Any]) -> Usage:
         prompt, completion, int(t.get("cache_n", 0)),
         float(t.get("prompt_ms", 0.0)), float(t.get("predicted_ms", 0.0)),
     )  # fmt: skip
+
+
+async def sse_events(
+    resp: aiohttp.ClientResponse, explain: Callable[[], Awaitable[str]]
+) -> AsyncIterator[dict[str, Any]]:
+    """The JSON objects of a llama.cpp SSE stream; ApiError if the runner fails mid-stream
+    (`explain` says why: its exit status and last log lines)."""
+    try:
+        async for line in resp.content:
+            if line.startswith(b"data: "):
+                data = line[6:].strip()
+                if data == b"[DONE]":
+                    return
+                yield orjson.loads(data)
+            elif line.startswith(b"error: "):
+                raise ApiError(500, runner_error_message(line[7:], 500))
+    except (aiohttp.ClientError, OSError, asyncio.IncompleteReadError):
+        raise ApiError(500, await explain()) from None
 
 
 class StopScanner:

@@ -20,6 +20,7 @@ import codecs
 import sys
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
+from functools import partial
 from typing import Any, TypeVar
 
 import numpy as np
@@ -30,8 +31,23 @@ from starlette.routing import Route
 from starlette.types import Receive, Scope, Send
 
 from corral.api.common import ApiError, field, model_field, read_json
-from corral.api.events import Chat, Done, Text, Thinking, ToolCall, Usage, new_id
-from corral.api.service import Resolved, Service, has_images, sse_events, until_disconnect
+from corral.api.events import (
+    Chat,
+    Done,
+    Text,
+    Thinking,
+    ToolCall,
+    Usage,
+    new_id,
+    sse_events,
+)
+from corral.api.service import (
+    Resolved,
+    Service,
+    explain_failure,
+    has_images,
+    until_disconnect,
+)
 from corral.api.stream import LeasedStream, json_response
 from corral.runtime.scheduler import Lease
 
@@ -304,7 +320,7 @@ class OpenAI:
                 if legacy is not None:
                     for c in legacy.head():
                         yield c
-                async for data in sse_events(resp, lease.runner):
+                async for data in sse_events(resp, partial(explain_failure, lease.runner)):
                     if not isinstance(data, dict):  # llama.cpp's `data: null` (several prompts)
                         continue
                     if legacy is not None:

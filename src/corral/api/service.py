@@ -10,8 +10,9 @@ import asyncio
 import contextlib
 import hashlib
 import logging
-from collections.abc import AsyncIterator, Awaitable, Mapping
+from collections.abc import Awaitable, Mapping
 from dataclasses import dataclass
+from functools import partial
 from typing import Any, TypeVar
 
 import aiohttp
@@ -344,10 +345,7 @@ class Service:
     ) -> Generation:
         resp = await self.post(lease, path, {**payload, "stream": True})
 
-        async def explain() -> str:
-            return await explain_failure(lease.runner)
-
-        return Generation(lease, resp, mode, stop or [], explain)
+        return Generation(lease, resp, mode, stop or [], partial(explain_failure, lease.runner))
 
 
 # llama.cpp's default physical batch (n_ubatch): the most tokens one embedding input may have.
@@ -400,21 +398,6 @@ def launch_layout(p: Placement, devices: list[Device]) -> Layout:
     if p.main_gpu is not None:
         main = next((i for i, d in enumerate(used) if d.index == p.main_gpu), 0)
     return Layout(p.n_gpu_layers, split, main, tuple(env))
-
-
-async def sse_events(resp: aiohttp.ClientResponse, runner: Runner) -> AsyncIterator[dict[str, Any]]:
-    """The JSON objects of a llama.cpp SSE stream; ApiError if the runner dies mid-stream."""
-    try:
-        async for line in resp.content:
-            if line.startswith(b"data: "):
-                data = line[6:].strip()
-                if data == b"[DONE]":
-                    return
-                yield orjson.loads(data)
-            elif line.startswith(b"error: "):
-                raise ApiError(500, runner_error_message(line[7:], 500))
-    except (aiohttp.ClientError, OSError, asyncio.IncompleteReadError):
-        raise ApiError(500, await explain_failure(runner)) from None
 
 
 async def explain_failure(runner: Runner, wait: float = 2.0) -> str:
