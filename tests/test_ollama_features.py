@@ -113,7 +113,11 @@ def test_generate_details(client: ollama.Client, server) -> None:
     with pytest.raises(ollama.ResponseError) as e:
         client.generate(model=SMOL, prompt="def f(", suffix="return 1")
     assert e.value.status_code == 400 and "does not support insert" in e.value.error
-    r = client.generate(model=SMOL, prompt="Hi", options={"num_predict": 3, "temperature": 0})
+    plain = client.generate(model=SMOL, prompt="Hi", options={"num_predict": 3})
+    assert plain.context is None  # opt-in: it costs runner calls
+    r = client.generate(
+        model=SMOL, prompt="Hi", context=[], options={"num_predict": 3, "temperature": 0}
+    )
     assert r.context and all(isinstance(t, int) for t in r.context)
     again = client.generate(
         model=SMOL, prompt="And again?", context=r.context, options={"num_predict": 3}

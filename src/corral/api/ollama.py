@@ -9,12 +9,13 @@ events become NDJSON chunks.
 
 from __future__ import annotations
 
+import asyncio
 import base64
 import binascii
 import math
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
-from typing import Any
+from typing import Any, TypeVar
 
 import orjson
 from starlette.requests import Request
@@ -35,6 +36,8 @@ from corral.api.events import Chat, Event, Generation, Text, Thinking, ToolCall
 from corral.api.service import Resolved, Service, until_disconnect
 from corral.api.stream import json_response
 from corral.config import ConfigError, parse_duration
+
+T = TypeVar("T")
 
 # Ollama option -> llama.cpp sampling parameter (both endpoints accept llama.cpp's names).
 SAMPLING = {
@@ -146,10 +149,16 @@ class Ollama:
                 request, r, chat, options, keep_alive, stop, prefix=context
             )
 
-            async def context_of(answer: str) -> list[int]:
-                # Ollama's `context`: the conversation's token ids, for the client to send back
-                prompt = await self.svc.prompt_tokens(gen.lease, chat)
-                return [*context, *prompt, *await self.svc.tokenize(gen.lease, answer)]
+            context_of = None
+            if "context" in body:
+                # Ollama's `context` (deprecated there): the conversation's token ids, for the
+                # client to send back. It costs runner calls, so only a client that sends one
+                # (`[]` to start) gets it back; the prompt's are counted during generation.
+                prompt_ids = background(self.svc.prompt_tokens(gen.lease, chat))
+
+                async def context_of(answer: str) -> list[int]:
+                    answer_ids = await self.svc.tokenize(gen.lease, answer) if answer else []
+                    return [*context, *await prompt_ids, *answer_ids]
 
         return await respond(
             request, stream, gen, r.requested, "response", start, top, context_of
@@ -455,6 +464,13 @@ def truncate(vec: list[float], dims: int | None) -> list[float]:
     cut = vec[:dims]
     norm = math.sqrt(sum(x * x for x in cut)) or 1.0
     return [x / norm for x in cut]
+
+
+def background(work: Awaitable[T]) -> asyncio.Future[T]:
+    """Start `work` now; a failure nobody awaits (the answer ended first) is not reported."""
+    fut = asyncio.ensure_future(work)
+    fut.add_done_callback(lambda f: f.cancelled() or f.exception())
+    return fut
 
 
 # ---- rendering -----------------------------------------------------------------------------
