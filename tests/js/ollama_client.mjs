@@ -84,6 +84,7 @@ const scenarios = {
     const r = await ollama.generate({
       model: SMOL,
       prompt: 'The capital of France is',
+      context: [], // corral sends `context` back to requests that carry one
       options: { ...GREEDY, num_predict: 6 },
     })
     return { ...final(r), response: r.response, context_length: (r.context || []).length }
