@@ -45,6 +45,7 @@ class Harness:
         self.outcome: dict[int, str] = {}  # request id -> "granted" | "failed" | "cancelled"
         self.pending: set[int] = set()
         self.active: set[int] = set()  # granted, not yet released
+        self.measured = False  # a runner was measured above its booking
 
     def apply(self) -> None:
         for a in self.core.drain():
@@ -66,8 +67,21 @@ class Harness:
 
     def check(self) -> None:
         c = self.core
-        for dev, used in c.used().items():
-            assert used <= c.budgets[dev], "memory over-committed"
+        over = c.over_budget()
+        if over:
+            # Only a measure above a booking can put the books over budget, and then, unless
+            # runners on their way out will bring them back, every idle runner that holds
+            # memory there is on its way out too.
+            assert self.measured, "memory over-committed"
+            leaving = {d: 0 for d in over}
+            for r in c.runners.values():
+                if r.state == "unloading":
+                    for d in over:
+                        leaving[d] += r.devices.get(d, 0)
+            short = [d for d, n in over.items() if leaving[d] < n]
+            for r in c.runners.values():
+                if r.state == "ready" and r.inflight == 0 and not r.pinned:
+                    assert not any(r.devices.get(d) for d in short), "idle runner kept over budget"
         if c.max_loaded:
             assert len(c.runners) <= c.max_loaded
         assert sum(r.inflight for r in c.runners.values()) == len(c.granted)
@@ -83,6 +97,8 @@ class Harness:
             r = c.current(q.model)
             if r is not None and r.state == "ready" and not r.draining:
                 compatible = all(getattr(r.spec, f) == getattr(q.spec, f) for f in q.explicit)
+                if "n_ctx" not in q.explicit and r.spec.n_ctx < q.spec.n_ctx:
+                    compatible = False  # a plain request needs at least the default context
                 if compatible and r.inflight < r.spec.num_parallel:
                     # only a runner a starving load needs may hold back later requests
                     assert starving is not None and starving.arrived < q.arrived, "HOL"
@@ -137,6 +153,12 @@ class Harness:
             self.release(q)
         self.apply()
 
+    def observe(self, runner: int, extra: int) -> None:
+        r = self.core.runners[runner]
+        self.measured = self.measured or r.state == "ready"
+        self.core.observed(runner, self.now, {"cpu": r.devices.get("cpu", 0) + extra})
+        self.apply()
+
     def advance(self, dt: float) -> None:
         self.now += dt
         self.core.tick(self.now)
@@ -164,7 +186,7 @@ ops = st.lists(
         st.tuples(
             st.just("req"),
             st.sampled_from(sorted(MODELS)),
-            st.sampled_from([None, None, 1024, 2048]),
+            st.sampled_from([None, None, 512, 1024, 2048]),
             st.sampled_from([None, 0.0, 2.0, math.inf]),
         ),
         st.tuples(st.just("release"), st.integers(0, 50)),
@@ -173,6 +195,7 @@ ops = st.lists(
         st.tuples(st.just("exit"), st.integers(0, 20)),
         st.tuples(st.just("crash"), st.integers(0, 20)),
         st.tuples(st.just("tick"), st.floats(0.0, 10.0)),
+        st.tuples(st.just("grow"), st.integers(0, 20), st.integers(1, 600)),
     ),
     max_size=60,
 )
@@ -206,6 +229,8 @@ def test_random_event_sequences_keep_the_invariants(ops, policy: str, max_loaded
                 h.exit(ready[op[1] % len(ready)])
         elif kind == "tick":
             h.advance(op[1])
+        elif kind == "grow" and runners:
+            h.observe(runners[op[1] % len(runners)], op[2])
     h.settle()
     assert h.core.loads <= h.next_id, "more loads than requests: a reload loop"
     for rid in range(1, h.next_id):
@@ -325,6 +350,26 @@ def test_two_waiting_requests_with_different_options_are_both_served_one_load_ea
     assert h.core.loads == 2
 
 
+def test_a_plain_request_is_not_served_by_a_runner_another_client_shrank() -> None:
+    h = Harness()
+    small = h.request("a", ctx=512)  # below the default (1024) context
+    h.finish_load(1)
+    plain = h.request("a")  # sets no context: needs the default, so the runner reloads
+    assert plain in h.pending and h.core.runners[1].draining
+    h.release(small)
+    h.exit(1)
+    h.finish_load(2)
+    assert h.outcome[plain] == "granted" and h.core.runners[2].spec.n_ctx == 1024
+    h.release(plain)
+    big = h.request("a", ctx=2048)
+    h.exit(2)
+    h.finish_load(3)
+    assert h.outcome[big] == "granted"
+    h.release(big)
+    again = h.request("a")  # a larger context serves a plain request as it is: no reload
+    assert h.outcome[again] == "granted" and h.core.loads == 3
+
+
 def test_alternating_options_while_loading_do_not_reload_forever() -> None:
     h = Harness()
     ids = [h.request("a", ctx=c) for c in (1024, 2048, 1024)]
@@ -391,3 +436,33 @@ def test_a_starving_load_holds_back_only_the_runners_it_needs() -> None:
     c2 = h.request("c")  # c is b's victim: later requests for it wait behind b
     assert c2 in h.pending and h.core.runners[2].state == "unloading"
     assert b in h.pending
+
+
+def test_measured_memory_over_the_budget_evicts_idle_runners_never_serving_ones() -> None:
+    h = Harness("lru", budget=1000)
+    a = h.request("a")  # 300
+    h.finish_load(1)
+    b = h.request("b")  # 500
+    h.finish_load(2)
+    h.release(a)  # a idle, b serving
+    h.observe(2, 400)  # b really holds 900: 1200 booked
+    stops = [r for r in h.core.runners.values() if r.state == "unloading"]
+    assert [r.model for r in stops] == ["a"]
+    assert h.core.runners[2].devices["cpu"] == 900 and h.core.runners[2].state == "ready"
+    h.exit(1)
+    assert not h.core.over_budget()
+    h.observe(2, 200)  # 1100 now, but b serves: nothing to stop, the books say so
+    assert h.core.over_budget() == {"cpu": 100}
+    assert all(r.state == "ready" for r in h.core.runners.values())
+    h.release(b)
+
+
+def test_a_measure_below_the_booking_or_of_a_loading_runner_changes_nothing() -> None:
+    h = Harness("lru", budget=1000)
+    h.request("a")
+    before = dict(h.core.runners[1].devices)
+    h.core.observed(1, h.now, {"cpu": 10_000})  # still loading: its estimate stands
+    assert h.core.runners[1].devices == before
+    h.finish_load(1)
+    h.core.observed(1, h.now, {"cpu": 1})
+    assert h.core.runners[1].devices == before

@@ -134,6 +134,11 @@ QUEUE_FULL_MESSAGE = "server busy, please try again.  maximum pending requests e
 
 
 def compatible(spec: RunnerSpec, req: Request) -> bool:
+    """Whether a runner with `spec` may serve `req`: the fields the request set must match;
+    a request that set no context needs at least its default one, so that it is never served
+    by a runner another client shrank (a larger one serves it without a reload)."""
+    if "n_ctx" not in req.explicit and spec.n_ctx < req.spec.n_ctx:
+        return False
     return all(getattr(spec, f) == getattr(req.spec, f) for f in req.explicit)
 
 
@@ -260,6 +265,56 @@ class Core:
                 del self.granted[req]
         self._pump(now)
 
+    def dying(self, runner_id: int, now: float) -> None:
+        """The shell is killing the runner (it stopped responding, or watching it failed):
+        grant it nothing more, load a new one for whoever asks; its memory stays booked until
+        `exited`."""
+        r = self.runners.get(runner_id)
+        if r is not None and r.state != "unloading":
+            r.state = "unloading"
+        self._pump(now)
+
+    def observed(self, runner_id: int, now: float, devices: Mapping[str, int]) -> None:
+        """What a ready runner was measured to hold (its proportional set size, its GPU memory
+        as the driver reports it). A booking below the measure grows to it, so the books follow
+        the machine; if that puts a device over its budget, idle runners are stopped in the
+        policy's order until it fits again, never one that is serving. Loading runners keep
+        their estimate: their use is still growing."""
+        r = self.runners.get(runner_id)
+        if r is None or r.state != "ready":
+            return
+        for dev, n in devices.items():
+            r.devices[dev] = max(n, r.devices.get(dev, 0))
+        self._pump(now)
+
+    def over_budget(self) -> dict[str, int]:
+        """Bytes booked beyond each device's budget (only after measures grew bookings)."""
+        return {d: -f for d, f in self.free().items() if f < 0}
+
+    def _shed(self, now: float) -> None:
+        over = self.over_budget()
+        if not over:
+            return
+        stopping = [r for r in self.runners.values() if r.state == "unloading"]
+        idle = {
+            r.id: r
+            for r in self.runners.values()
+            if r.state == "ready" and r.inflight == 0 and not r.pinned
+        }
+        snap = Snapshot(now=now, need=sum(over.values()),
+                        waiting_models=frozenset(q.model for q in self.queue))  # fmt: skip
+        cands = [_candidate(r, self.heat(r.model)) for r in idle.values()]
+        victims: list[RunnerBook] = []
+        for rid in self.policy(cands, snap):
+            freed = _sum_devices(stopping + victims)
+            if all(freed.get(d, 0) >= n for d, n in over.items()):
+                break
+            if rid in idle and any(idle[rid].devices.get(d, 0) for d in over):
+                victims.append(idle[rid])
+        for v in victims:
+            self.evictions += 1
+            self._stop(v, "evicted: measured memory is over the budget")
+
     def unload(self, model: str, now: float) -> bool:
         """Unload a model as soon as it is idle (keep_alive 0, `corral stop`, router unload)."""
         found = False
@@ -329,6 +384,7 @@ class Core:
                 break
         self._pass(now, loads=False, cutoff=cutoff, held=held)
         self._pass(now, loads=True, cutoff=cutoff, held=held)
+        self._shed(now)  # after the grants: a runner someone waits for is not shed
 
     def _pass(self, now: float, loads: bool, cutoff: float, held: set[int]) -> None:
         load_blocked = not loads
