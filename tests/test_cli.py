@@ -306,6 +306,7 @@ def test_serve_maps_every_flag(fake_serve: list[dict[str, str]]) -> None:
         "CORRAL_LOAD_TIMEOUT",
         "CORRAL_MAX_LOADED_MODELS",
         "CORRAL_MAX_QUEUE",
+        "CORRAL_RUNNER_STALL_TIMEOUT",
         "CORRAL_MEMORY_MARGIN",
         "CORRAL_MEMORY_LIMIT",
         "CORRAL_LLAMA_SERVER",

@@ -132,6 +132,11 @@ def _kv_type(text: str) -> str:
     return name
 
 
+def _stall_timeout(text: str) -> float:
+    seconds = parse_duration(text, "CORRAL_RUNNER_STALL_TIMEOUT")
+    return FOREVER if seconds == 0 else seconds  # 0, like a negative value, turns it off
+
+
 def _int(name: str, text: str, minimum: int = 0) -> int:
     try:
         value = int(text)
@@ -153,6 +158,7 @@ DEFAULTS: dict[str, str] = {
     "CORRAL_MAX_LOADED_MODELS": "0",
     "CORRAL_MAX_QUEUE": "512",
     "CORRAL_QUEUE_TIMEOUT": "10m",
+    "CORRAL_RUNNER_STALL_TIMEOUT": "30s",
     "CORRAL_MEMORY_MARGIN": "1GiB",
     "CORRAL_MEMORY_LIMIT": "",
     "CORRAL_LLAMA_SERVER": "",
@@ -175,6 +181,8 @@ class Settings:
     max_loaded_models: int  # 0 = memory decides
     max_queue: int
     queue_timeout: float  # the longest a request waits for a slot or a load
+    # a serving runner that does not answer its /health for this long is killed; inf = never
+    runner_stall_timeout: float
     memory_margin: int
     memory_limit: int | None
     llama_server: str | None  # path to a llama-server binary; None = xllamacpp in a child process
@@ -206,6 +214,7 @@ class Settings:
             max_loaded_models=_int("CORRAL_MAX_LOADED_MODELS", raw["CORRAL_MAX_LOADED_MODELS"]),
             max_queue=_int("CORRAL_MAX_QUEUE", raw["CORRAL_MAX_QUEUE"], 1),
             queue_timeout=parse_duration(raw["CORRAL_QUEUE_TIMEOUT"], "CORRAL_QUEUE_TIMEOUT"),
+            runner_stall_timeout=_stall_timeout(raw["CORRAL_RUNNER_STALL_TIMEOUT"]),
             memory_margin=parse_size(raw["CORRAL_MEMORY_MARGIN"], "CORRAL_MEMORY_MARGIN"),
             memory_limit=parse_size(limit, "CORRAL_MEMORY_LIMIT") if limit else None,
             llama_server=raw["CORRAL_LLAMA_SERVER"].strip() or None,

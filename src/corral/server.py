@@ -2,17 +2,22 @@
 
 from __future__ import annotations
 
+import asyncio
 import atexit
 import contextlib
 import logging
+import socket
 from collections.abc import AsyncIterator, Mapping
+from types import FrameType
 
 import uvicorn
 from starlette.applications import Starlette
 from starlette.exceptions import HTTPException
+from starlette.middleware import Middleware
 from starlette.requests import Request
 from starlette.responses import Response
 from starlette.routing import Route
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 import corral
 from corral.api.anthropic import Anthropic, anthropic_error
@@ -41,6 +46,37 @@ def error_response(request: Request, e: ApiError) -> Response:
     return json_response({"error": e.message}, e.status)
 
 
+class Unhandled:
+    """The last line of defence: an exception no handler expected becomes a 500 in the
+    family's shape and the connection stays open for the client's next request. (Starlette's
+    handler for Exception answers and then re-raises, and uvicorn then closes the keep-alive
+    connection under the client.)"""
+
+    def __init__(self, app: ASGIApp) -> None:
+        self.app = app
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        started = False
+
+        async def watch(message: Message) -> None:
+            nonlocal started
+            started = started or message["type"] == "http.response.start"
+            await send(message)
+
+        try:
+            await self.app(scope, receive, watch)
+        except Exception as exc:
+            if started:  # a response half sent: only closing the connection can say so
+                raise
+            request = Request(scope)
+            log.exception("unexpected error on %s %s", request.method, request.url.path)
+            err = ApiError(500, f"internal error: {type(exc).__name__}")
+            await error_response(request, err)(scope, receive, send)
+
+
 def create_app(settings: Settings, devices: list[Device] | None = None) -> Starlette:
     """The app; `devices` defaults to what this machine has (tests may pass a fake set)."""
     devices = discover() if devices is None else devices
@@ -56,6 +92,7 @@ def create_app(settings: Settings, devices: list[Device] | None = None) -> Starl
         policy=settings.eviction_policy,
         devices=devices,
         refresh=refresh,
+        stall_timeout=settings.runner_stall_timeout,
     )
     service = Service(settings, registry, scheduler, devices)
     atexit.register(scheduler.kill_all)  # last resort if the loop dies without a clean stop
@@ -70,10 +107,6 @@ def create_app(settings: Settings, devices: list[Device] | None = None) -> Starl
         assert isinstance(exc, HTTPException)
         msg = "not found" if exc.status_code == 404 else str(exc.detail)
         return error_response(request, ApiError(exc.status_code, msg))
-
-    async def internal_error(request: Request, exc: Exception) -> Response:
-        log.exception("unexpected error on %s %s", request.method, request.url.path)
-        return error_response(request, ApiError(500, f"internal error: {type(exc).__name__}"))
 
     async def root(request: Request) -> Response:
         return Response("corral is running", media_type="text/plain")
@@ -106,14 +139,32 @@ def create_app(settings: Settings, devices: list[Device] | None = None) -> Starl
     app = Starlette(
         routes=routes,
         lifespan=lifespan,
-        exception_handlers={
-            ApiError: api_error,
-            HTTPException: http_error,
-            Exception: internal_error,
-        },
+        exception_handlers={ApiError: api_error, HTTPException: http_error},
+        middleware=[Middleware(Unhandled)],
     )
     app.state.service = service
+    app.state.scheduler = scheduler
     return app
+
+
+class _Server(uvicorn.Server):
+    """uvicorn's server, telling the scheduler the moment a stop signal arrives: waiting
+    requests get 503, loading runners die and streams end with an error, so the connections
+    uvicorn then waits for close at once instead of after its graceful timeout."""
+
+    def __init__(self, config: uvicorn.Config, scheduler: Scheduler) -> None:
+        super().__init__(config)
+        self.scheduler = scheduler
+        self.loop: asyncio.AbstractEventLoop | None = None
+
+    async def serve(self, sockets: list[socket.socket] | None = None) -> None:
+        self.loop = asyncio.get_running_loop()
+        await super().serve(sockets)
+
+    def handle_exit(self, sig: int, frame: FrameType | None) -> None:
+        super().handle_exit(sig, frame)
+        if self.loop is not None and not self.loop.is_closed():
+            self.loop.call_soon_threadsafe(self.scheduler.begin_shutdown)
 
 
 def serve(overrides: Mapping[str, str] | None = None) -> None:
@@ -133,4 +184,5 @@ def serve(overrides: Mapping[str, str] | None = None) -> None:
         access_log=settings.log_level == "debug", timeout_graceful_shutdown=5,
     )  # fmt: skip
     with contextlib.suppress(KeyboardInterrupt):
-        uvicorn.Server(config).run()  # picks uvloop and httptools when installed
+        # picks uvloop and httptools when installed
+        _Server(config, app.state.scheduler).run()

@@ -328,7 +328,9 @@ async def sse_events(
                 yield orjson.loads(data)
             elif line.startswith(b"error: "):
                 raise ApiError(500, runner_error_message(line[7:], 500))
-    except (aiohttp.ClientError, OSError, asyncio.IncompleteReadError):
+    # aiohttp raises a bare RuntimeError ("Connection closed.") when the runner's session is
+    # closed under a stream (the runner died or was killed): the same failure, explained alike.
+    except (aiohttp.ClientError, OSError, asyncio.IncompleteReadError, RuntimeError):
         raise ApiError(500, await explain()) from None
 
 

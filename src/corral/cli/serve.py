@@ -19,6 +19,7 @@ SERVE_FLAGS: dict[str, tuple[str, str, str]] = {
     "--load-timeout": ("CORRAL_LOAD_TIMEOUT", "DURATION", "give up loading a model after this"),
     "--max-loaded-models": ("CORRAL_MAX_LOADED_MODELS", "N", "most models loaded (0: by memory)"),
     "--max-queue": ("CORRAL_MAX_QUEUE", "N", "most requests waiting for a model"),
+    "--stall-timeout": ("CORRAL_RUNNER_STALL_TIMEOUT", "DURATION", "kill a hung runner after this"),
     "--memory-margin": ("CORRAL_MEMORY_MARGIN", "SIZE", "memory to leave free, e.g. 1GiB"),
     "--memory-limit": ("CORRAL_MEMORY_LIMIT", "SIZE", "most memory for loaded models"),
     "--llama-server": ("CORRAL_LLAMA_SERVER", "PATH", "run models with this llama-server binary"),

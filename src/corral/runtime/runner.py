@@ -24,6 +24,7 @@ from dataclasses import asdict
 from typing import Any
 
 import aiohttp
+import psutil
 
 from corral.core.memreport import Allocation, AllocationParser
 from corral.core.spec import Layout, RunnerSpec
@@ -36,10 +37,6 @@ MAX_LINE = 4096  # characters of one log line kept; the rest is drained and drop
 
 class RunnerError(Exception):
     """The runner failed to start or died; the message quotes the end of its log."""
-
-
-
-
 
 
 class Runner:
@@ -64,6 +61,8 @@ class Runner:
         self._ready: asyncio.Future[str] | None = None
         self.exit_code: int | None = None
         self.stopping = False
+        self.stalled: float | None = None  # seconds it did not answer before the watchdog killed it
+        self.shutting_down = False  # stopped because the server is exiting
         # llama.cpp's own account of its buffers, read from the load log (see memreport).
         self._alloc = AllocationParser()
         self._load_logged = asyncio.Event()
@@ -84,6 +83,13 @@ class Runner:
         return "\n".join(lines[-n:])
 
     def failure_message(self) -> str:
+        if self.stalled is not None:
+            return (
+                f"runner for model '{self.name}' stopped responding for {self.stalled:g}s"
+                " and was killed"
+            )
+        if self.shutting_down:
+            return "server is shutting down"
         if self.exit_code is None:
             what = "stopped responding"
         elif self.exit_code < 0:
@@ -257,21 +263,72 @@ class Runner:
     async def stop(self, grace: float = 3.0) -> None:
         """Ask the runner to exit (close stdin, SIGTERM), SIGKILL after `grace` seconds."""
         self.stopping = True
+        proc = self.proc
+        if proc is not None and proc.returncode is None:
+            with contextlib.suppress(ProcessLookupError, OSError):
+                if proc.stdin:
+                    proc.stdin.close()
+                proc.send_signal(signal.SIGTERM)
+            try:
+                await asyncio.wait_for(proc.wait(), grace)
+            except asyncio.TimeoutError:
+                with contextlib.suppress(ProcessLookupError):
+                    proc.kill()
+                await proc.wait()
+        # Only now: closing our end first would leave a stream still reading from it (at
+        # server shutdown) with aiohttp's bare RuntimeError instead of a broken response.
         if self.session is not None:
             await self.session.close()
-        proc = self.proc
-        if proc is None or proc.returncode is not None:
-            return
-        with contextlib.suppress(ProcessLookupError, OSError):
-            if proc.stdin:
-                proc.stdin.close()
-            proc.send_signal(signal.SIGTERM)
+
+    async def responds(self, timeout: float) -> bool:
+        """Whether the runner answers its /health within `timeout` seconds. llama.cpp answers
+        /health on its HTTP threads without waiting for the inference loop, so a long prompt
+        being processed does not delay it; a frozen, swapped-out or wedged process does."""
+        if self.session is None or self.session.closed:
+            return False
         try:
-            await asyncio.wait_for(proc.wait(), grace)
-        except asyncio.TimeoutError:
-            with contextlib.suppress(ProcessLookupError):
-                proc.kill()
-            await proc.wait()
+            async with self.session.get(
+                "/health", timeout=aiohttp.ClientTimeout(total=timeout)
+            ) as r:
+                await r.read()
+                return True  # any answer (even 503) shows the process serves HTTP
+        except (aiohttp.ClientError, OSError, asyncio.TimeoutError):
+            return False
+
+    async def wait_gone(self, poll: float = 0.1) -> None:
+        """Wait until the process is gone (exited, or a zombie whose memory is free), also when
+        asyncio's wait on it has failed: used where watching the runner went wrong."""
+        proc = self.proc
+        if proc is None:
+            return
+        with contextlib.suppress(Exception):
+            await asyncio.wait_for(asyncio.shield(proc.wait()), 1.0)
+            return
+        while True:
+            try:
+                if psutil.Process(proc.pid).status() == psutil.STATUS_ZOMBIE:
+                    return
+            except psutil.NoSuchProcess:
+                return
+            self.kill_now()
+            await asyncio.sleep(poll)
+
+    def break_connections(self) -> None:
+        """End the open connections to the runner from our side with shutdown(2), for a
+        runner that cannot even be killed yet (stuck in uninterruptible sleep): their readers
+        see a cut-off response, as if it had died. Not close(): aiohttp would leave a reader
+        waiting on a closed connection without waking it."""
+        connector = self.session.connector if self.session is not None else None
+        for proto in list(getattr(connector, "_acquired", ())):
+            transport = getattr(proto, "transport", None)
+            sock = transport.get_extra_info("socket") if transport is not None else None
+            if sock is None:
+                continue
+            with contextlib.suppress(OSError, ValueError):
+                # A duplicate descriptor: shutdown acts on the socket, whatever the loop's
+                # wrapper object allows.
+                with socket.socket(fileno=os.dup(sock.fileno())) as dup:
+                    dup.shutdown(socket.SHUT_RDWR)
 
     def kill_now(self) -> None:
         """Kill the process at once (at interpreter exit, or when its output cannot be read);

@@ -36,6 +36,8 @@ from corral.runtime.runner import Runner, RunnerError
 
 log = logging.getLogger(__name__)
 
+SHUTDOWN_GRACE = 0.5  # seconds a serving runner gets to exit on SIGTERM when the server stops
+
 
 class SchedulerError(Exception):
     def __init__(self, status: int, message: str) -> None:
@@ -83,6 +85,7 @@ class Scheduler:
         devices: list[Device] | None = None,
         refresh: Callable[[list[Device]], list[Device]] | None = None,
         recovery_timeout: float = 5.0,
+        stall_timeout: float = math.inf,
     ) -> None:
         self.core = Core(
             budgets=budgets,
@@ -97,6 +100,7 @@ class Scheduler:
         self.devices = devices or []
         self.refresh = refresh
         self.recovery_timeout = recovery_timeout
+        self.stall_timeout = stall_timeout  # inf: no watchdog
         self._free_before: dict[int, dict[str, int]] = {}  # runner id -> GPU free at stop
         self.runners: dict[int, Runner] = {}
         self._waiters: dict[int, asyncio.Future[Runner]] = {}
@@ -209,10 +213,16 @@ class Scheduler:
         t.add_done_callback(self._tasks.discard)
 
     async def _load(self, rid: int, runner: Runner) -> None:
+        if self._closing:  # a load decided while the server stops: nobody will use it
+            self.runners.pop(rid, None)
+            return
         try:
             await runner.start(self.load_timeout)
         except RunnerError as e:
-            log.error("loading '%s' failed: %s", runner.name, e)
+            if runner.shutting_down:
+                log.info("loading '%s' stopped: the server is shutting down", runner.name)
+            else:
+                log.error("loading '%s' failed: %s", runner.name, e)
             self.runners.pop(rid, None)
             self.core.load_failed(rid, str(e), time.monotonic())
             self._apply()
@@ -225,6 +235,18 @@ class Scheduler:
             )
             self._apply()
             return
+        # From here the process runs: whatever happens next, it is watched (and so its exit
+        # frees the books).
+        self._spawn(self._watch(rid, runner))
+        try:
+            self._loaded(rid, runner)
+        except Exception:
+            log.exception("booking the runner for '%s' failed; killing it", runner.name)
+            self.core.dying(rid, time.monotonic())
+            runner.kill_now()
+        self._apply()
+
+    def _loaded(self, rid: int, runner: Runner) -> None:
         log.info(
             "model '%s' ready in %.2fs at %s (pid %s)",
             runner.name,
@@ -243,15 +265,38 @@ class Scheduler:
                 book.size / 2**20,
             )
         self.core.loaded(rid, time.monotonic(), real)  # the real allocation replaces the estimate
-        self._apply()
-        self._spawn(self._watch(rid, runner))
 
     async def _watch(self, rid: int, runner: Runner) -> None:
+        """Wait for the runner's process to end, then free its books. Never dies silently: if
+        watching fails, the runner is killed, and its books are freed once it is gone."""
+        dog = asyncio.ensure_future(self._watchdog(rid, runner))
+        try:
+            try:
+                await self._wait_exit(rid, runner)
+            except Exception:
+                log.exception("watching the runner for '%s' failed; killing it", runner.name)
+                self.core.dying(rid, time.monotonic())
+                self._apply()
+                runner.kill_now()
+                await runner.wait_gone()
+                if runner.session is not None:
+                    await runner.session.close()
+        finally:
+            dog.cancel()
+            self.runners.pop(rid, None)
+            self.core.exited(rid, time.monotonic())
+            self._apply()
+
+    async def _wait_exit(self, rid: int, runner: Runner) -> None:
+        assert runner.proc is not None
+        await runner.proc.wait()
+        self.core.dying(rid, time.monotonic())  # grant nothing while its last words are read
+        self._apply()
         code = await runner.wait_exit()
-        if not runner.stopping:
-            log.error("%s", runner.failure_message())
-        else:
+        if runner.stalled is not None or runner.stopping or runner.shutting_down:
             log.info("runner for '%s' exited (code %s)", runner.name, code)
+        else:
+            log.error("%s", runner.failure_message())
         if runner.session is not None:
             await runner.session.close()
         before = self._free_before.pop(rid, None)
@@ -268,9 +313,59 @@ class Scheduler:
                     runner.name,
                     self.recovery_timeout,
                 )
-        self.runners.pop(rid, None)
-        self.core.exited(rid, time.monotonic())
+
+    async def _watchdog(self, rid: int, runner: Runner) -> None:
+        """Kill a runner that stops answering while it has requests in flight (frozen, swapped
+        out, wedged): its clients get an error naming the stall instead of waiting forever.
+        It probes /health, not output progress, so a long prompt being processed is fine."""
+        timeout = self.stall_timeout
+        if not math.isfinite(timeout) or timeout <= 0:
+            return
+        interval = min(5.0, timeout / 4)
+        failing_since: float | None = None  # when the first unanswered probe went out
+        try:
+            while not (runner.stopping or runner.shutting_down):
+                await asyncio.sleep(interval)
+                book = self.core.runners.get(rid)
+                if book is None or book.state != "ready":
+                    return  # on its way out: Runner.stop has a deadline of its own
+                if book.inflight == 0:
+                    failing_since = None
+                    continue
+                sent = time.monotonic()
+                since = sent if failing_since is None else failing_since
+                if await runner.responds(max(timeout - (sent - since), 0.1)):
+                    failing_since = None
+                elif time.monotonic() - since >= timeout:
+                    await self._stalled(rid, runner)
+                    return
+                else:
+                    failing_since = since  # refused at once (no HTTP server?): try again
+        except Exception:
+            log.exception("the watchdog of the runner for '%s' failed; killing it", runner.name)
+            self.core.dying(rid, time.monotonic())
+            self._apply()
+            runner.kill_now()
+
+    async def _stalled(self, rid: int, runner: Runner) -> None:
+        runner.stalled = self.stall_timeout
+        log.error(
+            "runner for model '%s' (pid %s) did not answer for %gs with requests in flight; "
+            "killing it",
+            runner.name,
+            runner.pid,
+            self.stall_timeout,
+        )
+        self.core.dying(rid, time.monotonic())  # no new grants; memory booked until it is gone
         self._apply()
+        runner.kill_now()
+        assert runner.proc is not None
+        try:
+            await asyncio.wait_for(asyncio.shield(runner.proc.wait()), 1.0)
+        except asyncio.TimeoutError:
+            # Still there (a process in uninterruptible sleep dies only when it leaves it):
+            # break the in-flight streams now rather than when it finally goes.
+            runner.break_connections()
 
     def _note_free_before(self, rid: int) -> None:
         book = self.core.runners.get(rid)
@@ -301,17 +396,35 @@ class Scheduler:
         self.core.tick(time.monotonic())
         self._apply()
 
-    async def shutdown(self) -> None:
-        """Stop every runner; used on server exit."""
+    def begin_shutdown(self) -> None:
+        """The server is exiting (called as soon as the signal arrives): waiting requests get
+        503, loading runners are killed at once (they never served), serving runners are
+        stopped, and their streams end with "server is shutting down"."""
+        if self._closing:
+            return
         self._closing = True
         if self._timer is not None:
             self._timer.cancel()
+            self._timer = None
         for fut in self._waiters.values():
             if not fut.done():
                 fut.set_exception(SchedulerError(503, "server is shutting down"))
         self._waiters.clear()
+        for rid, runner in list(self.runners.items()):
+            runner.shutting_down = True
+            book = self.core.runners.get(rid)
+            if book is None or book.state == "loading":
+                runner.kill_now()
+            else:
+                self._spawn(runner.stop(grace=SHUTDOWN_GRACE))
+
+    async def shutdown(self) -> None:
+        """Stop every runner; used on server exit."""
+        self.begin_shutdown()
         runners = list(self.runners.values())
-        await asyncio.gather(*(r.stop() for r in runners), return_exceptions=True)
+        await asyncio.gather(
+            *(r.stop(grace=SHUTDOWN_GRACE) for r in runners), return_exceptions=True
+        )
         for t in list(self._tasks):
             t.cancel()
         with contextlib.suppress(Exception):
