@@ -2,11 +2,18 @@
 
 from __future__ import annotations
 
+import asyncio
 import os
 import subprocess
 import sys
+from pathlib import Path
 
+import pytest
+
+from corral.core.spec import RunnerSpec
+from corral.runtime import scheduler
 from corral.runtime.memwatch import process_memory
+from corral.runtime.scheduler import Scheduler
 
 
 def test_a_process_that_allocates_measures_more() -> None:
@@ -25,3 +32,27 @@ def test_a_process_that_allocates_measures_more() -> None:
         p.kill()
         p.wait()
     assert process_memory(p.pid) is None  # gone
+
+
+async def test_the_books_follow_what_a_runner_really_holds(
+    models_dir: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """With no allowance for the runner process itself, llama.cpp's own account is below what
+    the process holds: the first measure grows the booking to the measure."""
+    monkeypatch.setattr(scheduler, "RUNNER_PROCESS_BYTES", 0)
+    sched = Scheduler({"cpu": 8 * 2**30}, measure_interval=0.2)
+    spec = RunnerSpec(path=str(models_dir / "tiny.gguf"), n_ctx=512, num_parallel=1)
+    lease = await sched.acquire("tiny", spec, size=2**20)
+    try:
+        (book,) = sched.core.runners.values()
+        allocated = book.devices["cpu"]
+        for _ in range(50):
+            await asyncio.sleep(0.1)
+            if lease.runner.pid is not None and sched.measured:
+                break
+        real = sched.measured[book.id]
+        assert real > allocated  # the interpreter, xllamacpp and its threads are not in it
+        assert book.devices["cpu"] >= real
+    finally:
+        lease.release()
+        await sched.shutdown()

@@ -30,8 +30,10 @@ from corral.core.books import (
     Stop,
 )
 from corral.core.devices import Device
+from corral.core.estimate import RUNNER_PROCESS_BYTES
 from corral.core.policy import DEFAULT_POLICY, POLICIES
 from corral.core.spec import Layout, RunnerSpec
+from corral.runtime.memwatch import process_memory
 from corral.runtime.runner import Runner, RunnerError
 
 log = logging.getLogger(__name__)
@@ -86,6 +88,7 @@ class Scheduler:
         refresh: Callable[[list[Device]], list[Device]] | None = None,
         recovery_timeout: float = 5.0,
         stall_timeout: float = math.inf,
+        measure_interval: float = 2.0,
     ) -> None:
         self.core = Core(
             budgets=budgets,
@@ -101,6 +104,9 @@ class Scheduler:
         self.refresh = refresh
         self.recovery_timeout = recovery_timeout
         self.stall_timeout = stall_timeout  # inf: no watchdog
+        self.measure_interval = measure_interval  # seconds between measures of real memory
+        self._measurer: asyncio.Task[None] | None = None
+        self.measured: dict[int, int] = {}  # runner id -> its last measured PSS, bytes
         self._free_before: dict[int, dict[str, int]] = {}  # runner id -> GPU free at stop
         self.runners: dict[int, Runner] = {}
         self._waiters: dict[int, asyncio.Future[Runner]] = {}
@@ -264,7 +270,38 @@ class Scheduler:
                 sum(real.values()) / 2**20,
                 book.size / 2**20,
             )
+        if real is not None:  # llama.cpp's buffers, and the process that holds them
+            real["cpu"] = real.get("cpu", 0) + RUNNER_PROCESS_BYTES
         self.core.loaded(rid, time.monotonic(), real)  # the real allocation replaces the estimate
+        if self._measurer is None and math.isfinite(self.measure_interval):
+            self._measurer = asyncio.ensure_future(self._measure_forever())
+
+    async def _measure_forever(self) -> None:
+        """Every few seconds, what each ready runner really holds goes to the books
+        (Core.observed): a booking below the measure grows to it and idle runners make room
+        if that is over the budget. System memory only (PSS); GPU memory is booked from
+        llama.cpp's own account."""
+        while not self._closing:
+            await asyncio.sleep(self.measure_interval)
+            ready = [(rid, r.pid) for rid, b in self.core.runners.items()
+                     if b.state == "ready" and (r := self.runners.get(rid)) and r.pid]  # fmt: skip
+            if not ready:
+                continue
+            # smaps_rollup reads take ~1 ms each: off the event loop.
+            sizes = await asyncio.to_thread(measure_all, [pid for _, pid in ready])
+            now = time.monotonic()
+            for (rid, _), size in zip(ready, sizes, strict=True):
+                if size is None:
+                    continue
+                self.measured[rid] = size
+                book = self.core.runners.get(rid)
+                if book is not None and size > book.devices.get("cpu", 0):
+                    log.warning(
+                        "model '%s' holds %.1f MiB of system memory, %.1f MiB more than booked",
+                        book.model, size / 2**20, (size - book.devices.get("cpu", 0)) / 2**20,
+                    )  # fmt: skip
+                self.core.observed(rid, now, {"cpu": size})
+            self._apply()
 
     async def _watch(self, rid: int, runner: Runner) -> None:
         """Wait for the runner's process to end, then free its books. Never dies silently: if
@@ -284,6 +321,7 @@ class Scheduler:
         finally:
             dog.cancel()
             self.runners.pop(rid, None)
+            self.measured.pop(rid, None)
             self.core.exited(rid, time.monotonic())
             self._apply()
 
@@ -406,6 +444,8 @@ class Scheduler:
         if self._timer is not None:
             self._timer.cancel()
             self._timer = None
+        if self._measurer is not None:
+            self._measurer.cancel()
         for fut in self._waiters.values():
             if not fut.done():
                 fut.set_exception(SchedulerError(503, "server is shutting down"))
@@ -433,6 +473,10 @@ class Scheduler:
     def kill_all(self) -> None:
         for r in self.runners.values():
             r.kill_now()
+
+
+def measure_all(pids: list[int]) -> list[int | None]:
+    return [process_memory(pid) for pid in pids]
 
 
 async def wait_for_recovery(
