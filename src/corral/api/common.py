@@ -4,12 +4,16 @@ from __future__ import annotations
 
 import datetime as dt
 import math
+import re
 from typing import Any
 
 import orjson
 from starlette.requests import Request
 
 MAX_BODY = 64 * 2**20  # a request body larger than this is refused before parsing
+# JSON nested deeper than this is refused: no API nests nearly as deep (a tool's schema with
+# 25 levels of objects is ~55), and orjson cannot write back values nested past 254 levels.
+MAX_DEPTH = 64
 
 
 class ApiError(Exception):
@@ -36,13 +40,36 @@ async def read_json(request: Request) -> dict[str, Any]:
     body = b"".join(chunks)
     if not body.strip():
         raise ApiError(400, "missing request body")
+    deep = ApiError(400, f"request body is too deeply nested (limit {MAX_DEPTH} levels)")
     try:
         data = orjson.loads(body)
     except orjson.JSONDecodeError as e:
+        if "depth limit" in str(e):  # orjson's own limit, 1024 levels
+            raise deep from None
         raise ApiError(400, f"invalid JSON in request body: {e}") from None
     if not isinstance(data, dict):
         raise ApiError(400, "request body must be a JSON object")
+    if too_deep(body, data, MAX_DEPTH):
+        raise deep
     return data
+
+
+def too_deep(raw: bytes, data: Any, limit: int) -> bool:
+    """Whether parsed JSON nests more than `limit` arrays and objects deep. A body with fewer
+    brackets than that cannot (counted in C); others are walked level by level, without
+    recursion, visiting each container once."""
+    if raw.count(b"[") + raw.count(b"{") <= limit:
+        return False
+    level: list[Any] = [data]
+    for _ in range(limit):
+        nxt: list[Any] = []
+        for v in level:
+            items = v.values() if isinstance(v, dict) else v
+            nxt += [x for x in items if isinstance(x, dict | list)]
+        if not nxt:
+            return False
+        level = nxt
+    return True
 
 
 _JSON_TYPES = {
@@ -142,12 +169,48 @@ def rfc3339(ts: float) -> str:
 
 
 def runner_error_message(body: bytes, status: int) -> str:
+    return _runner_error(body, status)[0]
+
+
+def _runner_error(body: bytes, status: int) -> tuple[str, str]:
+    """llama.cpp's error message and type (invalid_request_error, server_error, ...)."""
     try:
         data = orjson.loads(body)
         err = data.get("error", data) if isinstance(data, dict) else data
         msg = err.get("message") if isinstance(err, dict) else err
+        kind = err.get("type") if isinstance(err, dict) else None
         if msg:
-            return str(msg)
+            return str(msg), str(kind or "")
     except orjson.JSONDecodeError:
         pass
-    return body.decode(errors="replace").strip() or f"runner answered HTTP {status}"
+    return body.decode(errors="replace").strip() or f"runner answered HTTP {status}", ""
+
+
+# llama.cpp's error types that blame the request, whatever HTTP status came with them.
+_CLIENT_ERROR_TYPES = {
+    "invalid_request_error": 400, "exceed_context_size_error": 400, "not_supported_error": 400,
+    "not_found_error": 404, "unavailable_error": 503,
+}  # fmt: skip
+# llama.cpp answers some of a client's own mistakes with 500 (an exception thrown while it
+# parses the request): these words in the message say the request was at fault.
+_CLIENT_FAULT = re.compile(
+    r"failed to parse|json\.exception|too large to process|exceeds the available context"
+    r"|context size has been exceeded|grammar|schema|invalid|unsupported|not supported"
+    r"|missing|expected|must be|cannot use|unknown|field '",
+    re.IGNORECASE,
+)
+
+
+def runner_error(body: bytes, status: int) -> ApiError:
+    """A runner's non-200 answer as the client's error: llama.cpp's refusals of the request
+    itself are 4xx (never 500), with llama.cpp's message."""
+    msg, kind = _runner_error(body, status)
+    code = _CLIENT_ERROR_TYPES.get(kind)
+    if code is None:
+        if 400 <= status < 500 or status == 503:
+            code = status
+        elif _CLIENT_FAULT.search(msg):
+            code = 400
+        else:
+            code = 500
+    return ApiError(code, msg)

@@ -61,7 +61,10 @@ def keep_alive_field(body: dict[str, Any]) -> float | None:
 
 
 def sampling(options: dict[str, Any]) -> dict[str, Any]:
-    return {SAMPLING[k]: v for k, v in options.items() if k in SAMPLING}
+    out = {SAMPLING[k]: v for k, v in options.items() if k in SAMPLING}
+    if out.get("n_predict") == -2:  # Ollama's "fill the context": llama.cpp's -1 does that
+        out["n_predict"] = -1
+    return out
 
 
 def format_params(fmt: Any, chat: bool) -> dict[str, Any]:
@@ -271,8 +274,10 @@ class Ollama:
         try:
             if not prompt:
                 return json_response({"embedding": []})
+            # Cut to what the runner embeds at once, as /api/embed does by default.
+            fitted = await self.svc.fit_embedding_inputs(lease, [prompt], True)
             data = await until_disconnect(
-                request, self.svc.post_json(lease, "/v1/embeddings", {"input": [prompt]})
+                request, self.svc.post_json(lease, "/v1/embeddings", {"input": fitted})
             )
         finally:
             lease.release()
@@ -422,7 +427,13 @@ def check_tool(tool: Any, i: int) -> dict[str, Any]:
     if not isinstance(tool, dict) or not isinstance(tool.get("function"), dict):
         raise ApiError(400, f"invalid 'tools[{i}]': expected {{\"type\": \"function\", "
                        "\"function\": {...}}", "tools")  # fmt: skip
-    return {"type": "function", "function": tool["function"]}
+    fn = tool["function"]
+    at = f"tools[{i}].function."
+    if not field(fn, "name", str, prefix=at):
+        raise ApiError(400, f"'{at}name' is required", "tools")
+    field(fn, "description", str, prefix=at)
+    field(fn, "parameters", dict, prefix=at)
+    return {"type": "function", "function": fn}
 
 
 def to_openai_message(m: Any, i: int) -> dict[str, Any]:
@@ -439,23 +450,31 @@ def to_openai_message(m: Any, i: int) -> dict[str, Any]:
         )
     out = user_message(content or "", image_list(m.get("images"), f"messages[{i}].images"))
     out["role"] = role
-    if isinstance(m.get("thinking"), str) and m["thinking"]:
-        out["reasoning_content"] = m["thinking"]
-    if m.get("tool_calls"):
-        calls = m["tool_calls"]
-        if not isinstance(calls, list) or not all(
-            isinstance(tc, dict) and isinstance(tc.get("function"), dict) for tc in calls
-        ):
-            raise ApiError(400, f"invalid 'messages[{i}].tool_calls'", "messages")
-        out["tool_calls"] = [
-            {"id": f"call_{i}_{j}", "type": "function",
-             "function": {"name": tc["function"].get("name", ""),
-                          "arguments": orjson.dumps(tc["function"].get("arguments", {})).decode()}}
-            for j, tc in enumerate(calls)
-        ]  # fmt: skip
-    if role == "tool" and m.get("tool_name"):
-        out["name"] = m["tool_name"]
+    thinking = field(m, "thinking", str, prefix=f"messages[{i}].")
+    if thinking:
+        out["reasoning_content"] = thinking
+    calls = field(m, "tool_calls", list, prefix=f"messages[{i}].")
+    if calls:
+        out["tool_calls"] = [tool_call(tc, f"messages[{i}].tool_calls[{j}]", f"call_{i}_{j}")
+                             for j, tc in enumerate(calls)]  # fmt: skip
+    tool_name = field(m, "tool_name", str, prefix=f"messages[{i}].")
+    if role == "tool" and tool_name:
+        out["name"] = tool_name
     return out
+
+
+def tool_call(tc: Any, at: str, call_id: str) -> dict[str, Any]:
+    """An Ollama tool call (object arguments) as an OpenAI one (arguments as JSON text)."""
+    fn = tc.get("function") if isinstance(tc, dict) else None
+    if not isinstance(fn, dict):
+        raise ApiError(400, f"invalid '{at}': expected {{\"function\": {{\"name\": ..., "
+                       "\"arguments\": {...}}}", "messages")  # fmt: skip
+    name = field(fn, "name", str, prefix=f"{at}.function.")
+    if not name:
+        raise ApiError(400, f"'{at}.function.name' is required", "messages")
+    args = field(fn, "arguments", (dict, str), {}, prefix=f"{at}.function.")
+    text = args if isinstance(args, str) else orjson.dumps(args).decode()
+    return {"id": call_id, "type": "function", "function": {"name": name, "arguments": text}}
 
 
 def truncate(vec: list[float], dims: int | None) -> list[float]:

@@ -246,7 +246,7 @@ def merge_leading_system(messages: list[dict[str, Any]]) -> list[dict[str, Any]]
 
 def input_message(item: dict[str, Any], where: str) -> dict[str, Any]:
     role = item.get("role")
-    if role not in ROLES:
+    if not isinstance(role, str) or role not in ROLES:
         raise ApiError(
             400, f"'{where}.role' must be one of user, system, developer or assistant", "input"
         )

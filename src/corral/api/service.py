@@ -10,6 +10,7 @@ import asyncio
 import contextlib
 import hashlib
 import logging
+import os
 from collections.abc import Awaitable, Mapping
 from dataclasses import dataclass
 from functools import partial
@@ -19,12 +20,12 @@ import aiohttp
 import orjson
 from starlette.requests import Request
 
-from corral.api.common import ApiError, runner_error_message
+from corral.api.common import ApiError, runner_error
 from corral.api.events import Chat, Generation, forced_schema
 from corral.config import Settings
 from corral.core.books import Fit, Placer
 from corral.core.devices import Device
-from corral.core.estimate import Estimate, check_kv_cache_type, estimate
+from corral.core.estimate import RUNNER_PROCESS_BYTES, Estimate, check_kv_cache_type, estimate
 from corral.core.gguf import GGUFError, ModelInfo, read_model_info
 from corral.core.placement import ModelNeed, Placement, place
 from corral.core.spec import Layout, RunnerSpec
@@ -108,12 +109,10 @@ class Service:
         """The runner to load for these options, and which spec fields the request pinned."""
         defaults = r.entry.options
         embedding = "embedding" in r.info.capabilities or "rerank" in r.info.capabilities
-        n_ctx = defaults.get("num_ctx") or min(
-            self.settings.context_length or r.info.context_length, r.info.context_length or 2**31
-        )
+        n_ctx = defaults.get("num_ctx") or self.settings.context_length or r.info.context_length
         spec = {
             "path": str(r.entry.path),
-            "n_ctx": n_ctx,
+            "n_ctx": clamp_ctx(n_ctx, r.info.context_length),
             "num_parallel": defaults.get("num_parallel") or self.settings.num_parallel,
             "n_gpu_layers": defaults.get("num_gpu", 0),
             "main_gpu": None,
@@ -127,6 +126,12 @@ class Service:
             if options.get(opt) is not None:
                 spec[fld] = options[opt]
                 explicit.add(fld)
+        # A runner is shared by every client of the model: values that would starve the others
+        # are clamped (threads beyond the cores), as are contexts llama.cpp itself would cap.
+        if "n_ctx" in explicit:
+            spec["n_ctx"] = clamp_ctx(spec["n_ctx"], r.info.context_length)
+        if "threads" in explicit:
+            spec["threads"] = min(spec["threads"], cpu_cores()) or None  # 0: llama.cpp decides
         return RunnerSpec(**spec), frozenset(explicit)
 
     # ---- leases ----------------------------------------------------------------------------
@@ -143,7 +148,8 @@ class Service:
         est = self.estimate(r.info, spec)
         try:
             ticket = self.scheduler.submit(
-                r.name, spec, explicit=explicit, size=est.total, keep_alive=keep_alive,
+                r.name, spec, explicit=explicit, size=est.total + RUNNER_PROCESS_BYTES,
+                keep_alive=keep_alive,
                 pinned=r.entry.pinned, priority=r.entry.priority,
                 place=self.placer(est, options),
             )  # fmt: skip
@@ -176,7 +182,8 @@ class Service:
             # on a GPU it errs towards system memory (verify on a GPU machine).
             gpu_compute=est.compute,
             cpu_compute=est.compute,
-            host=est.non_layer + est.overhead,
+            # ... and the runner process itself, booked with every model (as once it loads).
+            host=est.non_layer + est.overhead + RUNNER_PROCESS_BYTES,
         )
         num_gpu, main_gpu = options.get("num_gpu"), options.get("main_gpu")
         devices = self.devices
@@ -204,12 +211,13 @@ class Service:
         except (aiohttp.ClientError, OSError):
             raise ApiError(500, await explain_failure(runner)) from None
         if resp.status != 200:
-            body = await resp.read()
-            resp.release()
-            raise ApiError(
-                resp.status if 400 <= resp.status < 500 else 500,
-                runner_error_message(body, resp.status),
-            )
+            try:
+                body = await resp.read()
+            except (aiohttp.ClientError, OSError):
+                raise ApiError(500, await explain_failure(runner)) from None
+            finally:
+                resp.release()
+            raise runner_error(body, resp.status)
         return resp
 
     async def post_json(self, lease: Lease, path: str, payload: dict[str, Any]) -> Any:
@@ -346,6 +354,26 @@ class Service:
         resp = await self.post(lease, path, {**payload, "stream": True})
 
         return Generation(lease, resp, mode, stop or [], partial(explain_failure, lease.runner))
+
+
+# The smallest context a runner gets: below it a chat template alone can fill the context.
+MIN_CTX = 256
+
+
+def clamp_ctx(n_ctx: int, trained: int) -> int:
+    """A context between MIN_CTX and the model's training context (llama.cpp caps it there
+    anyway, so booking more would book memory it never allocates)."""
+    if trained > 0:
+        return max(min(n_ctx, trained), min(MIN_CTX, trained))
+    return max(n_ctx, MIN_CTX)
+
+
+def cpu_cores() -> int:
+    """The cores this process may run on (its affinity mask, not the machine's count)."""
+    try:
+        return len(os.sched_getaffinity(0)) or 1
+    except AttributeError:  # not on Linux
+        return os.cpu_count() or 1
 
 
 # llama.cpp's default physical batch (n_ubatch): the most tokens one embedding input may have.
