@@ -56,3 +56,19 @@ async def test_the_books_follow_what_a_runner_really_holds(
     finally:
         lease.release()
         await sched.shutdown()
+
+
+def test_ps_shows_booked_and_measured_bytes(server) -> None:
+    r = server.client.post(
+        "/api/generate", json={"model": "tiny", "prompt": "hi", "stream": False,
+                               "options": {"num_predict": 1}},
+    )  # fmt: skip
+    assert r.status_code == 200
+
+    def measured() -> bool:
+        return any(m["name"] == "tiny:latest" and m["measured_bytes"] for m in server.ps())
+
+    server.wait_for(measured, timeout=10, what="a memory measure of the runner")
+    (m,) = [m for m in server.ps() if m["name"] == "tiny:latest"]
+    booked = sum(d["bytes"] for d in m["devices"])
+    assert booked >= m["measured_bytes"] > 0  # the books hold at least what it really holds

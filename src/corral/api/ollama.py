@@ -324,6 +324,8 @@ class Ollama:
                 "queued": self.svc.scheduler.queued(book.model),
                 "num_parallel": book.spec.num_parallel, "pid": runner.pid,
                 "devices": [{"id": d, "bytes": n} for d, n in book.devices.items() if n],
+                # what the runner process really holds in system memory (PSS), last measured
+                "measured_bytes": self.svc.scheduler.measured.get(book.id),
             })  # fmt: skip
         return json_response({"models": models})
 
