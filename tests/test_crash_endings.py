@@ -258,6 +258,9 @@ def ended(chunks: list[bytes], fail: Exception | None = None) -> bytes:
     return asyncio.run(run())
 
 
+SIGKILLED = "runner for model 'm' was killed by signal 9 (SIGKILL: out of memory?)"
+
+
 def error_event(message: str) -> bytes:
     err = {"message": message, "type": "server_error", "param": None, "code": None}
     return b"data: " + json.dumps({"error": err}, separators=(",", ":")).encode() + b"\n\n"
@@ -270,7 +273,7 @@ def test_a_complete_stream_passes_through_unchanged() -> None:
 
 def test_a_broken_stream_drops_the_cut_event_and_ends_with_the_reason() -> None:
     out = ended([b'data: {"a":1}\n\n', b'data: {"b"'], aiohttp.ClientPayloadError("cut"))
-    assert out == b'data: {"a":1}\n\n' + error_event("runner for model 'm' was killed by signal 9")
+    assert out == b'data: {"a":1}\n\n' + error_event(SIGKILLED)
 
 
 def test_a_stream_ended_by_a_runner_error_line_reports_it() -> None:
@@ -282,5 +285,5 @@ def test_a_stream_that_just_stops_says_why() -> None:
     out = ended([b'data: {"a":1}\n\ndata: {"b":2}'])
     assert out == (
         b'data: {"a":1}\n\ndata: {"b":2}\n\n'
-        + error_event("runner for model 'm' was killed by signal 9")
+        + error_event(SIGKILLED)
     )

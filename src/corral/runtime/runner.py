@@ -92,6 +92,9 @@ class Runner:
             return "server is shutting down"
         if self.exit_code is None:
             what = "stopped responding"
+        elif self.exit_code == -signal.SIGKILL and not self.stopping:
+            # Nothing of corral's sent it: the kernel's OOM killer is the usual sender.
+            what = "was killed by signal 9 (SIGKILL: out of memory?)"
         elif self.exit_code < 0:
             what = f"was killed by signal {-self.exit_code}"
         else:
