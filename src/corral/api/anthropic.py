@@ -23,7 +23,7 @@ from starlette.routing import Route
 
 from corral.api.common import ApiError, field, model_field, read_json
 from corral.api.events import Chat, Done, Event, Result, Text, Thinking, ToolCall, Usage, new_id
-from corral.api.service import Resolved, Service, has_images, until_disconnect
+from corral.api.service import Service, until_disconnect
 from corral.api.stream import json_response
 from corral.runtime.scheduler import Lease
 
@@ -93,19 +93,13 @@ class Anthropic:
         name = model_field(body)
         chat = to_chat(body)
         r = self.svc.resolve(name)
-        self._check(r, chat)
+        self.svc.check_chat(r, chat.messages)
         lease = await self.svc.lease(request, r, {}, None)
         try:
             n = await until_disconnect(request, self._count(lease, chat))
         finally:
             lease.release()
         return json_response({"input_tokens": n})
-
-    def _check(self, r: Resolved, chat: Chat) -> None:
-        """The checks Service.generate makes, for count_tokens, which does not generate."""
-        self.svc.require(r, "completion", "chat")
-        if "vision" not in r.info.capabilities and has_images(chat.messages):
-            raise ApiError(400, f"model '{r.requested}' does not support images", "messages")
 
     async def _count(self, lease: Lease, chat: Chat) -> int:
         return len(await self.svc.prompt_tokens(lease, chat))

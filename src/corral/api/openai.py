@@ -45,7 +45,6 @@ from corral.api.service import (
     Resolved,
     Service,
     explain_failure,
-    has_images,
     until_disconnect,
 )
 from corral.api.stream import LeasedStream, json_response
@@ -99,9 +98,7 @@ class OpenAI:
         field(body, "logprobs", bool)
         _int_in(body, "top_logprobs", 0, MAX_TOP_LOGPROBS)
         r = self.svc.resolve(model_field(body))
-        self.svc.require(r, "completion", "chat")
-        if "vision" not in r.info.capabilities and has_images(messages):
-            raise ApiError(400, f"model '{r.requested}' does not support images", "messages")
+        self.svc.check_chat(r, messages)
         forced = choice not in ("auto", "none")
         if n == 1 and not forced:
             return await self._proxy(request, r, body, "/v1/chat/completions", stream)

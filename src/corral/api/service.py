@@ -258,6 +258,12 @@ class Service:
         return out
 
     # ---- generating ------------------------------------------------------------------------
+    def check_chat(self, r: Resolved, messages: list[dict[str, Any]]) -> None:
+        """400 unless the model can take these messages: it chats, and sees images if sent."""
+        self.require(r, "completion", "chat")
+        if "vision" not in r.info.capabilities and has_images(messages):
+            raise ApiError(400, f"model '{r.requested}' does not support images", "messages")
+
     async def generate(
         self,
         request: Request,
@@ -273,9 +279,7 @@ class Service:
         `stop` sequences are found by corral (not llama.cpp) so that the one that ended the
         text can be reported. `prefix` (token ids, Ollama's `context`) goes before the rendered
         prompt. Every check the client can fail comes before the lease."""
-        self.require(r, "completion", "chat")
-        if "vision" not in r.info.capabilities and has_images(chat.messages):
-            raise ApiError(400, f"model '{r.requested}' does not support images", "messages")
+        self.check_chat(r, chat.messages)
         forced = chat.forced_tools
         if forced is not None and not forced:
             raise ApiError(
