@@ -48,7 +48,14 @@ class Harness:
         self.measured = False  # a runner was measured above its booking
 
     def apply(self) -> None:
-        for a in self.core.drain():
+        actions = self.core.drain()
+        if any(isinstance(a, Load) for a in actions):
+            # A load starts only where it fits under the budget and under what other programs
+            # leave free right now (headroom).
+            c = self.core
+            for d, n in c.used().items():
+                assert n <= min(c.budgets[d], c.headroom.get(d, c.budgets[d])), "over-committed"
+        for a in actions:
             if isinstance(a, Grant):
                 assert a.request in self.pending
                 self.pending.discard(a.request)
@@ -196,6 +203,7 @@ ops = st.lists(
         st.tuples(st.just("crash"), st.integers(0, 20)),
         st.tuples(st.just("tick"), st.floats(0.0, 10.0)),
         st.tuples(st.just("grow"), st.integers(0, 20), st.integers(1, 600)),
+        st.tuples(st.just("room"), st.sampled_from([None, 0, 300, 700, 900, 1500])),
     ),
     max_size=60,
 )
@@ -231,6 +239,11 @@ def test_random_event_sequences_keep_the_invariants(ops, policy: str, max_loaded
             h.advance(op[1])
         elif kind == "grow" and runners:
             h.observe(runners[op[1] % len(runners)], op[2])
+        elif kind == "room":  # another program takes or gives back memory
+            h.core.set_headroom({} if op[1] is None else {"cpu": op[1]}, h.now)
+            h.apply()
+    h.core.set_headroom({}, h.now)  # the other programs end: every request can be served
+    h.apply()
     h.settle()
     assert h.core.loads <= h.next_id, "more loads than requests: a reload loop"
     for rid in range(1, h.next_id):
@@ -466,3 +479,68 @@ def test_a_measure_below_the_booking_or_of_a_loading_runner_changes_nothing() ->
     h.finish_load(1)
     h.core.observed(1, h.now, {"cpu": 1})
     assert h.core.runners[1].devices == before
+
+
+def test_a_load_waits_while_other_programs_hold_the_room_it_needs() -> None:
+    h = Harness()
+    h.core.headroom = {"cpu": 600}  # the budget says 1000, but others took 400
+    c = h.request("c")  # 700: fits the budget, not what is really free
+    assert c in h.pending and not h.core.runners
+    assert h.core.short_of_headroom(h.core.queue[0])
+    h.core.set_headroom({"cpu": 900}, h.now)  # they gave some back
+    h.apply()
+    assert h.core.runners[1].state == "loading"
+
+
+def test_an_idle_runner_is_evicted_when_other_programs_shrink_the_room() -> None:
+    h = Harness()
+    a = h.request("a")
+    h.finish_load(1)
+    h.release(a)
+    h.core.headroom = {"cpu": 700}  # b (500) fits beside a (300) in the budget, not in this
+    b = h.request("b")
+    assert h.core.runners[1].state == "unloading" and b in h.pending
+    h.exit(1)
+    assert h.core.runners[2].model == "b"
+
+
+def test_a_wait_longer_than_the_timeout_is_refused_at_once_with_retry_after() -> None:
+    core = Core(budgets={"cpu": 10**9})
+    now = 0.0
+
+    def req(i: int, deadline: float = 25.0) -> Request:
+        return Request(i, "a", spec("a"), frozenset(), 1, None, now, deadline=now + deadline)
+
+    core.request(req(1), now)
+    core.loaded(1, now)
+    core.drain()
+    now = 10.0
+    core.release(1, now)  # one request took 10 s: the model's service time
+    core.request(req(2), now)  # granted at once: no wait to estimate
+    for i in range(3, 5):  # two wait: 10 s and 20 s expected, within their 25 s
+        core.request(req(i), now)
+    with pytest.raises(QueueFull) as e:
+        core.request(req(5), now)  # the third would wait ~30 s
+    assert "expected wait of 30s" in str(e.value)
+    assert e.value.retry_after == pytest.approx(5.0)  # by then the queue has room for it
+    core.request(req(6, deadline=100.0), now)  # a client that waits longer is queued
+    assert [q.id for q in core.queue] == [3, 4, 6]
+
+
+def test_nothing_is_refused_before_a_service_time_is_measured() -> None:
+    core = Core(budgets={"cpu": 10**9})
+    for i in range(1, 20):
+        core.request(Request(i, "a", spec("a"), frozenset(), 1, None, 0.0, deadline=0.001), 0.0)
+    assert len(core.queue) == 19
+
+
+def test_a_scaled_placer_asks_for_more_room_on_every_device() -> None:
+    from corral.core.books import Fit, scaled_placer
+
+    def place(free):  # half on each device, 100 bytes in all
+        return Fit({"cpu": 50, "cuda:0": 50}, "layout") if min(free.values()) >= 50 else None
+
+    big = scaled_placer(place, 1.5)
+    assert big({"cpu": 74, "cuda:0": 100}) is None
+    fit = big({"cpu": 75, "cuda:0": 100})
+    assert fit is not None and fit.devices == {"cpu": 75, "cuda:0": 75} and fit.layout == "layout"

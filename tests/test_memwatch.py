@@ -38,21 +38,25 @@ async def test_the_books_follow_what_a_runner_really_holds(
     models_dir: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """With no allowance for the runner process itself, llama.cpp's own account is below what
-    the process holds: the first measure grows the booking to the measure."""
+    the process holds: the booking is the measure from the moment the runner is ready, and
+    keeps following it."""
     monkeypatch.setattr(scheduler, "RUNNER_PROCESS_BYTES", 0)
     sched = Scheduler({"cpu": 8 * 2**30}, measure_interval=0.2)
     spec = RunnerSpec(path=str(models_dir / "tiny.gguf"), n_ctx=512, num_parallel=1)
     lease = await sched.acquire("tiny", spec, size=2**20)
     try:
         (book,) = sched.core.runners.values()
-        allocated = book.devices["cpu"]
-        for _ in range(50):
-            await asyncio.sleep(0.1)
-            if lease.runner.pid is not None and sched.measured:
-                break
-        real = sched.measured[book.id]
+        alloc = lease.runner.allocation
+        assert alloc is not None
+        allocated = sum(alloc.booked(["cpu"]).values())
+        real = sched.measured[book.id]  # measured when it became ready, not seconds later
         assert real > allocated  # the interpreter, xllamacpp and its threads are not in it
         assert book.devices["cpu"] >= real
+        for _ in range(50):  # and again by the measuring task
+            await asyncio.sleep(0.1)
+            if sched.measured[book.id] != real:
+                break
+        assert book.devices["cpu"] >= sched.measured[book.id]
     finally:
         lease.release()
         await sched.shutdown()

@@ -157,7 +157,9 @@ DEFAULTS: dict[str, str] = {
     "CORRAL_LOAD_TIMEOUT": "5m",
     "CORRAL_MAX_LOADED_MODELS": "0",
     "CORRAL_MAX_QUEUE": "512",
-    "CORRAL_QUEUE_TIMEOUT": "10m",
+    # Below the 5 min in which Node's fetch (ollama-js) gives up waiting for response headers,
+    # and the 10 min of the OpenAI and Anthropic SDKs: corral answers before a client gives up.
+    "CORRAL_QUEUE_TIMEOUT": "4m",
     "CORRAL_RUNNER_STALL_TIMEOUT": "30s",
     "CORRAL_MEMORY_MARGIN": "1GiB",
     "CORRAL_MEMORY_LIMIT": "",

@@ -6,6 +6,7 @@ import asyncio
 import atexit
 import contextlib
 import logging
+import math
 import socket
 from collections.abc import AsyncIterator, Mapping
 from types import FrameType
@@ -40,10 +41,14 @@ log = logging.getLogger("corral")
 def error_response(request: Request, e: ApiError) -> Response:
     """The error in the shape of the API family the client spoke."""
     if request.url.path.startswith("/v1/messages"):
-        return anthropic_error(e)
-    if request.url.path.startswith("/v1/"):
-        return openai_error(e)
-    return json_response({"error": e.message}, e.status)
+        response = anthropic_error(e)
+    elif request.url.path.startswith("/v1/"):
+        response = openai_error(e)
+    else:
+        response = json_response({"error": e.message}, e.status)
+    if e.retry_after is not None:  # the OpenAI and Anthropic SDKs wait this long to retry
+        response.headers["Retry-After"] = str(max(1, math.ceil(e.retry_after)))
+    return response
 
 
 class Unhandled:
@@ -93,6 +98,7 @@ def create_app(settings: Settings, devices: list[Device] | None = None) -> Starl
         devices=devices,
         refresh=refresh,
         stall_timeout=settings.runner_stall_timeout,
+        margin=settings.memory_margin,
     )
     service = Service(settings, registry, scheduler, devices)
     atexit.register(scheduler.kill_all)  # last resort if the loop dies without a clean stop

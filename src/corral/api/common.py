@@ -19,11 +19,18 @@ MAX_DEPTH = 64
 class ApiError(Exception):
     """An error the client caused or must hear about; never a traceback."""
 
-    def __init__(self, status: int, message: str, param: str | None = None) -> None:
+    def __init__(
+        self,
+        status: int,
+        message: str,
+        param: str | None = None,
+        retry_after: float | None = None,
+    ) -> None:
         super().__init__(message)
         self.status = status
         self.message = message
         self.param = param
+        self.retry_after = retry_after  # seconds: sent as Retry-After (503 when busy)
 
 
 async def read_json(request: Request) -> dict[str, Any]:

@@ -157,7 +157,7 @@ class Service:
                 return await self.scheduler.wait(ticket)
             return await until_disconnect(request, self.scheduler.wait(ticket))
         except SchedulerError as e:
-            raise ApiError(e.status, e.message) from None
+            raise ApiError(e.status, e.message, retry_after=e.retry_after) from None
 
     def estimate(self, info: ModelInfo, spec: RunnerSpec) -> Estimate:
         """The runner's memory estimate, computed once per model file and runner shape (it

@@ -54,6 +54,19 @@ def cpu_placer(size: int) -> Placer:
     return place
 
 
+def scaled_placer(place: Placer, k: float) -> Placer:
+    """`place` for a runner that needs k times the bytes on every device (a model that ran out
+    of memory with its estimate): it fits where the original fits in 1/k of the room."""
+
+    def scaled(free: Mapping[str, int]) -> Fit | None:
+        fit = place({d: int(n / k) for d, n in free.items()})
+        if fit is None:
+            return None
+        return Fit({d: int(n * k) for d, n in fit.devices.items()}, fit.layout)
+
+    return scaled
+
+
 @dataclass
 class Request:
     id: int
@@ -127,10 +140,16 @@ Action = Grant | Fail | Load | Stop
 
 
 class QueueFull(Exception):
-    pass
+    """The request is refused at once (503): the queue is full, or its wait could not end
+    before its deadline. `retry_after`: seconds after which a retry is likely to be served."""
+
+    def __init__(self, message: str, retry_after: float = 1.0) -> None:
+        super().__init__(message)
+        self.retry_after = retry_after
 
 
 QUEUE_FULL_MESSAGE = "server busy, please try again.  maximum pending requests exceeded"
+SERVICE_EWMA = 0.2  # weight of the newest request in a model's mean service time
 
 
 def compatible(spec: RunnerSpec, req: Request) -> bool:
@@ -145,6 +164,10 @@ def compatible(spec: RunnerSpec, req: Request) -> bool:
 @dataclass
 class Core:
     budgets: dict[str, int]  # device id -> bytes corral's runners may hold there
+    # Device id -> the most corral's runners may hold there in all given what other programs
+    # use right now (devices.live_headroom, refreshed by the shell). Loads fit under the
+    # smaller of this and the budget; a device missing here has only its budget.
+    headroom: dict[str, int] = field(default_factory=dict)
     max_loaded: int = 0  # 0: memory decides
     max_queue: int = 512
     default_keep_alive: float = 300.0
@@ -158,6 +181,9 @@ class Core:
     starve_after: float = 5.0  # seconds a load may wait before later grants queue behind it
     heat_decay: float = 0.97  # per request: a model's heat halves after ~23 other requests
     _heat: dict[str, tuple[float, int]] = field(default_factory=dict)  # model -> (heat, at)
+    _service: dict[str, float] = field(default_factory=dict)  # model -> mean seconds granted
+    _load_cost: dict[str, float] = field(default_factory=dict)  # model -> its last load time
+    _granted_at: dict[int, float] = field(default_factory=dict)  # request id -> when
     _arrivals: int = 0
     _next_runner: int = 1
 
@@ -169,10 +195,43 @@ class Core:
                 out[dev] = out.get(dev, 0) + n
         return out
 
-    def free(self, freed: Mapping[str, int] | None = None) -> dict[str, int]:
+    def free(self, freed: Mapping[str, int] | None = None, live: bool = False) -> dict[str, int]:
+        """Bytes left per device under the budgets (`live`: under the smaller of budget and
+        headroom, what a new load may take), counting `freed` bytes as free."""
         used = self.used()
         extra = freed or {}
-        return {d: b - used.get(d, 0) + extra.get(d, 0) for d, b in self.budgets.items()}
+        caps = self.budgets
+        if live:
+            caps = {d: min(b, self.headroom.get(d, b)) for d, b in caps.items()}
+        return {d: b - used.get(d, 0) + extra.get(d, 0) for d, b in caps.items()}
+
+    def short_of_headroom(self, q: Request) -> bool:
+        """Whether q's load fits under the budgets but not under what other programs leave:
+        the case the shell tells the operator about."""
+        return self._fit(q) is None and q.fit(self.free()) is not None
+
+    def expected_wait(self, req: Request, now: float) -> float | None:
+        """Seconds req would likely wait for a slot, from the model's measured service times
+        and load time; None where there is nothing to go by (no measure yet, or it waits for
+        memory that other models' requests hold)."""
+        s = self._service.get(req.model)
+        if s is None:
+            return None
+        r = self.current(req.model)
+        load = 0.0
+        if r is None or r.draining or not compatible(r.spec, req):
+            if req.model not in self._load_cost:
+                return None
+            load = self._load_cost[req.model]
+            parallel = req.spec.num_parallel
+        else:
+            parallel = r.spec.num_parallel
+            if r.state == "loading":
+                load = max(0.0, r.load_started + self._load_cost.get(req.model, 0.0) - now)
+        ahead = sum(1 for q in self.queue if q.model == req.model)
+        if r is not None and r.state == "ready" and not r.draining:
+            ahead += r.inflight - parallel + 1  # it waits for one of the busy slots too
+        return load + max(0, ahead) * s / max(1, parallel)
 
     def current(self, model: str) -> RunnerBook | None:
         """The model's runner that is loading or ready (not one on its way out)."""
@@ -207,15 +266,44 @@ class Core:
         r = self.current(req.model)
         ready = r is not None and r.state == "ready" and not r.draining and compatible(r.spec, req)
         if not (ready and r is not None and r.inflight < r.spec.num_parallel):
+            wait = self.expected_wait(req, now)
             if len(self.queue) >= self.max_queue:
-                raise QueueFull(QUEUE_FULL_MESSAGE)
+                raise QueueFull(QUEUE_FULL_MESSAGE, self._retry_after(req.model))
+            if wait is not None and wait > req.deadline - now:
+                # Refused now rather than failed at its deadline: the client can go elsewhere
+                # or come back when the queue has drained.
+                raise QueueFull(
+                    f"server busy, please try again.  model '{req.model}' has "
+                    f"{self.queued(req.model)} requests waiting; the expected wait of "
+                    f"{wait:.0f}s is longer than the queue timeout",
+                    max(1.0, wait - (req.deadline - now)),
+                )
         self.queue.append(req)
         self._pump(now)
+
+    def queued(self, model: str) -> int:
+        return sum(1 for q in self.queue if q.model == model)
+
+    def _retry_after(self, model: str) -> float:
+        """When a slot of the model's runner is likely to free up: a mean service time over
+        its slots (1 s when nothing is measured yet)."""
+        r = self.current(model)
+        s = self._service.get(model)
+        if s is None:
+            return 1.0
+        return max(1.0, s / (r.spec.num_parallel if r is not None else 1))
 
     def release(self, request_id: int, now: float) -> None:
         """A granted request finished (or its client went away)."""
         rid = self.granted.pop(request_id, None)
         r = self.runners.get(rid) if rid is not None else None
+        at = self._granted_at.pop(request_id, None)
+        if r is not None and at is not None:
+            prev = self._service.get(r.model)
+            took = now - at
+            self._service[r.model] = (
+                took if prev is None else prev + SERVICE_EWMA * (took - prev)
+            )
         if r is not None:
             r.inflight -= 1
             r.last_used = now
@@ -239,6 +327,7 @@ class Core:
             return
         r.state = "ready"
         r.load_cost = now - r.load_started
+        self._load_cost[r.model] = r.load_cost
         r.last_used = now
         r.expires_at = now + r.keep_alive
         if devices is not None:  # what the runner really allocated replaces the estimate
@@ -263,6 +352,7 @@ class Core:
         for req, rid in list(self.granted.items()):
             if rid == runner_id:  # their streams fail on their own; free the books now
                 del self.granted[req]
+                self._granted_at.pop(req, None)
         self._pump(now)
 
     def dying(self, runner_id: int, now: float) -> None:
@@ -285,6 +375,13 @@ class Core:
             return
         for dev, n in devices.items():
             r.devices[dev] = max(n, r.devices.get(dev, 0))
+        self._pump(now)
+
+    def set_headroom(self, headroom: Mapping[str, int], now: float) -> None:
+        """What other programs leave free for corral's runners changed (the shell measures
+        it): a load waiting for room may start, or one that no longer fits waits. Runners
+        already loaded stay; only the budgets decide evictions."""
+        self.headroom = dict(headroom)
         self._pump(now)
 
     def over_budget(self) -> dict[str, int]:
@@ -356,6 +453,7 @@ class Core:
         if q.pinned:
             r.pinned = True
         self.granted[q.id] = r.id
+        self._granted_at[q.id] = now
         self.actions.append(Grant(q.id, r.id))
 
     def _fit(
@@ -364,7 +462,7 @@ class Core:
         """Where q's runner would go if `freed` bytes (of `leaving` runners) were free."""
         if self.max_loaded and len(self.runners) - leaving >= self.max_loaded:
             return None
-        return q.fit(self.free(freed))
+        return q.fit(self.free(freed, live=True))
 
     def _pump(self, now: float) -> None:
         # Grants first: a request waiting for a loaded model takes its slot before any load
@@ -472,7 +570,7 @@ class Core:
         pool_by_id = {r.id: r for r in pool if not r.pinned}
         snap = Snapshot(
             now=now,
-            need=max(0, q.size - sum(self.free(_sum_devices(stopping)).values())),
+            need=max(0, q.size - sum(self.free(_sum_devices(stopping), live=True).values())),
             waiting_models=frozenset(o.model for o in self.queue),
         )
         victims: list[RunnerBook] = []

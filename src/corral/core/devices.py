@@ -2,7 +2,7 @@
 
 Discovery (psutil, NVML, amdsmi) is the shell's (`corral.runtime.devices`); everything here is
 pure. Budgets (how much corral may book per device) come from `budgets()`; `live_headroom()`
-computes what a device really has free right now for other processes' use to be respected.
+computes what a device really has free right now, so that other programs' use is respected.
 """
 
 from __future__ import annotations
@@ -17,6 +17,13 @@ LIBRARIES = ("cpu", "cuda", "rocm")
 
 
 CPU = "cpu"  # the id of system memory in device lists, budgets and bookings
+
+# What a runner process holds on each GPU it uses beyond llama.cpp's buffers: the CUDA (or HIP)
+# context, cuBLAS workspaces. It scales with the GPU's SM count (llama.cpp #20595, #23604:
+# 107 MiB on an RTX 4060 Ti, 555 MiB on an RTX PRO 6000); this is Ollama's allowance
+# (cudaMinimumMemory). Booked with every load; NVML's per-process figure then corrects it
+# upwards where a GPU needs more.
+GPU_CONTEXT_BYTES = 457 * 2**20
 
 
 @dataclass(frozen=True)
@@ -41,8 +48,8 @@ def budgets(devices: Iterable[Device], margin: int, limit: int | None = None) ->
 
     For the CPU this is system memory (or the cgroup limit) less the margin, on purpose not the
     memory available at start-up: that would shrink the budget by whatever the page cache held
-    then. The OS and other processes use memory too; the margin is what covers them today
-    (`live_headroom()` is the finer check, not yet wired into the scheduler).
+    then. The OS and other processes use memory too: the margin covers them, and before each
+    load the scheduler also checks `live_headroom()`, what they really leave free.
     """
     out = {}
     for d in devices:
@@ -59,8 +66,8 @@ def live_headroom(
     """The most corral's runners may have booked on this device in all, given what other
     processes use right now: free + what our own runners already hold, less the margin.
 
-    Meant for the scheduler to keep `booked + new <= min(budget, live_headroom(...))` (not yet
-    wired in). The device's free
+    The scheduler keeps `booked + new <= min(budget, live_headroom(...))` for every load
+    (Core.headroom). The device's free
     figure leaves out what our runners hold (they are using it), so that is added back; the
     rest of its used memory belongs to others (another CUDA program, the desktop, the page
     cache a database pins) and is not ours to take.

@@ -251,6 +251,31 @@ def _nvidia_refresh(d: Device) -> Device:
     return replace(d, total=total, free=free, free_reliable=reliable)
 
 
+def gpu_process_memory(devices: Iterable[Device]) -> dict[int, dict[str, int]]:
+    """GPU memory each process holds (pid -> device id -> bytes) as NVML reports it: its CUDA
+    context and every allocation, which llama.cpp's own account leaves out. Empty without
+    NVML; a process in another pid namespace (corral in a container) matches no runner.
+    Never raises."""
+    nv = _nvml_module()
+    out: dict[int, dict[str, int]] = {}
+    if nv is None:
+        return out
+    for d in devices:
+        if d.library != "cuda" or d.uuid is None:
+            continue
+        try:
+            procs = nv.nvmlDeviceGetComputeRunningProcesses(nv.nvmlDeviceGetHandleByUUID(d.uuid))
+        except Exception as e:  # NVMLError, or a binding without the call
+            log.debug("NVML processes of %s unreadable: %s", d.id, e)
+            continue
+        for p in procs:
+            used = getattr(p, "usedGpuMemory", None)
+            if isinstance(used, int) and used > 0:  # None: not available (e.g. Windows WDDM)
+                by_dev = out.setdefault(int(p.pid), {})
+                by_dev[d.id] = by_dev.get(d.id, 0) + used
+    return out
+
+
 def visible_order(found: Sequence[tuple[int, str]], env: str | None) -> list[int]:
     """Positions in `found` ((index, uuid) per GPU, in enumeration order) that a
     CUDA_VISIBLE_DEVICES-style value makes visible, in the order the runtime numbers them.

@@ -9,21 +9,60 @@ every shared library once per runner. Reading /proc/PID/smaps_rollup costs ~0.1-
 from __future__ import annotations
 
 import contextlib
+from dataclasses import dataclass
 
 import psutil
 
 
-def process_memory(pid: int) -> int | None:
-    """PSS of a runner process and its children, in bytes; None if it is gone or unreadable.
+@dataclass(frozen=True)
+class Usage:
+    pss: int  # bytes of system memory the process tree costs the machine
+    # ... of which anonymous (heap, KV cache, buffers): the part the kernel's "available" figure
+    # does not count as free. Weights mapped from the file are page cache, counted there.
+    anon: int
+    pids: tuple[int, ...] = ()  # the processes measured (the runner and its children)
+
+
+def process_usage(pid: int) -> Usage | None:
+    """System memory of a runner process and its children; None if it is gone or unreadable.
     (Where the kernel reports no PSS, RSS, which errs high.)"""
     try:
         proc = psutil.Process(pid)
         procs = [proc, *proc.children(recursive=True)]
     except psutil.Error:
         return None
-    total = 0
+    pss = anon = 0
+    pids = []
     for p in procs:
+        fields = _smaps_rollup(p.pid)
+        if fields is not None and "Pss" in fields:
+            pss += fields["Pss"]
+            anon += fields.get("Pss_Anon", fields.get("Anonymous", fields["Pss"]))
+            pids.append(p.pid)
+            continue
         with contextlib.suppress(psutil.Error):
-            info = p.memory_full_info()
-            total += int(getattr(info, "pss", info.rss))
-    return total or None
+            rss = int(p.memory_info().rss)
+            pss, anon = pss + rss, anon + rss
+            pids.append(p.pid)
+    return Usage(pss, anon, tuple(pids)) if pss else None
+
+
+def process_memory(pid: int) -> int | None:
+    """PSS of a runner process and its children, in bytes; None if it is gone."""
+    u = process_usage(pid)
+    return None if u is None else u.pss
+
+
+def _smaps_rollup(pid: int) -> dict[str, int] | None:
+    try:
+        with open(f"/proc/{pid}/smaps_rollup", "rb") as f:
+            text = f.read().decode("ascii", "replace")
+    except OSError:
+        return None
+    out = {}
+    for line in text.splitlines()[1:]:
+        key, _, rest = line.partition(":")
+        parts = rest.split()
+        if parts and parts[0].isdigit():
+            out[key] = int(parts[0]) * 1024  # kB
+    return out

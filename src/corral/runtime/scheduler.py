@@ -13,6 +13,8 @@ import contextlib
 import itertools
 import logging
 import math
+import re
+import signal
 import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
@@ -28,24 +30,36 @@ from corral.core.books import (
     Request,
     RunnerBook,
     Stop,
+    cpu_placer,
+    scaled_placer,
 )
-from corral.core.devices import Device
+from corral.core.devices import CPU, GPU_CONTEXT_BYTES, Device, live_headroom
 from corral.core.estimate import RUNNER_PROCESS_BYTES
 from corral.core.policy import DEFAULT_POLICY, POLICIES
 from corral.core.spec import Layout, RunnerSpec
-from corral.runtime.memwatch import process_memory
+from corral.runtime.devices import gpu_process_memory
+from corral.runtime.memwatch import Usage, process_usage
 from corral.runtime.runner import Runner, RunnerError
 
 log = logging.getLogger(__name__)
 
 SHUTDOWN_GRACE = 0.5  # seconds a serving runner gets to exit on SIGTERM when the server stops
+OOM_RAISE = 1.25  # a model that ran out of memory is booked this much higher next time ...
+OOM_RAISE_MAX = 4.0  # ... up to this factor in all
+# What llama.cpp (ggml, CUDA, Vulkan) says when an allocation fails during a load.
+_ALLOC_FAILED = re.compile(
+    r"out of memory|failed to allocate|unable to allocate|cudaMalloc|bad_alloc"
+    r"|ErrorOutOfDeviceMemory|SIGKILL",
+    re.I,
+)
 
 
 class SchedulerError(Exception):
-    def __init__(self, status: int, message: str) -> None:
+    def __init__(self, status: int, message: str, retry_after: float | None = None) -> None:
         super().__init__(message)
         self.status = status
         self.message = message
+        self.retry_after = retry_after  # seconds; set on 503s a retry can cure
 
 
 @dataclass
@@ -89,6 +103,7 @@ class Scheduler:
         recovery_timeout: float = 5.0,
         stall_timeout: float = math.inf,
         measure_interval: float = 2.0,
+        margin: int = 0,
     ) -> None:
         self.core = Core(
             budgets=budgets,
@@ -107,6 +122,10 @@ class Scheduler:
         self.measure_interval = measure_interval  # seconds between measures of real memory
         self._measurer: asyncio.Task[None] | None = None
         self.measured: dict[int, int] = {}  # runner id -> its last measured PSS, bytes
+        self.margin = margin  # bytes to keep free per device (headroom is checked against it)
+        self.raised: dict[str, float] = {}  # model -> booking factor after running out of memory
+        self._warned_headroom: set[int] = set()  # requests whose wait for room was logged
+        self._set_headroom(self.devices, [], {})  # as discovered; then every measure_interval
         self._free_before: dict[int, dict[str, int]] = {}  # runner id -> GPU free at stop
         self.runners: dict[int, Runner] = {}
         self._waiters: dict[int, asyncio.Future[Runner]] = {}
@@ -133,6 +152,12 @@ class Scheduler:
         slot the ticket is granted on return. SchedulerError if refused."""
         if self._closing:
             raise SchedulerError(503, "server is shutting down")
+        k = self.raised.get(model)
+        if k is not None:  # it ran out of memory before: ask for more room this time
+            place = scaled_placer(place or cpu_placer(size), k)
+            size = int(size * k)
+        if self._measurer is None and math.isfinite(self.measure_interval):
+            self._measurer = asyncio.ensure_future(self._measure_forever())
         now = time.monotonic()
         rid = next(self._ids)
         fut: asyncio.Future[Runner] = asyncio.get_running_loop().create_future()
@@ -146,7 +171,7 @@ class Scheduler:
             self.core.request(req, now)
         except QueueFull as e:
             del self._waiters[rid]
-            raise SchedulerError(503, str(e)) from None
+            raise SchedulerError(503, str(e), e.retry_after) from None
         self._apply()
         return Ticket(rid, now, fut)
 
@@ -181,7 +206,7 @@ class Scheduler:
         ]
 
     def queued(self, model: str) -> int:
-        return sum(1 for q in self.core.queue if q.model == model)
+        return self.core.queued(model)
 
     # ---- carrying out decisions --------------------------------------------------------------
     def _apply(self) -> None:
@@ -229,6 +254,8 @@ class Scheduler:
                 log.info("loading '%s' stopped: the server is shutting down", runner.name)
             else:
                 log.error("loading '%s' failed: %s", runner.name, e)
+                if _ALLOC_FAILED.search(str(e)):
+                    self._ran_out_of_memory(runner.name)
             self.runners.pop(rid, None)
             self.core.load_failed(rid, str(e), time.monotonic())
             self._apply()
@@ -270,38 +297,119 @@ class Scheduler:
                 sum(real.values()) / 2**20,
                 book.size / 2**20,
             )
-        if real is not None:  # llama.cpp's buffers, and the process that holds them
-            real["cpu"] = real.get("cpu", 0) + RUNNER_PROCESS_BYTES
-        self.core.loaded(rid, time.monotonic(), real)  # the real allocation replaces the estimate
-        if self._measurer is None and math.isfinite(self.measure_interval):
-            self._measurer = asyncio.ensure_future(self._measure_forever())
+        if real is not None:  # llama.cpp's buffers, the process that holds them, its contexts
+            real[CPU] = real.get(CPU, 0) + RUNNER_PROCESS_BYTES
+            for dev, n in list(real.items()):
+                if dev != CPU and n:
+                    real[dev] = n + GPU_CONTEXT_BYTES
+            k = self.raised.get(runner.name, 1.0)
+            real = {d: int(n * k) for d, n in real.items()}
+        now = time.monotonic()
+        self.core.loaded(rid, now, real)  # the real allocation replaces the estimate
+        if runner.pid is not None and math.isfinite(self.measure_interval):
+            # Measured at once too: the books must hold what it holds from the start, not
+            # from the next measure (one smaps_rollup read, well under a millisecond).
+            usage = process_usage(runner.pid)
+            if usage is not None:
+                self._observe(rid, now, usage, {})
 
     async def _measure_forever(self) -> None:
-        """Every few seconds, what each ready runner really holds goes to the books
-        (Core.observed): a booking below the measure grows to it and idle runners make room
-        if that is over the budget. System memory only (PSS); GPU memory is booked from
-        llama.cpp's own account."""
+        """Every few seconds: what each runner really holds goes to the books (Core.observed:
+        a booking below the measure grows to it, and idle runners make room if that is over
+        the budget), and what other programs leave free becomes the headroom loads must fit
+        under (Core.headroom)."""
         while not self._closing:
+            try:
+                await self._measure_once()
+            except Exception:  # a measure must never end the measuring
+                log.exception("measuring the runners' memory failed")
             await asyncio.sleep(self.measure_interval)
-            ready = [(rid, r.pid) for rid, b in self.core.runners.items()
-                     if b.state == "ready" and (r := self.runners.get(rid)) and r.pid]  # fmt: skip
-            if not ready:
+
+    async def _measure_once(self) -> None:
+        pids = {rid: r.pid for rid, r in self.runners.items() if r.pid}
+        # smaps_rollup reads take ~0.1-1 ms each, NVML calls similar: off the event loop.
+        devices, usages, gpu = await asyncio.to_thread(self._read_machine, list(pids.values()))
+        now = time.monotonic()
+        for (rid, _), usage in zip(pids.items(), usages, strict=True):
+            book = self.core.runners.get(rid)
+            if usage is not None and book is not None:
+                self._observe(rid, now, usage, gpu)
+        self._set_headroom(devices, usages, gpu)
+        self._apply()
+        self._warn_short_of_headroom()
+
+    def _read_machine(
+        self, pids: list[int]
+    ) -> tuple[list[Device], list[Usage | None], dict[int, dict[str, int]]]:
+        devices = self.refresh(self.devices) if self.refresh is not None else self.devices
+        gpus = [d for d in devices if d.library != "cpu"]
+        return devices, [process_usage(p) for p in pids], gpu_process_memory(gpus) if gpus else {}
+
+    def _observe(
+        self, rid: int, now: float, usage: Usage, gpu: Mapping[int, Mapping[str, int]]
+    ) -> None:
+        book = self.core.runners.get(rid)
+        if book is None or book.state != "ready":
+            return
+        seen = {CPU: usage.pss}
+        for pid in usage.pids:
+            for dev, n in gpu.get(pid, {}).items():
+                seen[dev] = seen.get(dev, 0) + n
+        self.measured[rid] = usage.pss
+        for dev, n in seen.items():
+            if n > book.devices.get(dev, 0):
+                log.warning(
+                    "model '%s' holds %.1f MiB on %s, %.1f MiB more than booked",
+                    book.model, n / 2**20, dev, (n - book.devices.get(dev, 0)) / 2**20,
+                )  # fmt: skip
+        self.core.observed(rid, now, seen)
+
+    def _set_headroom(
+        self,
+        devices: list[Device],
+        usages: list[Usage | None],
+        gpu: Mapping[int, Mapping[str, int]],
+    ) -> None:
+        """What other programs leave for corral's runners on each device, right now."""
+        booked = self.core.used()
+        ours = {p for u in usages if u is not None for p in u.pids}
+        in_use: dict[str, int] = {CPU: sum(u.anon for u in usages if u is not None)}
+        for pid, by_dev in gpu.items():
+            if pid in ours:
+                for dev, n in by_dev.items():
+                    in_use[dev] = in_use.get(dev, 0) + n
+        headroom = {}
+        for d in devices:
+            if d.id in self.core.budgets:
+                headroom[d.id] = live_headroom(
+                    d, booked.get(d.id, 0), in_use_by_us=in_use.get(d.id), margin=self.margin
+                )
+        self.core.set_headroom(headroom, time.monotonic())
+
+    def _warn_short_of_headroom(self) -> None:
+        for q in self.core.queue:
+            if self.core.current(q.model) is not None or q.id in self._warned_headroom:
                 continue
-            # smaps_rollup reads take ~1 ms each: off the event loop.
-            sizes = await asyncio.to_thread(measure_all, [pid for _, pid in ready])
-            now = time.monotonic()
-            for (rid, _), size in zip(ready, sizes, strict=True):
-                if size is None:
-                    continue
-                self.measured[rid] = size
-                book = self.core.runners.get(rid)
-                if book is not None and size > book.devices.get("cpu", 0):
-                    log.warning(
-                        "model '%s' holds %.1f MiB of system memory, %.1f MiB more than booked",
-                        book.model, size / 2**20, (size - book.devices.get("cpu", 0)) / 2**20,
-                    )  # fmt: skip
-                self.core.observed(rid, now, {"cpu": size})
-            self._apply()
+            if self.core.short_of_headroom(q):
+                self._warned_headroom.add(q.id)
+                room = ", ".join(
+                    f"{n / 2**20:.0f} MiB on {d}" for d, n in self.core.headroom.items()
+                )
+                log.warning(
+                    "loading model '%s' waits: other programs leave corral's runners only %s",
+                    q.model, room,
+                )  # fmt: skip
+            break  # loads start first come, first served: only the first one waits for room
+        if len(self._warned_headroom) > 4096:
+            self._warned_headroom.clear()
+
+    def _ran_out_of_memory(self, model: str) -> None:
+        k = min(OOM_RAISE_MAX, self.raised.get(model, 1.0) * OOM_RAISE)
+        self.raised[model] = k
+        log.warning(
+            "model '%s' ran out of memory: booking it %.0f%% above its estimate from now on",
+            model, (k - 1) * 100,
+        )  # fmt: skip
 
     async def _watch(self, rid: int, runner: Runner) -> None:
         """Wait for the runner's process to end, then free its books. Never dies silently: if
@@ -335,6 +443,8 @@ class Scheduler:
             log.info("runner for '%s' exited (code %s)", runner.name, code)
         else:
             log.error("%s", runner.failure_message())
+            if code == -signal.SIGKILL:  # nothing of corral's sent it: the OOM killer did
+                self._ran_out_of_memory(runner.name)
         if runner.session is not None:
             await runner.session.close()
         before = self._free_before.pop(rid, None)
@@ -473,10 +583,6 @@ class Scheduler:
     def kill_all(self) -> None:
         for r in self.runners.values():
             r.kill_now()
-
-
-def measure_all(pids: list[int]) -> list[int | None]:
-    return [process_memory(pid) for pid in pids]
 
 
 async def wait_for_recovery(
