@@ -16,12 +16,15 @@ from typing import TYPE_CHECKING, Any
 if TYPE_CHECKING:
     from corral.bench.common import Say, Scale, Section
 
-SECTIONS = ("proxy", "cold", "swap", "estimates")
+SECTIONS = ("proxy", "cold", "swap", "estimates")  # what `all` runs
+# Run only when named: the soak is a stress test of a minute or more, with chaos.
+EXTRA = ("soak",)
 TITLES = {
     "proxy": "Proxy overhead",
     "cold": "Cold start",
     "swap": "Multi-model swap traces",
     "estimates": "Estimate accuracy",
+    "soak": "Soak under a memory limit, with chaos",
 }
 
 
@@ -97,6 +100,10 @@ def run_section(name: str, scale: Scale, work: Path, say: Say) -> Section:
         from corral.bench import swap
 
         runners[name] = swap.run
+    elif name == "soak":
+        from corral.bench import soak
+
+        runners[name] = soak.run
     t0 = time.monotonic()
     try:
         sec = runners[name](scale, work, say)
@@ -112,8 +119,8 @@ def build_parser() -> argparse.ArgumentParser:
         prog="corral bench",
         description="Run corral's benchmarks and print their figures (see docs/benchmarks.md).",
     )
-    p.add_argument("section", nargs="?", default="all", choices=["all", *SECTIONS],
-                   help="which benchmark (default: all)")  # fmt: skip
+    p.add_argument("section", nargs="?", default="all", choices=["all", *SECTIONS, *EXTRA],
+                   help="which benchmark (default: all; soak only when named)")  # fmt: skip
     size = p.add_mutually_exclusive_group()
     size.add_argument("--quick", action="store_true", help="fewer repetitions (a few minutes)")
     size.add_argument(

@@ -14,12 +14,16 @@ from typing import Any
 
 from corral.bench.common import Section, machine_line
 
-ORDER = ("proxy", "cold", "swap", "estimates")
+ORDER = ("proxy", "cold", "swap", "estimates", "soak")
+OPTIONAL = ("soak",)  # on the page once measured (`all` does not run them)
+# Hand-written blocks (`<!-- bench:notes:NAME -->`) a run keeps as they are, after the goals.
+NOTES = {"misses": "What the misses mean"}
 TITLES = {
     "proxy": "1. Proxy overhead",
     "cold": "2. Cold start",
     "swap": "3. Multi-model swap traces",
     "estimates": "4. Estimate accuracy",
+    "soak": "5. Soak under a memory limit, with chaos",
 }
 
 INTRO = """\
@@ -34,9 +38,10 @@ corral bench proxy --quick                   # one section, fewer repetitions, p
 python -m corral.bench swap --json swap.json
 ```
 
-Sections: `proxy`, `cold`, `swap`, `estimates` (or `all`). `--quick` takes a few minutes,
-`--smoke` (what CI runs, tests/test_bench_smoke.py) seconds with meaningless figures; the
-default full run is what this page should report. `--write-docs` rewrites only the sections
+Sections: `proxy`, `cold`, `swap`, `estimates` (or `all`), and `soak`, run only when named
+(`corral bench soak --write-docs`: a stress test of a minute or more). `--quick` takes a few
+minutes, `--smoke` (what CI runs, tests/test_bench_smoke.py) seconds with meaningless figures;
+the default full run is what this page should report. `--write-docs` rewrites only the sections
 it measured. Each comparison runs both sides in one process tree on one machine, interleaved
 (alternating which goes first), several times; tables give medians and p99. Benchmarks print
 figures, they do not pass or fail; goals are checked in "Goals vs measured".
@@ -75,6 +80,23 @@ prompt time. The offline optimum (Belady: evict the model whose next use is fart
 computed for the same trace, limit and sizes by driving corral's scheduler core one request at
 a time (`corral.bench.trace.simulate`). With `CORRAL_BENCH_LLAMA_SERVER=/path/to/llama-server`
 the trace is also replayed against llama.cpp's router mode.""",
+    "soak": """\
+A black-box stress test (`corral.bench.soak`; tests/test_soak.py runs the same with 32 clients
+for 60 s and asserts its goals). A real corral serves five synthetic llama models (4-30 MB)
+under a `CORRAL_MEMORY_LIMIT` of half of what they book in all (corral's estimate plus the
+runner process), with `CORRAL_RUNNER_STALL_TIMEOUT=5s` and `CORRAL_QUEUE_TIMEOUT=10s`. Closed-loop
+clients send a random mix over every API family (Ollama chat and generate, OpenAI chat and
+completions, Anthropic messages, Responses; streamed or not; 4-32 tokens; models by Zipf-like
+popularity); a tenth of the streaming clients leave mid-stream; a few Ollama requests flip
+`options.num_ctx` between 512 and 2048, reloading the model under load (each is timed).
+Chaos: a busy runner is frozen with SIGSTOP at 25% and 65% of the run and left frozen
+(corral's watchdog must kill it), another is SIGKILLed at 45%. Every response is classified:
+complete (the family's own end: Ollama `done: true`, OpenAI `[DONE]` or a finished object,
+Anthropic `message_stop`, Responses `response.completed`/`incomplete`), an explicit error (a
+status >= 400 with a body in the family's error shape, or a mid-stream error in that shape),
+a client that left, or BAD (a stream that closed without its end or an error, a connection
+error, no answer in time, an error without a message). A thread sums the runner processes'
+proportional set size (PSS) and RSS every 200 ms; another polls `/api/ps` for the books.""",
     "estimates": """\
 corral's memory estimate (`corral.core.estimate`) against what llama.cpp reports it allocated, for
 synthetic and real models at several contexts, slots and KV cache types
@@ -171,10 +193,14 @@ def render(
     ])  # fmt: skip
     out = [INTRO, "## Machine", "", _block("machine", "latest", machine)]
     out += ["## Goals vs measured", ""]
-    for name in ORDER:
+    shown = [n for n in ORDER if n not in OPTIONAL or ("results", n) in blocks]
+    for name in shown:
         body = blocks.get(("goals", name), f"- {TITLES[name]}: not measured yet\n")
         out += [f"{TITLES[name]}:", "", _block("goals", name, body)]
-    for name in ORDER:
+    for key, title in NOTES.items():
+        if ("notes", key) in blocks:
+            out += [f"## {title}", "", _block("notes", key, blocks[("notes", key)])]
+    for name in shown:
         body = blocks.get(
             ("results", name),
             f"Not measured yet: run `corral bench {name} --write-docs`.\n",
