@@ -415,6 +415,7 @@ def test_queue_limit_answers_server_busy_in_both_api_shapes(serve) -> None:
         r = gen(s, "a")
         assert r.status_code == 503
         assert r.json() == {"error": BUSY}
+        assert int(r.headers["retry-after"]) >= 1  # when a slot is likely free again
         r = s.client.post(
             "/v1/chat/completions",
             json={"model": "a", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2},
@@ -422,6 +423,7 @@ def test_queue_limit_answers_server_busy_in_both_api_shapes(serve) -> None:
         assert r.status_code == 503
         err = r.json()["error"]
         assert err["message"] == BUSY and isinstance(err["type"], str) and "param" in err, err
+        assert int(r.headers["retry-after"]) >= 1  # the OpenAI SDK retries after it
         assert loaded(s)[name("a")]["queued"] == 2  # refused requests leave no queue entry
         st["a"].more()
     done = bg.join(s)
