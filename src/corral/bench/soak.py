@@ -307,6 +307,7 @@ class Outcome:
     message: str = ""  # the error's message
     retry_after: str | None = None
     num_ctx: int | None = None  # set on the requests that flip options
+    sent_at: str = ""  # wall clock, as in the server's log
 
 
 def build_request(
@@ -607,6 +608,7 @@ async def load(
                 leave = stream and crng.random() < cfg.disconnect_share
                 body = build_request(family, model, stream, n, crng.choice(PROMPTS), num_ctx)
                 out = Outcome(family, stream, model, time.monotonic() - t0, num_ctx=num_ctx)
+                out.sent_at = _clock()
                 outcomes.append(out)
                 try:
                     await asyncio.wait_for(
@@ -771,6 +773,21 @@ def summarize(
             ),
             "latency_p50": _pct(flips_done, 50),
             "worst": _pct(flips_done, 100),
+            "each": [
+                {
+                    k: getattr(o, k)
+                    for k in (
+                        "model",
+                        "num_ctx",
+                        "sent_at",
+                        "latency",
+                        "status",
+                        "outcome",
+                        "message",
+                    )
+                }
+                for o in flips
+            ],
         },
         "memory": {
             "samples": watch.samples,
@@ -803,8 +820,16 @@ def summarize(
     }
 
 
+def _clock() -> str:
+    """The wall clock as the server's log prints it (local time, milliseconds)."""
+    now = time.time()
+    return time.strftime("%H:%M:%S", time.localtime(now)) + f",{int(now % 1 * 1000):03d}"
+
+
 def _gist(text: str) -> str:
-    """A message with its numbers and quoted names replaced, so alike messages count as one."""
+    """A message's first line with its numbers and quoted names replaced (and a runner's log
+    tail left out), so alike messages count as one."""
+    text = text.split("\n", 1)[0].split("; last log lines:", 1)[0]
     text = re.sub(r"'[^']*'", "'…'", text)
     text = re.sub(r"\d+(\.\d+)?", "N", text)
     return text[:140]
