@@ -85,15 +85,27 @@ async def test_a_runner_killed_for_memory_is_booked_higher_next_time(
 @pytest.mark.parametrize(
     ("message", "oom"),
     [
-        ("ggml_backend_cpu_buffer_type_alloc_buffer: failed to allocate buffer of size 8589934592",
-         True),
-        ("ggml_backend_cuda_buffer_type_alloc_buffer: allocating 4096.00 MiB on device 0: "
-         "cudaMalloc failed: out of memory", True),
-        ("llama_init_from_model: failed to initialize the context: failed to allocate compute "
-         "pp buffers", True),
+        (
+            "ggml_backend_cpu_buffer_type_alloc_buffer: failed to allocate buffer of size "
+            "8589934592",
+            True,
+        ),
+        (
+            "ggml_backend_cuda_buffer_type_alloc_buffer: allocating 4096.00 MiB on device 0: "
+            "cudaMalloc failed: out of memory",
+            True,
+        ),
+        (
+            "llama_init_from_model: failed to initialize the context: failed to allocate compute "
+            "pp buffers",
+            True,
+        ),
         ("runner for model 'm' was killed by signal 9 (SIGKILL: out of memory?)", True),
-        ("llama_model_load: error loading model: tensor 'blk.0.attn_q.weight' data is not within "
-         "the file bounds", False),
+        (
+            "llama_model_load: error loading model: tensor 'blk.0.attn_q.weight' data is not "
+            "within the file bounds",
+            False,
+        ),
         ("runner for model 'm' exited with code 1", False),
     ],
 )

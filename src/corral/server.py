@@ -23,6 +23,7 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 import corral
 from corral.api.anthropic import Anthropic, anthropic_error
 from corral.api.common import ApiError
+from corral.api.metrics import MeasureRequests, Metrics
 from corral.api.ollama import Ollama
 from corral.api.openai import OpenAI, Router, openai_error
 from corral.api.rerank import Rerank
@@ -101,6 +102,7 @@ def create_app(settings: Settings, devices: list[Device] | None = None) -> Starl
         margin=settings.memory_margin,
     )
     service = Service(settings, registry, scheduler, devices)
+    metrics = Metrics(scheduler)
     atexit.register(scheduler.kill_all)  # last resort if the loop dies without a clean stop
 
     async def api_error(request: Request, exc: Exception) -> Response:
@@ -135,6 +137,7 @@ def create_app(settings: Settings, devices: list[Device] | None = None) -> Starl
     routes = [
         Route("/", root, methods=["GET", "HEAD"]),
         Route("/health", health, methods=["GET"]),
+        Route("/metrics", metrics.endpoint, methods=["GET"]),
         *Ollama(service).routes(),
         *OpenAI(service).routes(),
         *Anthropic(service).routes(),
@@ -146,7 +149,7 @@ def create_app(settings: Settings, devices: list[Device] | None = None) -> Starl
         routes=routes,
         lifespan=lifespan,
         exception_handlers={ApiError: api_error, HTTPException: http_error},
-        middleware=[Middleware(Unhandled)],
+        middleware=[Middleware(MeasureRequests, metrics=metrics), Middleware(Unhandled)],
     )
     app.state.service = service
     app.state.scheduler = scheduler

@@ -22,6 +22,7 @@ from starlette.requests import Request
 
 from corral.api.common import ApiError, runner_error
 from corral.api.events import Chat, Generation, forced_schema
+from corral.api.metrics import note_model
 from corral.config import Settings
 from corral.core.books import Fit, Placer
 from corral.core.devices import Device
@@ -140,6 +141,7 @@ class Service:
     ) -> Lease:
         """Wait for a runner slot. A client that leaves while waiting (queued, or while its
         model loads) takes its queue entry with it."""
+        note_model(request.scope, r.name)  # labels the request's metrics
         spec, explicit = self.runner_spec(r, options)
         try:
             check_kv_cache_type(r.info, spec.kv_cache_type)

@@ -130,10 +130,16 @@ class Load:
     fit: Fit
 
 
+# Why a runner is stopped, for metrics and the operator: the reason's class.
+StopKind = Literal["memory", "keep_alive", "options_change", "requested"]
+
+
 @dataclass(frozen=True)
 class Stop:
     runner: int
-    reason: str
+    reason: str  # in words, for the log
+    kind: StopKind = "requested"
+    room_for: str | None = None  # the model an eviction made room for
 
 
 Action = Grant | Fail | Load | Stop
@@ -301,16 +307,14 @@ class Core:
         if r is not None and at is not None:
             prev = self._service.get(r.model)
             took = now - at
-            self._service[r.model] = (
-                took if prev is None else prev + SERVICE_EWMA * (took - prev)
-            )
+            self._service[r.model] = took if prev is None else prev + SERVICE_EWMA * (took - prev)
         if r is not None:
             r.inflight -= 1
             r.last_used = now
             if r.inflight == 0:
                 r.expires_at = now + r.keep_alive
                 if r.state == "ready" and r.keep_alive <= 0:
-                    self._stop(r, "keep_alive 0")
+                    self._stop(r, "keep_alive 0", "keep_alive")
         self._pump(now)  # also stops it if a queued request needs it reloaded
 
     def cancel(self, request_id: int, now: float) -> None:
@@ -410,7 +414,7 @@ class Core:
                 victims.append(idle[rid])
         for v in victims:
             self.evictions += 1
-            self._stop(v, "evicted: measured memory is over the budget")
+            self._stop(v, "evicted: measured memory is over the budget", "memory")
 
     def unload(self, model: str, now: float) -> bool:
         """Unload a model as soon as it is idle (keep_alive 0, `corral stop`, router unload)."""
@@ -429,7 +433,7 @@ class Core:
         """Timers: keep-alive expiry and request deadlines."""
         for r in list(self.runners.values()):
             if r.state == "ready" and r.inflight == 0 and r.expires_at <= now:
-                self._stop(r, "keep-alive expired")
+                self._stop(r, "keep-alive expired", "keep_alive")
         for q in [q for q in self.queue if q.deadline <= now]:
             self.queue.remove(q)
             self.actions.append(
@@ -438,9 +442,11 @@ class Core:
         self._pump(now)
 
     # ---- decisions -------------------------------------------------------------------------
-    def _stop(self, r: RunnerBook, reason: str) -> None:
+    def _stop(
+        self, r: RunnerBook, reason: str, kind: StopKind = "requested", room_for: str | None = None
+    ) -> None:
         r.state = "unloading"
-        self.actions.append(Stop(r.id, reason))
+        self.actions.append(Stop(r.id, reason, kind, room_for))
 
     def _grant(self, q: Request, r: RunnerBook, now: float) -> None:
         self.queue.remove(q)
@@ -499,7 +505,7 @@ class Core:
                 r.draining = True  # later requests wait for the reloaded runner
             if r is not None and r.draining:
                 if r.state == "ready" and r.inflight == 0:
-                    self._stop(r, "reloading with new options")
+                    self._stop(r, "reloading with new options", "options_change")
                 continue
             if r is not None:
                 if r.state == "ready" and r.inflight < r.spec.num_parallel:
@@ -560,7 +566,7 @@ class Core:
         idle = [r for r in self.runners.values() if r.state == "ready" and r.inflight == 0]
         for v in self._victims(q, idle, now) or []:
             self.evictions += 1
-            self._stop(v, f"evicted to make room for '{q.model}'")
+            self._stop(v, f"evicted to make room for '{q.model}'", "memory", q.model)
         return None  # the load starts once the victims have exited
 
     def _victims(self, q: Request, pool: list[RunnerBook], now: float) -> list[RunnerBook] | None:

@@ -298,6 +298,30 @@ class Runner:
         except (aiohttp.ClientError, OSError, asyncio.TimeoutError):
             return False
 
+    async def token_counts(self, timeout: float = 1.0) -> tuple[int, int] | None:
+        """(prompt tokens, generated tokens) the runner has processed since it started, from
+        llama.cpp's own /metrics; None if it does not answer."""
+        if self.session is None or self.session.closed:
+            return None
+        try:
+            async with self.session.get(
+                "/metrics", timeout=aiohttp.ClientTimeout(total=timeout)
+            ) as r:
+                if r.status != 200:
+                    return None
+                text = await r.text()
+        except (aiohttp.ClientError, OSError, asyncio.TimeoutError, UnicodeDecodeError):
+            return None
+        found: dict[str, int] = {}
+        for line in text.splitlines():
+            name, _, value = line.partition(" ")
+            if name in ("llamacpp:prompt_tokens_total", "llamacpp:tokens_predicted_total"):
+                with contextlib.suppress(ValueError):
+                    found[name] = int(float(value))
+        if len(found) < 2:
+            return None
+        return found["llamacpp:prompt_tokens_total"], found["llamacpp:tokens_predicted_total"]
+
     async def wait_gone(self, poll: float = 0.1) -> None:
         """Wait until the process is gone (exited, or a zombie whose memory is free), also when
         asyncio's wait on it has failed: used where watching the runner went wrong."""

@@ -38,6 +38,7 @@ from corral.core.estimate import RUNNER_PROCESS_BYTES
 from corral.core.policy import DEFAULT_POLICY, POLICIES
 from corral.core.spec import Layout, RunnerSpec
 from corral.runtime.devices import gpu_process_memory
+from corral.runtime.journal import Journal
 from corral.runtime.memwatch import Usage, process_usage
 from corral.runtime.runner import Runner, RunnerError
 
@@ -125,6 +126,13 @@ class Scheduler:
         self.margin = margin  # bytes to keep free per device (headroom is checked against it)
         self.raised: dict[str, float] = {}  # model -> booking factor after running out of memory
         self._warned_headroom: set[int] = set()  # requests whose wait for room was logged
+        self.journal = Journal()  # every decision, for metrics and the dashboard
+        self.last_devices: list[Device] = list(self.devices)  # as last measured
+        # Tokens each model's runners processed (prompt, generated), summed over the runners'
+        # own counters (llama.cpp's /metrics), read with every measure.
+        self.tokens: dict[str, list[int]] = {}
+        self._runner_tokens: dict[int, tuple[int, int]] = {}
+        self.on_wait: Callable[[str, float], None] | None = None  # (model, seconds) per grant
         self._set_headroom(self.devices, [], {})  # as discovered; then every measure_interval
         self._free_before: dict[int, dict[str, int]] = {}  # runner id -> GPU free at stop
         self.runners: dict[int, Runner] = {}
@@ -171,6 +179,7 @@ class Scheduler:
             self.core.request(req, now)
         except QueueFull as e:
             del self._waiters[rid]
+            self.journal.record("refused", model, message=str(e))
             raise SchedulerError(503, str(e), e.retry_after) from None
         self._apply()
         return Ticket(rid, now, fut)
@@ -186,6 +195,8 @@ class Scheduler:
             self._apply()
             raise
         waited = time.monotonic() - ticket.arrived
+        if self.on_wait is not None:
+            self.on_wait(runner.name, waited)
         return Lease(self, ticket.id, runner, waited, runner.started_at >= ticket.arrived)
 
     async def acquire(self, model: str, spec: RunnerSpec, **kw: Any) -> Lease:
@@ -225,10 +236,18 @@ class Scheduler:
                 layout = a.fit.layout if isinstance(a.fit.layout, Layout) else None
                 runner = Runner(a.model, a.spec, self.llama_server, layout)
                 self.runners[a.runner] = runner
-                log.info("loading model '%s' (runner %d)", a.model, a.runner)
+                log.info(
+                    "loading model '%s' (runner %d): booked %s", a.model, a.runner,
+                    ", ".join(f"{n / 2**20:.1f} MiB on {d}" for d, n in a.fit.devices.items() if n),
+                )  # fmt: skip
+                self.journal.record("load", a.model, runner=a.runner, devices=dict(a.fit.devices))
                 self._spawn(self._load(a.runner, runner))
             elif isinstance(a, Stop):
                 self._note_free_before(a.runner)
+                self.journal.record(
+                    "unload", self.runners[a.runner].name, runner=a.runner, reason=a.kind,
+                    message=a.reason, room_for=a.room_for,
+                )  # fmt: skip
                 log.info(
                     "unloading model '%s' (runner %d): %s",
                     self.runners[a.runner].name,
@@ -254,6 +273,7 @@ class Scheduler:
                 log.info("loading '%s' stopped: the server is shutting down", runner.name)
             else:
                 log.error("loading '%s' failed: %s", runner.name, e)
+                self.journal.record("load_failed", runner.name, runner=rid, message=str(e))
                 if _ALLOC_FAILED.search(str(e)):
                     self._ran_out_of_memory(runner.name)
             self.runners.pop(rid, None)
@@ -306,6 +326,11 @@ class Scheduler:
             real = {d: int(n * k) for d, n in real.items()}
         now = time.monotonic()
         self.core.loaded(rid, now, real)  # the real allocation replaces the estimate
+        if book is not None:
+            self.journal.record(
+                "ready", runner.name, runner=rid, seconds=round(runner.load_duration, 3),
+                devices=dict(book.devices),
+            )  # fmt: skip
         if runner.pid is not None and math.isfinite(self.measure_interval):
             # Measured at once too: the books must hold what it holds from the start, not
             # from the next measure (one smaps_rollup read, well under a millisecond).
@@ -329,6 +354,7 @@ class Scheduler:
         pids = {rid: r.pid for rid, r in self.runners.items() if r.pid}
         # smaps_rollup reads take ~0.1-1 ms each, NVML calls similar: off the event loop.
         devices, usages, gpu = await asyncio.to_thread(self._read_machine, list(pids.values()))
+        self.last_devices = devices
         now = time.monotonic()
         for (rid, _), usage in zip(pids.items(), usages, strict=True):
             book = self.core.runners.get(rid)
@@ -337,6 +363,22 @@ class Scheduler:
         self._set_headroom(devices, usages, gpu)
         self._apply()
         self._warn_short_of_headroom()
+        await self._count_tokens()
+
+    async def _count_tokens(self) -> None:
+        """Add what each ready runner processed since the last read to its model's count."""
+        books = self.core.runners
+        ready = [(rid, r) for rid, r in self.runners.items()
+                 if rid in books and books[rid].state == "ready"]  # fmt: skip
+        counts = await asyncio.gather(*(r.token_counts() for _, r in ready))
+        for (rid, r), c in zip(ready, counts, strict=True):
+            if c is None:
+                continue
+            before = self._runner_tokens.get(rid, (0, 0))
+            total = self.tokens.setdefault(r.name, [0, 0])
+            total[0] += max(0, c[0] - before[0])
+            total[1] += max(0, c[1] - before[1])
+            self._runner_tokens[rid] = c
 
     def _read_machine(
         self, pids: list[int]
@@ -406,6 +448,7 @@ class Scheduler:
     def _ran_out_of_memory(self, model: str) -> None:
         k = min(OOM_RAISE_MAX, self.raised.get(model, 1.0) * OOM_RAISE)
         self.raised[model] = k
+        self.journal.record("oom", model, factor=k)
         log.warning(
             "model '%s' ran out of memory: booking it %.0f%% above its estimate from now on",
             model, (k - 1) * 100,
@@ -430,6 +473,7 @@ class Scheduler:
             dog.cancel()
             self.runners.pop(rid, None)
             self.measured.pop(rid, None)
+            self._runner_tokens.pop(rid, None)
             self.core.exited(rid, time.monotonic())
             self._apply()
 
@@ -443,6 +487,7 @@ class Scheduler:
             log.info("runner for '%s' exited (code %s)", runner.name, code)
         else:
             log.error("%s", runner.failure_message())
+            self.journal.record("crash", runner.name, runner=rid, message=runner.failure_message())
             if code == -signal.SIGKILL:  # nothing of corral's sent it: the OOM killer did
                 self._ran_out_of_memory(runner.name)
         if runner.session is not None:
@@ -497,6 +542,7 @@ class Scheduler:
 
     async def _stalled(self, rid: int, runner: Runner) -> None:
         runner.stalled = self.stall_timeout
+        self.journal.record("stall", runner.name, runner=rid, seconds=self.stall_timeout)
         log.error(
             "runner for model '%s' (pid %s) did not answer for %gs with requests in flight; "
             "killing it",

@@ -1,0 +1,260 @@
+"""`GET /metrics`: Prometheus metrics, written with prometheus-client.
+
+Three sources, none of which walks anything slow at scrape time:
+- the scheduler's journal (loads, unloads by reason, crashes, stalls, refusals), counted as
+  the events happen;
+- an ASGI middleware: requests by route and status, their latency, time to the first byte of
+  a stream (per model, which the service notes in the request's scope);
+- a collector that reads the scheduler's books when scraped: queue depth, requests in flight,
+  bytes per device and per model, the runners' measured memory, tokens processed (the
+  runners' own counters, read with each memory measure).
+"""
+
+from __future__ import annotations
+
+import re
+import time
+from collections.abc import Iterator
+from typing import Any
+
+from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.registry import Collector
+from starlette.requests import Request
+from starlette.responses import Response
+from starlette.routing import BaseRoute, Route
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
+
+from corral.runtime.journal import Event
+from corral.runtime.scheduler import Scheduler
+
+CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
+MODEL_KEY = "corral.model"  # scope key the service sets once it knows the request's model
+_LATENCY = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300)
+_LOAD = (0.1, 0.25, 0.5, 1, 2, 5, 10, 20, 30, 60, 120, 300, 600)
+_STREAMS = (b"text/event-stream", b"application/x-ndjson")
+
+
+def note_model(scope: Scope, model: str) -> None:
+    """Tell the metrics which model a request is for (labels its time to first token)."""
+    scope[MODEL_KEY] = model
+
+
+class Metrics:
+    def __init__(self, scheduler: Scheduler) -> None:
+        self.scheduler = scheduler
+        self.registry = CollectorRegistry(auto_describe=True)
+        r = self.registry
+        self.requests = Counter(
+            "corral_requests", "HTTP requests answered", ["route", "status"], registry=r
+        )
+        self.latency = Histogram(
+            "corral_request_duration_seconds", "Time to answer a request in full (streams: "
+            "until the last byte)", ["route"], buckets=_LATENCY, registry=r,
+        )  # fmt: skip
+        self.ttft = Histogram(
+            "corral_time_to_first_token_seconds", "Time from a streamed request's arrival to "
+            "the first byte of its answer (queueing and loading included)", ["model"],
+            buckets=_LATENCY, registry=r,
+        )  # fmt: skip
+        self.queue_wait = Histogram(
+            "corral_queue_wait_seconds", "Time a request waited for a runner slot (queue and "
+            "load)", ["model"], buckets=_LATENCY, registry=r,
+        )  # fmt: skip
+        self.loads = Counter("corral_loads", "Runner loads started", ["model"], registry=r)
+        self.load_seconds = Histogram(
+            "corral_load_duration_seconds", "Time from spawning a runner to its serving",
+            ["model"], buckets=_LOAD, registry=r,
+        )  # fmt: skip
+        self.load_failures = Counter(
+            "corral_load_failures", "Runner loads that failed", ["model"], registry=r
+        )
+        self.unloads = Counter(
+            "corral_unloads", "Runners stopped or lost, by reason (memory, keep_alive, "
+            "options_change, requested, crashed)", ["model", "reason"], registry=r,
+        )  # fmt: skip
+        self.crashes = Counter(
+            "corral_runner_crashes", "Runners that exited without being asked to (stalled "
+            "ones included)", ["model"], registry=r,
+        )  # fmt: skip
+        self.stalls = Counter(
+            "corral_runner_stalls", "Runners killed for not answering", ["model"], registry=r
+        )
+        self.refused = Counter(
+            "corral_requests_refused", "Requests refused at once with 503: queue full, or an "
+            "expected wait longer than the queue timeout", ["model"], registry=r,
+        )  # fmt: skip
+        self.oom = Counter(
+            "corral_out_of_memory", "Runners that ran out of memory (their model's booking "
+            "was raised)", ["model"], registry=r,
+        )  # fmt: skip
+        r.register(_Books(scheduler))
+        scheduler.journal.listen(self.on_event)
+        scheduler.on_wait = lambda model, s: self.queue_wait.labels(model).observe(s)
+
+    def on_event(self, ev: Event) -> None:
+        m = ev.model
+        if ev.kind == "load":
+            self.loads.labels(m).inc()
+        elif ev.kind == "ready":
+            self.load_seconds.labels(m).observe(float(ev.detail.get("seconds", 0.0)))
+        elif ev.kind == "load_failed":
+            self.load_failures.labels(m).inc()
+        elif ev.kind == "unload":
+            self.unloads.labels(m, str(ev.detail.get("reason", "requested"))).inc()
+        elif ev.kind == "crash":
+            self.crashes.labels(m).inc()
+            self.unloads.labels(m, "crashed").inc()
+        elif ev.kind == "stall":
+            self.stalls.labels(m).inc()
+            self.crashes.labels(m).inc()
+            self.unloads.labels(m, "crashed").inc()
+        elif ev.kind == "refused":
+            self.refused.labels(m).inc()
+        elif ev.kind == "oom":
+            self.oom.labels(m).inc()
+
+    async def endpoint(self, request: Request) -> Response:
+        return Response(generate_latest(self.registry), media_type=CONTENT_TYPE)
+
+    def middleware(self, app: ASGIApp) -> ASGIApp:
+        return MeasureRequests(app, self)
+
+
+class MeasureRequests:
+    """Counts and times every HTTP request; a stream's first body byte is its first token."""
+
+    def __init__(self, app: ASGIApp, metrics: Metrics) -> None:
+        self.app = app
+        self.metrics = metrics
+        self._literal: set[str] | None = None
+        self._patterns: list[tuple[re.Pattern[str], str]] = []
+
+    def route(self, scope: Scope) -> str:
+        """The route template (bounded label values): the path for a fixed route, the
+        pattern for one with parameters, "other" for anything else."""
+        if self._literal is None:
+            routes: list[BaseRoute] = list(getattr(scope.get("app"), "routes", []))
+            self._literal = {r.path for r in routes if isinstance(r, Route) and "{" not in r.path}
+            self._patterns = [
+                (r.path_regex, r.path) for r in routes if isinstance(r, Route) and "{" in r.path
+            ]
+        path = scope.get("path", "")
+        if path in self._literal:
+            return str(path)
+        for rx, template in self._patterns:
+            if rx.match(path):
+                return template
+        return "other"
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        start = time.perf_counter()
+        status = 500
+        stream = False
+        first = True
+
+        async def watch(message: Message) -> None:
+            nonlocal status, stream, first
+            if message["type"] == "http.response.start":
+                status = message["status"]
+                headers: Any = message.get("headers") or []
+                stream = any(
+                    k.lower() == b"content-type" and v.split(b";")[0].strip() in _STREAMS
+                    for k, v in headers
+                )
+            elif message["type"] == "http.response.body" and first and message.get("body"):
+                first = False
+                model = scope.get(MODEL_KEY)
+                if stream and status == 200 and model:
+                    self.metrics.ttft.labels(model).observe(time.perf_counter() - start)
+            await send(message)
+
+        try:
+            await self.app(scope, receive, watch)
+        finally:
+            route = self.route(scope)
+            self.metrics.requests.labels(route, str(status)).inc()
+            self.metrics.latency.labels(route).observe(time.perf_counter() - start)
+
+
+class _Books(Collector):
+    """Gauges read from the scheduler's state at scrape time: a few dict walks, microseconds
+    per model."""
+
+    def __init__(self, scheduler: Scheduler) -> None:
+        self.s = scheduler
+
+    def collect(self) -> Iterator[Metric]:
+        s, core = self.s, self.s.core
+        queued = GaugeMetricFamily(
+            "corral_queue_depth", "Requests waiting for a runner slot", labels=["model"]
+        )
+        depth: dict[str, int] = {}
+        for q in core.queue:
+            depth[q.model] = depth.get(q.model, 0) + 1
+        for m, n in sorted(depth.items()):
+            queued.add_metric([m], n)
+        yield queued
+        inflight = GaugeMetricFamily(
+            "corral_requests_in_flight", "Requests a runner is serving", labels=["model"]
+        )
+        booked = GaugeMetricFamily(
+            "corral_model_booked_bytes", "Bytes booked for a model's runner, per device",
+            labels=["model", "device"],
+        )  # fmt: skip
+        resident = GaugeMetricFamily(
+            "corral_model_resident_bytes", "System memory a model's runner really holds "
+            "(proportional set size, last measure)", labels=["model"],
+        )  # fmt: skip
+        loaded = GaugeMetricFamily(
+            "corral_models_loaded", "Runners by state", labels=["state"]
+        )
+        states = {"loading": 0, "ready": 0, "unloading": 0}
+        for rid, b in core.runners.items():
+            states[b.state] = states.get(b.state, 0) + 1
+            inflight.add_metric([b.model], b.inflight)
+            for dev, n in b.devices.items():
+                booked.add_metric([b.model, dev], n)
+            if (pss := s.measured.get(rid)) is not None:
+                resident.add_metric([b.model], pss)
+        for state, n in states.items():
+            loaded.add_metric([state], n)
+        yield inflight
+        yield booked
+        yield resident
+        yield loaded
+        budget = GaugeMetricFamily(
+            "corral_device_budget_bytes", "Bytes corral's runners may book on a device",
+            labels=["device"],
+        )  # fmt: skip
+        used = GaugeMetricFamily(
+            "corral_device_booked_bytes", "Bytes booked by corral's runners on a device",
+            labels=["device"],
+        )  # fmt: skip
+        real = GaugeMetricFamily(
+            "corral_device_used_bytes", "Bytes in use on a device as the OS or driver reports "
+            "it (all processes; last measure)", labels=["device"],
+        )  # fmt: skip
+        for dev, n in core.budgets.items():
+            budget.add_metric([dev], n)
+        for dev, n in core.used().items():
+            used.add_metric([dev], n)
+        for d in s.last_devices:
+            real.add_metric([d.id], d.total - d.free)
+        yield budget
+        yield used
+        yield real
+        prompt = CounterMetricFamily(
+            "corral_prompt_tokens", "Prompt tokens the runners processed", labels=["model"]
+        )
+        generated = CounterMetricFamily(
+            "corral_generated_tokens", "Tokens the runners generated", labels=["model"]
+        )
+        for m, (p, g) in sorted(s.tokens.items()):
+            prompt.add_metric([m], p)
+            generated.add_metric([m], g)
+        yield prompt
+        yield generated

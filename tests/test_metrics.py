@@ -1,0 +1,121 @@
+"""`GET /metrics` after a real sequence: the values are the ones the sequence implies.
+
+Two models under a memory limit that holds one (one eviction), a queue-full refusal, a crashed
+runner; the text is parsed with prometheus-client's own parser."""
+
+from __future__ import annotations
+
+import os
+import signal
+import threading
+from pathlib import Path
+
+import httpx
+from prometheus_client.parser import text_string_to_metric_families
+
+from corral.testing.server import CorralServer
+
+TINY, TINY2 = "tiny:latest", "tiny2:latest"
+
+
+def scrape(s: CorralServer) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
+    r = s.client.get("/metrics")
+    assert r.status_code == 200 and r.headers["content-type"].startswith("text/plain")
+    out = {}
+    for fam in text_string_to_metric_families(r.text):
+        for sample in fam.samples:
+            out[(sample.name, tuple(sorted(sample.labels.items())))] = sample.value
+    return out
+
+
+def value(m: dict, name: str, **labels: str) -> float:
+    return m.get((name, tuple(sorted(labels.items()))), 0.0)
+
+
+def gen(s: CorralServer, model: str, **options: int) -> httpx.Response:
+    return s.client.post(
+        "/api/generate",
+        json={"model": model, "prompt": "hi", "stream": False,
+              "options": {"num_predict": 2, **options}},
+    )  # fmt: skip
+
+
+def booked(s: CorralServer, model: str) -> int:
+    (m,) = [m for m in s.ps() if m["name"] == model]
+    return int(m["size"])
+
+
+def test_metrics_follow_a_real_sequence(start_server, models_dir: Path) -> None:
+    # Learn what each model books on an unlimited server, then allow room for one of them.
+    probe = start_server(models_dir, CORRAL_BUILTIN_MODELS="0")
+    sizes = []
+    for model in (TINY, TINY2):
+        assert gen(probe, model).status_code == 200
+        sizes.append(booked(probe, model))
+    probe.stop_and_check()
+    limit = int(max(sizes) * 1.35)
+    assert sum(sizes) > limit
+    s = start_server(
+        models_dir, CORRAL_BUILTIN_MODELS="0", CORRAL_MEMORY_LIMIT=str(limit),
+        CORRAL_MAX_QUEUE="1", CORRAL_NUM_PARALLEL="1",
+    )  # fmt: skip
+
+    assert gen(s, TINY).status_code == 200
+    assert gen(s, TINY2).status_code == 200  # evicts tiny: one load each, one eviction
+
+    # tiny2's only slot busy with a stream, one request queued, the next refused.
+    body = {"model": TINY2, "prompt": "count", "options": {"num_predict": 1000}}
+    queued: list[int] = []
+    with s.client.stream("POST", "/api/generate", json=body) as stream:
+        lines = stream.iter_lines()
+        next(lines)
+        t = threading.Thread(target=lambda: queued.append(gen(s, TINY2).status_code))
+        t.start()
+        s.wait_for(lambda: value(scrape(s), "corral_queue_depth", model=TINY2) == 1,
+                   timeout=10, what="one request queued")  # fmt: skip
+        refused = gen(s, TINY2)
+        assert refused.status_code == 503 and int(refused.headers["retry-after"]) >= 1
+        for _ in lines:
+            pass
+    t.join(30)
+    assert queued == [200]
+
+    # The runners' own token counters are read with every memory measure (2 s).
+    s.wait_for(lambda: value(scrape(s), "corral_generated_tokens_total", model=TINY2) > 0,
+               timeout=15, what="tokens counted")  # fmt: skip
+
+    (pid,) = [m["pid"] for m in s.ps() if m["name"] == TINY2]
+    os.kill(pid, signal.SIGKILL)
+    s.wait_for(lambda: not s.ps(), timeout=15, what="the crashed runner gone")
+
+    m = scrape(s)
+    assert value(m, "corral_loads_total", model=TINY) == 1
+    assert value(m, "corral_loads_total", model=TINY2) == 1
+    assert value(m, "corral_unloads_total", model=TINY, reason="memory") == 1
+    assert value(m, "corral_unloads_total", model=TINY2, reason="crashed") == 1
+    assert value(m, "corral_runner_crashes_total", model=TINY2) == 1
+    assert value(m, "corral_requests_refused_total", model=TINY2) == 1
+    assert value(m, "corral_load_duration_seconds_count", model=TINY) == 1
+    assert value(m, "corral_load_failures_total", model=TINY) == 0
+    # requests: 3 plain generates and the stream answered 200, one refused with 503
+    assert value(m, "corral_requests_total", route="/api/generate", status="200") == 4
+    assert value(m, "corral_requests_total", route="/api/generate", status="503") == 1
+    assert value(m, "corral_request_duration_seconds_count", route="/api/generate") == 5
+    assert value(m, "corral_queue_wait_seconds_count", model=TINY2) == 3  # granted ones
+    assert value(m, "corral_time_to_first_token_seconds_count", model=TINY2) == 1  # the stream
+    assert value(m, "corral_generated_tokens_total", model=TINY2) >= 2
+    assert value(m, "corral_prompt_tokens_total", model=TINY2) > 0
+    assert value(m, "corral_device_budget_bytes", device="cpu") == limit
+    assert value(m, "corral_device_booked_bytes", device="cpu") == 0  # nothing loaded now
+    assert value(m, "corral_models_loaded", state="ready") == 0
+    assert value(m, "corral_queue_depth", model=TINY2) == 0
+    assert value(m, "corral_device_used_bytes", device="cpu") > 0
+    # a model's booking and measured memory while it is loaded
+    assert gen(s, TINY).status_code == 200
+    m = scrape(s)
+    assert value(m, "corral_model_booked_bytes", model=TINY, device="cpu") == booked(s, TINY)
+    assert value(m, "corral_models_loaded", state="ready") == 1
+    assert value(m, "corral_model_resident_bytes", model=TINY) > 0
+    # unknown paths share one label
+    s.client.get("/no/such/path")
+    assert value(scrape(s), "corral_requests_total", route="other", status="404") == 1
