@@ -544,3 +544,27 @@ def test_a_scaled_placer_asks_for_more_room_on_every_device() -> None:
     assert big({"cpu": 74, "cuda:0": 100}) is None
     fit = big({"cpu": 75, "cuda:0": 100})
     assert fit is not None and fit.devices == {"cpu": 75, "cuda:0": 75} and fit.layout == "layout"
+
+
+def test_a_reload_gets_the_memory_its_old_runner_gave_up() -> None:
+    """a (300) is serving; c (700) waits for room; then a request for a with new options
+    drains a. When a's old runner is gone, its reload goes before c's earlier load, which
+    would otherwise take the room and leave the reload waiting behind it."""
+    h = Harness()
+    a = h.request("a")
+    h.finish_load(1)
+    b = h.request("b")  # 300 + 500: fits
+    h.finish_load(2)
+    c = h.request("c")  # needs 700: waits for a or b to finish
+    flip = h.request("a", ctx=2048)  # drains a
+    h.release(a)  # a stops for the reload
+    assert h.core.runners[1].state == "unloading"
+    h.exit(1)
+    (new,) = [r for r in h.core.runners.values() if r.state == "loading"]
+    assert new.model == "a" and new.spec.n_ctx == 2048
+    h.finish_load(new.id)
+    assert h.outcome[flip] == "granted" and c in h.pending
+    h.release(b)
+    h.release(flip)
+    h.settle()
+    assert h.outcome[c] == "granted"

@@ -190,6 +190,9 @@ class Core:
     _service: dict[str, float] = field(default_factory=dict)  # model -> mean seconds granted
     _load_cost: dict[str, float] = field(default_factory=dict)  # model -> its last load time
     _granted_at: dict[int, float] = field(default_factory=dict)  # request id -> when
+    # Models whose runner was stopped to reload with new options: their load goes before other
+    # waiting loads, so the memory it gave up is not taken by another model in the meantime.
+    _reloading: set[str] = field(default_factory=set)
     _arrivals: int = 0
     _next_runner: int = 1
 
@@ -486,6 +489,7 @@ class Core:
                     held = {v.id for v in self._victims(q, ready, now) or []}
                     cutoff = q.arrived
                 break
+        self._reloading &= {q.model for q in self.queue}
         self._pass(now, loads=False, cutoff=cutoff, held=held)
         self._pass(now, loads=True, cutoff=cutoff, held=held)
         self._shed(now)  # after the grants: a runner someone waits for is not shed
@@ -497,7 +501,10 @@ class Core:
             # Draining follows the queue: if the request that wanted new options leaves, the
             # runner serves again instead of being stopped for nothing.
             b.draining = False
-        for q in list(self.queue):
+        order = list(self.queue)
+        if loads and self._reloading:  # stable: each model's requests keep their order
+            order.sort(key=lambda q: q.model not in self._reloading)
+        for q in order:
             r = self.current(q.model)
             if r is not None and not compatible(r.spec, q):
                 if q.model in waiting_for_current:
@@ -506,6 +513,7 @@ class Core:
             if r is not None and r.draining:
                 if r.state == "ready" and r.inflight == 0:
                     self._stop(r, "reloading with new options", "options_change")
+                    self._reloading.add(r.model)
                 continue
             if r is not None:
                 if r.state == "ready" and r.inflight < r.spec.num_parallel:
@@ -527,6 +535,7 @@ class Core:
             waiting_for_current.add(q.model)  # q waits for this runner: later misfits wait too
 
     def _start_load(self, q: Request, fit: Fit, now: float) -> None:
+        self._reloading.discard(q.model)
         rid = self._next_runner
         self._next_runner += 1
         self.runners[rid] = RunnerBook(
