@@ -568,3 +568,18 @@ def test_a_reload_gets_the_memory_its_old_runner_gave_up() -> None:
     h.release(flip)
     h.settle()
     assert h.outcome[c] == "granted"
+
+
+def test_a_request_whose_runner_is_loading_waits_for_it_past_its_deadline() -> None:
+    """Failing it would leave a runner loaded for nobody (and evicted again at once); the load
+    has its own timeout. Once loaded, a request still without a slot times out as usual."""
+    h = Harness()
+    a = h.request("a")
+    late = h.request("a")  # one slot: it waits for a
+    h.advance(61)  # past both deadlines while a loads
+    assert a in h.pending and late in h.pending
+    assert h.core.next_wake() == math.inf  # nothing for the timer while the load runs
+    h.finish_load(1)
+    assert h.outcome[a] == "granted"
+    h.advance(0.0)
+    assert h.outcome[late] == "failed"  # loaded, no slot, past its deadline

@@ -120,6 +120,7 @@ class Fail:
     request: int
     status: int  # HTTP status the API should answer with
     message: str
+    retry_after: float | None = None  # seconds, for a 503 a retry may cure
 
 
 @dataclass(frozen=True)
@@ -251,7 +252,7 @@ class Core:
 
     def next_wake(self) -> float:
         """When tick() next has something to do."""
-        t = min((q.deadline for q in self.queue), default=math.inf)
+        t = min((q.deadline for q in self.queue if not self._loading_for(q)), default=math.inf)
         for r in self.runners.values():
             if r.state == "ready" and r.inflight == 0:
                 t = min(t, r.expires_at)
@@ -437,12 +438,19 @@ class Core:
         for r in list(self.runners.values()):
             if r.state == "ready" and r.inflight == 0 and r.expires_at <= now:
                 self._stop(r, "keep-alive expired", "keep_alive")
-        for q in [q for q in self.queue if q.deadline <= now]:
+        for q in [q for q in self.queue if q.deadline <= now and not self._loading_for(q)]:
             self.queue.remove(q)
             self.actions.append(
-                Fail(q.id, 503, f"timed out waiting for model '{q.model}' to become available")
-            )
+                Fail(q.id, 503, f"timed out waiting for model '{q.model}' to become available",
+                     self._retry_after(q.model))
+            )  # fmt: skip
         self._pump(now)
+
+    def _loading_for(self, q: Request) -> bool:
+        """Whether q's runner is loading: q then waits for the load (bounded by the load
+        timeout) past its deadline, rather than leave a runner loaded for nobody."""
+        r = self.current(q.model)
+        return r is not None and r.state == "loading" and not r.draining and compatible(r.spec, q)
 
     # ---- decisions -------------------------------------------------------------------------
     def _stop(

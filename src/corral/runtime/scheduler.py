@@ -231,7 +231,7 @@ class Scheduler:
             elif isinstance(a, Fail):
                 fut = self._waiters.pop(a.request, None)
                 if fut is not None and not fut.done():
-                    fut.set_exception(SchedulerError(a.status, a.message))
+                    fut.set_exception(SchedulerError(a.status, a.message, a.retry_after))
             elif isinstance(a, Load):
                 layout = a.fit.layout if isinstance(a.fit.layout, Layout) else None
                 runner = Runner(a.model, a.spec, self.llama_server, layout)
