@@ -23,6 +23,7 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 import corral
 from corral.api.anthropic import Anthropic, anthropic_error
 from corral.api.common import ApiError
+from corral.api.manage import Manage
 from corral.api.metrics import MeasureRequests, Metrics
 from corral.api.ollama import Ollama
 from corral.api.openai import OpenAI, Router, openai_error
@@ -144,6 +145,7 @@ def create_app(settings: Settings, devices: list[Device] | None = None) -> Starl
         *Responses(service).routes(),
         *Rerank(service).routes(),
         *Router(service).routes(),
+        *Manage(service).routes(),
     ]
     app = Starlette(
         routes=routes,

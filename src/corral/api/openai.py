@@ -30,6 +30,7 @@ from starlette.responses import Response, StreamingResponse
 from starlette.routing import Route
 from starlette.types import Receive, Scope, Send
 
+from corral.api import defaults
 from corral.api.common import ApiError, field, model_field, read_json
 from corral.api.events import (
     Chat,
@@ -99,6 +100,7 @@ class OpenAI:
         _int_in(body, "top_logprobs", 0, MAX_TOP_LOGPROBS)
         r = self.svc.resolve(model_field(body))
         self.svc.check_chat(r, messages)
+        body = defaults.openai_body(r.entry, body, chat=True)  # a created model's defaults
         forced = choice not in ("auto", "none")
         if n == 1 and not forced:
             return await self._proxy(request, r, body, "/v1/chat/completions", stream)
@@ -192,6 +194,7 @@ class OpenAI:
         echo = field(body, "echo", bool, False)
         r = self.svc.resolve(model_field(body))
         self.svc.require(r, "completion", "completions")
+        body = defaults.openai_body(r.entry, body, chat=False)  # a created model's defaults
         # llama.cpp streams several prompts with a `data: null` first event, which OpenAI's
         # clients cannot parse: such streams are rebuilt too.
         several = isinstance(prompt, list) and bool(prompt) and not isinstance(prompt[0], int)

@@ -20,6 +20,7 @@ import aiohttp
 import orjson
 from starlette.requests import Request
 
+from corral.api import defaults
 from corral.api.common import ApiError, runner_error
 from corral.api.events import Chat, Generation, forced_schema
 from corral.api.metrics import note_model
@@ -282,6 +283,7 @@ class Service:
         text can be reported. `prefix` (token ids, Ollama's `context`) goes before the rendered
         prompt. Every check the client can fail comes before the lease."""
         self.check_chat(r, chat.messages)
+        chat, stop = defaults.chat(r.entry, chat, stop)  # a created model's system, parameters
         forced = chat.forced_tools
         if forced is not None and not forced:
             raise ApiError(
@@ -347,6 +349,8 @@ class Service:
     ) -> Generation:
         """Lease a slot and start a raw completion (llama.cpp's /completion or /infill)."""
         self.require(r, "completion", "generate")
+        payload = defaults.sampling(r.entry, payload, "n_predict")  # a created model's parameters
+        stop = defaults.stop(r.entry, stop)
         lease = await self.lease(request, r, options, keep_alive)
         try:
             return await self._start(lease, path, payload, "completion", stop)

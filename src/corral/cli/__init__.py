@@ -15,7 +15,17 @@ from collections.abc import Callable
 
 from corral.cli.chat import cmd_run
 from corral.cli.client import CLIError
-from corral.cli.models import cmd_list, cmd_ps, cmd_show, cmd_stop, cmd_version
+from corral.cli.models import (
+    cmd_cp,
+    cmd_create,
+    cmd_list,
+    cmd_ps,
+    cmd_pull,
+    cmd_rm,
+    cmd_show,
+    cmd_stop,
+    cmd_version,
+)
 from corral.cli.serve import SERVE_FLAGS, cmd_serve
 from corral.config import DEFAULTS
 
@@ -67,6 +77,25 @@ def build_parser() -> argparse.ArgumentParser:
             help=f"show only the {name}",
         )
     p.set_defaults(func=cmd_show, field=None)
+
+    p = sub.add_parser("pull", help="pull a model from Hugging Face (hf.co/{owner}/{repo}:{quant})")
+    p.add_argument("model")
+    p.set_defaults(func=cmd_pull)
+
+    p = sub.add_parser("create", help="create a model from a Modelfile")
+    p.add_argument("model")
+    p.add_argument("-f", "--file", metavar="FILE", help="the Modelfile (default: ./Modelfile)")
+    p.add_argument("-q", "--quantize", metavar="TYPE", help="not supported by corral")
+    p.set_defaults(func=cmd_create)
+
+    p = sub.add_parser("cp", help="copy a model")
+    p.add_argument("source")
+    p.add_argument("destination")
+    p.set_defaults(func=cmd_cp)
+
+    p = sub.add_parser("rm", help="remove models corral pulled or created (never your files)")
+    p.add_argument("models", nargs="+", metavar="model")
+    p.set_defaults(func=cmd_rm)
 
     p = sub.add_parser("version", help="show client and server versions")
     p.set_defaults(func=cmd_version)

@@ -111,6 +111,20 @@ class Client:
             resp = self._http.post(path, json=body)
         return _decode(_checked(resp).text)
 
+    def send(
+        self,
+        method: str,
+        path: str,
+        body: Mapping[str, Any] | None = None,
+        content: Any = None,
+        ok: tuple[int, ...] = (),
+    ) -> httpx.Response:
+        """Any request, its answer as it is (an empty body is fine); an error status other
+        than those in `ok` raises CLIError."""
+        with self._errors():
+            resp = self._http.request(method, path, json=body, content=content)
+        return resp if resp.status_code in ok else _checked(resp)
+
     def stream(self, path: str, body: Mapping[str, Any]) -> Generator[JSON, None, None]:
         """POST and yield NDJSON objects as they arrive; an {"error"} line raises CLIError."""
         with self._errors(), self._http.stream("POST", path, json=body) as resp:

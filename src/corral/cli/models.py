@@ -1,17 +1,31 @@
-"""`corral list / show / ps / stop / version`: the models on disk and in memory."""
+"""`corral list / show / ps / stop / version`: the models on disk and in memory; `corral pull /
+create / cp / rm`: getting and managing them."""
 
 from __future__ import annotations
 
 import argparse
+import hashlib
 import sys
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 from datetime import datetime
+from pathlib import Path
 from typing import Any
 
 from rich.cells import cell_len
+from rich.console import Console
+from rich.progress import (
+    BarColumn,
+    DownloadColumn,
+    Progress,
+    TaskID,
+    TextColumn,
+    TimeRemainingColumn,
+    TransferSpeedColumn,
+)
 
 from corral import __version__
-from corral.cli.client import CLIError, Unreachable, connect
+from corral.cli import modelfile
+from corral.cli.client import Client, CLIError, Unreachable, connect
 from corral.cli.display import (
     _head,
     _int,
@@ -152,4 +166,104 @@ def cmd_version(args: argparse.Namespace) -> int:
         print(f"Warning: could not get the server version: {e}", file=sys.stderr)
     else:
         print(f"corral server version {server}")
+    return 0
+
+
+# ---- getting and managing models: pull / create / cp / rm ------------------------------------
+def _progress() -> Progress:
+    return Progress(
+        TextColumn("{task.description}"),
+        BarColumn(),
+        DownloadColumn(),
+        TransferSpeedColumn(),
+        TimeRemainingColumn(),
+        console=Console(stderr=True),
+    )
+
+
+def show_progress(chunks: Iterable[Mapping[str, Any]]) -> None:
+    """Ollama's progress lines: a bar per file (`digest` with `total`), other statuses as text."""
+    with _progress() as bar:
+        tasks: dict[str, TaskID] = {}
+        for chunk in chunks:
+            status = str(chunk.get("status", ""))
+            digest, total = chunk.get("digest"), chunk.get("total")
+            if digest and total:
+                if digest not in tasks:
+                    tasks[digest] = bar.add_task(status, total=int(total))
+                bar.update(tasks[digest], completed=int(chunk.get("completed") or 0))
+            elif status:
+                bar.console.print(status)
+
+
+def cmd_pull(args: argparse.Namespace) -> int:
+    with connect() as client:
+        show_progress(client.stream("/api/pull", {"model": args.model, "stream": True}))
+    return 0
+
+
+def upload_blob(client: Client, path: Path) -> str:
+    """Upload a file as a blob unless the server has it; its digest."""
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        while block := f.read(1 << 20):
+            h.update(block)
+    digest = f"sha256:{h.hexdigest()}"
+    if client.send("HEAD", f"/api/blobs/{digest}", ok=(404,)).status_code == 404:
+        with _progress() as bar:
+            task = bar.add_task(f"copying {path.name}", total=path.stat().st_size)
+
+            def chunks() -> Iterator[bytes]:
+                with open(path, "rb") as f:
+                    while block := f.read(1 << 20):
+                        bar.advance(task, len(block))
+                        yield block
+
+            client.send("POST", f"/api/blobs/{digest}", content=chunks())
+    return digest
+
+
+def cmd_create(args: argparse.Namespace) -> int:
+    path = Path(args.file or "Modelfile")
+    try:
+        text = path.read_text()
+    except OSError as e:
+        raise CLIError(f"cannot read {path}: {e.strerror or e}") from None
+    try:
+        parsed = modelfile.parse(text, path.resolve().parent)
+    except modelfile.ModelfileError as e:
+        raise CLIError(f"{path}: {e}") from None
+    body: dict[str, Any] = {"model": args.model, **parsed.body, "stream": True}
+    if args.quantize:
+        body["quantize"] = args.quantize
+    with connect() as client:
+        if parsed.files:
+            body["files"] = {p.name: upload_blob(client, p) for p in parsed.files}
+        if parsed.adapters:
+            body["adapters"] = {p.name: upload_blob(client, p) for p in parsed.adapters}
+        show_progress(client.stream("/api/create", body))
+    return 0
+
+
+def cmd_cp(args: argparse.Namespace) -> int:
+    with connect() as client:
+        client.send("POST", "/api/copy", {"source": args.source, "destination": args.destination})
+    print(f"copied '{args.source}' to '{args.destination}'")
+    return 0
+
+
+def cmd_rm(args: argparse.Namespace) -> int:
+    with connect() as client:
+        for name in args.models:
+            resp = client.send("DELETE", "/api/delete", {"model": name})
+            print(f"deleted '{name}'")
+            try:  # corral says what it removed (Ollama's answer is empty)
+                info = resp.json()
+            except ValueError:
+                continue
+            if isinstance(info, dict):
+                for p in info.get("removed") or []:
+                    print(f"  removed {p}")
+                for p in info.get("kept") or []:
+                    print(f"  kept {p} (not corral's)")
     return 0

@@ -37,11 +37,16 @@ from gguf.gguf_reader import READER_SUPPORTED_VERSIONS, GGUFReader, ReaderField,
 
 __all__ = [
     "EMBEDDING_ARCHITECTURES",
+    "AdapterInfo",
     "GGUFError",
     "ModelInfo",
+    "ProjectorInfo",
+    "check_adapter",
     "clear_cache",
     "model_capabilities",
+    "read_adapter_info",
     "read_model_info",
+    "read_projector_info",
 ]
 
 _MAGIC = b"GGUF"
@@ -53,6 +58,9 @@ _MAX_ARRAY = 1024
 # would only make per-layer tuples exhaust memory.
 _MAX_LAYERS = 4096
 _BLOCK_RE = re.compile(r"blk\.(\d+)\.")
+# The expert tensors of a mixture-of-experts layer (what llama.cpp's --n-cpu-moe keeps in system
+# memory: common.h's LLM_FFN_EXPS_REGEX).
+_EXPERT_RE = re.compile(r"blk\.(\d+)\.ffn_(up|down|gate|gate_up)_(ch|)exps")
 
 # Encoder architectures that llama.cpp only runs for embeddings.
 EMBEDDING_ARCHITECTURES = frozenset(
@@ -114,6 +122,8 @@ class ModelInfo:
     array_lengths: Mapping[str, int] = field(
         default_factory=lambda: MappingProxyType({}), hash=False
     )
+    # Per layer: bytes of its experts (part of layer_bytes); () for a model without experts.
+    expert_bytes: tuple[int, ...] = ()
 
     @property
     def parameter_size(self) -> str:
@@ -207,12 +217,183 @@ def clear_cache() -> None:
     """Forget every file read so far (tests; or after files were rewritten within one mtime
     tick)."""
     _read_cached.cache_clear()
+    _projector_cached.cache_clear()
+    _adapter_cached.cache_clear()
 
 
 @functools.lru_cache(maxsize=256)
 def _read_cached(path: Path, dev: int, ino: int, size: int, mtime_ns: int) -> ModelInfo:
     # dev/ino/size/mtime are only the cache key: a replaced or rewritten file is read again.
     return _read(path, size)
+
+
+# --- parts of a model: projectors and adapters -------------------------------------------------
+
+
+@dataclass(frozen=True)
+class ProjectorInfo:
+    """A vision projector (llama.cpp's mmproj GGUF, architecture `clip`): the image encoder
+    that turns an image into embeddings for the text model. Keys are `clip.vision.*`."""
+
+    path: Path
+    file_size: int
+    projector_type: str  # clip.projector_type: "mlp" (LLaVA), "gemma3", "idefics3", ...
+    n_embd: int  # embedding_length of the vision encoder
+    n_ff: int  # feed_forward_length
+    n_layer: int  # block_count
+    n_head: int  # attention.head_count
+    image_size: int  # image_size: the side of the (warm-up) image in pixels
+    patch_size: int  # patch_size: the side of one patch in pixels
+    weights: int  # tensor data bytes (what llama.cpp loads into one buffer)
+    n_tensors: int
+    metadata: Mapping[str, Any] = field(default_factory=lambda: MappingProxyType({}), hash=False)
+
+    @property
+    def n_patches(self) -> int:
+        """Patches of the warm-up image (the encoder's sequence length)."""
+        side = self.image_size // self.patch_size if self.patch_size else 0
+        return side * side
+
+
+@dataclass(frozen=True)
+class AdapterInfo:
+    """A LoRA adapter GGUF (general.type = adapter, adapter.type = lora): pairs of tensors
+    `<base tensor>.lora_a` / `.lora_b`, loaded beside the base tensors they change."""
+
+    path: Path
+    file_size: int
+    architecture: str  # must be the base model's
+    alpha: float  # adapter.lora.alpha (0: scale by the user's scale alone)
+    # tensor bytes per block N (blk.N.*), only the blocks it changes
+    layer_bytes: Mapping[int, int] = field(hash=False)
+    other_bytes: int  # tensor bytes outside the blocks (token_embd, output)
+    n_tensors: int
+
+    @property
+    def weights(self) -> int:
+        return sum(self.layer_bytes.values()) + self.other_bytes
+
+
+def read_projector_info(path: str | Path) -> ProjectorInfo:
+    """Read a projector (mmproj) GGUF's metadata and tensor table; GGUFError if it is not one
+    (or broken), FileNotFoundError if it is missing."""
+    p, st = _stat(path)
+    return _projector_cached(p, st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns)
+
+
+def read_adapter_info(path: str | Path) -> AdapterInfo:
+    """Read a LoRA adapter GGUF's metadata and tensor table; GGUFError if it is not one (or
+    broken), FileNotFoundError if it is missing."""
+    p, st = _stat(path)
+    return _adapter_cached(p, st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns)
+
+
+def check_adapter(info: ModelInfo, adapter: AdapterInfo) -> None:
+    """GGUFError unless llama.cpp can apply `adapter` to this model (it refuses an adapter
+    made for another architecture, and one for a block the model does not have)."""
+    if adapter.architecture != info.architecture:
+        raise GGUFError(
+            f"adapter {adapter.path.name} is for architecture '{adapter.architecture}', but "
+            f"the model is '{info.architecture}'"
+        )
+    beyond = [n for n in adapter.layer_bytes if n >= info.n_layer]
+    if beyond:
+        raise GGUFError(
+            f"adapter {adapter.path.name} changes block {max(beyond)}, but the model has "
+            f"{info.n_layer} blocks"
+        )
+
+
+def _stat(path: str | Path) -> tuple[Path, Any]:
+    p = Path(path).absolute()
+    st = p.stat()
+    if not stat.S_ISREG(st.st_mode):
+        raise GGUFError(f"{p} is not a regular file")
+    return p, st
+
+
+def _fields(reader: _Reader) -> dict[str, Any]:
+    meta: dict[str, Any] = {}
+    for key, fld in reader.fields.items():
+        if key.startswith("GGUF."):
+            continue
+        if fld.types[0] == GGUFValueType.ARRAY:
+            if fld.data or int(fld.parts[4][0]) == 0:
+                meta[key] = _array_value(fld)
+        else:
+            meta[key] = _scalar_value(fld)
+    return meta
+
+
+@functools.lru_cache(maxsize=64)
+def _projector_cached(path: Path, dev: int, ino: int, size: int, mtime_ns: int) -> ProjectorInfo:
+    reader = _open(path, size)
+    meta = _fields(reader)
+    arch = meta.get("general.architecture")
+    if arch != "clip":
+        raise GGUFError(
+            f"not a projector (mmproj) file: its general.architecture is {arch!r}, not 'clip'"
+        )
+    if meta.get("clip.has_vision_encoder") is not True:
+        raise GGUFError("the projector has no vision encoder (clip.has_vision_encoder)")
+    kind = meta.get("clip.projector_type") or meta.get("clip.vision.projector_type")
+
+    def num(key: str, required: bool = True) -> int:
+        value = _int(meta, f"clip.vision.{key}")
+        if value is None and required:
+            raise GGUFError(f"missing required metadata key 'clip.vision.{key}'")
+        return value or 0
+
+    return ProjectorInfo(
+        path=path,
+        file_size=size,
+        projector_type=kind if isinstance(kind, str) else "unknown",
+        n_embd=num("embedding_length"),
+        n_ff=num("feed_forward_length", False),
+        n_layer=num("block_count"),
+        n_head=num("attention.head_count", False),
+        image_size=num("image_size", False),
+        patch_size=num("patch_size"),
+        weights=sum(int(t.n_bytes) for t in reader.tensors),
+        n_tensors=len(reader.tensors),
+        metadata=MappingProxyType(meta),
+    )
+
+
+@functools.lru_cache(maxsize=64)
+def _adapter_cached(path: Path, dev: int, ino: int, size: int, mtime_ns: int) -> AdapterInfo:
+    reader = _open(path, size)
+    meta = _fields(reader)
+    if meta.get("general.type") != "adapter":
+        raise GGUFError(
+            f"not an adapter: its general.type is {meta.get('general.type')!r}, not 'adapter'"
+        )
+    if meta.get("adapter.type") != "lora":
+        raise GGUFError(f"unsupported adapter type {meta.get('adapter.type')!r} (only 'lora')")
+    arch = meta.get("general.architecture")
+    if not isinstance(arch, str) or not arch:
+        raise GGUFError("missing required metadata key 'general.architecture'")
+    layers: dict[int, int] = {}
+    other = 0
+    for t in reader.tensors:
+        if not t.name.endswith((".lora_a", ".lora_b")):
+            raise GGUFError(f"tensor {t.name!r} is not a LoRA tensor (.lora_a or .lora_b)")
+        m = _BLOCK_RE.match(t.name)
+        if m:
+            n = int(m.group(1))
+            layers[n] = layers.get(n, 0) + int(t.n_bytes)
+        else:
+            other += int(t.n_bytes)
+    alpha = meta.get("adapter.lora.alpha", 0.0)
+    return AdapterInfo(
+        path=path,
+        file_size=size,
+        architecture=arch,
+        alpha=float(alpha) if isinstance(alpha, (int, float)) else 0.0,
+        layer_bytes=MappingProxyType(dict(sorted(layers.items()))),
+        other_bytes=other,
+        n_tensors=len(reader.tensors),
+    )
 
 
 # --- parsing -------------------------------------------------------------------------------
@@ -391,20 +572,24 @@ def _looks_like(head: bytes) -> str:
 
 
 def _read(path: Path, size: int) -> ModelInfo:
+    reader = _open(path, size)
+    return _model_info(path, size, reader.fields.items(), reader.tensors)
+
+
+def _open(path: Path, size: int) -> _Reader:
     if size == 0:
         raise GGUFError("file is empty (0 bytes)")
     with path.open("rb") as f:
         head = f.read(_HEADER_SIZE)
     _check_header(head, size)
     try:
-        reader = _Reader(path)
+        return _Reader(path)
     except _OutOfBounds as e:
         raise GGUFError(
             f"file is truncated: it needs byte {e.end} but the file has {size} bytes"
         ) from None
     except _PARSE_ERRORS as e:
         raise GGUFError(f"invalid GGUF file: {_describe(e)}") from e
-    return _model_info(path, size, reader.fields.items(), reader.tensors)
 
 
 def _model_info(
@@ -460,11 +645,14 @@ def _model_info(
             n_vocab = int(token_embd.shape[1]) if token_embd is not None else 0
 
     layer_bytes = [0] * n_layer
+    expert_bytes = [0] * n_layer
     output_bytes = 0
     for t in tensors:
         m = _BLOCK_RE.match(t.name)
         if m and int(m.group(1)) < n_layer:
             layer_bytes[int(m.group(1))] += int(t.n_bytes)
+            if _EXPERT_RE.match(t.name):
+                expert_bytes[int(m.group(1))] += int(t.n_bytes)
         else:  # includes blocks past block_count, which llama.cpp would not load as layers
             output_bytes += int(t.n_bytes)
 
@@ -505,6 +693,7 @@ def _model_info(
         ),
         metadata=MappingProxyType(meta),
         array_lengths=MappingProxyType(array_lengths),
+        expert_bytes=tuple(expert_bytes) if any(expert_bytes) else (),
     )
 
 

@@ -1,4 +1,5 @@
-"""Which models exist: every *.gguf in the models directory, models.toml entries, built-ins.
+"""Which models exist: every *.gguf in the models directory, models.toml entries, built-ins,
+and the models corral pulled or created (manifests in `<models_dir>/.corral/`, runtime/store.py).
 
 A model's name is the file stem with the tag ":latest"; models.toml can name models explicitly
 (name -> file), give them default options, aliases, a pin and a priority. The directory is
@@ -18,6 +19,7 @@ from pathlib import Path
 from typing import Any
 
 from corral.config import ConfigError, parse_duration
+from corral.runtime.store import Manifest, Store
 
 if sys.version_info >= (3, 11):
     import tomllib
@@ -70,6 +72,15 @@ class ModelEntry:
     aliases: tuple[str, ...] = ()
     pinned: bool = False
     priority: int = 0
+    # What a model made by `pull`, `create` or `cp` carries (runtime/store.py): request defaults
+    # (a system prompt and messages put before the request's, Ollama sampling options) and the
+    # manifest that defines it. `manifest` is None for every model corral did not make.
+    system: str | None = None
+    template: str | None = None
+    parameters: Mapping[str, Any] = field(default_factory=dict)
+    messages: tuple[Mapping[str, Any], ...] = ()
+    license: str | None = None
+    manifest: Path | None = None
 
     @property
     def modified_at(self) -> float:
@@ -90,19 +101,21 @@ class Registry:
     def __init__(self, models_dir: Path, builtin: bool = True) -> None:
         self.models_dir = models_dir
         self.builtin = builtin
-        self._stamp: tuple[float, float] | None = None
+        self.store = Store(models_dir)
+        self._stamp: tuple[float, ...] | None = None
         self._models: dict[str, ModelEntry] = {}
         self._aliases: dict[str, str] = {}
+        self._toml_names: set[str] = set()
         self.errors: list[str] = []  # problems found in models.toml, shown in logs
 
-    def _current_stamp(self) -> tuple[float, float]:
+    def _current_stamp(self) -> tuple[float, ...]:
         def mtime(p: Path) -> float:
             try:
                 return p.stat().st_mtime_ns
             except OSError:
                 return -1.0
 
-        return mtime(self.models_dir), mtime(self.models_dir / "models.toml")
+        return mtime(self.models_dir), mtime(self.models_dir / "models.toml"), self.store.stamp()
 
     def _refresh(self) -> None:
         stamp = self._current_stamp()
@@ -112,6 +125,7 @@ class Registry:
         models: dict[str, ModelEntry] = {}
         aliases: dict[str, str] = {}
         errors: list[str] = []
+        toml_names: set[str] = set()
         if self.builtin and (p := smollm2_path()) is not None:
             models[BUILTIN_NAME] = ModelEntry(BUILTIN_NAME, p)
         try:
@@ -121,6 +135,8 @@ class Registry:
         for f in files:
             name = canonical_name(f.stem)
             models[name] = ModelEntry(name, f)
+        for m in self.store.all():
+            models[m.name] = self._entry_from_manifest(m)
         toml_path = self.models_dir / "models.toml"
         if toml_path.is_file():
             try:
@@ -128,12 +144,14 @@ class Registry:
                 for raw_name, spec in (doc.get("models") or {}).items():
                     entry = self._entry_from_toml(raw_name, spec)
                     models[entry.name] = entry
+                    toml_names.add(entry.name)
                     for a in entry.aliases:
                         aliases[a] = entry.name
             except (tomllib.TOMLDecodeError, ConfigError, OSError, TypeError, ValueError) as e:
                 errors.append(f"{toml_path}: {e}")
                 log.error("ignoring part of %s: %s", toml_path, e)
         self._models, self._aliases, self.errors = models, aliases, errors
+        self._toml_names = toml_names
 
     def _entry_from_toml(self, raw_name: str, spec: Any) -> ModelEntry:
         if not isinstance(spec, dict):
@@ -164,6 +182,45 @@ class Registry:
             pinned=bool(spec.get("pinned", False)),
             priority=int(spec.get("priority", 0)),
         )
+
+    def _entry_from_manifest(self, m: Manifest) -> ModelEntry:
+        """A pulled or created model: its files from the store, its parameters split into
+        runner options (as models.toml gives them) and sampling defaults."""
+        options = {k: v for k, v in m.parameters.items() if k in _OPTION_TYPES}
+        extra: dict[str, Any] = {}
+        # Projectors and adapters reach the runner through ModelEntry fields of those names
+        # (where this ModelEntry has them).
+        if m.projector is not None and "projector" in ModelEntry.__dataclass_fields__:
+            extra["projector"] = self.store.path_of(m.projector)
+        if m.adapters and "adapters" in ModelEntry.__dataclass_fields__:
+            from corral.core.spec import Adapter
+
+            extra["adapters"] = tuple(
+                Adapter(str(self.store.path_of(a.file)), a.scale) for a in m.adapters
+            )
+        return ModelEntry(
+            name=m.name,
+            path=self.store.path_of(m.model),
+            options=options,
+            system=m.system,
+            template=m.template,
+            parameters={k: v for k, v in m.parameters.items() if k not in _OPTION_TYPES},
+            messages=m.messages,
+            license=m.license,
+            manifest=self.store.manifest_path(m.name),
+            **extra,
+        )
+
+    def origin(self, entry: ModelEntry) -> str:
+        """Where a model comes from: "store" (corral made it), "builtin", "toml" (an entry of
+        models.toml) or "file" (a *.gguf in the models directory)."""
+        if entry.manifest is not None:
+            return "store"
+        if entry.name in self._toml_names:
+            return "toml"
+        if entry.name == BUILTIN_NAME and self.builtin and entry.path == smollm2_path():
+            return "builtin"
+        return "file"
 
     def get(self, name: str) -> ModelEntry | None:
         self._refresh()

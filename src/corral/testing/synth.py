@@ -180,7 +180,8 @@ class _Tensor:
     name: str
     shape: tuple[int, ...]  # numpy order: outermost first, i.e. ggml's ne reversed
     # "rand": random f16; "rand32": random f32 (tensors ggml adds to f32 activations directly,
-    # where CPU binary ops reject f16); "ones"/"zeros": f32 norm weights and biases.
+    # where CPU binary ops reject f16); "normal32": standard normal f32 (LoRA factors whose
+    # effect must show); "ones"/"zeros": f32 norm weights and biases.
     fill: str = "rand"
 
     @property
@@ -207,6 +208,8 @@ def _tensor_data(rng: np.random.Generator, tensor: _Tensor) -> np.ndarray:
         return _random_f16(rng, tensor.shape)
     if tensor.fill == "rand32":
         return _random_f16(rng, tensor.shape).astype(np.float32)
+    if tensor.fill == "normal32":
+        return rng.standard_normal(tensor.shape, dtype=np.float32)
     if tensor.fill == "ones":
         return np.ones(tensor.shape, dtype=np.float32)
     if tensor.fill == "zeros":
@@ -271,7 +274,9 @@ class LlamaDims:
             raise ValueError(f"head_dim (n_embd / n_head) must be even for RoPE: {self}")
 
 
-def _decoder_tensors(dims: LlamaDims, n_vocab: int, arch: str = "llama") -> list[_Tensor]:
+def _decoder_tensors(
+    dims: LlamaDims, n_vocab: int, arch: str = "llama", n_expert: int = 0
+) -> list[_Tensor]:
     e, ff, hd, kv = dims.n_embd, dims.n_ff, dims.head_dim, dims.head_dim * dims.n_head_kv
     gemma = arch == "gemma3"
     # No output.weight: llama.cpp then ties the output projection to token_embd (saves space).
@@ -288,10 +293,20 @@ def _decoder_tensors(dims: LlamaDims, n_vocab: int, arch: str = "llama") -> list
             _Tensor(b + "attn_v.weight", (kv, e)),
             _Tensor(b + "attn_output.weight", (e, e)),
             _Tensor(b + "ffn_norm.weight", (e,), "ones"),
-            _Tensor(b + "ffn_gate.weight", (ff, e)),
-            _Tensor(b + "ffn_up.weight", (ff, e)),
-            _Tensor(b + "ffn_down.weight", (e, ff)),
         ]
+        if n_expert:  # a mixture of experts (Mixtral's layout): a router and stacked experts
+            tensors += [
+                _Tensor(b + "ffn_gate_inp.weight", (n_expert, e), "rand32"),
+                _Tensor(b + "ffn_gate_exps.weight", (n_expert, ff, e)),
+                _Tensor(b + "ffn_up_exps.weight", (n_expert, ff, e)),
+                _Tensor(b + "ffn_down_exps.weight", (n_expert, e, ff)),
+            ]
+        else:
+            tensors += [
+                _Tensor(b + "ffn_gate.weight", (ff, e)),
+                _Tensor(b + "ffn_up.weight", (ff, e)),
+                _Tensor(b + "ffn_down.weight", (e, ff)),
+            ]
         if gemma:  # gemma3 adds QK-norm and post-attention/post-FFN norms
             tensors += [
                 _Tensor(b + "attn_q_norm.weight", (hd,), "ones"),
@@ -360,6 +375,8 @@ def _write_decoder(
     seed: int,
     sliding_window: int | None = None,
     chat_template: str | None = None,
+    n_expert: int = 0,
+    n_expert_used: int = 0,
 ) -> Path:
     dims.validate()
     if target_bytes is not None:
@@ -385,8 +402,12 @@ def _write_decoder(
     writer.add_layer_norm_rms_eps(1e-5)
     if sliding_window is not None:
         writer.add_sliding_window(sliding_window)
+    if n_expert:
+        writer.add_expert_count(n_expert)
+        writer.add_expert_used_count(n_expert_used)
     _add_vocab(writer, vocab)
-    return _write(writer, path, _decoder_tensors(dims, len(vocab.tokens), arch), seed)
+    tensors = _decoder_tensors(dims, len(vocab.tokens), arch, n_expert)
+    return _write(writer, path, tensors, seed)
 
 
 def write_llama_model(
@@ -462,6 +483,41 @@ def write_swa_model(
         name=name,
         seed=seed,
         sliding_window=sliding_window,
+    )
+
+
+def write_moe_model(
+    path: Path,
+    *,
+    n_layer: int = 2,
+    n_embd: int = 64,
+    n_head: int = 4,
+    n_head_kv: int = 2,
+    n_ff: int = 128,
+    n_expert: int = 4,
+    n_expert_used: int = 2,
+    context_length: int = 2048,
+    n_vocab: int | None = DEFAULT_N_VOCAB,
+    name: str = "synthetic-llama-moe",
+    seed: int = 0,
+) -> Path:
+    """Like ``write_llama_model`` but each layer's feed-forward is a mixture of ``n_expert``
+    experts (``n_expert_used`` per token, Mixtral's layout in llama.cpp's llama architecture):
+    the tensors ``blk.N.ffn_{gate,up,down}_exps`` that llama.cpp's --n-cpu-moe keeps in
+    system memory."""
+    if not 0 < n_expert_used <= n_expert:
+        raise ValueError("need 0 < n_expert_used <= n_expert")
+    return _write_decoder(
+        path,
+        "llama",
+        LlamaDims(n_layer, n_embd, n_head, n_head_kv, n_ff),
+        context_length=context_length,
+        target_bytes=None,
+        n_vocab=n_vocab,
+        name=name,
+        seed=seed,
+        n_expert=n_expert,
+        n_expert_used=n_expert_used,
     )
 
 
@@ -541,6 +597,137 @@ def write_bert_model(
     return _write(writer, path, tensors, seed)
 
 
+# --------------------------------------------------------------------------- projector
+
+
+def write_projector(
+    path: Path,
+    text_n_embd: int,
+    *,
+    n_embd: int = 32,
+    n_head: int = 4,
+    n_ff: int = 128,
+    n_layer: int = 2,
+    image_size: int = 32,
+    patch_size: int = 8,
+    hidden: int | None = None,
+    name: str = "synthetic-mmproj",
+    seed: int = 0,
+) -> Path:
+    """Write a random-weight vision projector (llama.cpp's mmproj GGUF, architecture `clip`,
+    projector type "mlp" as LLaVA 1.5 has) for a text model of width ``text_n_embd``.
+
+    The encoder is a ViT of ``n_layer`` blocks over the patches of an image resized to
+    ``image_size`` pixels square, then a two-layer MLP (mm.0, gelu, mm.2) to ``text_n_embd``
+    (through ``hidden``, default ``text_n_embd``). llama.cpp's llava graph runs all blocks but
+    the last, and every image becomes ``(image_size // patch_size) ** 2`` tokens of the text
+    model (16 by default), whatever its size.
+    """
+    if n_embd % n_head or image_size % patch_size or n_layer < 1:
+        raise ValueError("n_embd % n_head and image_size % patch_size must be 0, n_layer >= 1")
+    if n_ff == n_embd:  # clip.cpp would take ffn_down for a legacy swapped ffn_up
+        raise ValueError("n_ff must differ from n_embd")
+    hidden = hidden or text_n_embd
+    e, n_pos = n_embd, (image_size // patch_size) ** 2
+    tensors = [
+        _Tensor("v.patch_embd.weight", (e, 3, patch_size, patch_size)),
+        _Tensor("v.patch_embd.bias", (e,), "zeros"),
+        _Tensor("v.position_embd.weight", (n_pos, e)),
+        _Tensor("v.pre_ln.weight", (e,), "ones"),
+        _Tensor("v.pre_ln.bias", (e,), "zeros"),
+    ]
+    for i in range(n_layer):
+        b = f"v.blk.{i}."
+        for proj in ("attn_q", "attn_k", "attn_v", "attn_out"):
+            tensors += [_Tensor(b + proj + ".weight", (e, e)),
+                        _Tensor(b + proj + ".bias", (e,), "zeros")]  # fmt: skip
+        tensors += [
+            _Tensor(b + "ln1.weight", (e,), "ones"),
+            _Tensor(b + "ln1.bias", (e,), "zeros"),
+            _Tensor(b + "ln2.weight", (e,), "ones"),
+            _Tensor(b + "ln2.bias", (e,), "zeros"),
+            _Tensor(b + "ffn_up.weight", (n_ff, e)),
+            _Tensor(b + "ffn_up.bias", (n_ff,), "zeros"),
+            _Tensor(b + "ffn_down.weight", (e, n_ff)),
+            _Tensor(b + "ffn_down.bias", (e,), "zeros"),
+        ]
+    tensors += [
+        _Tensor("mm.0.weight", (hidden, e)),
+        _Tensor("mm.0.bias", (hidden,), "zeros"),
+        _Tensor("mm.2.weight", (text_n_embd, hidden)),
+        _Tensor("mm.2.bias", (text_n_embd,), "zeros"),
+    ]
+    writer = gguf.GGUFWriter(None, "clip")
+    writer.add_type("mmproj")
+    writer.add_name(name)
+    writer.add_file_type(gguf.LlamaFileType.MOSTLY_F16)
+    writer.add_clip_has_vision_encoder(True)
+    writer.add_clip_projector_type("mlp")
+    writer.add_vision_image_size(image_size)
+    writer.add_vision_patch_size(patch_size)
+    writer.add_vision_embedding_length(e)
+    writer.add_vision_feed_forward_length(n_ff)
+    writer.add_vision_block_count(n_layer)
+    writer.add_vision_head_count(n_head)
+    writer.add_vision_attention_layernorm_eps(1e-5)
+    writer.add_vision_projection_dim(text_n_embd)
+    writer.add_vision_image_mean([0.5, 0.5, 0.5])
+    writer.add_vision_image_std([0.5, 0.5, 0.5])
+    writer.add_vision_use_gelu(True)
+    return _write(writer, path, tensors, seed)
+
+
+def projector_image_tokens(image_size: int = 32, patch_size: int = 8) -> int:
+    """Tokens one image takes in a model with ``write_projector``'s projector."""
+    return (image_size // patch_size) ** 2
+
+
+# --------------------------------------------------------------------------- LoRA adapter
+
+
+def write_lora_adapter(
+    path: Path,
+    base: Path,
+    *,
+    rank: int = 4,
+    alpha: float | None = None,
+    targets: tuple[str, ...] = ("attn_output", "ffn_down"),
+    seed: int = 1,
+) -> Path:
+    """Write a LoRA adapter GGUF (general.type = adapter, adapter.type = lora) for the
+    synthetic model at ``base``: for each block and each target matrix, ``<name>.weight.lora_a``
+    (rank x n_in) and ``.lora_b`` (n_out x rank), standard normal f32, which llama.cpp applies
+    as W + scale * alpha / rank * B A. The factors are large beside the base weights, so the
+    adapter changes a greedy generation (deterministically for a fixed seed) at scale 1 and
+    not at all at scale 0. ``alpha`` defaults to ``rank`` (scale 1 = B A as it is)."""
+    from corral.core.gguf import read_model_info
+
+    info = read_model_info(base)
+    e = info.n_embd
+    n_ff = info.metadata.get(f"{info.architecture}.feed_forward_length", 4 * e)
+    kv = max(info.n_head_kv, default=info.n_head) * info.head_dim_v
+    shapes = {  # name -> (n_in, n_out), as the base tensor's ggml ne
+        "attn_q": (e, info.n_head * info.head_dim_k), "attn_k": (e, kv), "attn_v": (e, kv),
+        "attn_output": (info.n_head * info.head_dim_v, e), "ffn_gate": (e, n_ff),
+        "ffn_up": (e, n_ff), "ffn_down": (n_ff, e),
+    }  # fmt: skip
+    unknown = [t for t in targets if t not in shapes]
+    if unknown:
+        raise ValueError(f"unknown LoRA targets {unknown}; use some of {sorted(shapes)}")
+    tensors = []
+    for i in range(info.n_layer):
+        for target in targets:
+            n_in, n_out = shapes[target]
+            name = f"blk.{i}.{target}.weight"
+            tensors += [_Tensor(name + ".lora_a", (rank, n_in), "normal32"),
+                        _Tensor(name + ".lora_b", (n_out, rank), "normal32")]  # fmt: skip
+    writer = gguf.GGUFWriter(None, info.architecture)
+    writer.add_type("adapter")
+    writer.add_string(gguf.Keys.Adapter.TYPE, "lora")
+    writer.add_float32(gguf.Keys.Adapter.LORA_ALPHA, float(rank if alpha is None else alpha))
+    return _write(writer, path, tensors, seed)
+
+
 # --------------------------------------------------------------------------- broken files
 
 
@@ -575,10 +762,14 @@ __all__ = [
     "SMOLLM2_N_VOCAB",
     "LlamaDims",
     "plan_llama_dims",
+    "projector_image_tokens",
     "smollm2_path",
     "write_bert_model",
     "write_llama_model",
+    "write_lora_adapter",
+    "write_moe_model",
     "write_not_gguf",
+    "write_projector",
     "write_swa_model",
     "write_truncated_copy",
 ]

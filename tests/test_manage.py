@@ -1,0 +1,303 @@
+"""Managing models like Ollama: create (from a model or uploaded blobs), blobs, copy, delete,
+push; created models keep their system prompt and parameters. Driven with the real `ollama`
+client, and the CLI verbs as a user runs them."""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import shutil
+import subprocess
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+
+import ollama
+import pytest
+
+from corral.cli import modelfile
+from corral.runtime.store import STORE_DIR
+from corral.testing import synth
+from corral.testing.server import CorralServer
+
+PIRATE = "You are a pirate. Answer every question in the voice of an old sea captain."
+
+
+@pytest.fixture(scope="module")
+def models(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    d = tmp_path_factory.mktemp("managemodels")
+    synth.write_llama_model(d / "tiny.gguf", n_layer=2, context_length=2048)
+    synth.write_llama_model(d / "other.gguf", n_layer=2, context_length=2048, seed=5)
+    return d
+
+
+@pytest.fixture(scope="module")
+def server(start_server, models: Path) -> CorralServer:
+    return start_server(models)
+
+
+@pytest.fixture()
+def client(server: CorralServer) -> Iterator[ollama.Client]:
+    with ollama.Client(server.url) as c:
+        yield c
+
+
+def names(client: ollama.Client) -> set[str]:
+    return {m.model or "" for m in client.list().models}
+
+
+def corral(
+    server: CorralServer, *args: str, cwd: Path | None = None
+) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, "-m", "corral", *args], env={**os.environ, "CORRAL_HOST": server.host},
+        capture_output=True, text=True, timeout=120, cwd=cwd,
+    )  # fmt: skip
+
+
+def system_of(server: CorralServer, model: str) -> str | None:
+    system = server.client.post("/api/show", json={"model": model}).json().get("system")
+    return None if system is None else str(system)
+
+
+def chat(
+    client: ollama.Client, model: str, system: str | None = None, **options: float
+) -> ollama.ChatResponse:
+    messages = [{"role": "system", "content": system}] if system else []
+    messages.append({"role": "user", "content": "Where is the treasure?"})
+    return client.chat(model=model, messages=messages, options={"temperature": 0, **options})
+
+
+# ---- create ---------------------------------------------------------------------------------
+def test_create_from_a_model_keeps_system_and_parameters(
+    client: ollama.Client, server: CorralServer, models: Path
+) -> None:
+    parts = list(client.create(
+        model="pirate", from_="tiny", system=PIRATE, template="{{ .Prompt }}", license="MIT",
+        parameters={"temperature": 0.3, "num_ctx": 512, "num_predict": 5, "stop": ["Arr"]},
+        stream=True,
+    ))  # fmt: skip
+    statuses = [p.status for p in parts]
+    assert statuses[-2:] == ["writing manifest", "success"]
+    assert f"using file {models / 'tiny.gguf'}" in statuses
+    assert any(s and s.startswith("creating new layer sha256:") for s in statuses)
+    assert "pirate:latest" in names(client)
+
+    shown = client.show("pirate")
+    assert system_of(server, "pirate") == PIRATE  # (the ollama client drops `system`)
+    assert shown.template == "{{ .Prompt }}"
+    assert shown.license == "MIT"
+    params = shown.parameters or ""
+    for line in ("temperature", "0.3", "num_ctx", "512", "num_predict", '"Arr"'):
+        assert line in params
+    assert shown.modelfile and f"FROM {models / 'tiny.gguf'}" in shown.modelfile
+    assert f'SYSTEM """{PIRATE}"""' in shown.modelfile and 'PARAMETER stop "Arr"' in shown.modelfile
+
+    # Requests get the system prompt (when they have none) and the parameters as defaults.
+    own, plain = chat(client, "pirate"), chat(client, "tiny", num_predict=2)
+    assert (own.prompt_eval_count or 0) > (plain.prompt_eval_count or 0)
+    assert own.eval_count is not None and own.eval_count <= 5  # num_predict 5
+    assert {m.model: m.context_length for m in client.ps().models}["pirate:latest"] == 512
+    overridden = chat(client, "pirate", system="Be brief.")
+    brief = chat(client, "tiny", system="Be brief.", num_predict=2)
+    assert overridden.prompt_eval_count == brief.prompt_eval_count
+    longer = client.chat(model="pirate", messages=[{"role": "user", "content": "Hi"}],
+                         options={"num_predict": 9, "temperature": 0})  # fmt: skip
+    assert longer.eval_count is not None and longer.eval_count > 5  # the request's own wins
+
+    # ... on the OpenAI API too (the byte pass-through)
+    body = {"messages": [{"role": "user", "content": "Where is the treasure?"}], "temperature": 0}
+    usage = {
+        m: server.client.post("/v1/chat/completions", json={"model": m, **body, **extra}).json()[
+            "usage"]
+        for m, extra in (("pirate", {}), ("tiny", {"max_tokens": 2}))
+    }  # fmt: skip
+    assert usage["pirate"]["prompt_tokens"] > usage["tiny"]["prompt_tokens"]
+    assert usage["pirate"]["completion_tokens"] <= 5
+
+
+def test_create_from_another_created_model_merges(
+    client: ollama.Client, server: CorralServer
+) -> None:
+    client.create(model="pirate-base", from_="tiny", system=PIRATE,
+                  parameters={"temperature": 0.3, "num_predict": 5})  # fmt: skip
+    client.create(model="pirate-hot", from_="pirate-base", parameters={"temperature": 1.5})
+    shown = client.show("pirate-hot")
+    assert system_of(server, "pirate-hot") == PIRATE
+    params = shown.parameters or ""
+    assert "1.5" in params and "num_predict" in params and "0.3" not in params
+
+
+def test_create_from_uploaded_blobs(client: ollama.Client, models: Path, tmp_path: Path) -> None:
+    src = synth.write_llama_model(tmp_path / "upload.gguf", seed=9)
+    digest = client.create_blob(src)
+    assert digest == "sha256:" + hashlib.sha256(src.read_bytes()).hexdigest()
+    blob = models / STORE_DIR / "blobs" / f"sha256-{digest.split(':')[1]}"
+    assert blob.read_bytes() == src.read_bytes()
+    parts = list(client.create(model="uploaded", files={"upload.gguf": digest}, stream=True))
+    statuses = [p.status for p in parts]
+    assert statuses[0] == "parsing GGUF" and f"using existing layer {digest}" in statuses
+    assert statuses[-1] == "success"
+    r = client.generate(model="uploaded", prompt="Hi", options={"num_predict": 3})
+    assert r.done
+
+    missing = "sha256:" + "0" * 64
+    with pytest.raises(ollama.ResponseError) as e:
+        client.create(model="nope", files={"x.gguf": missing})
+    assert e.value.status_code == 400 and "upload it first" in e.value.error
+    text = tmp_path / "notes.txt"
+    text.write_text("not a model")
+    with pytest.raises(ollama.ResponseError) as e:
+        client.create(model="nope", files={"notes.txt": client.create_blob(text)})
+    assert e.value.status_code == 400 and "not a GGUF file" in e.value.error
+    assert "nope:latest" not in names(client)
+
+
+def test_create_refusals(client: ollama.Client) -> None:
+    with pytest.raises(ollama.ResponseError) as e:
+        client.create(model="small", from_="tiny", quantize="q4_K_M")
+    assert e.value.status_code == 400 and "quantize is not supported" in e.value.error
+    with pytest.raises(ollama.ResponseError) as e:
+        client.create(model="x", from_="no-such-model")
+    assert e.value.status_code == 404 and "no-such-model" in e.value.error
+    with pytest.raises(ollama.ResponseError) as e:
+        client.create(model="other", from_="tiny")  # other.gguf is the user's file
+    assert e.value.status_code == 400 and "other.gguf" in e.value.error
+    with pytest.raises(ollama.ResponseError) as e:
+        client.create(model="x", from_="tiny", parameters={"temprature": 1})
+    assert e.value.status_code == 400 and "unknown parameter 'temprature'" in e.value.error
+    with pytest.raises(ollama.ResponseError) as e:
+        client.create(model="x")
+    assert e.value.status_code == 400 and "'from'" in e.value.error
+
+
+# ---- blobs ----------------------------------------------------------------------------------
+def test_blob_upload_is_checked_against_its_digest(server: CorralServer, models: Path) -> None:
+    data = b"some bytes that are not what the digest says"
+    wrong = "sha256:" + hashlib.sha256(b"something else").hexdigest()
+    r = server.client.post(f"/api/blobs/{wrong}", content=data)
+    assert r.status_code == 400 and "digest mismatch" in r.json()["error"]
+    assert server.client.head(f"/api/blobs/{wrong}").status_code == 404
+    assert not list((models / STORE_DIR / "partial").glob("upload-*"))  # nothing left behind
+    right = "sha256:" + hashlib.sha256(data).hexdigest()
+    assert server.client.post(f"/api/blobs/{right}", content=data).status_code == 201
+    assert server.client.head(f"/api/blobs/{right}").status_code == 200
+    assert server.client.post(f"/api/blobs/{right}", content=data).status_code == 200  # had it
+    r = server.client.post("/api/blobs/md5:abc", content=data)
+    assert r.status_code == 400 and "invalid digest" in r.json()["error"]
+
+
+# ---- copy, delete, push -----------------------------------------------------------------------
+def test_copy_and_delete(client: ollama.Client, server: CorralServer, models: Path) -> None:
+    client.create(model="captain", from_="tiny", system=PIRATE)
+    assert client.copy("captain", "captain-copy").status == "success"
+    assert system_of(server, "captain-copy") == PIRATE
+    # a copy of the user's own file refers to it; deleting the copy leaves the file alone
+    assert client.copy("tiny", "tiny-alias").status == "success"
+    assert client.show("tiny-alias").modelfile.startswith(  # type: ignore[union-attr]
+        f"# Modelfile generated by corral\nFROM {models / 'tiny.gguf'}")  # fmt: skip
+    assert client.delete("tiny-alias").status == "success"
+    assert (models / "tiny.gguf").is_file() and "tiny:latest" in names(client)
+    assert "tiny-alias:latest" not in names(client)
+
+    assert client.delete("captain").status == "success"
+    assert "captain:latest" not in names(client) and "captain-copy:latest" in names(client)
+
+    with pytest.raises(ollama.ResponseError) as e:
+        client.copy("captain", "again")  # gone
+    assert e.value.status_code == 404
+    with pytest.raises(ollama.ResponseError) as e:
+        client.copy("captain-copy", "tiny")  # the user's file's name
+    assert e.value.status_code == 400
+
+
+def test_delete_never_touches_files_corral_did_not_make(
+    client: ollama.Client, server: CorralServer, models: Path
+) -> None:
+    r = server.client.request("DELETE", "/api/delete", json={"model": "tiny"})
+    assert r.status_code == 400
+    error = r.json()["error"]
+    assert "never deletes it" in error and str(models / "tiny.gguf") in error
+    assert (models / "tiny.gguf").is_file()
+    if "smollm2:135m" in names(client):
+        r = server.client.request("DELETE", "/api/delete", json={"model": "smollm2:135m"})
+        assert r.status_code == 400 and "built-in" in r.json()["error"]
+    with pytest.raises(ollama.ResponseError) as e:
+        client.delete("never-was")
+    assert e.value.status_code == 404
+
+
+def test_delete_a_loaded_model_unloads_it_first(
+    client: ollama.Client, server: CorralServer, models: Path, tmp_path: Path
+) -> None:
+    src = synth.write_llama_model(tmp_path / "own.gguf", seed=12)
+    digest = client.create_blob(src)
+    client.create(model="busy", files={"own.gguf": digest})
+    client.generate(model="busy", prompt="Hi", options={"num_predict": 2})
+    assert "busy:latest" in {m.model for m in client.ps().models}
+    r = server.client.request("DELETE", "/api/delete", json={"model": "busy"})
+    assert r.status_code == 200, r.text
+    out = r.json()
+    assert out["unloaded"] is True
+    blob = str(models / STORE_DIR / "blobs" / f"sha256-{digest.split(':')[1]}")
+    assert blob in out["removed"] and not Path(blob).exists()
+    assert "busy:latest" not in {m.model for m in client.ps().models}
+    assert "busy:latest" not in names(client)
+
+
+def test_push_is_not_supported(client: ollama.Client) -> None:
+    with pytest.raises(ollama.ResponseError) as e:
+        client.push("tiny")
+    assert e.value.status_code == 501 and "push is not supported" in e.value.error
+
+
+# ---- the CLI --------------------------------------------------------------------------------
+def test_modelfile_parsing(tmp_path: Path) -> None:
+    (tmp_path / "m.gguf").write_bytes(b"GGUF")
+    text = '''# a comment
+FROM ./m.gguf
+PARAMETER temperature 0.2
+PARAMETER num_ctx 1024
+PARAMETER stop "<|im_end|>"
+PARAMETER stop User:
+SYSTEM """You are
+a pirate."""
+TEMPLATE {{ .Prompt }}
+MESSAGE user Ahoy?
+MESSAGE assistant "Arr!"
+LICENSE MIT
+'''
+    p = modelfile.parse(text, tmp_path)
+    assert p.files == [tmp_path / "m.gguf"]
+    assert p.body == {
+        "system": "You are\na pirate.", "template": "{{ .Prompt }}", "license": "MIT",
+        "parameters": {"temperature": 0.2, "num_ctx": 1024, "stop": ["<|im_end|>", "User:"]},
+        "messages": [{"role": "user", "content": "Ahoy?"},
+                     {"role": "assistant", "content": "Arr!"}],
+    }  # fmt: skip
+    assert modelfile.parse("FROM llama3.2\n", tmp_path).body == {"from": "llama3.2"}
+    for bad in ("PARAMETER x 1\n", "FROM ./missing.gguf\n", "BOGUS x\n", 'FROM x\nSYSTEM """a\n'):
+        with pytest.raises(modelfile.ModelfileError):
+            modelfile.parse(bad, tmp_path)
+
+
+def test_cli_create_cp_rm(server: CorralServer, models: Path, tmp_path: Path) -> None:
+    shutil.copy(models / "other.gguf", tmp_path / "weights.gguf")
+    (tmp_path / "Modelfile").write_text(
+        'FROM ./weights.gguf\nPARAMETER temperature 0.2\nSYSTEM """Talk like a pirate."""\n'
+    )
+    r = corral(server, "create", "clipirate", cwd=tmp_path)
+    assert r.returncode == 0, r.stderr
+    assert "success" in r.stderr
+    r = corral(server, "show", "clipirate", "--system")
+    assert r.stdout.strip() == "Talk like a pirate."
+    assert corral(server, "cp", "clipirate", "clipirate2").returncode == 0
+    r = corral(server, "rm", "clipirate")
+    assert r.returncode == 0 and "deleted 'clipirate'" in r.stdout and ".json" in r.stdout
+    r = corral(server, "rm", "clipirate2")  # the last user of the uploaded blob: removed too
+    assert r.returncode == 0 and "sha256-" in r.stdout
+    r = corral(server, "rm", "tiny")
+    assert r.returncode == 1 and "never deletes it" in r.stderr
+    assert (models / "tiny.gguf").is_file()
+    r = corral(server, "create", "small", "-q", "q4_K_M", cwd=tmp_path)
+    assert r.returncode == 1 and "quantize is not supported" in r.stderr
