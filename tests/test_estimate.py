@@ -249,3 +249,44 @@ async def test_unusable_kv_cache_type_fails_clearly(models: dict[str, ModelInfo]
                                         kv_cache_type="q4_0"))  # fmt: skip
     with pytest.raises(RunnerError, match="needs head dimensions divisible by 32"):
         await runner.start(60)
+
+
+# ---- runner options and a model's parts ---------------------------------------------------------
+
+
+def test_num_batch_sizes_the_micro_batch(models: dict[str, ModelInfo]) -> None:
+    info = models["llama"]
+    default = estimate(info, 4096)
+    small, large = estimate(info, 4096, n_batch=64), estimate(info, 4096, n_batch=2048)
+    assert small.compute < default.compute < large.compute
+    assert small.kv_per_layer == default.kv_per_layer == large.kv_per_layer
+
+
+def test_flash_attention_off_costs_compute(models: dict[str, ModelInfo]) -> None:
+    info = models["llama"]
+    assert estimate(info, 4096, flash_attn=False).compute > estimate(info, 4096).compute
+
+
+def test_experts_are_counted_per_layer(tmp_path: Path) -> None:
+    info = read_model_info(synth.write_moe_model(tmp_path / "moe.gguf", n_layer=3, n_expert=4))
+    assert len(info.expert_bytes) == 3 and all(info.expert_bytes)
+    assert all(x < w for x, w in zip(info.expert_bytes, info.layer_bytes, strict=True))
+    est = estimate(info, 512, n_cpu_moe=2)
+    assert est.cpu_experts_per_layer == info.expert_bytes[:2]
+    assert est.total == estimate(info, 512).total  # only where they are booked changes
+    assert estimate(info, 512).cpu_experts_per_layer == ()
+
+
+def test_projector_compute_grows_with_its_image(tmp_path: Path) -> None:
+    from corral.core.estimate import projector_bytes
+    from corral.core.gguf import read_projector_info
+
+    small = read_projector_info(synth.write_projector(tmp_path / "a.gguf", 64))
+    big = read_projector_info(
+        synth.write_projector(tmp_path / "b.gguf", 64, image_size=224, patch_size=14)
+    )
+    (w_small, c_small), (w_big, c_big) = projector_bytes(small), projector_bytes(big)
+    assert w_small >= small.weights and w_big >= big.weights
+    assert c_big > c_small > 0
+    # Without flash attention the scores (n_head x n_pos^2) are held too.
+    assert projector_bytes(big, flash_attn=False)[1] >= c_big

@@ -7,7 +7,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from corral.core.devices import Device, fake_devices
-from corral.core.placement import ModelNeed, NoFit, Placement, gpu_share, place
+from corral.core.estimate import Estimate
+from corral.core.placement import ModelNeed, NoFit, Placement, gpu_share, model_need, place
 
 GiB = 2**30
 
@@ -330,3 +331,125 @@ def best_single_gpu(
         if k == 0 or any(sum(gpu) + m.gpu_compute <= free[d.id] for d in devs[1:]):
             best = k
     return best
+
+
+# ---- a model's parts and devices ---------------------------------------------------------------
+
+
+def with_projector(m: ModelNeed, projector: int) -> ModelNeed:
+    return ModelNeed(m.layers, m.output, m.gpu_compute, m.cpu_compute, m.host, projector)
+
+
+def booked(m: ModelNeed, p: Placement) -> int:
+    """Every byte of the model, with its projector, booked once."""
+    on_cpu = p.n_gpu_layers < m.n_layer + 1
+    gpus = len(p.gpus)
+    return (
+        m.weights + m.host + m.projector + m.gpu_compute * gpus
+        + (m.cpu_compute if on_cpu else 0)
+    )  # fmt: skip
+
+
+def test_projector_goes_to_the_gpu_with_the_model() -> None:
+    m = with_projector(need(), 2 * GiB)
+    p = place(m, fake_devices("cpu=32GiB,cuda=24GiB"), {"cpu": 32 * GiB, "cuda:0": 24 * GiB})
+    assert isinstance(p, Placement) and p.full_offload
+    assert p.devices == {"cpu": m.host, "cuda:0": 14 * GiB}
+    assert p.size == booked(m, p)
+
+
+def test_projector_on_the_cpu_when_no_layer_is_on_a_gpu() -> None:
+    m = with_projector(need(), 2 * GiB)
+    p = place(m, fake_devices("cpu=32GiB"), {"cpu": 32 * GiB})
+    assert isinstance(p, Placement) and p.n_gpu_layers == 0
+    assert p.devices == {"cpu": m.host + m.weights + m.cpu_compute + 2 * GiB}
+    p = place(m, fake_devices("cpu=32GiB,cuda=24GiB"), {"cpu": 32 * GiB, "cuda:0": 24 * GiB},
+              num_gpu=0)  # fmt: skip
+    assert (
+        isinstance(p, Placement)
+        and p.devices["cpu"] == m.host + m.weights + m.cpu_compute + m.projector
+    )
+
+
+def test_projector_takes_room_on_the_first_gpu_of_a_split() -> None:
+    m = with_projector(need(), 3 * GiB)
+    devs = fake_devices("cpu=32GiB,cuda=8GiB,cuda=8GiB")
+    p = place(m, devs, {d.id: d.free for d in devs})
+    assert isinstance(p, Placement), p
+    assert all(n <= 8 * GiB for d, n in p.devices.items() if d != "cpu")
+    assert p.size == booked(m, p)
+    # The first GPU holds the projector, so it holds fewer layers than the second.
+    assert p.tensor_split is not None and p.tensor_split[0] < p.tensor_split[1]
+
+
+def test_projector_that_leaves_no_room_pushes_layers_off_the_gpu() -> None:
+    m = with_projector(need(), 5 * GiB)
+    p = place(m, fake_devices("cpu=32GiB,cuda=12GiB"), {"cpu": 32 * GiB, "cuda:0": 12 * GiB})
+    assert isinstance(p, Placement) and p.n_gpu_layers == 6  # 12 - 1 compute - 5 projector
+    assert p.devices["cuda:0"] == 12 * GiB and p.size == booked(m, p)
+
+
+def test_devices_limit_the_gpus_a_model_may_use() -> None:
+    m = need()
+    devs = fake_devices("cpu=32GiB,cuda=24GiB,cuda=16GiB")
+    free = {d.id: d.free for d in devs}
+    p = place(m, devs, free, allowed=["cuda:0"])  # best fit would be cuda:1
+    assert isinstance(p, Placement) and p.gpus == ("cuda:0",) and p.full_offload
+    p = place(m, devs, free, allowed=["cpu"])
+    assert isinstance(p, Placement) and p.n_gpu_layers == 0
+    p = place(m, devs, free, allowed=["cuda:7"])
+    assert isinstance(p, NoFit) and "no such device cuda:7" in p.reason
+
+
+def test_devices_without_cpu_never_spill_layers_to_system_memory() -> None:
+    m = need()
+    devs = fake_devices("cpu=32GiB,cuda=8GiB")
+    free = {d.id: d.free for d in devs}
+    p = place(m, devs, free, allowed=["cuda:0"])
+    assert isinstance(p, NoFit) and "does not fit on its devices cuda:0" in p.reason
+    p = place(m, devs, free, allowed=["cuda:0", "cpu"])
+    assert isinstance(p, Placement) and p.n_gpu_layers == 7
+    p = place(m, devs, free, allowed=["cuda:0"], num_gpu=3)
+    assert isinstance(p, NoFit) and "leaves layers in system memory" in p.reason
+
+
+def test_model_need_keeps_cpu_experts_in_system_memory() -> None:
+    est = Estimate(
+        weights_per_layer=(10 * MiB, 10 * MiB, 10 * MiB), kv_per_layer=(MiB, MiB, MiB),
+        non_layer=4 * MiB, compute=2 * MiB, overhead=MiB,
+        adapters_per_layer=(MiB // 2,) * 3, adapters_other=MiB // 4,
+        projector_weights=3 * MiB, projector_compute=MiB,
+        cpu_experts_per_layer=(8 * MiB, 8 * MiB),
+    )  # fmt: skip
+    m = model_need(est, process=5 * MiB)
+    assert m.layers == (3 * MiB + MiB // 2, 3 * MiB + MiB // 2, 11 * MiB + MiB // 2)
+    assert m.host == 4 * MiB + MiB + MiB // 4 + 16 * MiB + 5 * MiB
+    assert m.projector == 4 * MiB
+    # Everything booked once: the estimate's total plus the process.
+    assert m.weights + m.host + m.projector + m.gpu_compute == est.total + 5 * MiB
+    p = place(m, fake_devices("cpu=1GiB,cuda=1GiB"), {"cpu": GiB, "cuda:0": GiB})
+    assert isinstance(p, Placement) and p.full_offload and p.devices["cpu"] == m.host
+
+
+DEVICE_IDS = st.sampled_from(["cpu", "cuda:0", "cuda:1", "rocm:0"])
+
+
+@settings(max_examples=200, deadline=None)
+@given(scenarios(), st.integers(0, 3000), st.lists(DEVICE_IDS, max_size=3))
+def test_placements_with_projector_and_devices_respect_budgets(
+    s: tuple[ModelNeed, list[Device], dict[str, int], dict], projector: int, allowed: list[str]
+) -> None:
+    m, devs, free, kw = s
+    m = with_projector(m, projector * MiB)
+    known = {d.id for d in devs}
+    allowed = [a for a in allowed if a in known] or None  # type: ignore[assignment]
+    p = place(m, devs, free, allowed=allowed, **kw)
+    if isinstance(p, NoFit):
+        return
+    for dev, n in p.devices.items():
+        assert 0 <= n <= free.get(dev, 0), (dev, n, free)
+    assert p.size == booked(m, p)
+    if allowed is not None:
+        assert set(p.gpus) <= set(allowed)
+        if "cpu" not in allowed and any(a != "cpu" for a in allowed):
+            assert p.full_offload

@@ -14,15 +14,20 @@ Calibrated against llama.cpp (xllamacpp 2026.10, CPU backend, flash attention au
 llama, gemma3 (SWA) and bert models: estimate >= real and <= 1.10 x real over the models the
 test suite makes or ships (see corral.bench.estimates). The runner's real allocation replaces
 the estimate in the books once it has loaded.
+
+A model's parts are in the estimate too: LoRA adapters (their tensors sit beside the layers they
+change) and a vision projector (its weights in one buffer and its own graph's compute buffer,
+sized for a warm-up image; calibrated on synthetic LLaVA-style projectors only).
 """
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:  # runner_child imports this module and must not pay for the GGUF reader
-    from corral.core.gguf import ModelInfo
+    from corral.core.gguf import AdapterInfo, ModelInfo, ProjectorInfo
 
 __all__ = [
     "KV_CACHE_TYPES",
@@ -33,6 +38,7 @@ __all__ = [
     "estimate",
     "estimate_bytes",
     "llama_params",
+    "projector_bytes",
 ]
 
 # The KV cache types llama.cpp accepts (common/arg.cpp kv_cache_types): (block size, bytes per
@@ -103,7 +109,10 @@ class LlamaParams:
     has_kv: bool  # encoders (bert, ...) keep no KV cache
 
 
-def llama_params(info: ModelInfo, n_ctx: int, num_parallel: int) -> LlamaParams:
+def llama_params(
+    info: ModelInfo, n_ctx: int, num_parallel: int, n_batch: int | None = None
+) -> LlamaParams:
+    """`n_batch`: Ollama's num_batch, which sets llama.cpp's n_batch and n_ubatch both."""
     n_seq = max(1, num_parallel)
     requested = max(1, n_ctx) * n_seq  # runner_child passes n_ctx * num_parallel
     # llama_context: n_ctx = PAD(n_ctx, 256); n_ctx_seq = PAD(n_ctx / n_seq_max, 256); then
@@ -117,7 +126,9 @@ def llama_params(info: ModelInfo, n_ctx: int, num_parallel: int) -> LlamaParams:
     causal = info.metadata.get(f"{info.architecture}.attention.causal", has_kv) is not False
     # Causal models: n_batch = min(n_ctx, n_batch) with the unpadded n_ctx, n_ubatch <= n_batch.
     # Non-causal ones keep n_batch (the server sets n_batch = n_ubatch for embeddings).
-    n_ubatch = min(N_UBATCH, N_BATCH, requested) if causal else N_UBATCH
+    ubatch = n_batch if n_batch and n_batch > 0 else N_UBATCH
+    batch = n_batch if n_batch and n_batch > 0 else N_BATCH
+    n_ubatch = min(ubatch, batch, requested) if causal else ubatch
     n_swa = info.sliding_window or 0
     # llama_kv_cache_iswa: GGML_PAD(min(size_base, n_swa + n_ubatch), 256) per stream.
     n_ctx_swa = _pad(min(n_ctx_seq, n_swa + n_ubatch), SWA_PAD)
@@ -217,6 +228,32 @@ def output_bytes(info: ModelInfo, p: LlamaParams) -> int:
     return p.n_seq * per_row * F32
 
 
+# A projector's graph: the image input (3 x side^2 f32) stays allocated throughout; beside it the
+# patch embedding's im2col (f16), then per encoder block the feed-forward activation and up to
+# 3 rows of n_embd (residual, normed input, attention output; measured 1-3 with fragmentation),
+# or without flash attention the scores (n_head x n_pos^2 f32) beside 5 rows of n_embd.
+PROJECTOR_SLACK = 64 * 1024
+# The image side a projector is reserved for when its file does not say (dynamic-resolution
+# encoders): llama.cpp warms such models up with images of about this size.
+PROJECTOR_WARMUP_SIDE = 448
+
+
+def projector_bytes(proj: ProjectorInfo, flash_attn: bool = True) -> tuple[int, int]:
+    """(weights, compute) of a vision projector: its tensors in one buffer, and the compute
+    buffer its encoder's graph is reserved with (one warm-up image)."""
+    side = proj.image_size or PROJECTOR_WARMUP_SIDE
+    patch = max(1, proj.patch_size)
+    n_pos = (side // patch) ** 2 + 1  # + a class embedding, where the encoder has one
+    e, ff = proj.n_embd, proj.n_ff or 4 * proj.n_embd
+    image = 3 * side * side * F32
+    im2col = n_pos * 3 * patch * patch * F16 + n_pos * e * F32
+    block = n_pos * (ff + 3 * e) * F32
+    if not flash_attn:
+        block = max(block, n_pos * n_pos * max(1, proj.n_head) * F32 + 5 * n_pos * e * F32)
+    align = GGUF_ALIGNMENT * proj.n_tensors  # each tensor aligned in the buffer
+    return proj.weights + align, image + max(im2col, block) + PROJECTOR_SLACK
+
+
 @dataclass(frozen=True)
 class Estimate:
     """Bytes a runner will hold, broken down for placing layers on devices."""
@@ -226,6 +263,19 @@ class Estimate:
     non_layer: int  # weights outside the layers: token embedding, output, norms
     compute: int  # graph compute buffer, on the device that runs the graph
     overhead: int  # output buffer (host memory) and slack
+    # LoRA adapters: their tensors of layer N (on the device of layer N), and the rest
+    adapters_per_layer: tuple[int, ...] = ()
+    adapters_other: int = 0
+    # The vision projector: weights and its graph's compute buffer (on the first GPU of the
+    # runner, or in system memory)
+    projector_weights: int = 0
+    projector_compute: int = 0
+    # Per layer: expert weights kept in system memory (--n-cpu-moe), part of weights_per_layer
+    cpu_experts_per_layer: tuple[int, ...] = ()
+
+    @property
+    def projector(self) -> int:
+        return self.projector_weights + self.projector_compute
 
     @property
     def total(self) -> int:
@@ -235,6 +285,9 @@ class Estimate:
             + self.non_layer
             + self.compute
             + self.overhead
+            + sum(self.adapters_per_layer)
+            + self.adapters_other
+            + self.projector
         )
 
 
@@ -245,22 +298,42 @@ def estimate(
     kv_type: str = "f16",
     *,
     flash_attn: bool = True,
+    n_batch: int | None = None,
+    projector: ProjectorInfo | None = None,
+    adapters: Sequence[AdapterInfo] = (),
+    n_cpu_moe: int = 0,
 ) -> Estimate:
     """What llama.cpp will allocate for `info` at `n_ctx` tokens per request and
-    `num_parallel` slots (ValueError for an unknown kv_type)."""
+    `num_parallel` slots (ValueError for an unknown kv_type), with the model's `projector` and
+    LoRA `adapters`; `n_batch` is Ollama's num_batch, `n_cpu_moe` the layers whose experts
+    stay in system memory."""
     if kv_type not in KV_CACHE_TYPES:
         raise ValueError(f"unsupported kv_cache_type {kv_type!r}")
-    p = llama_params(info, n_ctx, num_parallel)
+    p = llama_params(info, n_ctx, num_parallel, n_batch)
     # The mapped weights span the tensors with their padding to the file's alignment: up to
     # 32 tensors per layer (llama has 9, gemma3 13, bert 16), 8 outside the layers.
     align = info.metadata.get("general.alignment", GGUF_ALIGNMENT)
     align = align if isinstance(align, int) and align > 0 else GGUF_ALIGNMENT
+    lora = [0] * info.n_layer
+    lora_other = 0
+    for a in adapters:  # mapped from the adapter's file like the model's weights
+        for layer, n in a.layer_bytes.items():
+            if layer < info.n_layer:
+                lora[layer] += n + 4 * GGUF_ALIGNMENT
+        lora_other += a.other_bytes + 4 * GGUF_ALIGNMENT
+    proj_weights, proj_compute = projector_bytes(projector, flash_attn) if projector else (0, 0)
+    experts = info.expert_bytes[: max(0, n_cpu_moe)]
     return Estimate(
         weights_per_layer=tuple(b + 32 * align for b in info.layer_bytes),
         kv_per_layer=kv_per_layer(info, p, kv_type),
         non_layer=info.output_bytes + 8 * align,
         compute=compute_bytes(info, p, kv_type, flash_attn),
         overhead=output_bytes(info, p) + SLACK,
+        adapters_per_layer=tuple(lora) if adapters else (),
+        adapters_other=lora_other,
+        projector_weights=proj_weights,
+        projector_compute=proj_compute,
+        cpu_experts_per_layer=tuple(experts) if any(experts) else (),
     )
 
 

@@ -9,10 +9,14 @@ llama.cpp prints every backend buffer it allocates while loading a model, one li
 
 (model weights per buffer type, the logits/embeddings output buffer, the KV cache, possibly
 twice for models with sliding-window layers, and the graph's compute buffer per backend). Their
-sum is what the model holds. These are LLAMA_LOG_INFO lines, which llama.cpp's common logger
-maps to verbosity 4 ("trace"), one above the default; runner_child raises the verbosity for the
-load only. The per-cache summary `llama_kv_cache: size = ...` restates the KV buffer line and
-is not counted again.
+sum is what the model holds. A graph reserved again (after LoRA adapters are applied) reuses its
+buffer, so a compute buffer counts once per function and device, at its largest. LoRA adapters
+log a `LoRA buffer` (weights), and a vision projector (clip) its weights as `load_hparams: model
+size: N MiB` on the backend named by `clip_ctx: CLIP using X backend`, and its graph as
+`reserve_compute_meta: X compute buffer size`. These are LLAMA_LOG_INFO lines, which
+llama.cpp's common logger maps to verbosity 4 ("trace"), one above the default; runner_child
+raises the verbosity for the load only. The per-cache summary `llama_kv_cache: size = ...`
+restates the KV buffer line and is not counted again.
 
 `AllocationParser` is fed the runner's log line by line; `Allocation` is the result, bytes per
 kind and per device ("CPU", "CUDA0", ...). Weights mapped from the file (CPU_Mapped) count as
@@ -37,10 +41,13 @@ _MIB = 1024 * 1024
 # `%12s model buffer size = %8.2f MiB`, `%10s KV buffer size`, `%10s compute buffer size`,
 # `%10s  output buffer size`; recurrent models (mamba, rwkv) have an `RS buffer` instead of KV.
 _BUFFER_RE = re.compile(
-    r"\b(?P<func>[A-Za-z_]\w*):\s+(?P<buf>\S+)\s+(?P<kind>model|KV|RS|compute|output)"
+    r"\b(?P<func>[A-Za-z_]\w*):\s+(?P<buf>\S+)\s+(?P<kind>model|KV|RS|compute|output|LoRA)"
     r" buffer size\s*=\s*(?P<mib>[0-9]+(?:\.[0-9]+)?) MiB"
 )
-_KIND = {"model": "model", "KV": "kv", "RS": "kv", "compute": "compute", "output": "output"}
+_KIND = {"model": "model", "KV": "kv", "RS": "kv", "compute": "compute", "output": "output",
+         "LoRA": "model"}  # fmt: skip
+_CLIP_BACKEND_RE = re.compile(r"\bclip_ctx: CLIP using (?P<buf>\S+) backend")
+_CLIP_WEIGHTS_RE = re.compile(r"\bload_hparams: model size:\s+(?P<mib>[0-9]+(?:\.[0-9]+)?) MiB")
 # Buffer-type suffixes that live in host memory (mmap of the file, repacked weights, pinned
 # host buffers of a GPU backend, ...) and device suffixes that do not change the device.
 _HOST_SUFFIXES = ("_Mapped", "_REPACK", "_Host", "_host", "_AMX", "_KLEIDIAI", "_Extra")
@@ -116,6 +123,9 @@ class Allocation:
 @dataclass
 class _State:
     sizes: dict[str, dict[str, int]] = field(default_factory=lambda: {k: {} for k in KINDS})
+    # (function, device) -> bytes of each compute buffer, the largest it was reserved at
+    compute: dict[tuple[str, str], int] = field(default_factory=dict)
+    clip_device: str = "CPU"
     seen: bool = False
     done: bool = False
 
@@ -129,16 +139,31 @@ def parse_line(state: _State, line: str) -> bool:
         state.done = True
         return False
     if "buffer size" not in line:  # cheap reject: nearly every line
+        if "clip_ctx" in line and (c := _CLIP_BACKEND_RE.search(line)):
+            state.clip_device = device_of(c["buf"])
+        elif "model size:" in line and (c := _CLIP_WEIGHTS_RE.search(line)):
+            _add(state, "model", state.clip_device, round(float(c["mib"]) * _MIB))
+            return True
         return False
     m = _BUFFER_RE.search(line)
     if m is None:
         return False
     kind = _KIND[m["kind"]]
     dev = device_of(m["buf"])
-    per_dev = state.sizes[kind]
-    per_dev[dev] = per_dev.get(dev, 0) + round(float(m["mib"]) * _MIB)
-    state.seen = True
+    n = round(float(m["mib"]) * _MIB)
+    if kind == "compute":  # reserved again: the same buffer, grown or not
+        key = (m["func"], dev)
+        old = state.compute.get(key, 0)
+        state.compute[key] = max(old, n)
+        n = max(0, n - old)
+    _add(state, kind, dev, n)
     return True
+
+
+def _add(state: _State, kind: str, dev: str, n: int) -> None:
+    per_dev = state.sizes[kind]
+    per_dev[dev] = per_dev.get(dev, 0) + n
+    state.seen = True
 
 
 class AllocationParser:

@@ -29,6 +29,13 @@ Rules, in order:
 its library) that a placement must use: the single-GPU rule tries it alone, splits include it.
 No device is ever booked beyond its free budget, and ties are broken by name and index, so the
 same inputs always give the same placement.
+
+A model's `devices` (models.toml) limits where it may go: only the GPUs named may take layers,
+and the model may spill layers to system memory (rules 3-4) only when "cpu" is named too;
+["cpu"] alone keeps it on the CPU. A vision projector goes to the first GPU (lowest index) that
+runs layers, as llama.cpp puts it on the first GPU the runner sees, or to system memory when no
+layer is on a GPU. Experts kept in system memory (`--n-cpu-moe`) are in `host`, whatever
+placement does with their layers; LoRA tensors travel with the layers they change.
 """
 
 from __future__ import annotations
@@ -37,6 +44,7 @@ from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 
 from corral.core.devices import CPU, Device
+from corral.core.estimate import Estimate
 
 
 @dataclass(frozen=True)
@@ -48,6 +56,7 @@ class ModelNeed:
     gpu_compute: int = 0  # compute buffer of each GPU that runs slots
     cpu_compute: int = 0  # compute buffer in system memory when any slot runs on the CPU
     host: int = 0  # always in system memory: token embeddings, host buffers, process overhead
+    projector: int = 0  # a vision projector (weights and compute): on the first GPU used, or CPU
 
     @property
     def n_layer(self) -> int:
@@ -109,6 +118,26 @@ def gpu_share(placement: Placement) -> int:
     return sum(n for d, n in placement.devices.items() if d != CPU)
 
 
+def model_need(est: Estimate, process: int = 0) -> ModelNeed:
+    """A runner's estimate as placement needs it; `process` is the runner process itself
+    (booked in system memory with every model)."""
+    n = len(est.weights_per_layer)
+    lora = est.adapters_per_layer or (0,) * n
+    moe = (*est.cpu_experts_per_layer, *(0,) * n)[:n]
+    return ModelNeed(
+        layers=tuple(
+            w + kv + a - x
+            for w, kv, a, x in zip(est.weights_per_layer, est.kv_per_layer, lora, moe, strict=True)
+        ),
+        # The output head is counted in `host` with the embeddings: exact on the CPU, and on a
+        # GPU it errs towards system memory (verify on a GPU machine).
+        gpu_compute=est.compute,
+        cpu_compute=est.compute,
+        host=est.non_layer + est.overhead + est.adapters_other + sum(moe) + process,
+        projector=est.projector,
+    )
+
+
 def place(
     need: ModelNeed,
     devices: Iterable[Device],
@@ -117,22 +146,44 @@ def place(
     num_gpu: int | None = None,
     main_gpu: int | None = None,
     output_first: bool = True,
+    allowed: Sequence[str] | None = None,
 ) -> Placement | NoFit:
     """Where the model goes, given each device's free budget (bytes it may still book: budget
     less what is booked; a device missing from `free` has none). `num_gpu`: None or negative =
-    automatic. On a machine without GPUs, num_gpu and main_gpu are ignored, as in Ollama."""
+    automatic. On a machine without GPUs, num_gpu and main_gpu are ignored, as in Ollama.
+    `allowed`: the model's own device ids (models.toml `devices`), None for any."""
+    devices = list(devices)
     gpus = sorted((d for d in devices if d.library != "cpu"), key=lambda d: (d.library, d.index))
+    spill = True
+    if allowed is not None:
+        unknown = [a for a in allowed if a != CPU and a not in {g.id for g in gpus}]
+        if unknown:
+            have = ", ".join(d.id for d in sorted(devices, key=lambda d: d.id))
+            return NoFit(f"devices: no such device {', '.join(unknown)} (have {have})")
+        gpus = [g for g in gpus if g.id in allowed]
+        spill = CPU in allowed or not gpus
     p = _Planner(need, gpus, free, main_gpu, output_first)
     if not gpus or num_gpu == 0:
+        if not spill:
+            return NoFit(f"num_gpu 0, but the model's devices are {', '.join(allowed or ())}")
         return p.cpu_only()
     if main_gpu is not None and not any(g.index == main_gpu for g in gpus):
         return NoFit(f"main_gpu {main_gpu}: no such GPU (have {', '.join(g.id for g in gpus)})")
     slots = need.n_layer + 1
     if num_gpu is not None and num_gpu > 0:
         k = min(num_gpu, slots)
+        if k < slots and not spill:
+            return NoFit(
+                f"num_gpu {num_gpu} leaves layers in system memory, but the model's devices "
+                f"are {', '.join(allowed or ())}"
+            )
         return p.offload(k) or NoFit(
             f"num_gpu {num_gpu}: {k} of {slots} layers on GPUs (the rest in system memory) "
             f"do not fit ({p.summary()})"
+        )
+    if not spill:
+        return p.offload(slots) or NoFit(
+            f"the model does not fit on its devices {', '.join(allowed or ())} ({p.summary()})"
         )
     return p.offload(slots) or p.partial() or p.cpu_only()
 
@@ -166,8 +217,15 @@ class _Planner:
             return seq[n + 1 - k :], seq[: n + 1 - k]
         return seq[n - k : n], [*seq[: n - k], self.need.output]
 
-    def cpu_need(self, cpu_slots: Sequence[int]) -> int:
-        return self.need.host + sum(cpu_slots) + (self.need.cpu_compute if cpu_slots else 0)
+    def cpu_need(self, cpu_slots: Sequence[int], on_gpu: bool = True) -> int:
+        """System memory with these slots on the CPU; the projector too when no slot is on a
+        GPU (`on_gpu` false)."""
+        return (
+            self.need.host
+            + sum(cpu_slots)
+            + (self.need.cpu_compute if cpu_slots else 0)
+            + (0 if on_gpu else self.need.projector)
+        )
 
     # ---- rules --------------------------------------------------------------------------------
     def offload(self, k: int) -> Placement | None:
@@ -176,7 +234,7 @@ class _Planner:
         cpu = self.cpu_need(cpu_slots)
         if cpu > self.cpu_free:
             return None
-        want = sum(gpu_slots) + self.need.gpu_compute
+        want = sum(gpu_slots) + self.need.gpu_compute + self.need.projector
         singles = [g for g in self.gpus if self._main_ok(g) and self.free[g.id] >= want]
         if singles:
             best = min(singles, key=lambda g: (self.free[g.id], g.library, g.index))
@@ -188,14 +246,24 @@ class _Planner:
                 if subset is None:
                     continue
                 must = next((i for i, g in enumerate(subset) if g.index == self.main), None)
-                room = [self.free[g.id] - self.need.gpu_compute for g in subset]
+                room = self._rooms(subset)
                 counts = _assign(room, gpu_slots, must)
-                if counts is not None:  # best fit again: the set with the least free memory
+                # The first GPU holds the projector: it must run layers too (else the projector
+                # would go to another, which kept no room for it).
+                if counts is not None and (counts[0] or not self.need.projector):
                     found.append((sum(self.free[g.id] for g in subset), lib, subset, counts))
             if found:
                 _, _, subset, counts = min(found, key=lambda f: (f[0], f[1]))
                 return self._placement(k, _layout(subset, counts, gpu_slots), cpu)
         return None
+
+    def _rooms(self, gpus: list[Device]) -> list[int]:
+        """What each GPU (in index order) has for slots: free less its compute buffer, and less
+        the projector on the first."""
+        room = [self.free[g.id] - self.need.gpu_compute for g in gpus]
+        if room:
+            room[0] -= self.need.projector
+        return room
 
     def partial(self) -> Placement | None:
         """As many slots as fit on the GPUs of one library (greedily, in index order), the
@@ -226,7 +294,7 @@ class _Planner:
 
     def cpu_only(self) -> Placement | NoFit:
         _, cpu_slots = self.split(0)
-        cpu = self.cpu_need(cpu_slots)
+        cpu = self.cpu_need(cpu_slots, on_gpu=False)
         if cpu > self.cpu_free:
             gpus = "fits on no GPU and " if self.gpus else ""
             return NoFit(
@@ -250,13 +318,21 @@ class _Planner:
         return sorted(ranked[:m], key=lambda g: g.index)
 
     def _most_slots(self, group: list[Device]) -> tuple[int, list[int]]:
-        """The most slots (below all of them) these GPUs hold, and the count on each."""
-        room = [self.free[g.id] for g in group]
+        """The most slots (below all of them) these GPUs hold, and the count on each. The
+        projector goes to the first GPU that takes a slot, which keeps room for it."""
+        for skip in range(len(group)):
+            k, counts = self._most_slots_from(group[skip:])
+            if counts[0] or not self.need.projector or not k:
+                return k, [0] * skip + counts
+        return 0, [0] * len(group)
+
+    def _most_slots_from(self, group: list[Device]) -> tuple[int, list[int]]:
+        room = self._rooms(group)
         lo, hi = 0, self.need.n_layer  # feasibility shrinks as k grows: binary search
         best = [0] * len(group)
         while lo < hi:
             mid = (lo + hi + 1) // 2
-            counts = _greedy([r - self.need.gpu_compute for r in room], self.split(mid)[0])
+            counts = _greedy(room, self.split(mid)[0])
             if counts is None:
                 hi = mid - 1
             else:
@@ -266,8 +342,8 @@ class _Planner:
     def _placement(self, k: int, used: list[tuple[Device, int, int]], cpu: int) -> Placement:
         books = {CPU: cpu}
         split = [0.0] * (max(g.index for g, _, _ in used) + 1)
-        for g, count, nbytes in used:
-            books[g.id] = nbytes + self.need.gpu_compute
+        for i, (g, count, nbytes) in enumerate(used):
+            books[g.id] = nbytes + self.need.gpu_compute + (self.need.projector if i == 0 else 0)
             split[g.index] = float(count)
         main = self.main if self.main is not None else min(g.index for g, _, _ in used)
         return Placement(k, self.need.n_layer, tuple(split), main, books, used[0][0].library)
