@@ -5,6 +5,16 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+FLASH_ATTN = ("auto", "on", "off")  # llama.cpp's -fa values
+
+
+@dataclass(frozen=True)
+class Adapter:
+    """A LoRA adapter the runner loads with the model, at a scale (llama.cpp --lora-scaled)."""
+
+    path: str
+    scale: float = 1.0
+
 
 @dataclass(frozen=True)
 class RunnerSpec:
@@ -20,6 +30,13 @@ class RunnerSpec:
     pooling_type: int | None = None
     threads: int | None = None
     kv_cache_type: str = "f16"  # KV cache type (K and V): f16, q8_0, q4_0, ...
+    projector: str | None = None  # the vision projector (mmproj GGUF) loaded with the model
+    adapters: tuple[Adapter, ...] = ()  # LoRA adapters, applied in this order
+    n_batch: int | None = None  # Ollama's num_batch: llama.cpp's n_batch and n_ubatch
+    use_mmap: bool | None = None  # None: llama.cpp decides (mmap where it can)
+    use_mlock: bool | None = None
+    flash_attn: str = "auto"  # one of FLASH_ATTN
+    n_cpu_moe: int = 0  # keep the experts of the first N layers in system memory
 
 
 @dataclass(frozen=True)

@@ -193,6 +193,22 @@ class Runner:
             cmd += ["-ts", ",".join(f"{x:g}" for x in self.layout.tensor_split)]
         if s.threads:
             cmd += ["-t", str(s.threads)]
+        if s.projector:
+            cmd += ["--mmproj", s.projector]
+            if self.layout.n_gpu_layers == 0:  # as runner_child: on a GPU only with the layers
+                cmd.append("--no-mmproj-offload")
+        if s.adapters:
+            cmd += ["--lora-scaled", ",".join(f"{a.path}:{a.scale:g}" for a in s.adapters)]
+        if s.n_batch:
+            cmd += ["-b", str(s.n_batch), "-ub", str(s.n_batch)]
+        if s.use_mlock:
+            cmd.append("--mlock")
+        if s.use_mmap is False:
+            cmd.append("--no-mmap")
+        if s.flash_attn != "auto":
+            cmd += ["-fa", s.flash_attn]
+        if s.n_cpu_moe:
+            cmd += ["--n-cpu-moe", str(s.n_cpu_moe)]
         return cmd
 
     async def _read(self, stream: asyncio.StreamReader, ready: bool) -> None:

@@ -22,6 +22,7 @@ from typing import Any
 
 from corral.core.estimate import KV_CACHE_TYPES, check_kv_cache_type
 from corral.core.memreport import LOADED_MARKER
+from corral.core.spec import FLASH_ATTN
 
 PR_SET_PDEATHSIG = 1
 LOAD_VERBOSITY = 4  # LLAMA_LOG_INFO maps to verbosity 4 ("trace") in llama.cpp's common log
@@ -72,13 +73,56 @@ def build_params(spec: dict[str, Any]) -> Any:
         p.main_gpu = spec["main_gpu"]
     if spec.get("tensor_split"):
         split = list(p.tensor_split)  # fixed-size array in llama.cpp: one entry per device
-        for i, x in enumerate(spec["tensor_split"][: len(split)]):
-            split[i] = float(x)
+        for i, share in enumerate(spec["tensor_split"][: len(split)]):
+            split[i] = float(share)
         p.tensor_split = split
     if spec.get("threads"):
         p.cpuparams.n_threads = spec["threads"]
         p.cpuparams_batch.n_threads = spec["threads"]
+    if spec.get("projector"):
+        p.mmproj.path = spec["projector"]
+        # On the first GPU the runner sees when the model has layers on a GPU (that is where
+        # placement books it), else in system memory.
+        p.mmproj_use_gpu = spec["n_gpu_layers"] > 0
+    loras = []
+    for a in spec.get("adapters") or ():
+        lora = x.CommonAdapterLoraInfo()
+        lora.path, lora.scale = a["path"], float(a["scale"])
+        loras.append(lora)
+    if loras:
+        p.lora_adapters = loras
+    if spec.get("n_batch"):
+        p.n_batch = p.n_ubatch = spec["n_batch"]  # as Ollama's num_batch: both
+    mode = load_mode(spec.get("use_mmap"), spec.get("use_mlock"))
+    if mode is not None:
+        p.load_mode = x.llama_load_mode(mode)
+    fa = spec.get("flash_attn") or "auto"
+    if fa not in FLASH_ATTN:
+        raise ValueError(f"unsupported flash_attn {fa!r}; use one of {', '.join(FLASH_ATTN)}")
+    p.flash_attn_type = x.llama_flash_attn_type(FLASH_ATTN_TYPE[fa])
+    if spec.get("n_cpu_moe"):
+        # llama.cpp's --n-cpu-moe: the expert tensors of the first N layers stay in system
+        # memory (one buffer override per layer, as common/arg.cpp writes them).
+        p.tensor_buft_overrides = ",".join(
+            f"{moe_pattern(i)}=CPU" for i in range(spec["n_cpu_moe"])
+        )
     return p
+
+
+FLASH_ATTN_TYPE = {"auto": -1, "off": 0, "on": 1}  # llama_flash_attn_type
+
+
+def moe_pattern(layer: int) -> str:
+    """The tensors of a layer's experts (common.h's LLM_FFN_EXPS_REGEX for one block)."""
+    return rf"blk\.{layer}\.ffn_(up|down|gate|gate_up)_(ch|)exps"
+
+
+def load_mode(use_mmap: bool | None, use_mlock: bool | None) -> int | None:
+    """llama_load_mode's bits (MMAP = 1, MLOCK = 2) for Ollama's use_mmap / use_mlock; None
+    when neither is set (llama.cpp decides)."""
+    if use_mmap is None and use_mlock is None:
+        return None
+    return (1 if use_mmap is not False else 0) | (2 if use_mlock else 0)
 
 
 def _llama_log_fn(name: str, argtypes: list[Any], restype: Any = None) -> Any:
