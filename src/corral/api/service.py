@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import hashlib
 import logging
 import os
@@ -27,9 +28,22 @@ from corral.api.metrics import note_model
 from corral.config import Settings
 from corral.core.books import Fit, Placer
 from corral.core.devices import Device
-from corral.core.estimate import RUNNER_PROCESS_BYTES, Estimate, check_kv_cache_type, estimate
-from corral.core.gguf import GGUFError, ModelInfo, read_model_info
-from corral.core.placement import ModelNeed, Placement, place
+from corral.core.estimate import (
+    KV_CACHE_TYPES,
+    RUNNER_PROCESS_BYTES,
+    Estimate,
+    check_kv_cache_type,
+    estimate,
+)
+from corral.core.gguf import (
+    GGUFError,
+    ModelInfo,
+    check_adapter,
+    read_adapter_info,
+    read_model_info,
+    read_projector_info,
+)
+from corral.core.placement import Placement, model_need, place
 from corral.core.spec import Layout, RunnerSpec
 from corral.runtime.registry import ModelEntry, Registry, canonical_name
 from corral.runtime.runner import Runner
@@ -39,8 +53,14 @@ log = logging.getLogger(__name__)
 T = TypeVar("T")
 
 # Ollama option -> RunnerSpec field: options that shape the runner process (a change reloads).
+# models.toml may set each of them as a model's default, and flash_attn and n_cpu_moe besides.
 SHAPING = {"num_ctx": "n_ctx", "num_gpu": "n_gpu_layers", "main_gpu": "main_gpu",
-           "num_thread": "threads"}  # fmt: skip
+           "num_thread": "threads", "num_batch": "n_batch", "use_mmap": "use_mmap",
+           "use_mlock": "use_mlock", "flash_attn": "flash_attn",
+           "n_cpu_moe": "n_cpu_moe"}  # fmt: skip
+# A batch below this slows every client's prompts on a shared runner; above it, the compute
+# buffer grows for little gain (llama.cpp's default is 2048 / micro-batch 512).
+NUM_BATCH_RANGE = (32, 4096)
 
 
 @dataclass(frozen=True)
@@ -70,8 +90,9 @@ class Service:
         self.registry = registry
         self.scheduler = scheduler
         self.devices = devices
-        # (path, n_ctx, slots, kv type) -> (the ModelInfo it was computed from, its estimate)
-        self._estimates: dict[tuple[str, int, int, str], tuple[ModelInfo, Estimate]] = {}
+        # runner spec -> (the ModelInfo and parts it was computed from, its estimate)
+        self._estimates: dict[RunnerSpec, tuple[ModelInfo, tuple[Any, ...], Estimate]] = {}
+        self._vision: dict[Any, tuple[ModelInfo, ModelInfo]] = {}
 
     # ---- models ----------------------------------------------------------------------------
     def entry(self, name: str) -> ModelEntry:
@@ -90,7 +111,44 @@ class Service:
             ) from None
         except GGUFError as e:
             raise ApiError(500, f"model '{name}' cannot be loaded: {e}") from None
+        if entry.projector is not None:  # its projector reads images: "vision"
+            info = self._with_vision(info)
         return Resolved(name, entry, info)
+
+    def _with_vision(self, info: ModelInfo) -> ModelInfo:
+        """`info` with the "vision" capability, the same object for the same `info` (the
+        estimate cache compares ModelInfo by identity)."""
+        hit = self._vision.get(info.path)
+        if hit is not None and hit[0] is info:
+            return hit[1]
+        caps = info.capabilities
+        caps = caps if "vision" in caps else (*caps, "vision")
+        out = dataclasses.replace(info, capabilities=caps)
+        if len(self._vision) > 1024:
+            self._vision.clear()
+        self._vision[info.path] = (info, out)
+        return out
+
+    def parts(self, r: Resolved) -> tuple[Any, tuple[Any, ...]]:
+        """The model's projector and adapters as read from their files (ProjectorInfo or None,
+        AdapterInfos); 500 with the reason if one is missing or unusable."""
+        what = "projector"
+        try:
+            proj = read_projector_info(r.entry.projector) if r.entry.projector else None
+            adapters = []
+            for a in r.entry.adapters:
+                what = f"adapter {a.path}"
+                adapters.append(read_adapter_info(a.path))
+                check_adapter(r.info, adapters[-1])
+        except OSError as e:
+            raise ApiError(
+                500, f"model '{r.requested}' cannot be loaded: its {what} is missing ({e})"
+            ) from None
+        except GGUFError as e:
+            raise ApiError(
+                500, f"model '{r.requested}' cannot be loaded: its {what}: {e}"
+            ) from None
+        return proj, tuple(adapters)
 
     def unload(self, name: str) -> bool:
         """Unload a model by name: a model on disk, or a loaded one whose file is gone (the
@@ -117,23 +175,37 @@ class Service:
             "n_ctx": clamp_ctx(n_ctx, r.info.context_length),
             "num_parallel": defaults.get("num_parallel") or self.settings.num_parallel,
             "n_gpu_layers": defaults.get("num_gpu", 0),
-            "main_gpu": None,
+            "main_gpu": defaults.get("main_gpu"),
             "embedding": embedding,
             "pooling_type": r.info.pooling_type if embedding else None,
-            "threads": None,
+            "threads": defaults.get("num_thread"),
             "kv_cache_type": defaults.get("kv_cache_type") or self.settings.kv_cache_type,
+            "projector": str(r.entry.projector) if r.entry.projector else None,
+            "adapters": tuple(r.entry.adapters),
+            "n_batch": defaults.get("num_batch"),
+            "use_mmap": defaults.get("use_mmap"),
+            "use_mlock": defaults.get("use_mlock"),
+            "flash_attn": defaults.get("flash_attn") or "auto",
+            "n_cpu_moe": defaults.get("n_cpu_moe") or 0,
         }
-        explicit = set()
+        # The model's parts are what the model is: a runner with other ones never serves it.
+        explicit = {"projector", "adapters"}
         for opt, fld in SHAPING.items():
             if options.get(opt) is not None:
                 spec[fld] = options[opt]
                 explicit.add(fld)
         # A runner is shared by every client of the model: values that would starve the others
-        # are clamped (threads beyond the cores), as are contexts llama.cpp itself would cap.
-        if "n_ctx" in explicit:
-            spec["n_ctx"] = clamp_ctx(spec["n_ctx"], r.info.context_length)
-        if "threads" in explicit:
+        # are clamped (threads beyond the cores, a batch too small or too large), as are
+        # contexts llama.cpp itself would cap.
+        spec["n_ctx"] = clamp_ctx(spec["n_ctx"], r.info.context_length)
+        if spec["threads"] is not None:
             spec["threads"] = min(spec["threads"], cpu_cores()) or None  # 0: llama.cpp decides
+        if spec["n_batch"] is not None:
+            lo, hi = NUM_BATCH_RANGE
+            spec["n_batch"] = max(lo, min(spec["n_batch"], hi))
+        # Only a model with experts has any to keep in system memory (no reload for nothing).
+        moe_layers = r.info.n_layer if r.info.expert_bytes else 0
+        spec["n_cpu_moe"] = max(0, min(spec["n_cpu_moe"], moe_layers))
         return RunnerSpec(**spec), frozenset(explicit)
 
     # ---- leases ----------------------------------------------------------------------------
@@ -148,13 +220,18 @@ class Service:
             check_kv_cache_type(r.info, spec.kv_cache_type)
         except ValueError as e:
             raise ApiError(500, f"model '{r.requested}' cannot be loaded: {e}") from None
-        est = self.estimate(r.info, spec)
+        if spec.flash_attn == "off" and KV_CACHE_TYPES[spec.kv_cache_type][0] > 1:
+            raise ApiError(
+                400, f"model '{r.requested}': a quantized KV cache ({spec.kv_cache_type}) "
+                "needs flash attention; set flash_attn to on or auto",
+            )  # fmt: skip
+        est = self.estimate(r.info, spec, r)
         try:
             ticket = self.scheduler.submit(
                 r.name, spec, explicit=explicit, size=est.total + RUNNER_PROCESS_BYTES,
                 keep_alive=keep_alive,
                 pinned=r.entry.pinned, priority=r.entry.priority,
-                place=self.placer(est, options),
+                place=self.placer(est, {**r.entry.options, **options}, r.entry.devices),
             )  # fmt: skip
             if ticket.fut.done():  # a warm runner had a free slot: no need to watch the client
                 return await self.scheduler.wait(ticket)
@@ -162,37 +239,43 @@ class Service:
         except SchedulerError as e:
             raise ApiError(e.status, e.message, retry_after=e.retry_after) from None
 
-    def estimate(self, info: ModelInfo, spec: RunnerSpec) -> Estimate:
+    def estimate(self, info: ModelInfo, spec: RunnerSpec, r: Resolved | None = None) -> Estimate:
         """The runner's memory estimate, computed once per model file and runner shape (it
-        walks every layer, and every request asks for it)."""
-        key = (spec.path, spec.n_ctx, spec.num_parallel, spec.kv_cache_type)
-        hit = self._estimates.get(key)
-        if hit is not None and hit[0] is info:  # read_model_info returns a new object on change
-            return hit[1]
+        walks every layer, and every request asks for it), with the model's projector and
+        adapters (`r`'s entry)."""
+        proj, adapters = self.parts(r) if r is not None else (None, ())
+        parts = (proj, *adapters)
+        hit = self._estimates.get(spec)
+        # read_model_info (and the parts' readers) return a new object when a file changed
+        if (
+            hit is not None
+            and hit[0] is info
+            and len(hit[1]) == len(parts)
+            and all(a is b for a, b in zip(hit[1], parts, strict=True))
+        ):
+            return hit[2]
         if len(self._estimates) > 1024:
             self._estimates.clear()
-        est = estimate(info, spec.n_ctx, spec.num_parallel, spec.kv_cache_type)
-        self._estimates[key] = (info, est)
+        est = estimate(
+            info, spec.n_ctx, spec.num_parallel, spec.kv_cache_type,
+            flash_attn=spec.flash_attn != "off", n_batch=spec.n_batch, projector=proj,
+            adapters=adapters, n_cpu_moe=spec.n_cpu_moe,
+        )  # fmt: skip
+        self._estimates[spec] = (info, parts, est)
         return est
 
-    def placer(self, est: Estimate, options: dict[str, Any]) -> Placer:
-        """The pure function the scheduler asks where this runner would fit."""
-        need = ModelNeed(
-            layers=tuple(
-                w + kv for w, kv in zip(est.weights_per_layer, est.kv_per_layer, strict=True)
-            ),
-            # The output head is counted in `host` with the embeddings: exact on the CPU, and
-            # on a GPU it errs towards system memory (verify on a GPU machine).
-            gpu_compute=est.compute,
-            cpu_compute=est.compute,
-            # ... and the runner process itself, booked with every model (as once it loads).
-            host=est.non_layer + est.overhead + RUNNER_PROCESS_BYTES,
-        )
+    def placer(
+        self, est: Estimate, options: Mapping[str, Any], allowed: tuple[str, ...] | None = None
+    ) -> Placer:
+        """The pure function the scheduler asks where this runner would fit (`options`: the
+        model's and the request's; `allowed`: the model's devices)."""
+        # The runner process itself is booked with every model (as once it loads).
+        need = model_need(est, RUNNER_PROCESS_BYTES)
         num_gpu, main_gpu = options.get("num_gpu"), options.get("main_gpu")
         devices = self.devices
 
         def fit(free: Mapping[str, int]) -> Fit | None:
-            p = place(need, devices, free, num_gpu=num_gpu, main_gpu=main_gpu)
+            p = place(need, devices, free, num_gpu=num_gpu, main_gpu=main_gpu, allowed=allowed)
             return Fit(p.devices, launch_layout(p, devices)) if isinstance(p, Placement) else None
 
         return fit

@@ -1,12 +1,17 @@
 """Memory estimates against what llama.cpp really allocates.
 
 For every model the test suite makes or ships (synthetic llama at three sizes and with the full
-vocabulary, gemma3 with sliding-window layers, bert for embeddings, the real SmolLM2), at
-several contexts, parallel slots and KV cache types: load the model in a real runner, read
-llama.cpp's own account of its buffers (Runner.allocation) and compare it with
-corral.core.estimate. The goal is real <= estimate <= 1.10 x real on every row.
+vocabulary, gemma3 with sliding-window layers, bert for embeddings, a mixture of experts, the
+real SmolLM2), at several contexts, parallel slots and KV cache types: load the model in a real
+runner, read llama.cpp's own account of its buffers (Runner.allocation) and compare it with
+corral.core.estimate. Models with parts are measured too: synthetic vision projectors (a tiny
+one and a ViT-B-sized one) and LoRA adapters (rank 4 and rank 64) on synthetic models. The goal
+is real <= estimate <= 1.10 x real on every row.
 
-    python -m corral.bench.estimates [--quick] [MODELS_DIR]
+    python -m corral.bench.estimates [--quick] [--only NAME,...] [MODELS_DIR]
+
+`--only` measures the models whose names contain one of the given words (e.g. `--only
+mmproj,lora` for the rows of models with parts).
 """
 
 from __future__ import annotations
@@ -21,8 +26,8 @@ from pathlib import Path
 from typing import Any
 
 from corral.core.estimate import check_kv_cache_type, estimate
-from corral.core.gguf import ModelInfo, read_model_info
-from corral.core.spec import RunnerSpec
+from corral.core.gguf import ModelInfo, read_adapter_info, read_model_info, read_projector_info
+from corral.core.spec import Adapter, RunnerSpec
 from corral.runtime.runner import Runner
 from corral.testing import synth
 
@@ -34,11 +39,39 @@ PARALLEL = (1, 2, 4)
 KV_TYPES = ("f16", "q8_0", "q4_0")
 
 
+# A model's parts: (model path, models dir) -> (projector, adapters), written beside it.
+Parts = Callable[[Path, Path], tuple[Path | None, tuple[Adapter, ...]]]
+
+
 @dataclass(frozen=True)
 class BenchModel:
     name: str
     write: Callable[[Path], Path] | None  # None: a file that ships (SmolLM2)
     quantized_kv: bool = False  # also measure q8_0 and q4_0 KV caches
+    base: str | None = None  # a model with parts: the file of this model (written first)
+    parts: Parts | None = None
+
+
+def _projector(**dims: Any) -> Parts:
+    def write(model: Path, d: Path) -> tuple[Path | None, tuple[Adapter, ...]]:
+        n_embd = read_model_info(model).n_embd
+        tag = "-".join(f"{v}" for v in dims.values()) or "tiny"
+        path = d / f"mmproj-{model.stem}-{tag}.gguf"
+        if not path.is_file():
+            synth.write_projector(path, n_embd, **dims)
+        return path, ()
+
+    return write
+
+
+def _lora(rank: int, targets: tuple[str, ...] = ("attn_output", "ffn_down")) -> Parts:
+    def write(model: Path, d: Path) -> tuple[Path | None, tuple[Adapter, ...]]:
+        path = d / f"lora-{model.stem}-r{rank}.gguf"
+        if not path.is_file():
+            synth.write_lora_adapter(path, model, rank=rank, targets=targets)
+        return None, (Adapter(str(path), 1.0),)
+
+    return write
 
 
 def _models() -> list[BenchModel]:
@@ -55,7 +88,31 @@ def _models() -> list[BenchModel]:
         # 8 layers: layer 5 attends globally, so both KV caches (full and SWA) exist.
         BenchModel("gemma3-swa-8l", lambda p: synth.write_swa_model(p, n_layer=8)),
         BenchModel("bert", lambda p: synth.write_bert_model(p)),
+        BenchModel("moe", lambda p: synth.write_moe_model(p, n_layer=4, n_expert=8)),
         BenchModel("smollm2", None, True),
+        # Models with parts: a vision projector (mmproj), LoRA adapters.
+        BenchModel("llama-tiny+mmproj", None, base="llama-tiny", parts=_projector()),
+        BenchModel(
+            "llama-20mb+mmproj-vit",
+            None,
+            base="llama-20mb",
+            parts=_projector(
+                n_embd=768,
+                n_ff=3072,
+                n_layer=3,
+                n_head=12,
+                image_size=336,
+                patch_size=14,
+                hidden=1024,
+            ),
+        ),
+        BenchModel("llama-tiny+lora", None, base="llama-tiny", parts=_lora(4)),
+        BenchModel(
+            "llama-20mb+lora-r64",
+            None,
+            base="llama-20mb",
+            parts=_lora(64, ("attn_q", "attn_v", "attn_output", "ffn_up", "ffn_down")),
+        ),
     ]
 
 
@@ -65,10 +122,18 @@ _QUICK = (
     ("gemma3-swa-8l", 2048, 2, "f16"),
     ("bert", 512, 2, "f16"),
     ("llama-20mb", 2048, 2, "q8_0"),
+    ("llama-tiny+mmproj", 512, 1, "f16"),
+    ("llama-tiny+lora", 512, 1, "f16"),
 )
+# Models with parts: fewer combinations (the parts do not depend on the context).
+PARTS_N_CTX = (512, 2048)
+PARTS_PARALLEL = (1, 2)
 
 
 def _path(model: BenchModel, models_dir: Path) -> Path | None:
+    if model.base is not None:
+        base = next(m for m in _models() if m.name == model.base)
+        return _path(base, models_dir)
     if model.write is None:
         return synth.smollm2_path()
     path = models_dir / f"{model.name}.gguf"
@@ -79,17 +144,23 @@ def _path(model: BenchModel, models_dir: Path) -> Path | None:
 
 def _combinations(info: ModelInfo, model: BenchModel) -> Iterator[tuple[int, int, str]]:
     ctx_len = info.context_length or max(N_CTX)
-    contexts = sorted({min(n, ctx_len) for n in N_CTX})
+    contexts = sorted({min(n, ctx_len) for n in (PARTS_N_CTX if model.parts else N_CTX)})
     kv_types = KV_TYPES if model.quantized_kv else KV_TYPES[:1]
     for kv in kv_types:
         check_kv_cache_type(info, kv)
         for n_ctx in contexts:
-            for parallel in PARALLEL:
+            for parallel in PARTS_PARALLEL if model.parts else PARALLEL:
                 yield n_ctx, parallel, kv
 
 
 async def _measure(
-    name: str, info: ModelInfo, n_ctx: int, parallel: int, kv: str
+    name: str,
+    info: ModelInfo,
+    n_ctx: int,
+    parallel: int,
+    kv: str,
+    projector: Path | None = None,
+    adapters: tuple[Adapter, ...] = (),
 ) -> dict[str, Any]:
     embedding = "embedding" in info.capabilities
     spec = RunnerSpec(
@@ -99,8 +170,14 @@ async def _measure(
         embedding=embedding,
         pooling_type=info.pooling_type if embedding else None,
         kv_cache_type=kv,
+        projector=str(projector) if projector else None,
+        adapters=adapters,
     )
-    est = estimate(info, n_ctx, parallel, kv)
+    est = estimate(
+        info, n_ctx, parallel, kv,
+        projector=read_projector_info(projector) if projector else None,
+        adapters=[read_adapter_info(a.path) for a in adapters],
+    )  # fmt: skip
     row: dict[str, Any] = {
         "model": name,
         "arch": info.architecture,
@@ -129,35 +206,40 @@ async def _measure(
     }
 
 
-async def _run(models_dir: Path, quick: bool) -> list[dict[str, Any]]:
+async def _run(models_dir: Path, quick: bool, only: tuple[str, ...] = ()) -> list[dict[str, Any]]:
     rows = []
     quick_models = {q[0] for q in _QUICK}
     for model in _models():
         if quick and model.name not in quick_models:
             continue
+        if only and not any(word in model.name for word in only):
+            continue
         path = _path(model, models_dir)
         if path is None:  # SmolLM2's wheel is not installed
             continue
         info = read_model_info(path)
+        projector, adapters = model.parts(path, models_dir) if model.parts else (None, ())
         if quick:
             combos = [(c, p, kv) for m, c, p, kv in _QUICK if m == model.name]
         else:
             combos = list(_combinations(info, model))
         for n_ctx, parallel, kv in combos:
-            rows.append(await _measure(model.name, info, n_ctx, parallel, kv))
+            rows.append(await _measure(model.name, info, n_ctx, parallel, kv, projector, adapters))
     return rows
 
 
-def run(models_dir: Path | None = None, quick: bool = False) -> list[dict[str, Any]]:
+def run(
+    models_dir: Path | None = None, quick: bool = False, only: tuple[str, ...] = ()
+) -> list[dict[str, Any]]:
     """Load each model at each combination, one runner at a time; one row per load with
     estimate and real (llama.cpp's allocation) in bytes, ratio = estimate / real, and the real
     weights / KV cache / compute buffers. Models are written to `models_dir` (kept, and reused
     when already there) or to a temporary directory."""
     if models_dir is not None:
         models_dir.mkdir(parents=True, exist_ok=True)
-        return asyncio.run(_run(models_dir, quick))
+        return asyncio.run(_run(models_dir, quick, only))
     with tempfile.TemporaryDirectory(prefix="corral-estimates-") as tmp:
-        return asyncio.run(_run(Path(tmp), quick))
+        return asyncio.run(_run(Path(tmp), quick, only))
 
 
 def _mib(n: int | None) -> str:
@@ -214,8 +296,13 @@ def format_table(rows: list[dict[str, Any]]) -> str:
 
 def main(argv: list[str]) -> int:
     quick = "--quick" in argv
+    only: tuple[str, ...] = ()
+    if "--only" in argv:
+        i = argv.index("--only")
+        only = tuple(w for w in argv[i + 1].split(",") if w) if i + 1 < len(argv) else ()
+        argv = argv[:i] + argv[i + 2 :]
     dirs = [a for a in argv if not a.startswith("-")]
-    rows = run(Path(dirs[0]) if dirs else None, quick=quick)
+    rows = run(Path(dirs[0]) if dirs else None, quick=quick, only=only)
     print(format_table(rows))
     bad = [r for r in rows if not 1.0 <= r["ratio"] <= GOAL_MAX_RATIO]  # nan fails too
     return 1 if bad else 0

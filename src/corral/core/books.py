@@ -385,6 +385,13 @@ class Core:
             r.devices[dev] = max(n, r.devices.get(dev, 0))
         self._pump(now)
 
+    def reload_cost(self, runner_id: int, seconds: float) -> None:
+        """What reloading this runner's model would cost now (the shell predicts it from how
+        much of the file is in the page cache): the cost-aware policy weighs it."""
+        r = self.runners.get(runner_id)
+        if r is not None:
+            r.load_cost = seconds
+
     def set_headroom(self, headroom: Mapping[str, int], now: float) -> None:
         """What other programs leave free for corral's runners changed (the shell measures
         it): a load waiting for room may start, or one that no longer fits waits. Runners

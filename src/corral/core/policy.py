@@ -18,7 +18,7 @@ class Candidate:
     size: int  # bytes it holds
     last_used: float  # monotonic seconds
     uses: int  # requests served since load
-    load_cost: float  # seconds its load took
+    load_cost: float  # seconds a reload would take (its last load, adjusted for the page cache)
     expires_at: float  # when its keep-alive runs out (math.inf = never)
     priority: int  # from models.toml; higher stays longer
     heat: float = 0.0  # the model's recency-weighted request frequency (see Core.heat)
@@ -57,6 +57,34 @@ def cost_aware(candidates: Sequence[Candidate], snap: Snapshot) -> list[int]:
         return (c.model in snap.waiting_models, c.priority, value, c.last_used)
 
     return [c.id for c in sorted(candidates, key=score)]
+
+
+# Reading a file from disk instead of the page cache costs this much more per byte until
+# corral has measured it on this machine (1 GB/s: between a SATA SSD and an NVMe drive).
+DEFAULT_DISK_SECONDS_PER_BYTE = 1e-9
+
+
+def reload_seconds(
+    last: float, last_resident: float, resident: float, size: int, disk_spb: float
+) -> float:
+    """A model's reload time predicted from its last load (`last` seconds with `last_resident`
+    of its file in the page cache) and how much of the file is cached now: each byte that
+    left the cache since costs `disk_spb` more seconds, each byte that came in that much less
+    (never below a fifth of the last load: spawning and allocating cost time too)."""
+    delta = (last_resident - resident) * size * disk_spb
+    return max(last * 0.2, last + delta)
+
+
+def disk_seconds_per_byte(
+    a: tuple[float, float], b: tuple[float, float], size: int
+) -> float | None:
+    """What reading from disk costs per byte beyond the page cache, from two loads of one file
+    ((seconds, resident fraction) each) whose residency differed by at least 30%."""
+    (ta, ra), (tb, rb) = a, b
+    if abs(ra - rb) < 0.3 or size <= 0:
+        return None
+    spb = (ta - tb) / ((rb - ra) * size)
+    return spb if spb > 0 else None
 
 
 POLICIES: dict[str, Policy] = {"lru": lru, "ollama": ollama_like, "cost": cost_aware}

@@ -19,6 +19,7 @@ from pathlib import Path
 from typing import Any
 
 from corral.config import ConfigError, parse_duration
+from corral.core.spec import FLASH_ATTN, Adapter
 from corral.runtime.store import Manifest, Store
 
 if sys.version_info >= (3, 11):
@@ -32,12 +33,24 @@ BUILTIN_NAME = "smollm2:135m"
 SMOLLM2_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 
 # Options a models.toml entry may set, with their types; they act as per-model defaults.
+# Runner options (each passed to llama.cpp; see api/service.py SHAPING) as Ollama names them,
+# plus flash_attn ("on", "off", "auto") and n_cpu_moe (llama.cpp's --n-cpu-moe).
 _OPTION_TYPES: dict[str, type] = {
     "num_ctx": int,
     "num_parallel": int,
     "num_gpu": int,
+    "main_gpu": int,
+    "num_batch": int,
+    "num_thread": int,
+    "use_mmap": bool,
+    "use_mlock": bool,
+    "flash_attn": str,
+    "n_cpu_moe": int,
     "kv_cache_type": str,
 }
+# A projector file in the models directory or one of its folders (llama.cpp's router layout):
+# never a model of its own.
+PROJECTOR_PREFIX = "mmproj"
 
 
 def canonical_name(name: str) -> str:
@@ -81,6 +94,11 @@ class ModelEntry:
     messages: tuple[Mapping[str, Any], ...] = ()
     license: str | None = None
     manifest: Path | None = None
+    # The model's parts: a vision projector (mmproj GGUF) and LoRA adapters, loaded with it.
+    projector: Path | None = None
+    adapters: tuple[Adapter, ...] = ()
+    # The devices it may use (models.toml `devices`, e.g. ("cuda:1",) or ("cpu",)); None: any.
+    devices: tuple[str, ...] | None = None
 
     @property
     def modified_at(self) -> float:
@@ -133,8 +151,11 @@ class Registry:
         except OSError:
             files = []
         for f in files:
-            name = canonical_name(f.stem)
-            models[name] = ModelEntry(name, f)
+            if not f.name.lower().startswith(PROJECTOR_PREFIX):
+                name = canonical_name(f.stem)
+                models[name] = ModelEntry(name, f)
+        for entry in self._folder_models():
+            models.setdefault(entry.name, entry)
         for m in self.store.all():
             models[m.name] = self._entry_from_manifest(m)
         toml_path = self.models_dir / "models.toml"
@@ -150,8 +171,43 @@ class Registry:
             except (tomllib.TOMLDecodeError, ConfigError, OSError, TypeError, ValueError) as e:
                 errors.append(f"{toml_path}: {e}")
                 log.error("ignoring part of %s: %s", toml_path, e)
+        # A projector or adapter file that a model uses is part of it, not a model of its own.
+        parts = {m.projector for m in models.values() if m.projector is not None}
+        parts |= {Path(a.path) for m in models.values() for a in m.adapters}
+        for n, entry in list(models.items()):
+            if entry.path in parts and n not in toml_names and entry.manifest is None:
+                del models[n]
         self._models, self._aliases, self.errors = models, aliases, errors
         self._toml_names = toml_names
+
+    def _folder_models(self) -> list[ModelEntry]:
+        """Models in folders of the models directory, as llama.cpp's router lays them out: a
+        folder holding a model GGUF (the first part, if split) and maybe an `mmproj*.gguf`
+        projector is a model named after the folder."""
+        out: list[ModelEntry] = []
+        try:
+            folders = sorted(
+                d for d in self.models_dir.iterdir() if d.is_dir() and not d.name.startswith(".")
+            )
+        except OSError:
+            return out
+        for d in folders:
+            try:
+                files = sorted(f for f in d.glob("*.gguf") if f.is_file())
+            except OSError:
+                continue
+            projectors = [f for f in files if f.name.lower().startswith(PROJECTOR_PREFIX)]
+            weights = [f for f in files if f not in projectors]
+            # A split model (name-00001-of-00003.gguf) loads from its first part.
+            first = [f for f in weights if "-00001-of-" in f.name]
+            candidates = first or [f for f in weights if "-of-" not in f.name]
+            if not candidates:
+                continue
+            if len(candidates) > 1:
+                log.warning("%s holds several models; serving %s", d, candidates[0].name)
+            name = canonical_name(d.name)
+            out.append(ModelEntry(name, candidates[0], projector=next(iter(projectors), None)))
+        return out
 
     def _entry_from_toml(self, raw_name: str, spec: Any) -> ModelEntry:
         if not isinstance(spec, dict):
@@ -166,9 +222,18 @@ class Registry:
         options: dict[str, Any] = {}
         for key, typ in _OPTION_TYPES.items():
             if key in spec:
-                if not isinstance(spec[key], typ) or isinstance(spec[key], bool):
+                value = spec[key]
+                if key == "flash_attn" and isinstance(value, bool):
+                    value = "on" if value else "off"
+                if not isinstance(value, typ) or (typ is not bool and isinstance(value, bool)):
                     raise ConfigError(f"models.{raw_name}.{key}: expected {typ.__name__}")
-                options[key] = spec[key]
+                if key == "flash_attn" and value not in FLASH_ATTN:
+                    raise ConfigError(
+                        f"models.{raw_name}.flash_attn: expected one of {', '.join(FLASH_ATTN)}"
+                    )
+                if isinstance(value, int) and value < 0 and key not in ("num_gpu", "main_gpu"):
+                    raise ConfigError(f"models.{raw_name}.{key}: must not be negative")
+                options[key] = value
         ka = spec.get("keep_alive")
         aliases = spec.get("aliases", [])
         if not isinstance(aliases, list) or not all(isinstance(a, str) for a in aliases):
@@ -181,7 +246,53 @@ class Registry:
             aliases=tuple(canonical_name(a) for a in aliases),
             pinned=bool(spec.get("pinned", False)),
             priority=int(spec.get("priority", 0)),
+            **self._parts_from_toml(raw_name, spec),
         )
+
+    def _parts_from_toml(self, raw_name: str, spec: dict[str, Any]) -> dict[str, Any]:
+        """`projector`, `adapters` and `devices` of a models.toml entry (paths relative to the
+        models directory)."""
+
+        def path_of(value: Any, what: str) -> Path:
+            if not isinstance(value, str) or not value:
+                raise ConfigError(f"models.{raw_name}.{what}: expected a path string")
+            p = Path(os.path.expanduser(value))
+            return p if p.is_absolute() else self.models_dir / p
+
+        out: dict[str, Any] = {}
+        if "projector" in spec:
+            out["projector"] = path_of(spec["projector"], "projector")
+        adapters = spec.get("adapters", [])
+        if not isinstance(adapters, list):
+            raise ConfigError(f"models.{raw_name}.adapters: expected a list of tables")
+        parsed = []
+        for i, a in enumerate(adapters):
+            what = f"adapters[{i}]"
+            if isinstance(a, str):
+                a = {"file": a}
+            if not isinstance(a, dict):
+                raise ConfigError(
+                    f"models.{raw_name}.{what}: expected {{ file = ..., scale = 1.0 }}"
+                )
+            scale = a.get("scale", 1.0)
+            if isinstance(scale, bool) or not isinstance(scale, (int, float)):
+                raise ConfigError(f"models.{raw_name}.{what}.scale: expected a number")
+            parsed.append(Adapter(str(path_of(a.get("file"), what + ".file")), float(scale)))
+        if parsed:
+            out["adapters"] = tuple(parsed)
+        if "devices" in spec:
+            devices = spec["devices"]
+            if (
+                not isinstance(devices, list)
+                or not devices
+                or not all(isinstance(d, str) and d for d in devices)
+            ):
+                raise ConfigError(
+                    f"models.{raw_name}.devices: expected a list of device ids such as "
+                    '["cuda:1"] or ["cpu"]'
+                )
+            out["devices"] = tuple(d.strip().lower() for d in devices)
+        return out
 
     def _entry_from_manifest(self, m: Manifest) -> ModelEntry:
         """A pulled or created model: its files from the store, its parameters split into

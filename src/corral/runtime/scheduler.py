@@ -13,12 +13,15 @@ import contextlib
 import itertools
 import logging
 import math
+import os
 import re
 import signal
 import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
+
+import psutil
 
 from corral.core.books import (
     Core,
@@ -35,11 +38,18 @@ from corral.core.books import (
 )
 from corral.core.devices import CPU, GPU_CONTEXT_BYTES, Device, live_headroom
 from corral.core.estimate import RUNNER_PROCESS_BYTES
-from corral.core.policy import DEFAULT_POLICY, POLICIES
+from corral.core.policy import (
+    DEFAULT_DISK_SECONDS_PER_BYTE,
+    DEFAULT_POLICY,
+    POLICIES,
+    disk_seconds_per_byte,
+    reload_seconds,
+)
 from corral.core.spec import Layout, RunnerSpec
 from corral.runtime.devices import gpu_process_memory
 from corral.runtime.journal import Journal
 from corral.runtime.memwatch import Usage, process_usage
+from corral.runtime.pagecache import prefetch, resident
 from corral.runtime.runner import Runner, RunnerError
 
 log = logging.getLogger(__name__)
@@ -133,6 +143,14 @@ class Scheduler:
         self.tokens: dict[str, list[int]] = {}
         self._runner_tokens: dict[int, tuple[int, int]] = {}
         self.on_wait: Callable[[str, float], None] | None = None  # (model, seconds) per grant
+        # What a reload costs: the fraction of each runner's file in the page cache when its
+        # load started and now, the last loads of each file (seconds, that fraction), and
+        # what a byte read from disk costs beyond one in the cache (learned from them).
+        self._load_resident: dict[int, float] = {}
+        self.residency: dict[int, float] = {}
+        self._file_loads: dict[str, tuple[float, float]] = {}
+        self.disk_spb = DEFAULT_DISK_SECONDS_PER_BYTE
+        self._prefetched: set[str] = set()  # files read ahead for a load waiting for room
         self._set_headroom(self.devices, [], {})  # as discovered; then every measure_interval
         self._free_before: dict[int, dict[str, int]] = {}  # runner id -> GPU free at stop
         self.runners: dict[int, Runner] = {}
@@ -244,6 +262,8 @@ class Scheduler:
                 self._spawn(self._load(a.runner, runner))
             elif isinstance(a, Stop):
                 self._note_free_before(a.runner)
+                if a.room_for is not None:
+                    self._prefetch_for(a.room_for)
                 self.journal.record(
                     "unload", self.runners[a.runner].name, runner=a.runner, reason=a.kind,
                     message=a.reason, room_for=a.room_for,
@@ -266,6 +286,10 @@ class Scheduler:
         if self._closing:  # a load decided while the server stops: nobody will use it
             self.runners.pop(rid, None)
             return
+        res = await asyncio.to_thread(resident, runner.spec.path)
+        if res is not None:
+            self._load_resident[rid] = res
+        self._prefetched.discard(runner.spec.path)
         try:
             await runner.start(self.load_timeout)
         except RunnerError as e:
@@ -324,6 +348,7 @@ class Scheduler:
                     real[dev] = n + GPU_CONTEXT_BYTES
             k = self.raised.get(runner.name, 1.0)
             real = {d: int(n * k) for d, n in real.items()}
+        self._learn_disk_speed(rid, runner)
         now = time.monotonic()
         self.core.loaded(rid, now, real)  # the real allocation replaces the estimate
         if book is not None:
@@ -364,6 +389,7 @@ class Scheduler:
         self._apply()
         self._warn_short_of_headroom()
         await self._count_tokens()
+        await self._predict_reloads()
 
     async def _count_tokens(self) -> None:
         """Add what each ready runner processed since the last read to its model's count."""
@@ -445,6 +471,60 @@ class Scheduler:
         if len(self._warned_headroom) > 4096:
             self._warned_headroom.clear()
 
+    def _learn_disk_speed(self, rid: int, runner: Runner) -> None:
+        """Two loads of one file with different page-cache residency tell what reading a byte
+        from disk costs here (beyond reading it from the cache)."""
+        res = self._load_resident.get(rid)
+        if res is None:
+            return
+        path, now = runner.spec.path, (runner.load_duration, res)
+        size = _file_size(path)
+        before = self._file_loads.get(path)
+        if before is not None and size:
+            spb = disk_seconds_per_byte(before, now, size)
+            if spb is not None:
+                self.disk_spb = spb if self.disk_spb == DEFAULT_DISK_SECONDS_PER_BYTE else (
+                    0.5 * self.disk_spb + 0.5 * spb
+                )  # fmt: skip
+                log.info("disk reads cost %.2f s/GB more than the page cache", spb * 1e9)
+        self._file_loads[path] = now
+
+    async def _predict_reloads(self) -> None:
+        """The cost-aware policy weighs what reloading each idle runner's model would cost
+        now: less if its file is still in the page cache, more once the cache lost it."""
+        idle = [
+            (rid, r.spec.path, r.load_duration)
+            for rid, r in self.runners.items()
+            if (b := self.core.runners.get(rid)) is not None
+            and b.state == "ready" and b.inflight == 0 and rid in self._load_resident
+        ]  # fmt: skip
+        if not idle:
+            return
+        fractions = await asyncio.to_thread(lambda: [resident(p) for _, p, _ in idle])
+        for (rid, path, took), now_res in zip(idle, fractions, strict=True):
+            if now_res is None:
+                continue
+            self.residency[rid] = now_res
+            cost = reload_seconds(
+                took, self._load_resident[rid], now_res, _file_size(path), self.disk_spb
+            )
+            self.core.reload_cost(rid, cost)
+
+    def _prefetch_for(self, model: str) -> None:
+        """A load waits for evicted runners to exit: start reading its file into the page
+        cache meanwhile, within memory that is free now (never pushing out cached pages)."""
+        q = next((q for q in self.core.queue if q.model == model), None)
+        if q is None or q.spec.path in self._prefetched:
+            return
+        self._prefetched.add(q.spec.path)
+        try:
+            spare = int(psutil.virtual_memory().free) - 256 * 2**20
+        except Exception:  # no figure, no prefetch
+            return
+        if spare > 0:
+            self._spawn(asyncio.to_thread(prefetch, q.spec.path, spare))
+            log.info("reading model '%s' ahead while room is made for it", model)
+
     def _ran_out_of_memory(self, model: str) -> None:
         k = min(OOM_RAISE_MAX, self.raised.get(model, 1.0) * OOM_RAISE)
         self.raised[model] = k
@@ -474,6 +554,8 @@ class Scheduler:
             self.runners.pop(rid, None)
             self.measured.pop(rid, None)
             self._runner_tokens.pop(rid, None)
+            self._load_resident.pop(rid, None)
+            self.residency.pop(rid, None)
             self.core.exited(rid, time.monotonic())
             self._apply()
 
@@ -652,3 +734,10 @@ async def wait_for_recovery(
         if time.monotonic() >= deadline:
             return False
         await asyncio.sleep(interval)
+
+
+def _file_size(path: str) -> int:
+    try:
+        return os.stat(path).st_size
+    except OSError:
+        return 0

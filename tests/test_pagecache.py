@@ -1,0 +1,108 @@
+"""Page-cache residency of model files, reading ahead, and reload costs that follow them."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import time
+from pathlib import Path
+
+import pytest
+
+from corral.core.policy import disk_seconds_per_byte, reload_seconds
+from corral.core.spec import RunnerSpec
+from corral.runtime import pagecache, scheduler
+from corral.runtime.scheduler import Scheduler
+
+MiB = 2**20
+
+
+def cold_file(path: Path, size: int = 32 * MiB) -> Path:
+    with open(path, "wb") as f:
+        f.write(os.urandom(size))
+        f.flush()
+        os.fsync(f.fileno())  # clean pages: the kernel may drop them
+    assert pagecache.drop(str(path))
+    return path
+
+
+def test_residency_follows_reads_and_drops(tmp_path: Path) -> None:
+    f = cold_file(tmp_path / "m.gguf")
+    assert pagecache.resident(str(f)) == pytest.approx(0.0, abs=0.05)
+    with open(f, "rb", buffering=0) as fh:
+        os.posix_fadvise(fh.fileno(), 0, 0, os.POSIX_FADV_RANDOM)  # no readahead past it
+        fh.read(16 * MiB)  # the first half
+    assert pagecache.resident(str(f)) == pytest.approx(0.5, abs=0.05)
+    f.read_bytes()
+    assert pagecache.resident(str(f)) == pytest.approx(1.0, abs=0.01)
+    assert pagecache.drop(str(f))
+    assert pagecache.resident(str(f)) == pytest.approx(0.0, abs=0.05)
+    assert pagecache.resident(str(tmp_path / "missing.gguf")) is None
+
+
+def test_prefetch_reads_a_cold_file_into_the_cache(tmp_path: Path) -> None:
+    f = cold_file(tmp_path / "m.gguf")
+    assert pagecache.prefetch(str(f), limit=8 * MiB) == 8 * MiB
+    deadline = time.monotonic() + 10
+    while (pagecache.resident(str(f)) or 0) < 0.2 and time.monotonic() < deadline:
+        time.sleep(0.05)
+    r = pagecache.resident(str(f)) or 0
+    assert 0.2 <= r <= 0.5  # the 8 MiB asked for (readahead may round up), not the rest
+
+
+def test_reload_cost_follows_the_page_cache() -> None:
+    gib = 2**30
+    warm = reload_seconds(1.0, 1.0, 1.0, gib, 1e-9)
+    cold = reload_seconds(1.0, 1.0, 0.0, gib, 1e-9)
+    assert warm == 1.0 and cold == pytest.approx(1.0 + 1.07, abs=0.01)  # +1 GiB at 1 GB/s
+    assert reload_seconds(10.0, 0.0, 1.0, gib, 1e-8) == 2.0  # never below a fifth
+    # two loads of a 1 GiB file: 11 s cold, 1 s cached -> 10 s per GiB from disk
+    spb = disk_seconds_per_byte((11.0, 0.0), (1.0, 1.0), gib)
+    assert spb is not None and spb * gib == pytest.approx(10.0)
+    assert disk_seconds_per_byte((1.0, 0.9), (1.1, 1.0), gib) is None  # too alike to tell
+
+
+async def test_an_idle_runner_whose_file_left_the_cache_costs_more_to_reload(
+    models_dir: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    sched = Scheduler({"cpu": 8 * 2**30}, measure_interval=0.1)
+    spec = RunnerSpec(path=str(models_dir / "tiny.gguf"), n_ctx=512, num_parallel=1)
+    lease = await sched.acquire("tiny", spec, size=MiB)
+    try:
+        lease.release()
+        (book,) = sched.core.runners.values()
+        took = lease.runner.load_duration
+        assert book.load_cost == pytest.approx(took, abs=0.5)
+        # As on a GPU runner whose file pages the OS dropped (llama.cpp unmaps what it
+        # uploaded): nothing of the file is cached any more.
+        monkeypatch.setattr(scheduler, "resident", lambda path: 0.0)
+        for _ in range(50):
+            await asyncio.sleep(0.1)
+            if sched.residency.get(book.id) == 0.0:
+                break
+        size = os.stat(spec.path).st_size
+        start = sched._load_resident[book.id]
+        assert book.load_cost == pytest.approx(
+            reload_seconds(took, start, 0.0, size, sched.disk_spb)
+        )
+        assert book.load_cost > took or start == 0.0
+    finally:
+        await sched.shutdown()
+
+
+async def test_a_load_waiting_for_an_eviction_reads_its_file_ahead(
+    models_dir: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    caplog.set_level(logging.INFO, "corral.runtime.scheduler")
+    sched = Scheduler({"cpu": 60 * MiB}, measure_interval=3600)
+    a = RunnerSpec(path=str(models_dir / "tiny.gguf"), n_ctx=512, num_parallel=1)
+    b = RunnerSpec(path=str(models_dir / "tiny2.gguf"), n_ctx=512, num_parallel=1)
+    try:
+        lease = await sched.acquire("tiny", a, size=50 * MiB)
+        lease.release()
+        lease = await sched.acquire("tiny2", b, size=50 * MiB)  # evicts tiny first
+        lease.release()
+        assert any("reading model 'tiny2' ahead" in r.message for r in caplog.records)
+    finally:
+        await sched.shutdown()
