@@ -298,17 +298,6 @@ class Registry:
         """A pulled or created model: its files from the store, its parameters split into
         runner options (as models.toml gives them) and sampling defaults."""
         options = {k: v for k, v in m.parameters.items() if k in _OPTION_TYPES}
-        extra: dict[str, Any] = {}
-        # Projectors and adapters reach the runner through ModelEntry fields of those names
-        # (where this ModelEntry has them).
-        if m.projector is not None and "projector" in ModelEntry.__dataclass_fields__:
-            extra["projector"] = self.store.path_of(m.projector)
-        if m.adapters and "adapters" in ModelEntry.__dataclass_fields__:
-            from corral.core.spec import Adapter
-
-            extra["adapters"] = tuple(
-                Adapter(str(self.store.path_of(a.file)), a.scale) for a in m.adapters
-            )
         return ModelEntry(
             name=m.name,
             path=self.store.path_of(m.model),
@@ -319,7 +308,8 @@ class Registry:
             messages=m.messages,
             license=m.license,
             manifest=self.store.manifest_path(m.name),
-            **extra,
+            projector=self.store.path_of(m.projector) if m.projector else None,
+            adapters=tuple(Adapter(str(self.store.path_of(a.file)), a.scale) for a in m.adapters),
         )
 
     def origin(self, entry: ModelEntry) -> str:
