@@ -17,7 +17,7 @@ import os
 import re
 import signal
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -151,6 +151,10 @@ class Scheduler:
         self._file_loads: dict[str, tuple[float, float]] = {}
         self.disk_spb = DEFAULT_DISK_SECONDS_PER_BYTE
         self._prefetched: set[str] = set()  # files read ahead for a load waiting for room
+        # Called with an idle runner about to be stopped (and whether a load waits for its
+        # memory), e.g. to save its slots' KV cache; bounded by `before_stop_timeout`.
+        self.before_stop: Callable[[Runner, Stop, bool], Awaitable[None]] | None = None
+        self.before_stop_timeout = 10.0
         self._set_headroom(self.devices, [], {})  # as discovered; then every measure_interval
         self._free_before: dict[int, dict[str, int]] = {}  # runner id -> GPU free at stop
         self.runners: dict[int, Runner] = {}
@@ -274,8 +278,24 @@ class Scheduler:
                     a.runner,
                     a.reason,
                 )
-                self._spawn(self.runners[a.runner].stop())
+                self._spawn(self._stop_runner(a, self.runners[a.runner]))
         self._arm_timer()
+
+    async def _stop_runner(self, stop: Stop, runner: Runner) -> None:
+        if self.before_stop is not None and not self._closing:
+            waiting = stop.room_for is not None or stop.kind == "options_change"
+            try:
+                await asyncio.wait_for(
+                    self.before_stop(runner, stop, waiting), self.before_stop_timeout
+                )
+            except asyncio.TimeoutError:
+                log.warning(
+                    "saving state of '%s' took over %.0fs; stopping it anyway",
+                    runner.name, self.before_stop_timeout,
+                )  # fmt: skip
+            except Exception:  # saving is an optimisation: never a reason not to stop
+                log.exception("before stopping the runner for '%s'", runner.name)
+        await runner.stop()
 
     def _spawn(self, coro: Any) -> None:
         t = asyncio.get_running_loop().create_task(coro)
