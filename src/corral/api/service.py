@@ -27,7 +27,7 @@ from corral.api.events import Chat, Generation, forced_schema
 from corral.api.metrics import note_model
 from corral.config import Settings
 from corral.core.books import Fit, Placer
-from corral.core.devices import Device
+from corral.core.devices import GPU_CONTEXT_BYTES, Device
 from corral.core.estimate import (
     KV_CACHE_TYPES,
     RUNNER_PROCESS_BYTES,
@@ -269,8 +269,9 @@ class Service:
     ) -> Placer:
         """The pure function the scheduler asks where this runner would fit (`options`: the
         model's and the request's; `allowed`: the model's devices)."""
-        # The runner process itself is booked with every model (as once it loads).
-        need = model_need(est, RUNNER_PROCESS_BYTES)
+        # The runner process itself is booked with every model (as once it loads), and its
+        # CUDA context on every GPU it uses.
+        need = model_need(est, RUNNER_PROCESS_BYTES, GPU_CONTEXT_BYTES)
         num_gpu, main_gpu = options.get("num_gpu"), options.get("main_gpu")
         devices = self.devices
 
