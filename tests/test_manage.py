@@ -178,6 +178,25 @@ def test_create_refusals(client: ollama.Client) -> None:
     assert e.value.status_code == 400 and "'from'" in e.value.error
 
 
+def test_create_with_an_adapter(client: ollama.Client, models: Path, tmp_path: Path) -> None:
+    """Ollama's ADAPTER through /api/create: the runner loads it, and it changes the output."""
+    lora = synth.write_lora_adapter(tmp_path / "lora.gguf", models / "tiny.gguf")
+    digest = client.create_blob(lora)
+    parts = list(client.create(model="tuned", from_="tiny", adapters={"lora.gguf": digest},
+                               stream=True))  # fmt: skip
+    assert f"using existing layer {digest}" in [p.status for p in parts]
+    modelfile = client.show("tuned").modelfile or ""
+    assert "ADAPTER " in modelfile and f"sha256-{digest.split(':')[1]}" in modelfile
+    opts = {"num_predict": 12, "temperature": 0, "seed": 1}
+    tuned = client.generate(model="tuned", prompt="Once upon a time", options=opts)
+    plain = client.generate(model="tiny", prompt="Once upon a time", options=opts)
+    assert tuned.response != plain.response
+    with pytest.raises(ollama.ResponseError) as e:  # a model file is not an adapter
+        client.create(model="x", from_="tiny",
+                      adapters={"m.gguf": client.create_blob(models / "other.gguf")})  # fmt: skip
+    assert e.value.status_code == 400 and "not a LoRA adapter" in e.value.error
+
+
 # ---- blobs ----------------------------------------------------------------------------------
 def test_blob_upload_is_checked_against_its_digest(server: CorralServer, models: Path) -> None:
     data = b"some bytes that are not what the digest says"

@@ -276,6 +276,7 @@ def test_pulled_model_chats(client: ollama.Client) -> None:
 @pytest.mark.skipif(not hasattr(synth, "write_projector"), reason="no synthetic projector")
 def test_pulled_model_with_projector_chats(client: ollama.Client) -> None:
     assert client.pull(f"hf.co/{REPO}:Q4_K_M").status == "success"
+    assert "vision" in (client.show(f"hf.co/{REPO}:Q4_K_M").capabilities or [])
     r = client.chat(
         model=f"hf.co/{REPO}:Q4_K_M", messages=[{"role": "user", "content": "Hi"}],
         options={"num_predict": 4},
