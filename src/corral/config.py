@@ -152,6 +152,7 @@ DEFAULTS: dict[str, str] = {
     "CORRAL_HOST": "127.0.0.1:11434",
     "CORRAL_MODELS": "~/.corral/models",
     "CORRAL_KEEP_ALIVE": "5m",
+    "CORRAL_KEEP_ALIVE_MAX": "",
     "CORRAL_CONTEXT_LENGTH": "4096",
     "CORRAL_NUM_PARALLEL": "1",
     "CORRAL_LOAD_TIMEOUT": "5m",
@@ -177,6 +178,7 @@ class Settings:
     port: int
     models_dir: Path
     keep_alive: float  # seconds; math.inf = never expire
+    keep_alive_max: float | None  # the longest keep-alive a request may ask for; None: any
     context_length: int
     num_parallel: int
     load_timeout: float
@@ -205,11 +207,16 @@ class Settings:
         raw.update(overrides or {})
         host, port = parse_host(raw["CORRAL_HOST"])
         limit = raw["CORRAL_MEMORY_LIMIT"].strip()
+        ka_max = raw["CORRAL_KEEP_ALIVE_MAX"].strip()
         return cls(
             host=host,
             port=port,
             models_dir=Path(raw["CORRAL_MODELS"]).expanduser(),
-            keep_alive=parse_duration(raw["CORRAL_KEEP_ALIVE"], "CORRAL_KEEP_ALIVE"),
+            keep_alive=min(
+                parse_duration(raw["CORRAL_KEEP_ALIVE"], "CORRAL_KEEP_ALIVE"),
+                parse_duration(ka_max, "CORRAL_KEEP_ALIVE_MAX") if ka_max else FOREVER,
+            ),
+            keep_alive_max=parse_duration(ka_max, "CORRAL_KEEP_ALIVE_MAX") if ka_max else None,
             context_length=_int("CORRAL_CONTEXT_LENGTH", raw["CORRAL_CONTEXT_LENGTH"], 0),
             num_parallel=_int("CORRAL_NUM_PARALLEL", raw["CORRAL_NUM_PARALLEL"], 1),
             load_timeout=parse_duration(raw["CORRAL_LOAD_TIMEOUT"], "CORRAL_LOAD_TIMEOUT"),

@@ -324,6 +324,9 @@ class Ollama:
                 "state": book.state, "requests_in_flight": book.inflight,
                 "queued": self.svc.scheduler.queued(book.model),
                 "num_parallel": book.spec.num_parallel, "pid": runner.pid,
+                # the effective keep-alive in seconds (-1: forever), after models.toml and
+                # CORRAL_KEEP_ALIVE_MAX had their say
+                "keep_alive": book.keep_alive if math.isfinite(book.keep_alive) else -1,
                 "devices": [{"id": d, "bytes": n} for d, n in book.devices.items() if n],
                 # what the runner process really holds in system memory (PSS), last measured
                 "measured_bytes": self.svc.scheduler.measured.get(book.id),

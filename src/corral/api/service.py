@@ -209,6 +209,20 @@ class Service:
         return RunnerSpec(**spec), frozenset(explicit)
 
     # ---- leases ----------------------------------------------------------------------------
+    def keep_alive(self, entry: ModelEntry, asked: float | None) -> float | None:
+        """The keep-alive a request gets: the model's own (models.toml) unless the client
+        asked for one, the model's always if it is fixed there, and never more than
+        CORRAL_KEEP_ALIVE_MAX. None: the runner keeps what it has."""
+        ka = asked
+        if entry.keep_alive is not None and (ka is None or entry.keep_alive_fixed):
+            ka = entry.keep_alive
+        elif entry.keep_alive_fixed:
+            ka = None  # fixed at the server's default
+        cap = self.settings.keep_alive_max
+        if ka is not None and cap is not None and ka > cap:
+            ka = cap
+        return ka
+
     async def lease(
         self, request: Request, r: Resolved, options: dict[str, Any], keep_alive: float | None
     ) -> Lease:
@@ -229,7 +243,7 @@ class Service:
         try:
             ticket = self.scheduler.submit(
                 r.name, spec, explicit=explicit, size=est.total + RUNNER_PROCESS_BYTES,
-                keep_alive=keep_alive,
+                keep_alive=self.keep_alive(r.entry, keep_alive),
                 pinned=r.entry.pinned, priority=r.entry.priority,
                 place=self.placer(est, {**r.entry.options, **options}, r.entry.devices),
             )  # fmt: skip

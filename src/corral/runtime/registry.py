@@ -84,6 +84,7 @@ class ModelEntry:
     keep_alive: float | None = None
     aliases: tuple[str, ...] = ()
     pinned: bool = False
+    keep_alive_fixed: bool = False  # models.toml: clients cannot change its keep_alive
     priority: int = 0
     # What a model made by `pull`, `create` or `cp` carries (runtime/store.py): request defaults
     # (a system prompt and messages put before the request's, Ollama sampling options) and the
@@ -245,6 +246,7 @@ class Registry:
             keep_alive=None if ka is None else parse_duration(ka, f"models.{raw_name}.keep_alive"),
             aliases=tuple(canonical_name(a) for a in aliases),
             pinned=bool(spec.get("pinned", False)),
+            keep_alive_fixed=bool(spec.get("keep_alive_fixed", False)),
             priority=int(spec.get("priority", 0)),
             **self._parts_from_toml(raw_name, spec),
         )
