@@ -76,3 +76,4 @@ def test_ps_shows_booked_and_measured_bytes(server) -> None:
     (m,) = [m for m in server.ps() if m["name"] == "tiny:latest"]
     booked = sum(d["bytes"] for d in m["devices"])
     assert booked >= m["measured_bytes"] > 0  # the books hold at least what it really holds
+    assert m["measured"] == [{"id": "cpu", "bytes": m["measured_bytes"]}]  # no GPU here

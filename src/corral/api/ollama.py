@@ -330,6 +330,9 @@ class Ollama:
                 "devices": [{"id": d, "bytes": n} for d, n in book.devices.items() if n],
                 # what the runner process really holds in system memory (PSS), last measured
                 "measured_bytes": self.svc.scheduler.measured.get(book.id),
+                # ... and per device (GPU memory as NVML reports it for the process)
+                "measured": [{"id": d, "bytes": n} for d, n in
+                             self.svc.scheduler.measured_devices.get(book.id, {}).items()],
             })  # fmt: skip
         return json_response({"models": models})
 

@@ -133,6 +133,7 @@ class Scheduler:
         self.measure_interval = measure_interval  # seconds between measures of real memory
         self._measurer: asyncio.Task[None] | None = None
         self.measured: dict[int, int] = {}  # runner id -> its last measured PSS, bytes
+        self.measured_devices: dict[int, dict[str, int]] = {}  # ... and per device (NVML)
         self.margin = margin  # bytes to keep free per device (headroom is checked against it)
         self.raised: dict[str, float] = {}  # model -> booking factor after running out of memory
         self._warned_headroom: set[int] = set()  # requests whose wait for room was logged
@@ -444,6 +445,7 @@ class Scheduler:
             for dev, n in gpu.get(pid, {}).items():
                 seen[dev] = seen.get(dev, 0) + n
         self.measured[rid] = usage.pss
+        self.measured_devices[rid] = seen
         for dev, n in seen.items():
             if n > book.devices.get(dev, 0):
                 log.warning(
@@ -573,6 +575,7 @@ class Scheduler:
             dog.cancel()
             self.runners.pop(rid, None)
             self.measured.pop(rid, None)
+            self.measured_devices.pop(rid, None)
             self._runner_tokens.pop(rid, None)
             self._load_resident.pop(rid, None)
             self.residency.pop(rid, None)
