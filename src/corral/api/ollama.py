@@ -34,6 +34,7 @@ from corral.api.common import (
     rfc3339,
 )
 from corral.api.events import Chat, Event, Generation, Text, Thinking, ToolCall
+from corral.api.guard import entry_paths, hide_paths
 from corral.api.service import Resolved, Service, until_disconnect
 from corral.api.stream import json_response
 from corral.config import ConfigError, parse_duration
@@ -345,7 +346,8 @@ class Ollama:
         # A created model's own template, system prompt, parameters and messages come first.
         params = {**r.entry.options, **r.entry.parameters}
         out: dict[str, Any] = {
-            "modelfile": defaults.modelfile(r.entry, params),
+            "modelfile": hide_paths(request, defaults.modelfile(r.entry, params),
+                                    entry_paths(r.entry), self.svc.registry.models_dir),
             "parameters": defaults.parameter_text(params),
             "template": r.entry.template or r.info.chat_template or "",
             "details": r.info.details(),

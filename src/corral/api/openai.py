@@ -42,6 +42,7 @@ from corral.api.events import (
     new_id,
     sse_events,
 )
+from corral.api.guard import shown_path
 from corral.api.service import (
     Resolved,
     Service,
@@ -930,7 +931,8 @@ class Router:
         states = {b.model: b.state for b, _ in self.svc.scheduler.snapshot()}
         data = [
             {"id": e.name, "object": "model", "owned_by": "corral", "created": int(e.modified_at),
-             "path": str(e.path), "status": {"value": _router_state(states.get(e.name))}}
+             "path": shown_path(request, e.path, self.svc.registry.models_dir),
+             "status": {"value": _router_state(states.get(e.name))}}
             for e in self.svc.registry.all()
         ]  # fmt: skip
         return json_response({"object": "list", "data": data})

@@ -74,12 +74,15 @@ def error_message(status: int, reason: str, body: str) -> str:
 class Client:
     """Synchronous client for the Ollama API that turns transport and API failures into CLIError."""
 
-    def __init__(self, url: str) -> None:
+    def __init__(self, url: str, api_key: str | None = None) -> None:
         self.url = url
         # Loads and generations can take minutes, so only connecting is time-limited. Proxy
         # variables are ignored: the server is almost always local.
         self._http = httpx.Client(
-            base_url=url, timeout=httpx.Timeout(None, connect=10.0), trust_env=False
+            base_url=url,
+            timeout=httpx.Timeout(None, connect=10.0),
+            trust_env=False,
+            headers={"Authorization": f"Bearer {api_key}"} if api_key else None,
         )
 
     def __enter__(self) -> Client:
@@ -159,9 +162,16 @@ def _decode(text: str) -> JSON:
     return data
 
 
+def api_key(value: str | None = None) -> str | None:
+    """The key the CLI sends: the first of CORRAL_API_KEY's comma-separated keys."""
+    text = os.environ.get("CORRAL_API_KEY", "") if value is None else value
+    keys = [k.strip() for k in text.strip().strip("\"'").split(",") if k.strip()]
+    return keys[0] if keys else None
+
+
 def connect() -> Client:
     host = os.environ.get("CORRAL_HOST", "")
     try:
-        return Client(base_url(host))
+        return Client(base_url(host), api_key())
     except ValueError as e:
         raise CLIError(f"CORRAL_HOST: {e}") from None

@@ -24,6 +24,10 @@ SERVE_FLAGS: dict[str, tuple[str, str, str]] = {
     "--memory-limit": ("CORRAL_MEMORY_LIMIT", "SIZE", "most memory for loaded models"),
     "--llama-server": ("CORRAL_LLAMA_SERVER", "PATH", "run models with this llama-server binary"),
     "--log-level": ("CORRAL_LOG_LEVEL", "LEVEL", "debug, info, warning or error"),
+    # CORRAL_API_KEY has no flag: a key on the command line is visible to every local user
+    "--origins": ("CORRAL_ORIGINS", "LIST", "web origins allowed to call, e.g. https://*.my.org"),
+    "--read-timeout": ("CORRAL_READ_TIMEOUT", "DURATION", "close connections slow to send"),
+    "--max-connections": ("CORRAL_MAX_CONNECTIONS", "N", "most open connections"),
 }
 
 
