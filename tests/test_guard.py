@@ -276,11 +276,12 @@ def test_settings() -> None:
         environ={
             "CORRAL_API_KEY": " k1 , k2,",
             "CORRAL_ORIGINS": "'https://a'",
+            "CORRAL_SHUTDOWN_GRACE": "1m",
             "CORRAL_READ_TIMEOUT": "2s",
         }
     )
     assert s.api_keys == ("k1", "k2") and s.origins == ("https://a",)
-    assert s.read_timeout == 2 and s.max_connections == 4096
+    assert s.shutdown_grace == 60 and s.read_timeout == 2 and s.max_connections == 4096
     assert "k1" not in repr(s)
     with pytest.raises(ConfigError, match="CORRAL_READ_TIMEOUT"):
         Settings.load(environ={"CORRAL_READ_TIMEOUT": "0"})

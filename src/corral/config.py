@@ -182,6 +182,7 @@ DEFAULTS: dict[str, str] = {
     "CORRAL_KV_CACHE_TYPE": "f16",
     "CORRAL_API_KEY": "",  # comma-separated keys; set: every route but a few needs one
     "CORRAL_ORIGINS": "",  # comma-separated web origins (`*` wildcards) allowed besides loopback
+    "CORRAL_SHUTDOWN_GRACE": "30s",  # on SIGTERM, how long requests in flight may take to finish
     "CORRAL_READ_TIMEOUT": "10s",  # a connection's request headers must arrive within this
     "CORRAL_MAX_CONNECTIONS": "4096",
 }
@@ -211,6 +212,7 @@ class Settings:
     kv_cache_type: str  # f16, q8_0, q4_0, ...: the KV cache's element type
     api_keys: tuple[str, ...] = field(repr=False)  # empty: no key needed
     origins: tuple[str, ...]  # web origins allowed besides loopback and corral's own pages
+    shutdown_grace: float  # on SIGTERM, in-flight requests get this long; inf = no limit
     read_timeout: float  # for a request's headers; its body must keep arriving after it
     max_connections: int  # lowered at start-up to what the open-files limit allows
 
@@ -252,6 +254,7 @@ class Settings:
             kv_cache_type=_kv_type(raw["CORRAL_KV_CACHE_TYPE"]),
             api_keys=_list(raw["CORRAL_API_KEY"]),
             origins=_list(raw["CORRAL_ORIGINS"]),
+            shutdown_grace=parse_duration(raw["CORRAL_SHUTDOWN_GRACE"], "CORRAL_SHUTDOWN_GRACE"),
             read_timeout=_positive(raw["CORRAL_READ_TIMEOUT"], "CORRAL_READ_TIMEOUT"),
             max_connections=_int("CORRAL_MAX_CONNECTIONS", raw["CORRAL_MAX_CONNECTIONS"], 16),
         )

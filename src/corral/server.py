@@ -7,6 +7,7 @@ import atexit
 import contextlib
 import logging
 import math
+import signal
 import socket
 from collections.abc import AsyncIterator, Mapping
 from types import FrameType
@@ -182,23 +183,57 @@ def create_app(settings: Settings, devices: list[Device] | None = None) -> Starl
 
 
 class _Server(uvicorn.Server):
-    """uvicorn's server, telling the scheduler the moment a stop signal arrives: waiting
+    """uvicorn's server with a graceful stop. The first SIGTERM drains: new requests get 503
+    with Retry-After while those in flight finish, for up to the shutdown grace; then the
+    scheduler stops every runner (streams still open end with "server is shutting down") and
+    uvicorn exits. SIGINT (Ctrl-C), a second SIGTERM, or a grace of 0 stop at once: waiting
     requests get 503, loading runners die and streams end with an error, so the connections
     uvicorn then waits for close at once instead of after its graceful timeout."""
 
-    def __init__(self, config: uvicorn.Config, scheduler: Scheduler) -> None:
+    def __init__(
+        self, config: uvicorn.Config, scheduler: Scheduler, gate: Gate, grace: float
+    ) -> None:
         super().__init__(config)
         self.scheduler = scheduler
+        self.gate = gate
+        self.grace = grace
         self.loop: asyncio.AbstractEventLoop | None = None
+        self._drain: asyncio.Task[None] | None = None
 
     async def serve(self, sockets: list[socket.socket] | None = None) -> None:
         self.loop = asyncio.get_running_loop()
         await super().serve(sockets)
 
     def handle_exit(self, sig: int, frame: FrameType | None) -> None:
+        loop = self.loop
+        if loop is None or loop.is_closed():
+            super().handle_exit(sig, frame)
+            return
+        if sig == signal.SIGTERM and self.grace > 0 and not self.gate.draining:
+            self.gate.draining = True  # from now on the guard answers 503
+            loop.call_soon_threadsafe(self._start_drain, sig)
+            return
         super().handle_exit(sig, frame)
-        if self.loop is not None and not self.loop.is_closed():
-            self.loop.call_soon_threadsafe(self.scheduler.begin_shutdown)
+        loop.call_soon_threadsafe(self.scheduler.begin_shutdown)
+
+    def _start_drain(self, sig: int) -> None:
+        log.info(
+            "stopping: no new requests; %d in flight may take up to %gs to finish",
+            self.gate.in_flight,
+            self.grace,
+        )
+        self._drain = asyncio.ensure_future(self._drained(sig))
+
+    async def _drained(self, sig: int) -> None:
+        if not await self.gate.wait_idle(self.grace):
+            log.warning(
+                "shutdown grace of %gs is over: ending %d requests still in flight",
+                self.grace,
+                self.gate.in_flight,
+            )
+        if not self.should_exit:
+            self.scheduler.begin_shutdown()
+            super().handle_exit(sig, None)
 
 
 def serve(overrides: Mapping[str, str] | None = None) -> None:
@@ -234,4 +269,5 @@ def serve(overrides: Mapping[str, str] | None = None) -> None:
     )  # fmt: skip
     with contextlib.suppress(KeyboardInterrupt):
         # picks uvloop when installed
-        _Server(config, app.state.scheduler).run()
+        server = _Server(config, app.state.scheduler, app.state.gate, settings.shutdown_grace)
+        server.run()

@@ -26,6 +26,7 @@ SERVE_FLAGS: dict[str, tuple[str, str, str]] = {
     "--log-level": ("CORRAL_LOG_LEVEL", "LEVEL", "debug, info, warning or error"),
     # CORRAL_API_KEY has no flag: a key on the command line is visible to every local user
     "--origins": ("CORRAL_ORIGINS", "LIST", "web origins allowed to call, e.g. https://*.my.org"),
+    "--shutdown-grace": ("CORRAL_SHUTDOWN_GRACE", "DURATION", "on SIGTERM, time to finish"),
     "--read-timeout": ("CORRAL_READ_TIMEOUT", "DURATION", "close connections slow to send"),
     "--max-connections": ("CORRAL_MAX_CONNECTIONS", "N", "most open connections"),
 }
