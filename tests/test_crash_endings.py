@@ -189,8 +189,9 @@ def test_sigterm_during_a_load_exits_at_once_and_leaves_no_runner(
         context_length=65536, seed=6,
     )  # fmt: skip
     s = start_server(
-        d, CORRAL_BUILTIN_MODELS="0", CORRAL_NUM_PARALLEL="1", CORRAL_CONTEXT_LENGTH="16384"
-    )
+        d, CORRAL_BUILTIN_MODELS="0", CORRAL_NUM_PARALLEL="1", CORRAL_CONTEXT_LENGTH="16384",
+        CORRAL_SHUTDOWN_GRACE="0",  # stop at once: streams are cut, not given time to end
+    )  # fmt: skip
     answers: list[httpx.Response | Exception] = []
 
     def load() -> None:

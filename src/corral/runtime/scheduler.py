@@ -307,12 +307,14 @@ class Scheduler:
         if self._closing:  # a load decided while the server stops: nobody will use it
             self.runners.pop(rid, None)
             return
-        res = await asyncio.to_thread(resident, runner.spec.path)
-        if res is not None:
-            self._load_resident[rid] = res
+        # How much of the file is cached as the load starts (read beside the spawn: the child
+        # takes far longer to reach the file than mincore takes to answer).
+        res = asyncio.ensure_future(asyncio.to_thread(resident, runner.spec.path))
         self._prefetched.discard(runner.spec.path)
         try:
             await runner.start(self.load_timeout)
+            if (fraction := await res) is not None:
+                self._load_resident[rid] = fraction
         except RunnerError as e:
             if runner.shutting_down:
                 log.info("loading '%s' stopped: the server is shutting down", runner.name)
