@@ -185,6 +185,8 @@ DEFAULTS: dict[str, str] = {
     "CORRAL_SHUTDOWN_GRACE": "30s",  # on SIGTERM, how long requests in flight may take to finish
     "CORRAL_READ_TIMEOUT": "10s",  # a connection's request headers must arrive within this
     "CORRAL_MAX_CONNECTIONS": "4096",
+    # a Ray cluster to serve as one endpoint ("auto", or the head's address); empty: this machine
+    "CORRAL_RAY_ADDRESS": "",
 }
 
 
@@ -215,6 +217,7 @@ class Settings:
     shutdown_grace: float  # on SIGTERM, in-flight requests get this long; inf = no limit
     read_timeout: float  # for a request's headers; its body must keep arriving after it
     max_connections: int  # lowered at start-up to what the open-files limit allows
+    ray_address: str | None  # cluster mode (corral.cluster): the Ray cluster to join
 
     @classmethod
     def load(
@@ -257,4 +260,5 @@ class Settings:
             shutdown_grace=parse_duration(raw["CORRAL_SHUTDOWN_GRACE"], "CORRAL_SHUTDOWN_GRACE"),
             read_timeout=_positive(raw["CORRAL_READ_TIMEOUT"], "CORRAL_READ_TIMEOUT"),
             max_connections=_int("CORRAL_MAX_CONNECTIONS", raw["CORRAL_MAX_CONNECTIONS"], 16),
+            ray_address=raw["CORRAL_RAY_ADDRESS"].strip() or None,
         )

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import argparse
+import importlib.util
+import os
 import sys
 
 from corral.cli.client import CLIError
@@ -29,6 +31,7 @@ SERVE_FLAGS: dict[str, tuple[str, str, str]] = {
     "--shutdown-grace": ("CORRAL_SHUTDOWN_GRACE", "DURATION", "on SIGTERM, time to finish"),
     "--read-timeout": ("CORRAL_READ_TIMEOUT", "DURATION", "close connections slow to send"),
     "--max-connections": ("CORRAL_MAX_CONNECTIONS", "N", "most open connections"),
+    "--ray": ("CORRAL_RAY_ADDRESS", "ADDRESS", "serve a Ray cluster: 'auto' or the head's address"),
 }
 
 
@@ -42,10 +45,14 @@ def serve_overrides(args: argparse.Namespace) -> dict[str, str]:
 
 
 def cmd_serve(args: argparse.Namespace) -> int:
+    overrides = serve_overrides(args)
+    ray = overrides.get("CORRAL_RAY_ADDRESS", os.environ.get("CORRAL_RAY_ADDRESS", ""))
+    if ray.strip():  # cluster mode: only it imports Ray
+        return serve_cluster(overrides)
     from corral.server import serve  # imported late: it pulls in the whole server stack
 
     try:
-        serve(serve_overrides(args))
+        serve(overrides)
     except ConfigError as e:
         raise CLIError(str(e)) from None
     except SystemExit as e:  # the server may exit with its own message; main() still returns
@@ -53,4 +60,20 @@ def cmd_serve(args: argparse.Namespace) -> int:
             print(e.code, file=sys.stderr)
             return 1
         return e.code or 0
+    return 0
+
+
+def serve_cluster(overrides: dict[str, str]) -> int:
+    """`corral serve --ray ADDRESS`: the entry process of a Ray cluster (corral.cluster)."""
+    from corral.config import Settings
+
+    if importlib.util.find_spec("ray") is None:
+        raise CLIError("cluster mode needs Ray: pip install 'corral[ray]'")
+    try:
+        settings = Settings.load(overrides)
+    except ConfigError as e:
+        raise CLIError(str(e)) from None
+    from corral.cluster.entry import serve_cluster as serve
+
+    serve(settings)
     return 0

@@ -1,0 +1,918 @@
+"""Cluster mode's entry process: one HTTP endpoint for every node of a Ray cluster.
+
+`corral serve --ray auto` (or CORRAL_RAY_ADDRESS) connects to Ray as a driver and keeps one node
+agent (cluster/agent.py) per alive node: membership is `ray.nodes()`, polled every couple of
+seconds; a node that joins gets an agent, one that leaves is dropped. Each agent runs that
+node's own single-node corral. Every second the entry asks each agent for its books over Ray
+(runners with state, slots and bytes; budgets; the node's models and what each would book) and
+lays over them what it knows better: its own requests in flight per node and model, and the
+loads and evictions it has just caused.
+
+The data path does not touch Ray: a request's `model` (from its JSON body, or its path) goes to
+`placement.choose`, and the request is forwarded over HTTP to the chosen node's corral, its
+response relayed byte for byte (one pooled aiohttp session per node). If that node is lost
+while the response streams (its agent or raylet dies, or its agent stops answering for
+LOST_AFTER seconds), the client gets an error in its API's shape naming the node, and the node's
+models leave the books, so the next request loads elsewhere.
+
+`/api/tags`, `/v1/models` and the router's `/models` are the union of the nodes' lists;
+`/api/ps` lists every node's runners, each with its `node`; `/metrics` is every node's metrics
+with a `node` label; `/api/cluster` shows the entry's view of the nodes.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import math
+import time
+from collections import Counter
+from collections.abc import Awaitable, Callable, Iterable
+from dataclasses import dataclass, field
+from typing import Any
+
+import aiohttp
+import orjson
+from starlette.requests import Request
+from starlette.types import Message, Receive, Scope, Send
+
+import corral
+from corral.api.common import ApiError
+from corral.cluster.placement import Choice, NodeView, RunnerView, choose
+from corral.config import Settings
+from corral.core.policy import POLICIES
+from corral.runtime.registry import canonical_name
+
+log = logging.getLogger("corral.cluster")
+
+POLL_INTERVAL = 1.0  # seconds between two asks of an agent for its books
+MEMBERSHIP_INTERVAL = 2.0  # seconds between two reads of ray.nodes()
+LOST_AFTER = 4.0  # an agent that has not answered for this long: its node is unreachable
+POLL_TIMEOUT = 3.0
+SETTLE = 0.5  # books polled this long after an eviction was asked for show it
+HEAT_DECAY = 0.97  # per request, as in core.books
+NODE_LABEL = "corral-node"  # a Ray node label naming the node (`ray start --labels`)
+KEEPALIVE = 4.0  # idle pooled connections to a node: below its server's 5 s keep-alive
+
+# Hop-by-hop headers, and those the entry's own server writes.
+_DROP_RESPONSE = {
+    b"connection", b"keep-alive", b"transfer-encoding", b"te", b"trailer", b"upgrade",
+    b"proxy-authenticate", b"date", b"server",
+}  # fmt: skip
+_DROP_REQUEST = {
+    "host", "connection", "keep-alive", "transfer-encoding", "te", "trailer", "upgrade",
+    "content-length", "expect", "proxy-authorization",
+    "origin",  # the entry's guard checked it (and answers CORS); the nodes' lists may differ
+}  # fmt: skip
+# Requests that only read about a model: sent to a node that has it, no load expected.
+_LOOKUP_PATHS = ("/api/show", "/v1/messages/count_tokens")
+# Model management: on the node a client names (header X-Corral-Node), else the entry's own.
+_HOME_PATHS = ("/api/pull", "/api/create", "/api/blobs/", "/api/push")
+
+
+@dataclass
+class Usage:
+    last_used: float = 0.0
+    uses: int = 0
+    load_cost: float = 0.0
+
+
+@dataclass(eq=False)
+class Relay:
+    """One request the entry has sent to a node."""
+
+    node: Node
+    model: str | None
+    task: asyncio.Task[Any] | None
+    resp: aiohttp.ClientResponse | None = None
+    lost: str | None = None  # why the node was lost under it
+    gone: bool = False  # the client disconnected
+
+
+@dataclass(eq=False)
+class Node:
+    id: str
+    name: str
+    names: frozenset[str]
+    address: str
+    agent: Any = None
+    about: dict[str, Any] = field(default_factory=dict)  # the agent's info()
+    url: str | None = None
+    session: aiohttp.ClientSession | None = None
+    books: dict[str, Any] | None = None
+    polled_at: float = -math.inf  # when the poll that gave `books` started
+    last_ok: float = -math.inf
+    up: bool = False
+    relays: set[Relay] = field(default_factory=set)
+    inflight: Counter[str] = field(default_factory=Counter)  # the entry's requests per model
+    foreign: dict[str, int] = field(default_factory=dict)  # requests others sent it directly
+    evicting: dict[str, float] = field(default_factory=dict)  # model -> when routing said so
+    usage: dict[str, Usage] = field(default_factory=dict)
+
+    @property
+    def label(self) -> str:
+        return f"node '{self.name}' ({self.address})"
+
+    def view(self, heat: Callable[[str], float]) -> NodeView:
+        books = self.books or {}
+        runners = []
+        seen = set()
+        for r in books.get("runners", []):
+            model = r["model"]
+            seen.add(model)
+            state = r["state"]
+            routed = self.evicting.get(model)
+            if routed is not None and self.polled_at > routed + SETTLE:
+                del self.evicting[model]
+                routed = None
+            if routed is not None and state == "ready" and not self.inflight[model]:
+                state = "unloading"
+            u = self.usage.get(model) or Usage()
+            runners.append(
+                RunnerView(
+                    model=model, state=state, bytes=int(r["bytes"]),
+                    inflight=self.inflight[model] + self.foreign.get(model, 0),
+                    slots=max(1, int(r.get("slots") or 1)), last_used=u.last_used, uses=u.uses,
+                    load_cost=u.load_cost, heat=heat(model),
+                )
+            )  # fmt: skip
+        models: dict[str, int] = books.get("models", {})
+        for model, n in self.inflight.items():
+            if n and model not in seen and model in models:  # sent here, not yet in its books
+                runners.append(RunnerView(model, "loading", models[model], inflight=n))
+        return NodeView(
+            id=self.id,
+            name=self.name,
+            budget=sum(books.get("budgets", {}).values()),
+            models=models,
+            runners=tuple(runners),
+            names=self.names,
+        )
+
+    def take(self, books: dict[str, Any], started: float, counts: Counter[str]) -> None:
+        self.books = books
+        self.polled_at = started
+        self.last_ok = time.monotonic()
+        self.foreign = {}
+        for r in books["runners"]:
+            m = r["model"]
+            others = int(r.get("inflight", 0)) + int(r.get("queued", 0)) - counts.get(m, 0)
+            if others > 0:
+                self.foreign[m] = others
+        if books.get("url") and books["url"] != self.url:
+            self.url = books["url"]
+
+
+class Heat:
+    """A model's recency-weighted request count, as core.books keeps it per node."""
+
+    def __init__(self) -> None:
+        self.arrivals = 0
+        self.h: dict[str, tuple[float, int]] = {}
+
+    def bump(self, model: str) -> None:
+        self.arrivals += 1
+        self.h[model] = (self(model) + 1.0, self.arrivals)
+
+    def __call__(self, model: str) -> float:
+        h, at = self.h.get(model, (0.0, self.arrivals))
+        return h * HEAT_DECAY ** (self.arrivals - at)
+
+
+def node_names(info: dict[str, Any]) -> tuple[str, frozenset[str]]:
+    """A Ray node's display name (its `corral-node` label, else its address and id) and every
+    name a models.toml pin may use for it: id, label values, host name, address, custom
+    resources."""
+    labels = {k: v for k, v in (info.get("Labels") or {}).items() if not k.startswith("ray.io/")}
+    address = info.get("NodeManagerAddress", "")
+    name = labels.get(NODE_LABEL) or f"{address}/{info['NodeID'][:8]}"
+    names = {
+        info["NodeID"], name, address, info.get("NodeManagerHostname", ""), *labels.values(),
+        *(r for r in (info.get("Resources") or {}) if r not in ("CPU", "GPU", "memory",
+          "object_store_memory") and not r.startswith("node:")),
+    }  # fmt: skip
+    return name, frozenset(n for n in names if n)
+
+
+class Cluster:
+    """The entry's view of the cluster: membership, agents, books, and the choice of a node."""
+
+    def __init__(self, settings: Settings, overrides: dict[str, str] | None = None) -> None:
+        self.settings = settings
+        self.policy = POLICIES[settings.eviction_policy]
+        self.overrides = dict(overrides or {})
+        self.nodes: dict[str, Node] = {}
+        self.attaching: set[str] = set()
+        self.heat = Heat()
+        self.home: str | None = None  # the node the entry runs on
+        self._tasks: list[asyncio.Task[None]] = []
+        self._agent_cls: Any = None
+
+    # ---- life ------------------------------------------------------------------------------
+    async def start(self) -> None:
+        import ray
+
+        with contextlib.suppress(Exception):
+            self.home = ray.get_runtime_context().get_node_id()
+        self._tasks = [
+            asyncio.ensure_future(self._membership_forever()),
+            asyncio.ensure_future(self._poll_forever()),
+        ]
+
+    async def stop(self) -> None:
+        for t in self._tasks:
+            t.cancel()
+        for t in self._tasks:
+            with contextlib.suppress(asyncio.CancelledError, Exception):
+                await t
+        for n in self.nodes.values():
+            if n.session is not None:
+                await n.session.close()
+
+    def up(self) -> list[Node]:
+        return [n for n in self.nodes.values() if n.up]
+
+    # ---- membership --------------------------------------------------------------------------
+    async def _membership_forever(self) -> None:
+        while True:
+            try:
+                await self.membership()
+            except Exception:
+                log.exception("reading the cluster's nodes")
+            await asyncio.sleep(MEMBERSHIP_INTERVAL)
+
+    async def membership(self) -> None:
+        import ray
+
+        infos = await asyncio.to_thread(ray.nodes)
+        alive = {i["NodeID"]: i for i in infos if i.get("Alive")}
+        for nid, node in list(self.nodes.items()):
+            if nid not in alive:
+                self.lose(node, "left the cluster")
+        for nid, info in alive.items():
+            if nid not in self.nodes and nid not in self.attaching:
+                self.attaching.add(nid)
+                self._tasks.append(asyncio.ensure_future(self._attach(info)))
+
+    async def _attach(self, info: dict[str, Any]) -> None:
+        nid = info["NodeID"]
+        name, names = node_names(info)
+        node = Node(nid, name, names, info.get("NodeManagerAddress", ""))
+        try:
+            node.agent = await asyncio.to_thread(self._agent_for, nid)
+            about = await asyncio.wait_for(node.agent.info.remote(), timeout=180)
+            node.url, node.about = about["url"], about
+            node.session = aiohttp.ClientSession(
+                connector=aiohttp.TCPConnector(limit=0, keepalive_timeout=KEEPALIVE),
+                timeout=aiohttp.ClientTimeout(total=None, sock_connect=5),
+                auto_decompress=False,
+            )
+            self.nodes[nid] = node
+            await self._poll(node)
+            if node.up:
+                log.info("%s is up: corral at %s (log %s)", node.label, node.url, about["log"])
+        except Exception as e:
+            log.error("%s: no agent: %s", node.label, e)
+            if node.session is not None:
+                await node.session.close()
+            self.nodes.pop(nid, None)
+        finally:
+            self.attaching.discard(nid)
+
+    def _agent_for(self, node_id: str) -> Any:
+        import ray
+        from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+
+        from corral.cluster.agent import NAMESPACE, NodeAgent, agent_name
+
+        if self._agent_cls is None:
+            self._agent_cls = ray.remote(NodeAgent)
+        return self._agent_cls.options(
+            name=agent_name(node_id),
+            namespace=NAMESPACE,
+            lifetime="detached",
+            get_if_exists=True,
+            num_cpus=0,
+            max_restarts=0,
+            scheduling_strategy=NodeAffinitySchedulingStrategy(node_id, soft=False),
+        ).remote(node_id, self.overrides)
+
+    def lose(self, node: Node, why: str) -> None:
+        """The node is gone (or out of reach): its requests fail now, naming it, and its
+        models leave the books."""
+        if self.nodes.get(node.id) is not node:
+            return
+        del self.nodes[node.id]
+        node.up = False
+        log.warning("%s %s: %d requests in flight fail", node.label, why, len(node.relays))
+        for relay in list(node.relays):
+            relay.lost = f"{node.label} {why}"
+            if relay.task is not None:
+                relay.task.cancel()
+        if node.session is not None:
+            self._tasks.append(asyncio.ensure_future(node.session.close()))
+
+    # ---- books -------------------------------------------------------------------------------
+    async def _poll_forever(self) -> None:
+        while True:
+            nodes = [n for n in self.nodes.values() if n.agent is not None]
+            await asyncio.gather(*(self._poll(n) for n in nodes), return_exceptions=True)
+            await asyncio.sleep(POLL_INTERVAL)
+
+    async def _poll(self, node: Node) -> None:
+        from ray.exceptions import RayActorError, RayTaskError
+
+        started = time.monotonic()
+        counts = Counter(node.inflight)
+        try:
+            books = await asyncio.wait_for(node.agent.books.remote(), POLL_TIMEOUT)
+        except RayActorError:
+            self.lose(node, "lost its agent")
+            return
+        except RayTaskError as e:  # its corral died under a living agent: start afresh
+            self.lose(node, f"lost its corral ({e.cause})")
+            with contextlib.suppress(Exception):
+                import ray
+
+                ray.kill(node.agent)
+            return
+        except Exception:
+            if time.monotonic() - max(node.last_ok, started - POLL_TIMEOUT) > LOST_AFTER:
+                self.lose(node, f"did not answer for {LOST_AFTER:g}s")
+            return
+        node.take(books, started, counts)
+        node.up = True
+
+    def known(self) -> set[str]:
+        out: set[str] = set()
+        for n in self.up():
+            books = n.books or {}
+            out.update(books.get("models", {}), books.get("aliases", {}))
+        return out
+
+    async def probe(self, node: Node) -> bool:
+        """Does the node's corral answer (within 2 s)?"""
+        if node.session is None or node.session.closed:
+            return False
+        try:
+            async with node.session.get(
+                f"{node.url}/api/version", timeout=aiohttp.ClientTimeout(total=2)
+            ) as r:
+                return r.status == 200
+        except (aiohttp.ClientError, asyncio.TimeoutError):
+            return False
+
+    def check_soon(self, node: Node) -> None:
+        """A request to the node failed: lose it now if its corral does not answer."""
+
+        async def check() -> None:
+            if not await self.probe(node):
+                self.lose(node, "does not answer: its corral is unreachable")
+
+        self._tasks.append(asyncio.ensure_future(check()))
+
+    async def refresh(self) -> None:
+        await asyncio.gather(*(self._poll(n) for n in self.up()), return_exceptions=True)
+
+    # ---- choosing ----------------------------------------------------------------------------
+    def canonical(self, name: str) -> str:
+        c = canonical_name(name)
+        for n in self.up():
+            alias = (n.books or {}).get("aliases", {}).get(c)
+            if alias:
+                return str(alias)
+        return c
+
+    def pin(self, model: str) -> frozenset[str]:
+        out: set[str] = set()
+        for n in self.up():
+            out.update((n.books or {}).get("pins", {}).get(model, ()))
+        return frozenset(out)
+
+    def choose(self, model: str) -> Choice:
+        from corral.cluster.placement import Request as Want
+
+        views = [n.view(self.heat) for n in self.up()]
+        waiting = frozenset(
+            r.model for v in views for r in v.runners if r.state == "loading" and r.inflight
+        )
+        want = Want(model=model, pin=self.pin(model), now=time.monotonic(), waiting=waiting)
+        return choose(want, views, self.policy)
+
+    def home_node(self, request_headers: Iterable[tuple[bytes, bytes]]) -> Node | None:
+        up = sorted(self.up(), key=lambda n: n.name)
+        wanted = dict(request_headers).get(b"x-corral-node")
+        if wanted:
+            w = wanted.decode(errors="replace")
+            return next((n for n in up if n.id == w or w in n.names), None)
+        return next((n for n in up if n.id == self.home), up[0] if up else None)
+
+    def status(self) -> dict[str, Any]:
+        now = time.monotonic()
+        out = []
+        for n in sorted(self.nodes.values(), key=lambda n: n.name):
+            v = n.view(self.heat)
+            out.append({
+                "id": n.id, "name": n.name, "address": n.address, "url": n.url, "up": n.up,
+                "budget": v.budget, "booked": v.booked, "free": v.free,
+                "models": dict(v.models), "polled_ago": round(now - n.last_ok, 3),
+                "pid": n.about.get("pid"), "agent_pid": n.about.get("agent_pid"),
+                "log": n.about.get("log"),
+                "runners": [
+                    {"model": r.model, "state": r.state, "bytes": r.bytes,
+                     "inflight": r.inflight, "slots": r.slots}
+                    for r in v.runners
+                ],
+            })  # fmt: skip
+        return {"nodes": out, "starting": len(self.attaching)}
+
+
+# ---- the HTTP side ---------------------------------------------------------------------------
+def error_tail(path: str, content_type: str, message: str, last: bytes) -> bytes | None:
+    """The end of a stream cut short, in its API's shape (None: not a stream)."""
+    ct = content_type.split(";")[0].strip().lower()
+    if ct == "application/x-ndjson":
+        sep = b"" if not last or last.endswith(b"\n") else b"\n"
+        return sep + orjson.dumps({"error": message}) + b"\n"
+    if ct != "text/event-stream":
+        return None
+    sep = (
+        b"" if not last or last.endswith(b"\n\n") else (b"\n" if last.endswith(b"\n") else b"\n\n")
+    )
+    if path.startswith("/v1/messages"):
+        body = {"type": "error", "error": {"type": "api_error", "message": message}}
+        return sep + b"event: error\ndata: " + orjson.dumps(body) + b"\n\n"
+    if path.startswith("/v1/responses"):
+        fail = {"status": "failed", "error": {"code": "server_error", "message": message}}
+        body = {"type": "response.failed", "response": fail}
+        return sep + b"event: response.failed\ndata: " + orjson.dumps(body) + b"\n\n"
+    err = {"message": message, "type": "server_error", "param": None, "code": None}
+    return sep + b"data: " + orjson.dumps({"error": err}) + b"\n\n"
+
+
+class Entry:
+    """The entry's ASGI app: a few routes answered from every node, the rest forwarded."""
+
+    def __init__(self, cluster: Cluster) -> None:
+        self.cluster = cluster
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] == "lifespan":
+            await self._lifespan(receive, send)
+            return
+        if scope["type"] != "http":
+            return
+        try:
+            await self._http(scope, receive, send)
+        except ApiError as e:
+            await self._error(scope, receive, send, e)
+
+    async def _lifespan(self, receive: Receive, send: Send) -> None:
+        while True:
+            message = await receive()
+            if message["type"] == "lifespan.startup":
+                await self.cluster.start()
+                await send({"type": "lifespan.startup.complete"})
+            elif message["type"] == "lifespan.shutdown":
+                await self.cluster.stop()
+                await send({"type": "lifespan.shutdown.complete"})
+                return
+
+    async def _error(self, scope: Scope, receive: Receive, send: Send, e: ApiError) -> None:
+        from corral.server import error_response
+
+        await error_response(Request(scope), e)(scope, receive, send)
+
+    async def _http(self, scope: Scope, receive: Receive, send: Send) -> None:
+        method, path = scope["method"], scope["path"]
+        if method in ("GET", "HEAD"):
+            local = _GETS.get(path)
+            if local is not None:
+                await _json(send, await local(self))
+                return
+            if path in ("/", "/health"):
+                body = b"corral is running" if path == "/" else b'{"status":"ok"}'
+                kind = b"text/plain" if path == "/" else b"application/json"
+                await _send(send, 200, body, kind)
+                return
+            if path == "/metrics":
+                await _send(send, 200, await self.metrics(), b"text/plain; version=0.0.4")
+                return
+        body = await _read_body(receive)
+        model: str | None = None
+        if path.startswith("/v1/models/") and method == "GET":
+            model = path.removeprefix("/v1/models/")
+        elif body[:1] == b"{" and method in ("POST", "DELETE"):
+            with contextlib.suppress(orjson.JSONDecodeError):
+                parsed = orjson.loads(body)
+                m = parsed.get("model") or parsed.get("name") or parsed.get("source")
+                model = m if isinstance(m, str) and m else None
+                if _is_unload(path, parsed) or path in ("/api/delete", "/api/copy"):
+                    await self._fan(scope, receive, send, body, model, path)
+                    return
+                if path == "/models" and method == "DELETE":
+                    await self._fan(scope, receive, send, body, model, path)
+                    return
+        if path.startswith(_HOME_PATHS) or model is None or path == "/models":
+            await self._deliver(scope, receive, send, body, None, lambda: self._home(scope))
+            return
+        await self._route(scope, receive, send, body, model)
+
+    def _home(self, scope: Scope) -> tuple[Node, Choice | None]:
+        node = self.cluster.home_node(scope["headers"])
+        if node is None:
+            raise ApiError(503, "no node of the cluster is up yet", retry_after=2)
+        return node, None
+
+    async def _route(
+        self, scope: Scope, receive: Receive, send: Send, body: bytes, requested: str
+    ) -> None:
+        c = self.cluster
+        if c.canonical(requested) not in c.known():  # a model just pulled or copied?
+            await c.refresh()
+        model = c.canonical(requested)
+        lookup = scope["path"].startswith(_LOOKUP_PATHS) or scope["method"] == "GET"
+
+        def pick() -> tuple[Node, Choice | None]:
+            choice = c.choose(model)
+            if choice.node is None:
+                if not c.up():
+                    raise ApiError(503, "no node of the cluster is up yet", retry_after=2)
+                status = 404 if "not found" in choice.reason else 503
+                raise ApiError(status, choice.reason, "model")
+            node = c.nodes[choice.node]
+            if lookup:
+                return node, None
+            now = time.monotonic()
+            for v in choice.victims:
+                node.evicting[v] = now
+            return node, choice
+
+        if not lookup:
+            c.heat.bump(model)
+        await self._deliver(scope, receive, send, body, None if lookup else model, pick)
+
+    async def _deliver(
+        self,
+        scope: Scope,
+        receive: Receive,
+        send: Send,
+        body: bytes,
+        model: str | None,
+        pick: Callable[[], tuple[Node, Choice | None]],
+    ) -> None:
+        """Forward to the node `pick` names. A node that fails before it answered anything (it
+        cannot be reached, or it is lost meanwhile) is checked at once (lost if its corral does
+        not answer) and the request goes where `pick` says next: the client sees no error."""
+        for attempt in range(3):
+            node, choice = pick()
+            try:
+                await self._forward(scope, receive, send, node, body, model, choice)
+                return
+            except _Unreachable as e:
+                if attempt == 2:
+                    raise ApiError(502, str(e)) from None
+                if node.up and not await self.cluster.probe(node):
+                    self.cluster.lose(node, "does not answer: its corral is unreachable")
+
+    async def _forward(
+        self,
+        scope: Scope,
+        receive: Receive,
+        send: Send,
+        node: Node,
+        body: bytes,
+        model: str | None,
+        choice: Choice | None,
+    ) -> None:
+        """Send the request to `node`'s corral and relay its response as it comes."""
+        assert node.session is not None and node.url is not None
+        path = scope["path"]
+        url = node.url + scope["raw_path"].decode("latin-1")
+        if scope.get("query_string"):
+            url += "?" + scope["query_string"].decode("latin-1")
+        headers = [
+            (k.decode("latin-1"), v.decode("latin-1"))
+            for k, v in scope["headers"]
+            if k.decode("latin-1").lower() not in _DROP_REQUEST
+        ]
+        relay = Relay(node, model, asyncio.current_task())
+        node.relays.add(relay)
+        if model is not None:
+            node.inflight[model] += 1
+        watcher = asyncio.ensure_future(_watch_disconnect(receive, relay))
+        started = False
+        last = b""
+        content_type = ""
+        t0 = time.monotonic()
+        try:
+            try:
+                async with node.session.request(
+                    scope["method"], url, data=body or None, headers=headers,
+                    allow_redirects=False,
+                ) as resp:  # fmt: skip
+                    relay.resp = resp
+                    if model is not None and choice is not None and choice.how != "ready":
+                        u = node.usage.setdefault(model, Usage())
+                        u.load_cost = max(0.0, time.monotonic() - t0)
+                    out = [
+                        (k.lower(), v)
+                        for k, v in resp.raw_headers
+                        if k.lower() not in _DROP_RESPONSE
+                    ]
+                    out.append((b"x-corral-node", node.name.encode()))
+                    content_type = resp.headers.get("content-type", "")
+                    await send(
+                        {"type": "http.response.start", "status": resp.status, "headers": out}
+                    )
+                    started = True
+                    async for chunk in resp.content.iter_any():
+                        last = chunk
+                        await send({"type": "http.response.body", "body": chunk, "more_body": True})
+                await send({"type": "http.response.body", "body": b"", "more_body": False})
+            except asyncio.CancelledError:
+                if relay.gone or relay.lost is None:
+                    raise
+                task = asyncio.current_task()
+                if task is not None:
+                    task.uncancel()
+                raise _Lost(relay.lost) from None
+        except (aiohttp.ClientError, asyncio.TimeoutError, _Lost) as e:
+            why = relay.lost or f"{node.label} failed: {type(e).__name__}: {e}".rstrip(": ")
+            if not started and (relay.lost is not None or isinstance(e, _UNREACHABLE)):
+                raise _Unreachable(why) from None  # nothing sent yet: _deliver tries again
+            if relay.lost is None and isinstance(e, aiohttp.ClientError):
+                self.cluster.check_soon(node)
+            if not started:
+                raise ApiError(502, why) from None
+            tail = error_tail(path, content_type, why, last)
+            if tail is None:  # a plain body cut short: only closing the connection says so
+                raise
+            await send({"type": "http.response.body", "body": tail, "more_body": False})
+        finally:
+            watcher.cancel()
+            node.relays.discard(relay)
+            if model is not None:
+                node.inflight[model] -= 1
+                if node.inflight[model] <= 0:
+                    del node.inflight[model]
+                u = node.usage.setdefault(model, Usage())
+                u.last_used = time.monotonic()
+                u.uses += 1
+
+    async def _fan(
+        self, scope: Scope, receive: Receive, send: Send, body: bytes, model: str | None,
+        path: str,
+    ) -> None:  # fmt: skip
+        """A request for every node that has (or runs) the model: delete, copy, unload. The
+        answer is the first success, else the first failure."""
+        c = self.cluster
+        name = c.canonical(model) if model else None
+        unload = path != "/api/delete" and path != "/api/copy"
+        targets = []
+        for n in c.up():
+            books = n.books or {}
+            if unload:
+                has = any(r["model"] == name for r in books.get("runners", []))
+            else:
+                has = name in books.get("models", {})
+            if has:
+                targets.append(n)
+        if not targets:
+            node = c.home_node(scope["headers"])
+            if node is None:
+                raise ApiError(503, "no node of the cluster is up yet", retry_after=2)
+            await self._forward(scope, receive, send, node, body, None, None)
+            return
+        headers = {
+            k.decode("latin-1"): v.decode("latin-1")
+            for k, v in scope["headers"]
+            if k.decode("latin-1").lower() not in _DROP_REQUEST
+        }
+
+        async def one(n: Node) -> tuple[int, bytes, str]:
+            assert n.session is not None
+            async with n.session.request(
+                scope["method"], f"{n.url}{path}", data=body, headers=headers
+            ) as r:
+                return r.status, await r.read(), r.headers.get("content-type", "application/json")
+
+        results = await asyncio.gather(*(one(n) for n in targets), return_exceptions=True)
+        done = [r for r in results if isinstance(r, tuple)]
+        if not done:
+            raise ApiError(502, f"no node answered: {results[0]}")
+        best = next((r for r in done if r[0] < 300), done[0])
+        await c.refresh()
+        await _send(send, best[0], best[1], best[2].encode())
+
+    # ---- answered from every node -----------------------------------------------------------
+    async def _gather(self, path: str) -> list[tuple[Node, Any]]:
+        async def one(n: Node) -> tuple[Node, Any]:
+            assert n.session is not None
+            async with n.session.get(f"{n.url}{path}", timeout=aiohttp.ClientTimeout(10)) as r:
+                r.raise_for_status()
+                return n, (await r.read())
+
+        nodes = sorted(self.cluster.up(), key=lambda n: n.name)
+        out = await asyncio.gather(*(one(n) for n in nodes), return_exceptions=True)
+        return [r for r in out if isinstance(r, tuple)]
+
+    async def tags(self) -> dict[str, Any]:
+        merged: dict[str, dict[str, Any]] = {}
+        for node, raw in await self._gather("/api/tags"):
+            for m in orjson.loads(raw)["models"]:
+                item = merged.setdefault(m["name"], {**m, "nodes": []})
+                item["nodes"].append(node.name)
+        return {"models": sorted(merged.values(), key=lambda m: str(m["name"]))}
+
+    async def ps(self) -> dict[str, Any]:
+        models = []
+        for node, raw in await self._gather("/api/ps"):
+            for m in orjson.loads(raw)["models"]:
+                models.append({**m, "node": node.name, "node_id": node.id})
+        return {"models": models}
+
+    async def openai_models(self) -> dict[str, Any]:
+        merged: dict[str, Any] = {}
+        for _, raw in await self._gather("/v1/models"):
+            for m in orjson.loads(raw)["data"]:
+                merged.setdefault(m["id"], m)
+        return {"object": "list", "data": list(merged.values())}
+
+    async def router_models(self) -> dict[str, Any]:
+        rank = {"loaded": 2, "loading": 1}
+        merged: dict[str, Any] = {}
+        for _, raw in await self._gather("/models"):
+            for m in orjson.loads(raw)["data"]:
+                old = merged.get(m["id"])
+                state = m.get("status", {}).get("value", "")
+                if old is None or rank.get(state, 0) > rank.get(old["status"]["value"], 0):
+                    merged[m["id"]] = m
+        return {"object": "list", "data": list(merged.values())}
+
+    async def version(self) -> dict[str, Any]:
+        return {"version": corral.__version__}
+
+    async def status(self) -> dict[str, Any]:
+        return self.cluster.status()
+
+    async def metrics(self) -> bytes:
+        """Every node's metrics, each sample labelled with its node."""
+        from prometheus_client import CollectorRegistry, generate_latest
+        from prometheus_client.metrics_core import Metric
+        from prometheus_client.parser import text_string_to_metric_families
+
+        families: dict[str, Metric] = {}
+        for node, raw in await self._gather("/metrics"):
+            for fam in text_string_to_metric_families(raw.decode()):
+                out = families.get(fam.name)
+                if out is None:
+                    out = families[fam.name] = Metric(fam.name, fam.documentation, fam.type)
+                for s in fam.samples:
+                    labels = {**s.labels, "node": node.name}
+                    out.add_sample(s.name, labels, s.value, s.timestamp, s.exemplar)
+
+        class Collected:
+            def collect(self) -> Iterable[Metric]:
+                return families.values()
+
+        registry = CollectorRegistry(auto_describe=False)
+        registry.register(Collected())
+        return bytes(generate_latest(registry))
+
+
+_GETS: dict[str, Callable[[Entry], Awaitable[dict[str, Any]]]] = {
+    "/api/tags": Entry.tags,
+    "/api/ps": Entry.ps,
+    "/v1/models": Entry.openai_models,
+    "/models": Entry.router_models,
+    "/api/version": Entry.version,
+    "/api/cluster": Entry.status,
+}
+
+
+class _Lost(Exception):
+    pass
+
+
+class _Unreachable(Exception):
+    pass
+
+
+# Failures of a request that never got an answer: a connection refused or reset, or a pooled
+# connection the node had closed. Retried (after a check of the node).
+_UNREACHABLE = (
+    aiohttp.ClientConnectorError,
+    aiohttp.ServerDisconnectedError,
+    aiohttp.ClientOSError,
+)
+
+
+def _is_unload(path: str, body: dict[str, Any]) -> bool:
+    """Ollama's unload (`keep_alive: 0` and nothing to generate) and the router's: every node
+    running the model unloads it."""
+    if path == "/models/unload":
+        return True
+    if path not in ("/api/generate", "/api/chat"):
+        return False
+    ka = body.get("keep_alive")
+    zero = ka == 0 or (isinstance(ka, str) and ka.strip() in ("0", "0s", "0m", "0h"))
+    return zero and not body.get("prompt") and not body.get("messages")
+
+
+async def _watch_disconnect(receive: Receive, relay: Relay) -> None:
+    while True:
+        message: Message = await receive()
+        if message["type"] == "http.disconnect":
+            relay.gone = True
+            if relay.task is not None:
+                relay.task.cancel()
+            return
+
+
+async def _read_body(receive: Receive) -> bytes:
+    chunks = []
+    while True:
+        message = await receive()
+        if message["type"] == "http.disconnect":
+            raise asyncio.CancelledError
+        chunks.append(message.get("body", b""))
+        if not message.get("more_body"):
+            return b"".join(chunks)
+
+
+async def _send(send: Send, status: int, body: bytes, content_type: bytes) -> None:
+    await send({
+        "type": "http.response.start", "status": status,
+        "headers": [(b"content-type", content_type), (b"content-length", str(len(body)).encode())],
+    })  # fmt: skip
+    await send({"type": "http.response.body", "body": body})
+
+
+async def _json(send: Send, obj: Any) -> None:
+    await _send(send, 200, orjson.dumps(obj), b"application/json")
+
+
+# ---- serving ---------------------------------------------------------------------------------
+def connect(address: str) -> None:
+    import ray
+
+    ray.init(
+        address=address,
+        namespace="corral",
+        logging_level=logging.WARNING,
+        log_to_driver=False,
+        configure_logging=False,
+    )
+
+
+def serve_cluster(settings: Settings) -> None:
+    """`corral serve --ray ADDRESS`: the entry process, until interrupted. The nodes' agents
+    and runners stay up when it stops (a restarted entry finds them)."""
+    import uvicorn
+    from uvicorn.protocols.http.auto import AutoHTTPProtocol
+
+    from corral.api.guard import (
+        Gate,
+        Guard,
+        connection_cap,
+        guarded_protocol,
+        loopback_bind,
+        raise_open_files_limit,
+    )
+    from corral.server import error_response
+
+    logging.basicConfig(
+        level=settings.log_level.upper(),
+        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
+    )
+    assert settings.ray_address
+    connect(settings.ray_address)
+    overrides: dict[str, str] = {}
+    if settings.api_keys:  # the nodes' corrals listen on the network: they want the key too
+        overrides["CORRAL_API_KEY"] = ",".join(settings.api_keys)
+    cluster = Cluster(settings, overrides)
+    # The same guard as a single corral's: API keys, origins and CORS, the Host check on a
+    # loopback bind, body limits; the nodes check keys again (the entry passes them on).
+    app = Guard(
+        Entry(cluster),
+        render=error_response,
+        gate=Gate(),
+        keys=settings.api_keys,
+        origins=settings.origins,
+        check_host=loopback_bind(settings.host),
+        read_timeout=settings.read_timeout,
+    )
+    log.info("corral %s: one endpoint for the Ray cluster at %s", corral.__version__,
+             settings.ray_address)  # fmt: skip
+    max_connections = connection_cap(settings.max_connections, raise_open_files_limit())
+    config = uvicorn.Config(
+        app, host=settings.host, port=settings.port, log_level=settings.log_level,
+        access_log=settings.log_level == "debug", timeout_graceful_shutdown=5,
+        http=guarded_protocol(AutoHTTPProtocol, settings.read_timeout, max_connections),
+        timeout_keep_alive=5, ws="none", lifespan="on",
+    )  # fmt: skip
+    server = uvicorn.Server(config)
+    with contextlib.suppress(KeyboardInterrupt):
+        server.run()
