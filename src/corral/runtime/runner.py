@@ -28,6 +28,7 @@ import psutil
 
 from corral.core.memreport import Allocation, AllocationParser
 from corral.core.spec import Layout, RunnerSpec
+from corral.runtime.loadwatch import file_bytes, loaded_bytes
 
 log = logging.getLogger(__name__)
 
@@ -66,6 +67,9 @@ class Runner:
         # llama.cpp's own account of its buffers, read from the load log (see memreport).
         self._alloc = AllocationParser()
         self._load_logged = asyncio.Event()
+        # How much of its model the runner has loaded (0..1, see loadwatch) while it loads;
+        # 1.0 once it serves, None where it cannot be read.
+        self.progress: float | None = None
 
     @property
     def pid(self) -> int | None:
@@ -144,6 +148,7 @@ class Runner:
             asyncio.create_task(self._read(self.proc.stdout, ready=not self.llama_server)),
             asyncio.create_task(self._read(self.proc.stderr, ready=False)),
         ]
+        watch = asyncio.create_task(self._watch_load())
         try:
             if self.llama_server:
                 await asyncio.wait_for(self._poll_health(), timeout)
@@ -158,6 +163,9 @@ class Runner:
         except BaseException:
             await self.stop()
             raise
+        finally:
+            watch.cancel()
+        self.progress = 1.0
         self.load_duration = time.monotonic() - self.started_at
         self.session = aiohttp.ClientSession(
             base_url=self.base_url,
@@ -166,6 +174,22 @@ class Runner:
             timeout=aiohttp.ClientTimeout(total=None, sock_connect=10),
             auto_decompress=False,
         )
+
+    async def _watch_load(self, interval: float = 0.2) -> None:
+        """Keep `progress` up to date until start() returns: the share of the model's files
+        (with its projector and adapters) the runner process holds in memory or has read."""
+        s = self.spec
+        paths = [s.path, *([s.projector] if s.projector else []), *(a.path for a in s.adapters)]
+        total, pid = file_bytes(paths), self.pid
+        if not total or pid is None:
+            return
+        while True:
+            n = await asyncio.to_thread(loaded_bytes, pid, paths)
+            if n is None:
+                return
+            # Below 1 until it serves: a warm-up run and the HTTP server come after the weights.
+            self.progress = max(self.progress or 0.0, min(0.99, n / total))
+            await asyncio.sleep(interval)
 
     def _binary_cmd(self, port: int) -> list[str]:
         s = self.spec
