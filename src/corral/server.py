@@ -23,6 +23,7 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 from uvicorn.protocols.http.auto import AutoHTTPProtocol
 
 import corral
+from corral import logs
 from corral.api.anthropic import Anthropic, anthropic_error
 from corral.api.common import ApiError
 from corral.api.guard import (
@@ -242,10 +243,7 @@ def serve(overrides: Mapping[str, str] | None = None) -> None:
         settings = Settings.load(overrides)
     except ConfigError as e:
         raise SystemExit(f"Error: {e}") from None
-    logging.basicConfig(
-        level=settings.log_level.upper(),
-        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
-    )
+    logs.setup(settings.log_level, settings.log_format)
     settings.models_dir.mkdir(parents=True, exist_ok=True)
     app = create_app(settings)
     if not settings.api_keys and not loopback_bind(settings.host):
@@ -266,6 +264,8 @@ def serve(overrides: Mapping[str, str] | None = None) -> None:
         # httptools' protocol (h11's without it) with timeouts for headers and a connection cap
         http=guarded_protocol(AutoHTTPProtocol, settings.read_timeout, max_connections),
         ws="none", timeout_keep_alive=5,
+        # JSON logs: uvicorn's loggers go through the root handler too, not its own format
+        **({"log_config": None} if settings.log_format == "json" else {}),
     )  # fmt: skip
     with contextlib.suppress(KeyboardInterrupt):
         # picks uvloop when installed
