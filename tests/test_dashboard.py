@@ -1,0 +1,165 @@
+"""The dashboard: `GET /` sends a browser to `/ui`, the page's files and state document, and the
+page itself in a real headless browser (Debian's chromium driven by Playwright): it loads with no
+console errors, lists the models, and shows a load made through the API (state, memory, the
+event) without a reload; its buttons unload and load."""
+
+from __future__ import annotations
+
+import json
+import shutil
+import threading
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+
+from corral.testing.server import CorralServer
+
+CHROMIUM = shutil.which("chromium") or "/usr/bin/chromium"
+TINY = "tiny:latest"
+
+
+@pytest.fixture(scope="module")
+def dash(start_server, models_dir: Path) -> CorralServer:
+    """A server of its own: what it has loaded is what these tests did."""
+    return start_server(models_dir, CORRAL_NUM_PARALLEL="2")
+
+
+def registered(s: CorralServer) -> list[str]:
+    return sorted(m["name"] for m in s.client.get("/api/tags").json()["models"])
+
+
+# ---- without a browser ------------------------------------------------------------------------
+def test_root_answers_clients_and_sends_browsers_to_the_page(dash: CorralServer) -> None:
+    plain = dash.client.get("/")
+    assert plain.status_code == 200 and plain.text == "corral is running"
+    assert dash.client.get("/", headers={"Accept": "application/json"}).text == "corral is running"
+    assert dash.client.head("/").status_code == 200
+    browser = dash.client.get(
+        "/", headers={"Accept": "text/html,application/xhtml+xml,*/*;q=0.8"},
+        follow_redirects=False,
+    )  # fmt: skip
+    assert browser.status_code == 302 and browser.headers["location"] == "/ui"
+
+
+def test_page_and_its_files_come_from_corral(dash: CorralServer) -> None:
+    page = dash.client.get("/ui")
+    assert page.status_code == 200 and page.headers["content-type"].startswith("text/html")
+    csp = page.headers["content-security-policy"]
+    assert "default-src 'self'" in csp and "script-src 'self'" in csp
+    assert "http" not in page.text.replace("http-equiv", "")  # nothing from elsewhere
+    for name, kind in (("app.js", "text/javascript"), ("style.css", "text/css")):
+        r = dash.client.get(f"/ui/{name}")
+        assert r.status_code == 200 and r.headers["content-type"].startswith(kind)
+        assert f"/ui/{name}" in page.text
+    assert dash.client.get("/ui/secret.py").status_code == 404
+    assert dash.client.get("/ui/../server.py").status_code == 404
+
+
+def test_state_document(dash: CorralServer) -> None:
+    doc = dash.client.get("/api/corral/state").json()
+    assert {m["name"] for m in doc["models"]} >= set(registered(dash))
+    (cpu,) = [d for d in doc["devices"] if d["id"] == "cpu"]
+    assert cpu["budget"] > 0 and cpu["total"] >= cpu["budget"] and cpu["in_use"] > 0
+    broken = {m["name"]: m for m in doc["models"]}["notgguf:latest"]
+    assert broken["state"] == "not_loaded" and broken["error"]
+    one = dash.client.get("/api/corral/state", params={"model": "Tiny"}).json()["models"]
+    assert [m["name"] for m in one] == [TINY]
+
+
+def test_events_stream_pushes_state_and_journal(dash: CorralServer) -> None:
+    got: list[tuple[str, Any]] = []
+    done = threading.Event()
+
+    def read() -> None:
+        with httpx.stream("GET", dash.url + "/api/corral/events", timeout=30) as r:
+            assert r.headers["content-type"].startswith("text/event-stream")
+            kind = ""
+            for line in r.iter_lines():
+                if line.startswith("event: "):
+                    kind = line[7:]
+                elif line.startswith("data: "):
+                    got.append((kind, json.loads(line[6:])))
+                if any(k == "journal" and d["kind"] == "ready" for k, d in got):
+                    done.set()
+                    return
+
+    t = threading.Thread(target=read, daemon=True)
+    t.start()
+    dash.wait_for(lambda: bool(got), timeout=10, what="the first state")
+    assert got[0][0] == "state" and "models" in got[0][1]
+    assert dash.client.post("/api/generate", json={"model": "tiny2"}).status_code == 200
+    assert done.wait(20)
+    ready = [d for k, d in got if k == "journal" and d["kind"] == "ready"]
+    assert ready[0]["model"] == "tiny2:latest" and ready[0]["seconds"] > 0
+    dash.client.post("/models/unload", json={"model": "tiny2"})
+    dash.wait_for(lambda: not dash.ps(), timeout=15, what="tiny2 unloaded")
+
+
+# ---- in a browser -----------------------------------------------------------------------------
+@pytest.fixture(scope="module")
+def browser() -> Iterator[Any]:
+    sync_api = pytest.importorskip("playwright.sync_api")
+    if not Path(CHROMIUM).exists():
+        pytest.skip("chromium is not installed (.ci/run installs Debian's)")
+    with sync_api.sync_playwright() as p:
+        b = p.chromium.launch(executable_path=CHROMIUM, headless=True)
+        yield b
+        b.close()
+
+
+def test_dashboard_in_a_browser(dash: CorralServer, browser: Any, tmp_path: Path) -> None:
+    dash.client.post("/models/unload", json={"model": "tiny"})
+    dash.wait_for(lambda: not dash.ps(), timeout=15, what="nothing loaded")
+    page = browser.new_page(viewport={"width": 1440, "height": 900})
+    problems: list[str] = []
+    page.on("console", lambda m: m.type in ("error", "warning") and problems.append(m.text))
+    page.on("pageerror", lambda e: problems.append(str(e)))
+    page.on("requestfailed", lambda r: problems.append(f"{r.url}: {r.failure}"))
+
+    page.goto(dash.url + "/")  # a browser at the root lands on the dashboard
+    assert page.url.endswith("/ui")
+    row = page.locator(f"tr[data-model='{TINY}']")
+    row.wait_for()
+    page.wait_for_selector("#conn[data-state='live']")
+    names = page.eval_on_selector_all("#model-rows tr", "rows => rows.map(r => r.dataset.model)")
+    assert set(registered(dash)) <= set(names)
+    assert row.get_attribute("data-state") == "not_loaded"
+    assert page.locator(".device[data-device='cpu'] .bar").count() == 1
+    page.evaluate("window.__sameDocument = true")
+
+    # A load through the API, not the page: the page sees it by itself.
+    r = dash.client.post("/api/generate", json={"model": "tiny", "prompt": "hi", "stream": False,
+                                                "options": {"num_predict": 3}})  # fmt: skip
+    assert r.status_code == 200, r.text
+    page.wait_for_selector(f"tr[data-model='{TINY}'][data-state='ready']", timeout=15000)
+    booked = dash.ps()[0]["size"]
+    memory = row.locator("td.memory").inner_text()
+    assert "MiB" in memory and "cpu" in memory
+    assert row.locator(".pill").inner_text() == "ready"
+    assert page.locator("#events").inner_text().count("tiny:latest") >= 2  # load, ready
+    assert "ready in" in page.locator("#events").inner_text()
+    page.wait_for_function(
+        "n => [...document.querySelectorAll('.device-foot .who')]"
+        ".some(e => e.textContent.includes(n))", arg=TINY,
+    )  # fmt: skip
+    assert page.evaluate("window.__sameDocument") is True  # no reload happened
+    assert booked > 0
+    row.locator(".mname").wait_for()
+    page.wait_for_timeout(1500)  # a measure has come in: the runner's real memory shows too
+    shot = tmp_path / "dashboard.png"
+    page.screenshot(path=str(shot), full_page=True)
+    assert shot.stat().st_size > 10_000
+    print(f"dashboard screenshot: {shot}")
+
+    # The buttons: unload, then load again.
+    row.locator("button[data-act='unload']").click()
+    page.wait_for_selector(f"tr[data-model='{TINY}'][data-state='not_loaded']", timeout=15000)
+    assert "unloaded on request" in page.locator("#events").inner_text()
+    row.locator("button[data-act='load']").click()
+    page.wait_for_selector(f"tr[data-model='{TINY}'][data-state='ready']", timeout=15000)
+    assert [m["name"] for m in dash.ps()] == [TINY]
+    assert problems == []
+    page.close()
