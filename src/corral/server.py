@@ -17,7 +17,7 @@ from starlette.applications import Starlette
 from starlette.exceptions import HTTPException
 from starlette.middleware import Middleware
 from starlette.requests import Request
-from starlette.responses import Response
+from starlette.responses import RedirectResponse, Response
 from starlette.routing import Route
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 from uvicorn.protocols.http.auto import AutoHTTPProtocol
@@ -26,6 +26,7 @@ import corral
 from corral import logs
 from corral.api.anthropic import Anthropic, anthropic_error
 from corral.api.common import ApiError
+from corral.api.dashboard import Dashboard, wants_html
 from corral.api.guard import (
     Gate,
     Guard,
@@ -130,6 +131,8 @@ def create_app(settings: Settings, devices: list[Device] | None = None) -> Starl
         return error_response(request, ApiError(exc.status_code, msg))
 
     async def root(request: Request) -> Response:
+        if request.method == "GET" and wants_html(request):  # a browser: the dashboard
+            return RedirectResponse("/ui", status_code=302)
         return Response("corral is running", media_type="text/plain")
 
     async def health(request: Request) -> Response:
@@ -158,6 +161,7 @@ def create_app(settings: Settings, devices: list[Device] | None = None) -> Starl
         *Rerank(service).routes(),
         *Router(service).routes(),
         *Manage(service).routes(),
+        *Dashboard(service).routes(),
     ]
     app = Starlette(
         routes=routes,
