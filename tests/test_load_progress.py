@@ -4,9 +4,12 @@ stream `GET /models/sse` with its progress events during a real load, and the st
 
 from __future__ import annotations
 
+import contextlib
 import json
 import mmap
 import os
+import pty
+import re
 import signal
 import subprocess
 import sys
@@ -185,3 +188,28 @@ def test_models_sse_reports_a_crash(start_server, big_models: Path) -> None:
     end = ends[0]
     assert end["model"] == "tiny:latest" and end["data"]["exit_code"] == 1
     assert end["event"] == "status_change" and end["data"]["status"] == "unloaded"
+
+
+def test_corral_run_shows_a_progress_bar_while_the_model_loads(
+    start_server, big_models: Path
+) -> None:
+    s = start_server(big_models, CORRAL_CONTEXT_LENGTH="512")
+    _drop_from_page_cache(big_models / "big.gguf")
+    leader, follower = pty.openpty()  # stderr is a terminal: the bar is on
+    env = {**os.environ, "CORRAL_HOST": s.host, "COLUMNS": "100", "TERM": "xterm"}
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "corral", "run", "big"],
+        stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=follower, env=env,
+    )  # fmt: skip
+    os.close(follower)
+    shown = b""
+    with contextlib.suppress(OSError):  # EIO once the process has closed the terminal
+        while chunk := os.read(leader, 65536):
+            shown += chunk
+    os.close(leader)
+    assert proc.wait(300) == 0
+    text = shown.decode(errors="replace")
+    assert "loading big:latest" in text, text[-2000:]
+    percents = {int(p) for p in re.findall(r"(\d+)%", text)}
+    assert len(percents) >= 2 and max(percents) >= 90, sorted(percents)
+    assert [m["name"] for m in s.ps()] == ["big:latest"]

@@ -6,13 +6,23 @@ import argparse
 import contextlib
 import shutil
 import sys
+import threading
 from collections.abc import Callable, Mapping
 from types import TracebackType
 from typing import Any, TextIO
+from urllib.parse import quote
 
 from rich.cells import cell_len
 from rich.console import Console
 from rich.live import Live
+from rich.progress import (
+    BarColumn,
+    Progress,
+    SpinnerColumn,
+    TaskProgressColumn,
+    TextColumn,
+    TimeElapsedColumn,
+)
 from rich.spinner import Spinner
 
 from corral.cli.client import JSON, Client, CLIError, Unreachable, connect
@@ -138,6 +148,65 @@ class _Waiting:
         self, et: type[BaseException] | None, e: BaseException | None, tb: TracebackType | None
     ) -> None:
         self.stop()
+
+
+class _LoadProgress:
+    """While the model loads: a progress bar on stderr, fed by the server's state document
+    (`GET /api/corral/state?model=`, the runner's share of the model in memory), polled from a
+    second connection. A pulsing bar until the load reports progress (or on a server without
+    the endpoint); off unless stderr is a terminal."""
+
+    POLL = 0.25  # seconds between looks at the state
+
+    def __init__(self, model: str, enabled: bool) -> None:
+        self.model = model
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+        self._bar: Progress | None = None
+        if enabled:
+            self._bar = Progress(
+                SpinnerColumn(),
+                TextColumn("{task.description}"),
+                BarColumn(),
+                TaskProgressColumn(),
+                TimeElapsedColumn(),
+                console=Console(stderr=True),
+                transient=True,
+            )
+
+    def __enter__(self) -> _LoadProgress:
+        if self._bar is not None:
+            self._bar.start()
+            self._thread = threading.Thread(target=self._follow, daemon=True)
+            self._thread.start()
+        return self
+
+    def __exit__(
+        self, et: type[BaseException] | None, e: BaseException | None, tb: TracebackType | None
+    ) -> None:
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join(2 * self.POLL + 1)
+        if self._bar is not None:
+            self._bar.stop()
+
+    def _follow(self) -> None:
+        assert self._bar is not None
+        task = self._bar.add_task("", total=None)
+        with contextlib.suppress(Exception), connect() as client:
+            while not self._stop.wait(self.POLL):
+                try:
+                    state = client.get(f"/api/corral/state?model={quote(self.model)}")
+                except CLIError:
+                    return  # an older server, or it went away: the bar keeps pulsing
+                model = next(iter(state.get("models") or []), None) or {}
+                runner = model.get("runner") or {}
+                progress = runner.get("progress")
+                if model.get("state") == "loading" and isinstance(progress, (int, float)):
+                    what = "warming up" if progress >= 0.99 else f"loading {model.get('name')}"
+                    self._bar.update(task, description=what, total=100, completed=progress * 100)
+                elif model.get("state") == "loading":
+                    self._bar.update(task, description=f"loading {model.get('name')}")
 
 
 def _read_stdin() -> str:
@@ -266,7 +335,7 @@ def cmd_run(args: argparse.Namespace) -> int:
         options["keep_alive"] = keep_alive_value(args.keepalive)
     with connect() as client:
         # Load first, so an unknown model or a failed load is reported before any prompt.
-        with _Waiting(_isatty(sys.stderr)):
+        with _LoadProgress(args.model, _isatty(sys.stderr)):
             for _ in client.stream("/api/generate", {"model": args.model, **options}):
                 pass
         if args.format:
