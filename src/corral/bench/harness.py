@@ -18,13 +18,14 @@ if TYPE_CHECKING:
 
 SECTIONS = ("proxy", "cold", "swap", "estimates")  # what `all` runs
 # Run only when named: the soak is a stress test of a minute or more, with chaos.
-EXTRA = ("soak",)
+EXTRA = ("soak", "prefetch")
 TITLES = {
     "proxy": "Proxy overhead",
     "cold": "Cold start",
     "swap": "Multi-model swap traces",
     "estimates": "Estimate accuracy",
     "soak": "Soak under a memory limit, with chaos",
+    "prefetch": "Prefetch while a load waits for an eviction",
 }
 
 
@@ -104,6 +105,10 @@ def run_section(name: str, scale: Scale, work: Path, say: Say) -> Section:
         from corral.bench import soak
 
         runners[name] = soak.run
+    elif name == "prefetch":
+        from corral.bench import prefetch
+
+        runners[name] = prefetch.run
     t0 = time.monotonic()
     try:
         sec = runners[name](scale, work, say)

@@ -536,13 +536,14 @@ class Scheduler:
 
     def _prefetch_for(self, model: str) -> None:
         """A load waits for evicted runners to exit: start reading its file into the page
-        cache meanwhile, within memory that is free now (never pushing out cached pages)."""
+        cache meanwhile, within the memory the kernel reports available less a margin (so
+        what it pushes out is the coldest cache, not pages in use)."""
         q = next((q for q in self.core.queue if q.model == model), None)
         if q is None or q.spec.path in self._prefetched:
             return
         self._prefetched.add(q.spec.path)
         try:
-            spare = int(psutil.virtual_memory().free) - 256 * 2**20
+            spare = int(psutil.virtual_memory().available) - max(self.margin, 2**30)
         except Exception:  # no figure, no prefetch
             return
         if spare > 0:
