@@ -6,7 +6,9 @@ event) without a reload; its buttons unload and load."""
 from __future__ import annotations
 
 import json
+import os
 import shutil
+import signal
 import threading
 from collections.abc import Iterator
 from pathlib import Path
@@ -161,5 +163,50 @@ def test_dashboard_in_a_browser(dash: CorralServer, browser: Any, tmp_path: Path
     row.locator("button[data-act='load']").click()
     page.wait_for_selector(f"tr[data-model='{TINY}'][data-state='ready']", timeout=15000)
     assert [m["name"] for m in dash.ps()] == [TINY]
+    assert problems == []
+    page.close()
+
+
+def test_dashboard_shows_an_eviction_and_a_crash(
+    start_server, models_dir: Path, browser: Any, tmp_path: Path
+) -> None:
+    # Learn what each model books, then allow room for one of them only.
+    probe = start_server(models_dir, CORRAL_BUILTIN_MODELS="0")
+    sizes = []
+    for model in ("tiny", "tiny2"):
+        assert probe.client.post("/api/generate", json={"model": model}).status_code == 200
+    sizes = [m["size"] for m in probe.ps()]
+    probe.stop_and_check()
+    s = start_server(
+        models_dir, CORRAL_BUILTIN_MODELS="0", CORRAL_MEMORY_LIMIT=str(int(max(sizes) * 1.35))
+    )
+    page = browser.new_page(viewport={"width": 1440, "height": 900})
+    problems: list[str] = []
+    page.on("console", lambda m: m.type in ("error", "warning") and problems.append(m.text))
+    page.on("pageerror", lambda e: problems.append(str(e)))
+    page.goto(s.url + "/ui")
+    page.wait_for_selector("#conn[data-state='live']")
+
+    assert s.client.post("/api/generate", json={"model": "tiny"}).status_code == 200
+    assert s.client.post("/api/generate", json={"model": "tiny2"}).status_code == 200
+    events = page.locator("#events")
+    page.wait_for_function(
+        "() => document.querySelector('#events').textContent.includes('to make room for')"
+    )
+    first = events.locator("li.k-unload").first.inner_text()
+    assert "tiny:latest" in first and "evicted for memory" in first and "tiny2:latest" in first
+    page.wait_for_selector("tr[data-model='tiny:latest'][data-state='not_loaded']")
+    page.wait_for_selector("tr[data-model='tiny2:latest'][data-state='ready']")
+    page.screenshot(path=str(tmp_path / "eviction.png"), full_page=True)
+
+    (pid,) = [m["pid"] for m in s.ps()]
+    os.kill(pid, signal.SIGKILL)
+    crash = events.locator("li.k-crash")
+    crash.wait_for(timeout=15000)
+    assert "tiny2:latest crashed" in crash.inner_text()
+    crash.locator("summary").click()  # the runner's last log lines
+    assert "SIGKILL" in crash.locator("pre").inner_text()
+    page.wait_for_selector("tr[data-model='tiny2:latest'][data-state='not_loaded']")
+    page.screenshot(path=str(tmp_path / "events.png"), full_page=True)
     assert problems == []
     page.close()

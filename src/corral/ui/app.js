@@ -205,7 +205,12 @@ function renderSummary(s) {
 
 function renderDevices(s) {
   const html = s.devices.map((d) => {
-    const scale = Math.max(d.total || 0, d.budget || 0, d.booked || 0, 1);
+    // The bar spans the device; under a budget far below it (CORRAL_MEMORY_LIMIT), the budget,
+    // so that what corral books stays visible (what other programs use is then left out).
+    const small = d.total && d.budget < d.total / 2;
+    const scale = small
+      ? Math.max(d.budget * 1.1, d.booked || 0, d.measured || 0, 1)
+      : Math.max(d.total || 0, d.budget || 0, d.booked || 0, 1);
     const pct = (n) => Math.min(100, (100 * (n || 0)) / scale).toFixed(2) + "%";
     const owners = s.models.filter((m) => m.runner && m.runner.devices[d.id]);
     const segs = owners.map((m) => {
@@ -224,7 +229,7 @@ function renderDevices(s) {
           <span class="figures"><b>${esc(bytes(d.booked))}</b> booked · ${esc(bytes(d.measured))} measured · budget ${esc(bytes(d.budget))}${d.total ? ` · ${esc(bytes(d.in_use))} of ${esc(bytes(d.total))} in use` : ""}</span>
         </div>
         <div class="bar" title="in use on ${esc(d.id)} (all programs): ${esc(bytes(d.in_use))}">
-          <div class="inuse" style="width:${pct(d.in_use)}"></div>
+          <div class="inuse" style="width:${small ? "0%" : pct(d.in_use)}"></div>
           <div class="segs">${segs}</div>
           <div class="measured" style="width:${pct(d.measured)}" title="measured: ${esc(bytes(d.measured))}"></div>
           <div class="budget" style="left:calc(${pct(d.budget)} - 1px)" title="budget: ${esc(bytes(d.budget))}"></div>
@@ -351,7 +356,8 @@ function eventText(e) {
     case "unload": {
       const why = REASON[e.reason] || e.reason || "unloaded";
       const room = e.room_for ? ` to make room for <b>${esc(e.room_for)}</b>` : "";
-      const says = e.reason === "memory" || e.reason === "options_change";  // the why in words
+      // The scheduler's words where they add to the reason (not "evicted to make room ...").
+      const says = e.reason === "options_change" || (e.reason === "memory" && !e.room_for);
       return [`${m}: ${esc(why)}${room}`, says ? esc(e.message) : ""];
     }
     case "crash": return [`${m} crashed`, null];
