@@ -288,3 +288,13 @@ def test_settings() -> None:
     with pytest.raises(ConfigError, match="CORRAL_MAX_CONNECTIONS"):
         Settings.load(environ={"CORRAL_MAX_CONNECTIONS": "3"})
     assert api_key("a,b") == "a" and api_key(" ") is None
+
+
+def test_the_dashboard_page_opens_without_the_key_but_its_data_needs_it(
+    keyed: CorralServer,
+) -> None:
+    with bare(keyed) as c:
+        for path in ("/ui", "/ui/app.js", "/ui/style.css"):
+            assert c.get(path).status_code == 200, path  # static files, no data
+        assert c.get("/api/corral/state").status_code == 401
+        assert c.get("/metrics").status_code == 401

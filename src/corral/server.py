@@ -269,7 +269,7 @@ def serve(overrides: Mapping[str, str] | None = None) -> None:
         http=guarded_protocol(AutoHTTPProtocol, settings.read_timeout, max_connections),
         ws="none", timeout_keep_alive=5,
         # JSON logs: uvicorn's loggers go through the root handler too, not its own format
-        **({"log_config": None} if settings.log_format == "json" else {}),
+        log_config=None if settings.log_format == "json" else uvicorn.config.LOGGING_CONFIG,
     )  # fmt: skip
     with contextlib.suppress(KeyboardInterrupt):
         # picks uvloop when installed

@@ -41,10 +41,12 @@ from corral.api.common import MAX_BODY, ApiError
 log = logging.getLogger("corral")
 
 AUTHORIZED = "corral.authorized"  # scope key: the request carried one of the API keys
-# Routes open without a key: liveness probes and clients' "is it running?" checks.
+# Routes open without a key: liveness probes and clients' "is it running?" checks, and the
+# dashboard's static files (no data: the page asks for the key before it reads any).
 PUBLIC = frozenset({
     ("GET", "/"), ("HEAD", "/"), ("GET", "/api/version"), ("HEAD", "/api/version"),
     ("GET", "/health"), ("HEAD", "/health"),
+    ("GET", "/ui"), ("GET", "/ui/"), ("GET", "/ui/app.js"), ("GET", "/ui/style.css"),
 })  # fmt: skip
 # Ollama's default origins besides loopback: desktop apps and editor web views.
 DEFAULT_ORIGINS = ("app://*", "file://*", "tauri://*", "vscode-webview://*", "vscode-file://*")
