@@ -18,7 +18,7 @@ import pytest
 
 from corral import __version__, cli
 from corral.cli import chat, client, display, models, serve
-from corral.config import ConfigError
+from corral.config import DEFAULTS, ConfigError
 from corral.runtime.runner import free_port
 
 NOW = datetime(2025, 1, 1, 12, 0, 0, tzinfo=timezone.utc)
@@ -311,7 +311,13 @@ def test_serve_maps_every_flag(fake_serve: list[dict[str, str]]) -> None:
         "CORRAL_MEMORY_LIMIT",
         "CORRAL_LLAMA_SERVER",
         "CORRAL_LOG_LEVEL",
+        "CORRAL_ORIGINS",
+        "CORRAL_SHUTDOWN_GRACE",
+        "CORRAL_READ_TIMEOUT",
+        "CORRAL_MAX_CONNECTIONS",
+        "CORRAL_RAY_ADDRESS",
     }
+    assert set(fake_serve[0]) <= set(DEFAULTS)  # every flag is a setting
 
 
 def test_serve_overrides_from_namespace() -> None:
