@@ -291,12 +291,14 @@ def test_serve_passes_only_given_flags(fake_serve: list[dict[str, str]]) -> None
 
 
 def test_serve_maps_every_flag(fake_serve: list[dict[str, str]]) -> None:
+    # --ray switches to cluster mode (its own entry process): tested in test_cluster.py
+    assert serve.SERVE_FLAGS["--ray"][0] == "CORRAL_RAY_ADDRESS"
+    single = {f: v for f, v in serve.SERVE_FLAGS.items() if f != "--ray"}
     argv = ["serve"]
-    for i, flag in enumerate(serve.SERVE_FLAGS):
+    for i, flag in enumerate(single):
         argv += [flag, f"v{i}"]
     assert cli.main(argv) == 0
-    flags = serve.SERVE_FLAGS.values()
-    assert fake_serve[0] == {env: f"v{i}" for i, (env, _, _) in enumerate(flags)}
+    assert fake_serve[0] == {env: f"v{i}" for i, (env, _, _) in enumerate(single.values())}
     assert set(fake_serve[0]) == {
         "CORRAL_HOST",
         "CORRAL_MODELS",
@@ -315,7 +317,6 @@ def test_serve_maps_every_flag(fake_serve: list[dict[str, str]]) -> None:
         "CORRAL_SHUTDOWN_GRACE",
         "CORRAL_READ_TIMEOUT",
         "CORRAL_MAX_CONNECTIONS",
-        "CORRAL_RAY_ADDRESS",
     }
     assert set(fake_serve[0]) <= set(DEFAULTS)  # every flag is a setting
 
