@@ -55,6 +55,7 @@ from corral.runtime.runner import Runner, RunnerError
 log = logging.getLogger(__name__)
 
 SHUTDOWN_GRACE = 0.5  # seconds a serving runner gets to exit on SIGTERM when the server stops
+SHUTDOWN_RETRY_AFTER = 5.0  # a restarting server is usually back within seconds
 OOM_RAISE = 1.25  # a model that ran out of memory is booked this much higher next time ...
 OOM_RAISE_MAX = 4.0  # ... up to this factor in all
 # What llama.cpp (ggml, CUDA, Vulkan) says when an allocation fails during a load.
@@ -182,7 +183,7 @@ class Scheduler:
         """Ask for a runner slot for `model`. Synchronous: when the model's runner has a free
         slot the ticket is granted on return. SchedulerError if refused."""
         if self._closing:
-            raise SchedulerError(503, "server is shutting down")
+            raise SchedulerError(503, "server is shutting down", SHUTDOWN_RETRY_AFTER)
         k = self.raised.get(model)
         if k is not None:  # it ran out of memory before: ask for more room this time
             place = scaled_placer(place or cpu_placer(size), k)
@@ -710,9 +711,10 @@ class Scheduler:
             self._timer = None
         if self._measurer is not None:
             self._measurer.cancel()
+        stopping = SchedulerError(503, "server is shutting down", SHUTDOWN_RETRY_AFTER)
         for fut in self._waiters.values():
             if not fut.done():
-                fut.set_exception(SchedulerError(503, "server is shutting down"))
+                fut.set_exception(stopping)
         self._waiters.clear()
         for rid, runner in list(self.runners.items()):
             runner.shutting_down = True
