@@ -711,10 +711,11 @@ class Scheduler:
             self._timer = None
         if self._measurer is not None:
             self._measurer.cancel()
-        stopping = SchedulerError(503, "server is shutting down", SHUTDOWN_RETRY_AFTER)
         for fut in self._waiters.values():
-            if not fut.done():
-                fut.set_exception(stopping)
+            if not fut.done():  # one exception each: a shared one would gather tracebacks
+                fut.set_exception(
+                    SchedulerError(503, "server is shutting down", SHUTDOWN_RETRY_AFTER)
+                )
         self._waiters.clear()
         for rid, runner in list(self.runners.items()):
             runner.shutting_down = True
