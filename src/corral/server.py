@@ -46,7 +46,9 @@ from corral.api.stream import json_response
 from corral.config import ConfigError, Settings
 from corral.core.devices import Device, budgets
 from corral.runtime.devices import discover, refresh
+from corral.runtime.kvcache import KVCache
 from corral.runtime.registry import Registry
+from corral.runtime.runner import Runner
 from corral.runtime.scheduler import Scheduler
 
 log = logging.getLogger("corral")
@@ -96,6 +98,22 @@ class Unhandled:
             await error_response(request, err)(scope, receive, send)
 
 
+def kv_cache(settings: Settings, scheduler: Scheduler) -> KVCache | None:
+    """Conversations' KV caches saved before runners stop and restored after a reload
+    (runtime.kvcache); None when CORRAL_KV_CACHE_SIZE is 0 or the directory is unusable."""
+    Runner.slot_save_default = None
+    if settings.kv_cache_size <= 0:
+        return None
+    try:
+        cache = KVCache(settings.kv_cache_dir, settings.kv_cache_size)
+    except OSError as e:
+        log.warning("conversations' KV caches will not be saved: %s", e)
+        return None
+    Runner.slot_save_default = cache.slot_save_path  # runners started from now on
+    scheduler.before_stop = cache.before_stop
+    return cache
+
+
 def create_app(settings: Settings, devices: list[Device] | None = None) -> Starlette:
     """The app; `devices` defaults to what this machine has (tests may pass a fake set)."""
     devices = discover() if devices is None else devices
@@ -115,6 +133,7 @@ def create_app(settings: Settings, devices: list[Device] | None = None) -> Starl
         margin=settings.memory_margin,
     )
     service = Service(settings, registry, scheduler, devices)
+    service.kvcache = kv_cache(settings, scheduler)
     metrics = Metrics(scheduler)
     gate = Gate()  # shared by the guard and the graceful shutdown
     atexit.register(scheduler.kill_all)  # last resort if the loop dies without a clean stop

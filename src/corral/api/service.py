@@ -45,6 +45,7 @@ from corral.core.gguf import (
 )
 from corral.core.placement import Placement, model_need, place
 from corral.core.spec import Layout, RunnerSpec
+from corral.runtime.kvcache import GENERATION_PATHS, KVCache
 from corral.runtime.registry import ModelEntry, Registry, canonical_name
 from corral.runtime.runner import Runner
 from corral.runtime.scheduler import Lease, Scheduler, SchedulerError
@@ -93,6 +94,8 @@ class Service:
         # runner spec -> (the ModelInfo and parts it was computed from, its estimate)
         self._estimates: dict[RunnerSpec, tuple[ModelInfo, tuple[Any, ...], Estimate]] = {}
         self._vision: dict[Any, tuple[ModelInfo, ModelInfo]] = {}
+        # Saved conversations restored into a reloaded runner's slots (server.kv_cache).
+        self.kvcache: KVCache | None = None
 
     # ---- models ----------------------------------------------------------------------------
     def entry(self, name: str) -> ModelEntry:
@@ -302,6 +305,10 @@ class Service:
         """POST to the runner; a non-200 answer becomes an ApiError with llama.cpp's message."""
         runner = lease.runner
         assert runner.session is not None
+        if self.kvcache is not None and path in GENERATION_PATHS and self.kvcache.wants(runner):
+            # Among a runner's first requests: restore the saved conversation this prompt
+            # continues, if any, and pin the request to its slot.
+            payload = await self.kvcache.prepare(runner, path, payload)
         # llama.cpp's server drops the connection after a streamed response even though it
         # advertises keep-alive, so streamed requests do not go back into the pool.
         headers = {"Content-Type": "application/json"}

@@ -21,7 +21,7 @@ import sys
 import time
 from collections.abc import AsyncIterator
 from dataclasses import asdict
-from typing import Any
+from typing import Any, ClassVar
 
 import aiohttp
 import psutil
@@ -41,17 +41,24 @@ class RunnerError(Exception):
 
 
 class Runner:
+    # The slot save directory of runners started without one: the server sets its KV cache
+    # directory here (the scheduler, which creates runners, does not know about it).
+    slot_save_default: ClassVar[str | None] = None
+
     def __init__(
         self,
         name: str,
         spec: RunnerSpec,
         llama_server: str | None = None,
         layout: Layout | None = None,
+        slot_save_path: str | None = None,
     ) -> None:
         self.name = name
         self.spec = spec
         self.llama_server = llama_server
         self.layout = layout or Layout(spec.n_gpu_layers, None, spec.main_gpu)
+        # Where llama.cpp's slot save/restore reads and writes (the KV cache directory).
+        self.slot_save_path = slot_save_path or Runner.slot_save_default
         self.base_url = ""
         self.proc: asyncio.subprocess.Process | None = None
         self.session: aiohttp.ClientSession | None = None
@@ -125,6 +132,7 @@ class Runner:
                 "tensor_split": self.layout.tensor_split,
                 "name": self.name,
                 "parent_pid": os.getpid(),
+                "slot_save_path": slot_dir(self.slot_save_path),
             }
             cmd = [sys.executable, "-m", "corral.runtime.runner_child", json.dumps(payload)]
         # GGML_NO_BACKTRACE: a llama.cpp abort must exit at once, not wait on gdb for a trace.
@@ -202,6 +210,8 @@ class Runner:
             # llama.cpp logs its buffer sizes at verbosity 4 (trace); see memreport.
             "-lv", "4",
         ]  # fmt: skip
+        if self.slot_save_path:
+            cmd += ["--slot-save-path", self.slot_save_path]
         if s.kv_cache_type != "f16":
             cmd += ["-ctk", s.kv_cache_type, "-ctv", s.kv_cache_type]
         if s.embedding:
@@ -423,6 +433,15 @@ async def _lines(stream: asyncio.StreamReader) -> AsyncIterator[str]:
             skipping, buf = True, b""
     if buf and not skipping:
         yield buf[:MAX_LINE].decode(errors="replace").rstrip()
+
+
+def slot_dir(path: str | None) -> str | None:
+    """A directory as llama.cpp's slot_save_path wants it: it prefixes file names with it as
+    is, so it must end with a separator (its --slot-save-path parser adds one; CommonParams
+    does not)."""
+    if not path:
+        return None
+    return path if path.endswith(os.sep) else path + os.sep
 
 
 def free_port() -> int:

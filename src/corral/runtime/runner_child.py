@@ -55,6 +55,8 @@ def build_params(spec: dict[str, Any]) -> Any:
     p.hostnames = ["127.0.0.1"]
     p.endpoint_metrics = True
     p.endpoint_slots = True
+    if spec.get("slot_save_path"):  # POST /slots/{id}?action=save|restore read and write here
+        p.slot_save_path = spec["slot_save_path"]
     p.n_threads_http = max(4, spec["num_parallel"] + 2)
     p.verbosity = LOAD_VERBOSITY
     kv_type = spec.get("kv_cache_type") or "f16"

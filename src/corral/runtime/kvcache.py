@@ -1,0 +1,626 @@
+"""Conversations keep their KV cache across eviction and keep-alive expiry.
+
+Before the scheduler stops an idle runner (`Scheduler.before_stop`: eviction, keep-alive
+expiry, a reload for new options, an unload), each of its slots that holds a conversation worth
+keeping is saved with llama.cpp's slot save (`POST /slots/{id}?action=save`) into the cache
+directory. When a runner of the same model file and shape serves its first requests, a request
+whose prompt starts with a saved conversation's tokens gets that conversation restored into a
+free slot first (`?action=restore`), and is pinned to that slot (`id_slot`), so llama.cpp
+evaluates only the new tokens.
+
+A file is llama.cpp's `llama_state_seq_save_file` output: u32 magic 'ggsq', u32 version, u32
+count, that many i32 (up to version 3 the token ids; in version 4, this build's, a token block
+-1, 1, n, the n ids, 0), then the sequence's KV state. The header tells corral which tokens a
+file holds, so nothing is kept beside it. Its name is `<key>-<digest>.slot`:
+`key` hashes the model file's identity (path, size, mtime), the runner's shape (context, slots,
+KV cache type, flash attention, adapters) and the engine's version, so a file is never
+restored into another model or shape; `digest` hashes the tokens. llama.cpp writes under a
+temporary name; the file gets its name by an atomic rename. The directory is capped
+(least-recently-used files go first; a restore counts as a use); a file whose header is broken
+or whose tokens do not match its name, or that llama.cpp refuses to restore, is removed with a
+log line.
+
+Reuse is verified, not assumed: right after the restore, a one-token probe (`/completion`,
+`n_predict` 0, the prompt up to the shared prefix) makes llama.cpp report how many tokens it
+really took from the restored cache (`timings.cache_n`); that figure is logged and counted.
+On models whose restore reuses nothing (llama.cpp cannot roll back a sliding-window or
+recurrent cache past what it holds: llama.cpp #28194, #26676), two such failures in a row stop
+corral saving that model's conversations.
+
+Costs stay off the hot path: a request is checked only while its runner has saved
+conversations not restored yet, and only among the runner's first requests. A save that would
+delay a load waiting for the memory longer than re-reading the conversation would cost is
+skipped (save seconds are estimated from the bytes per token and the write speed of earlier
+saves, re-reading from the runner's own prompt speed).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import hashlib
+import importlib.metadata
+import json
+import logging
+import math
+import os
+import secrets
+import struct
+import time
+import weakref
+from array import array
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import aiohttp
+
+from corral.core.books import Stop
+from corral.runtime.runner import Runner
+
+log = logging.getLogger(__name__)
+
+MAGIC = 0x67677371  # LLAMA_STATE_SEQ_MAGIC ('ggsq')
+HEADER = struct.Struct("<III")  # magic, version, token count
+SUFFIX = ".slot"
+TMP_PREFIX = "tmp-"
+
+# The runner paths that generate from a prompt (the ones worth a restore).
+GENERATION_PATHS = frozenset({"/v1/chat/completions", "/completion", "/v1/completions"})
+CHAT_PATHS = frozenset({"/v1/chat/completions"})
+
+MIN_TOKENS = 64  # a conversation shorter than this is not saved: re-reading it costs nothing
+MIN_REUSE = 32  # a restore must give at least this many tokens of the prompt
+CHECKS_PER_LOAD = 8  # requests after a load whose prompts are compared with saved ones
+WAITING_BUDGET = 2.0  # seconds of saving a load waiting for the memory may be delayed by
+DEFAULT_WRITE_BPS = 500e6  # bytes/s a save is assumed to write before one was measured
+FAILURES_TO_GIVE_UP = 2  # restores in a row that reused nothing before a model is not saved
+STALE_TMP = 600.0  # seconds after which a temporary file is a crashed save's leftover
+HTTP_TIMEOUT = 30.0  # seconds for a save, a restore, a tokenization
+# The probe evaluates one token where the restore works, the shared prefix where it does not
+# (which the request then reuses): as long as a prompt may take.
+PROBE_TIMEOUT = 600.0
+
+
+class CorruptEntry(ValueError):
+    """A cache file that is not what its name says."""
+
+
+@dataclass
+class Entry:
+    path: Path
+    tokens: array[int]  # the token ids the saved state holds
+
+    @property
+    def name(self) -> str:
+        return self.path.name
+
+
+@dataclass
+class _RunnerState:
+    key: str
+    pending: dict[str, Path]  # saved conversations of this key not restored yet, by name
+    checks_left: int = CHECKS_PER_LOAD
+    lock: asyncio.Lock = field(default_factory=asyncio.Lock)
+    claimed: set[int] = field(default_factory=set)  # slots restored for a request just sent
+
+
+def read_tokens(path: Path) -> array[int]:
+    """The token ids a slot file holds (its header); CorruptEntry if it is not one."""
+    with open(path, "rb") as f:
+        head = f.read(HEADER.size)
+        if len(head) < HEADER.size:
+            raise CorruptEntry("shorter than its header")
+        magic, version, n = HEADER.unpack(head)
+        if magic != MAGIC:
+            raise CorruptEntry(f"not a llama.cpp sequence state (magic {magic:#010x})")
+        size = os.fstat(f.fileno()).st_size
+        if HEADER.size + 4 * n > size:
+            raise CorruptEntry(f"says {n} tokens but holds {size} bytes")
+        words = array("i")
+        words.frombytes(f.read(4 * n))
+    if words.itemsize != 4:  # pragma: no cover - every platform corral runs on
+        raise CorruptEntry("no 32-bit int array on this platform")
+    if version < 4:
+        return words  # versions 1-3: the token ids themselves
+    return _block_tokens(words)
+
+
+def _block_tokens(words: array[int]) -> array[int]:
+    """The token ids of a version-4 file's token block (llama.cpp's batch_ext tokens, as the
+    files of this build lay them out: -1, 1, n, n ids, 0). Another layout (several runs, the
+    per-token state embeddings of MTP models) is refused rather than guessed."""
+    if len(words) >= 4 and words[0] == -1 and words[1] == 1:
+        n = words[2]
+        if 0 <= n and len(words) == n + 4 and words[n + 3] == 0:
+            return words[3 : 3 + n]
+    head = ", ".join(map(str, words[:4]))
+    raise CorruptEntry(f"a token block this corral does not know ({head}, ...)")
+
+
+def token_digest(tokens: Sequence[int]) -> str:
+    return hashlib.sha256(array("i", tokens).tobytes()).hexdigest()[:24]
+
+
+def common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
+    n = min(len(a), len(b))
+    i = 0
+    # Compare in blocks first: conversations share thousands of tokens.
+    step = 256
+    while i + step <= n and a[i : i + step] == b[i : i + step]:
+        i += step
+    while i < n and a[i] == b[i]:
+        i += 1
+    return i
+
+
+_ENGINE: str | None = None
+
+
+def engine_version(runner: Runner) -> str:
+    """What computes the state: a saved file is only restored by the same engine build."""
+    global _ENGINE
+    if runner.llama_server:
+        try:
+            st = os.stat(runner.llama_server)
+            return f"{runner.llama_server}:{st.st_size}:{st.st_mtime_ns}"
+        except OSError:
+            return runner.llama_server
+    if _ENGINE is None:
+        try:
+            _ENGINE = "xllamacpp " + importlib.metadata.version("xllamacpp")
+        except importlib.metadata.PackageNotFoundError:
+            _ENGINE = "xllamacpp"
+    return _ENGINE
+
+
+def runner_key(runner: Runner) -> str | None:
+    """The identity of what a runner's saved state fits: model file, runner shape, engine.
+    None for a runner whose state is not saved (embeddings, a vision projector: image chunks
+    in the cache are not text tokens) or whose file is gone."""
+    spec = runner.spec
+    if spec.embedding or spec.projector:
+        return None
+    try:
+        st = os.stat(spec.path)
+    except OSError:
+        return None
+    ident = [
+        spec.path, st.st_size, st.st_mtime_ns, spec.n_ctx, spec.num_parallel,
+        spec.kv_cache_type, spec.flash_attn, [(a.path, a.scale) for a in spec.adapters],
+        engine_version(runner),
+    ]  # fmt: skip
+    return hashlib.sha256(json.dumps(ident).encode()).hexdigest()[:16]
+
+
+class KVCache:
+    """Saved KV caches of conversations, one file per slot, under `directory`, at most
+    `max_bytes` in all."""
+
+    def __init__(self, directory: Path, max_bytes: int) -> None:
+        self.directory = directory
+        self.max_bytes = max_bytes
+        self._runners: weakref.WeakKeyDictionary[Runner, _RunnerState] = weakref.WeakKeyDictionary()
+        # (name, size, mtime) -> tokens: a file changed behind corral's back is read again
+        self._tokens: dict[tuple[str, int, int], array[int]] = {}
+        self._failures: dict[str, int] = {}  # key -> restores in a row that reused nothing
+        self.no_reuse: set[str] = set()  # keys whose restores do not work: not saved
+        self._bytes_per_token: dict[str, float] = {}  # key -> bytes per saved token
+        self.write_bps = DEFAULT_WRITE_BPS
+        # What happened, for logs, benchmarks and tests.
+        self.stats: dict[str, float] = dict.fromkeys(
+            ("saves", "saved_tokens", "saved_bytes", "save_seconds", "skipped_saves",
+             "restores", "restored_tokens", "reused_tokens", "failed_reuse", "dropped"), 0
+        )  # fmt: skip
+        self.last_restore: dict[str, Any] | None = None
+        directory.mkdir(parents=True, exist_ok=True)
+        self._clean_tmp()
+
+    @property
+    def slot_save_path(self) -> str:
+        return str(self.directory)
+
+    # ---- saving ----------------------------------------------------------------------------
+    async def before_stop(self, runner: Runner, stop: Stop, waiting: bool) -> None:
+        """Save the runner's conversations before it stops (Scheduler.before_stop). With a
+        load `waiting` for its memory, only saves that cost it less than they spare later,
+        within WAITING_BUDGET seconds in all."""
+        key = runner_key(runner)
+        if key is None or key in self.no_reuse or runner.session is None:
+            return
+        slots = await self._get_json(runner, "/slots")
+        if not isinstance(slots, list):
+            return
+        with contextlib.suppress(OSError):  # removed while corral ran: llama.cpp writes there
+            self.directory.mkdir(parents=True, exist_ok=True)
+        full = [
+            s for s in slots
+            if isinstance(s, dict) and isinstance(s.get("id"), int)
+            and not s.get("is_processing") and int(s.get("n_prompt_tokens") or 0) >= MIN_TOKENS
+        ]  # fmt: skip
+        if not full:
+            return
+        speed = await self._prompt_speed(runner)
+        spent = 0.0
+        for s in sorted(full, key=lambda s: -int(s["n_prompt_tokens"])):
+            n = int(s["n_prompt_tokens"])
+            save_s = n * self._estimate_bytes_per_token(runner, key) / self.write_bps
+            reread_s = n / speed if speed else math.inf
+            # The saved file is written now and read back on a restore: both must cost less
+            # than reading the conversation again.
+            if reread_s <= 2 * save_s or (waiting and spent + save_s > WAITING_BUDGET):
+                self.stats["skipped_saves"] += 1
+                log.info(
+                    "kv cache: not saving slot %d of '%s' (%d tokens): about %.2fs to save%s, "
+                    "%.2fs to read again", s["id"], runner.name, n, save_s,
+                    " with a load waiting" if waiting else "", reread_s,
+                )  # fmt: skip
+                continue
+            t0 = time.monotonic()
+            await self._save_slot(runner, key, s["id"])
+            spent += time.monotonic() - t0
+        await asyncio.to_thread(self.enforce_cap)
+
+    async def _save_slot(self, runner: Runner, key: str, slot: int) -> None:
+        tmp = f"{TMP_PREFIX}{secrets.token_hex(8)}.part"
+        t0 = time.monotonic()
+        res = await self._post_json(
+            runner, f"/slots/{slot}?action=save", {"filename": tmp}, HTTP_TIMEOUT
+        )
+        seconds = time.monotonic() - t0
+        tmp_path = self.directory / tmp
+        if not isinstance(res, dict) or "n_saved" not in res:
+            log.warning("kv cache: saving slot %d of '%s' failed: %s", slot, runner.name, res)
+            tmp_path.unlink(missing_ok=True)
+            return
+        n, written = int(res["n_saved"]), int(res.get("n_written") or 0)
+        try:
+            entry = await asyncio.to_thread(self._keep, key, tmp_path, n)
+        except (OSError, CorruptEntry) as e:
+            log.warning("kv cache: the save of slot %d of '%s' is unusable: %s",
+                        slot, runner.name, e)  # fmt: skip
+            tmp_path.unlink(missing_ok=True)
+            return
+        if entry is None:
+            return
+        if n and written:
+            self._bytes_per_token[key] = written / n
+        ms = float((res.get("timings") or {}).get("save_ms") or seconds * 1e3)
+        if written and ms > 0:
+            self.write_bps = 0.5 * self.write_bps + 0.5 * written / (ms / 1e3)
+        self.stats["saves"] += 1
+        self.stats["saved_tokens"] += n
+        self.stats["saved_bytes"] += written
+        self.stats["save_seconds"] += seconds
+        log.info(
+            "kv cache: saved slot %d of '%s': %d tokens, %.1f MiB in %.0f ms (%s)",
+            slot, runner.name, n, written / 2**20, seconds * 1e3, entry.name,
+        )  # fmt: skip
+
+    def _keep(self, key: str, tmp_path: Path, n: int) -> Entry | None:
+        """Name a fresh save by its tokens (atomic rename) and remove the saves of the same
+        key it extends. None if it is too short to keep."""
+        if n < MIN_TOKENS:
+            tmp_path.unlink(missing_ok=True)
+            return None
+        tokens = read_tokens(tmp_path)
+        if len(tokens) != n:
+            raise CorruptEntry(f"holds {len(tokens)} tokens, llama.cpp said {n}")
+        final = self.directory / f"{key}-{token_digest(tokens)}{SUFFIX}"
+        if final.exists():  # the same conversation, restored and stopped again unchanged
+            tmp_path.unlink(missing_ok=True)
+            os.utime(final)
+        else:
+            os.replace(tmp_path, final)
+        st = final.stat()
+        self._tokens[(final.name, st.st_size, st.st_mtime_ns)] = tokens
+        for other in self._entries(key):
+            if other.path != final and common_prefix(other.tokens, tokens) == len(other.tokens):
+                other.path.unlink(missing_ok=True)  # this one holds all of it and more
+        return Entry(final, tokens)
+
+    def enforce_cap(self) -> None:
+        """Remove the least recently used files until the directory fits `max_bytes`."""
+        files = []
+        for p in self.directory.glob(f"*{SUFFIX}"):
+            with contextlib.suppress(OSError):
+                st = p.stat()
+                files.append((st.st_mtime, st.st_size, p))
+        total = sum(size for _, size, _ in files)
+        for _, size, p in sorted(files, key=lambda f: f[0]):
+            if total <= self.max_bytes:
+                break
+            p.unlink(missing_ok=True)
+            total -= size
+            log.info("kv cache: removed %s (%.1f MiB) to stay under %.1f MiB",
+                     p.name, size / 2**20, self.max_bytes / 2**20)  # fmt: skip
+
+    # ---- restoring -------------------------------------------------------------------------
+    def wants(self, runner: Runner) -> bool:
+        """Whether a request to `runner` should be compared with saved conversations: among
+        its first requests, while conversations saved for its key were not restored yet."""
+        st = self._runners.get(runner)
+        if st is None:
+            key = runner_key(runner)
+            names: dict[str, Path] = {}
+            if key is not None and key not in self.no_reuse:
+                with contextlib.suppress(OSError):
+                    names = {p.name: p for p in self.directory.glob(f"{key}-*{SUFFIX}")}
+            st = self._runners[runner] = _RunnerState(key or "", names)
+        return st.checks_left > 0 and bool(st.pending)
+
+    async def prepare(self, runner: Runner, path: str, payload: dict[str, Any]) -> dict[str, Any]:
+        """`payload` for the runner at `path`, pinned to a slot where the saved conversation its
+        prompt continues was restored; `payload` unchanged when there is none (or anything
+        fails: a restore is an optimisation)."""
+        st = self._runners.get(runner)
+        if st is None or not st.pending or st.checks_left <= 0:
+            return payload
+        st.checks_left -= 1
+        if payload.get("cache_prompt") is False or _has_media(payload):
+            return payload
+        try:
+            prompt = await self._prompt_tokens(runner, path, payload)
+        except Exception as e:  # e.g. a template error the request itself will report
+            log.debug("kv cache: could not tokenize a prompt for '%s': %s", runner.name, e)
+            return payload
+        if len(prompt) < MIN_REUSE:
+            return payload
+        best: tuple[int, Entry] | None = None
+        for name, p in list(st.pending.items()):
+            entry = await asyncio.to_thread(self._load_entry, p)
+            if entry is None:
+                st.pending.pop(name, None)
+                continue
+            n = common_prefix(prompt, entry.tokens)
+            if n >= MIN_REUSE and (best is None or n > best[0]):
+                best = (n, entry)
+        if best is None:
+            return payload
+        shared, entry = best
+        slot = await self._claim_slot(runner, st, payload.get("id_slot"))
+        if slot is None:
+            return payload
+        try:
+            reused = await self._restore(runner, st, entry, slot, prompt, shared)
+        finally:
+            # Held until the pinned request is queued behind the restore in llama.cpp.
+            asyncio.get_running_loop().call_later(1.0, st.claimed.discard, slot)
+        if reused is None:
+            return payload
+        return {**payload, "id_slot": slot}
+
+    async def _restore(
+        self, runner: Runner, st: _RunnerState, entry: Entry, slot: int, prompt: Sequence[int],
+        shared: int,
+    ) -> int | None:  # fmt: skip
+        """Restore `entry` into `slot` and measure what llama.cpp reuses of it; the tokens
+        reused, or None if the restore failed."""
+        st.pending.pop(entry.name, None)
+        t0 = time.monotonic()
+        res = await self._post_json(
+            runner, f"/slots/{slot}?action=restore", {"filename": entry.name}, HTTP_TIMEOUT
+        )
+        restore_s = time.monotonic() - t0
+        n_restored = int(res.get("n_restored") or 0) if isinstance(res, dict) else 0
+        if n_restored != len(entry.tokens):
+            self._drop(entry.path, f"llama.cpp did not restore it ({res})")
+            return None
+        with contextlib.suppress(OSError):
+            os.utime(entry.path)  # used: last to go under the cap
+        # The probe: the prompt up to one token past the shared prefix, so llama.cpp says
+        # what it takes from the cache while evaluating (nearly) nothing the request will not.
+        probe = await self._post_json(runner, "/completion", {
+            "prompt": list(prompt[: shared + 1]), "n_predict": 0, "id_slot": slot,
+            "cache_prompt": True, "temperature": 0,
+        }, PROBE_TIMEOUT)  # fmt: skip
+        timings = probe.get("timings") if isinstance(probe, dict) else None
+        if not isinstance(timings, dict) or "cache_n" not in timings:
+            log.warning(
+                "kv cache: '%s' restored %d tokens into slot %d; how many llama.cpp "
+                "reuses is unknown (%s)",
+                runner.name,
+                n_restored,
+                slot,
+                probe,
+            )
+            return 0
+        reused = int(timings["cache_n"] or 0)
+        self.stats["restores"] += 1
+        self.stats["restored_tokens"] += n_restored
+        self.stats["reused_tokens"] += reused
+        self.last_restore = {
+            "model": runner.name, "slot": slot, "restored": n_restored, "shared": shared,
+            "reused": reused, "prompt": len(prompt), "restore_seconds": restore_s,
+        }  # fmt: skip
+        if reused == 0:
+            self.stats["failed_reuse"] += 1
+            fails = self._failures[st.key] = self._failures.get(st.key, 0) + 1
+            give_up = fails >= FAILURES_TO_GIVE_UP
+            if give_up:
+                self.no_reuse.add(st.key)
+            log.warning(
+                "kv cache: '%s' restored %d tokens into slot %d but llama.cpp reused none of "
+                "them (its cache cannot resume there: sliding-window or recurrent layers?)%s",
+                runner.name, n_restored, slot,
+                "; not saving this model's conversations any more" if give_up else "",
+            )  # fmt: skip
+        else:
+            self._failures.pop(st.key, None)
+            log.info(
+                "kv cache: '%s' resumed a saved conversation in slot %d: restored %d tokens "
+                "in %.0f ms, llama.cpp reused %d of the prompt's %d",
+                runner.name, slot, n_restored, restore_s * 1e3, reused, len(prompt),
+            )  # fmt: skip
+        return reused
+
+    async def _claim_slot(self, runner: Runner, st: _RunnerState, wanted: Any) -> int | None:
+        async with st.lock:
+            slots = await self._get_json(runner, "/slots")
+            if not isinstance(slots, list):
+                return None
+            idle = [
+                s for s in slots
+                if isinstance(s, dict) and isinstance(s.get("id"), int)
+                and not s.get("is_processing") and s["id"] not in st.claimed
+            ]  # fmt: skip
+            if isinstance(wanted, int) and wanted >= 0:
+                idle = [s for s in idle if s["id"] == wanted]
+            if not idle:
+                return None
+            # An empty slot first: restoring over another conversation loses it.
+            slot = min(idle, key=lambda s: ("id_task" in s, s["id"]))["id"]
+            st.claimed.add(slot)
+            return int(slot)
+
+    async def _prompt_tokens(self, runner: Runner, path: str, payload: dict[str, Any]) -> list[int]:
+        """The prompt's token ids as llama.cpp will see them: a chat rendered by the runner's
+        own template (`/apply-template` takes the request's body as the chat endpoint does),
+        then its tokenizer with special tokens, as for generation."""
+        if path in CHAT_PATHS:
+            body = {k: v for k, v in payload.items() if k not in ("stream", "stream_options")}
+            tmpl = await self._post_json(runner, "/apply-template", body, HTTP_TIMEOUT)
+            if not isinstance(tmpl, dict) or not isinstance(tmpl.get("prompt"), str):
+                return []
+            return await self._tokenize(runner, tmpl["prompt"], True)
+        prompt = payload.get("prompt")
+        if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], str | list):
+            prompt = prompt[0]
+        if isinstance(prompt, str):
+            return await self._tokenize(runner, prompt, True)
+        if not isinstance(prompt, list):
+            return []
+        # llama.cpp's mixed prompt: ids as they are, strings tokenized (special tokens added
+        # only to a string that comes first).
+        out: list[int] = []
+        for i, part in enumerate(prompt):
+            if isinstance(part, int) and not isinstance(part, bool):
+                out.append(part)
+            elif isinstance(part, str):
+                out += await self._tokenize(runner, part, i == 0)
+            else:
+                return []
+        return out
+
+    async def _tokenize(self, runner: Runner, text: str, add_special: bool) -> list[int]:
+        res = await self._post_json(runner, "/tokenize", {
+            "content": text, "add_special": add_special, "parse_special": True,
+        }, HTTP_TIMEOUT)  # fmt: skip
+        toks = res.get("tokens") if isinstance(res, dict) else None
+        return [int(t) for t in toks] if isinstance(toks, list) else []
+
+    # ---- files -----------------------------------------------------------------------------
+    def _entries(self, key: str) -> list[Entry]:
+        out = []
+        for p in self.directory.glob(f"{key}-*{SUFFIX}"):
+            e = self._load_entry(p)
+            if e is not None:
+                out.append(e)
+        return out
+
+    def _load_entry(self, path: Path) -> Entry | None:
+        """The entry at `path` (its tokens read once); None, and the file removed, if it is
+        corrupt or gone."""
+        try:
+            st = path.stat()
+            ident = (path.name, st.st_size, st.st_mtime_ns)
+            tokens = self._tokens.get(ident)
+            if tokens is None:
+                tokens = read_tokens(path)
+                digest = path.name.removesuffix(SUFFIX).rpartition("-")[2]
+                if token_digest(tokens) != digest:
+                    raise CorruptEntry("its tokens do not match its name")
+                if len(self._tokens) > 4096:
+                    self._tokens.clear()
+                self._tokens[ident] = tokens
+        except FileNotFoundError:
+            return None
+        except (OSError, CorruptEntry) as e:
+            self._drop(path, str(e))
+            return None
+        return Entry(path, tokens)
+
+    def _drop(self, path: Path, why: str) -> None:
+        log.warning("kv cache: dropping %s: %s", path.name, why)
+        self.stats["dropped"] += 1
+        with contextlib.suppress(OSError):
+            path.unlink()
+
+    def _clean_tmp(self) -> None:
+        """Remove what crashed saves left (temporary files older than STALE_TMP)."""
+        now = time.time()
+        with contextlib.suppress(OSError):
+            for p in self.directory.glob(f"{TMP_PREFIX}*"):
+                with contextlib.suppress(OSError):
+                    if now - p.stat().st_mtime > STALE_TMP:
+                        p.unlink()
+
+    # ---- the runner ------------------------------------------------------------------------
+    def _estimate_bytes_per_token(self, runner: Runner, key: str) -> float:
+        known = self._bytes_per_token.get(key)
+        if known is not None:
+            return known
+        alloc = runner.allocation
+        cells = runner.spec.n_ctx * runner.spec.num_parallel
+        return alloc.kv_bytes / cells if alloc is not None and cells else 0.0
+
+    async def _prompt_speed(self, runner: Runner) -> float | None:
+        """The runner's prompt tokens per second so far (llama.cpp's /metrics); None if it
+        has read no prompt yet or does not say."""
+        if runner.session is None or runner.session.closed:
+            return None
+        try:
+            async with runner.session.get(
+                "/metrics", timeout=aiohttp.ClientTimeout(total=2.0)
+            ) as r:
+                text = await r.text() if r.status == 200 else ""
+        except (aiohttp.ClientError, OSError, asyncio.TimeoutError, UnicodeDecodeError):
+            return None
+        found: dict[str, float] = {}
+        for line in text.splitlines():
+            name, _, value = line.partition(" ")
+            if name in ("llamacpp:prompt_tokens_total", "llamacpp:prompt_seconds_total"):
+                with contextlib.suppress(ValueError):
+                    found[name] = float(value)
+        secs = found.get("llamacpp:prompt_seconds_total") or 0.0
+        toks = found.get("llamacpp:prompt_tokens_total") or 0.0
+        return toks / secs if secs > 0 and toks > 0 else None
+
+    async def _get_json(self, runner: Runner, path: str, timeout: float = 5.0) -> Any:
+        if runner.session is None or runner.session.closed:
+            return None
+        try:
+            async with runner.session.get(path, timeout=aiohttp.ClientTimeout(total=timeout)) as r:
+                return await r.json(content_type=None) if r.status == 200 else None
+        except (aiohttp.ClientError, OSError, asyncio.TimeoutError, ValueError):
+            return None
+
+    async def _post_json(
+        self, runner: Runner, path: str, body: dict[str, Any], timeout: float
+    ) -> Any:
+        """The runner's JSON answer; for an error status, its error object as a string."""
+        if runner.session is None or runner.session.closed:
+            return None
+        try:
+            async with runner.session.post(
+                path, json=body, timeout=aiohttp.ClientTimeout(total=timeout)
+            ) as r:
+                data = await r.json(content_type=None)
+                return data if r.status == 200 else f"HTTP {r.status}: {data}"
+        except (aiohttp.ClientError, OSError, asyncio.TimeoutError, ValueError) as e:
+            return f"{type(e).__name__}: {e}"
+
+
+def _has_media(payload: dict[str, Any]) -> bool:
+    """Images or audio in the request: their chunks are not text tokens corral can match."""
+    for m in payload.get("messages") or ():
+        content = m.get("content") if isinstance(m, dict) else None
+        if isinstance(content, list) and any(
+            isinstance(p, dict) and p.get("type") not in (None, "text") for p in content
+        ):
+            return True
+    prompt = payload.get("prompt")
+    return isinstance(prompt, dict) or (
+        isinstance(prompt, list) and any(isinstance(p, dict) for p in prompt)
+    )
