@@ -238,6 +238,9 @@ def test_models_spread_by_memory(rig: Rig) -> None:
     assert all(m["state"] == "ready" for m in ps.values())
     tags = {m["name"]: m["nodes"] for m in rig.c.get("/api/tags").json()["models"]}
     assert tags["alpha:latest"] == ["a", "b"] and tags["delta:latest"] == ["b", "c"]
+    metrics = rig.c.get("/metrics").text
+    for name in ("a", "b", "c"):
+        assert f'corral_device_budget_bytes{{device="cpu",node="{name}"}}' in metrics
 
 
 def test_warm_model_is_served_on_its_node(rig: Rig) -> None:
@@ -309,6 +312,30 @@ def test_entry_restart_finds_the_runners_where_they_were(rig: Rig) -> None:
 def test_pinned_model_loads_on_its_node(rig: Rig) -> None:
     """epsilon is on b and c, pinned to c by models.toml; b would fit it too."""
     assert rig.generate("epsilon").headers["x-corral-node"] == "c"
+
+
+def test_unresponsive_agent_is_detected_and_rejoins(rig: Rig) -> None:
+    """A node whose agent stops answering (frozen, as a partition looks from the entry) leaves
+    the entry's books within a few seconds, and comes back with its runners when it answers."""
+    st = rig.status()
+    agent = psutil.Process(st["b"]["agent_pid"])
+    before = {m: x["pid"] for m, x in rig.ps().items() if x["node"] == "b"}
+    agent.suspend()
+    t0 = time.monotonic()
+    try:
+        while "b" in rig.status():
+            assert time.monotonic() - t0 < 20, "node b was not dropped"
+            time.sleep(0.1)
+        lost = time.monotonic() - t0
+    finally:
+        agent.resume()
+    t1 = time.monotonic()
+    wait_nodes(rig.entry, 3)
+    print(
+        f"\nfrozen agent: node dropped after {lost:.1f}s; back {time.monotonic() - t1:.1f}s later"
+    )
+    assert lost < 10
+    assert {m: x["pid"] for m, x in rig.ps().items() if x["node"] == "b"} == before
 
 
 def test_node_killed_mid_stream(rig: Rig) -> None:

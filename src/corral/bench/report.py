@@ -17,7 +17,10 @@ from corral.bench.common import Section, machine_line
 ORDER = ("proxy", "cold", "swap", "estimates", "soak")
 OPTIONAL = ("soak",)  # on the page once measured (`all` does not run them)
 # Hand-written blocks (`<!-- bench:notes:NAME -->`) a run keeps as they are, after the goals.
-NOTES = {"misses": "What the misses mean"}
+NOTES = {
+    "misses": "What the misses mean",
+    "cluster": "Cluster mode (Ray): the hop, a swap trace on three nodes, scale",
+}
 TITLES = {
     "proxy": "1. Proxy overhead",
     "cold": "2. Cold start",

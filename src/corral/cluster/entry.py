@@ -50,6 +50,7 @@ POLL_INTERVAL = 1.0  # seconds between two asks of an agent for its books
 MEMBERSHIP_INTERVAL = 2.0  # seconds between two reads of ray.nodes()
 LOST_AFTER = 4.0  # an agent that has not answered for this long: its node is unreachable
 POLL_TIMEOUT = 3.0
+FIRST_POLL_TIMEOUT = 120.0
 SETTLE = 0.5  # books polled this long after an eviction was asked for show it
 HEAT_DECAY = 0.97  # per request, as in core.books
 NODE_LABEL = "corral-node"  # a Ray node label naming the node (`ray start --labels`)
@@ -108,13 +109,28 @@ class Node:
     inflight: Counter[str] = field(default_factory=Counter)  # the entry's requests per model
     foreign: dict[str, int] = field(default_factory=dict)  # requests others sent it directly
     evicting: dict[str, float] = field(default_factory=dict)  # model -> when routing said so
+    # model -> (when, bytes): loads the entry sent here, kept in its view until books polled
+    # after them show them (a runner loaded and idle again between two polls is still there)
+    recent: dict[str, tuple[float, int]] = field(default_factory=dict)
     usage: dict[str, Usage] = field(default_factory=dict)
+    ready: dict[str, dict[str, Any]] = field(default_factory=dict)  # model -> its ready runner
+    version: int = 0  # bumped by every change the view shows
+    _view: tuple[int, NodeView] | None = None
+    free: int = 0  # bytes free in the books as polled
 
     @property
     def label(self) -> str:
         return f"node '{self.name}' ({self.address})"
 
-    def view(self, heat: Callable[[str], float]) -> NodeView:
+    def touch(self) -> None:
+        """Something the view shows changed."""
+        self.version += 1
+
+    def view(self) -> NodeView:
+        """The node as placement sees it (without heat: `Cluster.heat` is the cluster's),
+        rebuilt only when something it shows changed."""
+        if self._view is not None and self._view[0] == self.version:
+            return self._view[1]
         books = self.books or {}
         runners = []
         seen = set()
@@ -134,14 +150,27 @@ class Node:
                     model=model, state=state, bytes=int(r["bytes"]),
                     inflight=self.inflight[model] + self.foreign.get(model, 0),
                     slots=max(1, int(r.get("slots") or 1)), last_used=u.last_used, uses=u.uses,
-                    load_cost=u.load_cost, heat=heat(model),
+                    load_cost=u.load_cost,
                 )
             )  # fmt: skip
         models: dict[str, int] = books.get("models", {})
+        for model, (at, need) in list(self.recent.items()):
+            if self.polled_at > at + SETTLE:
+                del self.recent[model]
+            elif model not in seen:  # loaded (or loading) here, not yet in its books
+                seen.add(model)
+                n = self.inflight[model]
+                u = self.usage.get(model) or Usage()
+                runners.append(
+                    RunnerView(
+                        model=model, state="loading" if n else "ready", bytes=need, inflight=n,
+                        last_used=u.last_used, uses=u.uses, load_cost=u.load_cost,
+                    )
+                )  # fmt: skip
         for model, n in self.inflight.items():
             if n and model not in seen and model in models:  # sent here, not yet in its books
                 runners.append(RunnerView(model, "loading", models[model], inflight=n))
-        return NodeView(
+        view = NodeView(
             id=self.id,
             name=self.name,
             budget=sum(books.get("budgets", {}).values()),
@@ -149,9 +178,14 @@ class Node:
             runners=tuple(runners),
             names=self.names,
         )
+        self._view = (self.version, view)
+        return view
 
     def take(self, books: dict[str, Any], started: float, counts: Counter[str]) -> None:
+        self.touch()
         self.books = books
+        self.ready = {r["model"]: r for r in books["runners"] if r["state"] == "ready"}
+        self.free = sum(books["budgets"].values()) - sum(r["bytes"] for r in books["runners"])
         self.polled_at = started
         self.last_ok = time.monotonic()
         self.foreign = {}
@@ -207,6 +241,8 @@ class Cluster:
         self.heat = Heat()
         self.home: str | None = None  # the node the entry runs on
         self._tasks: list[asyncio.Task[None]] = []
+        self._background: set[asyncio.Future[Any]] = set()
+        self._refreshed = -math.inf
         self._agent_cls: Any = None
 
     # ---- life ------------------------------------------------------------------------------
@@ -221,14 +257,19 @@ class Cluster:
         ]
 
     async def stop(self) -> None:
-        for t in self._tasks:
+        for t in [*self._tasks, *self._background]:
             t.cancel()
-        for t in self._tasks:
+        for t in [*self._tasks, *self._background]:
             with contextlib.suppress(asyncio.CancelledError, Exception):
                 await t
         for n in self.nodes.values():
             if n.session is not None:
                 await n.session.close()
+
+    def _spawn(self, aw: Awaitable[Any]) -> None:
+        t = asyncio.ensure_future(aw)
+        self._background.add(t)
+        t.add_done_callback(self._background.discard)
 
     def up(self) -> list[Node]:
         return [n for n in self.nodes.values() if n.up]
@@ -253,7 +294,7 @@ class Cluster:
         for nid, info in alive.items():
             if nid not in self.nodes and nid not in self.attaching:
                 self.attaching.add(nid)
-                self._tasks.append(asyncio.ensure_future(self._attach(info)))
+                self._spawn(self._attach(info))
 
     async def _attach(self, info: dict[str, Any]) -> None:
         nid = info["NodeID"]
@@ -270,8 +311,9 @@ class Cluster:
             )
             self.nodes[nid] = node
             await self._poll(node)
-            if node.up:
-                log.info("%s is up: corral at %s (log %s)", node.label, node.url, about["log"])
+            if not node.up:
+                raise RuntimeError("its agent gave no books")
+            log.info("%s is up: corral at %s (log %s)", node.label, node.url, about["log"])
         except Exception as e:
             log.error("%s: no agent: %s", node.label, e)
             if node.session is not None:
@@ -311,12 +353,12 @@ class Cluster:
             if relay.task is not None:
                 relay.task.cancel()
         if node.session is not None:
-            self._tasks.append(asyncio.ensure_future(node.session.close()))
+            self._spawn(node.session.close())
 
     # ---- books -------------------------------------------------------------------------------
     async def _poll_forever(self) -> None:
         while True:
-            nodes = [n for n in self.nodes.values() if n.agent is not None]
+            nodes = [n for n in self.nodes.values() if n.up]  # _attach polls a new one
             await asyncio.gather(*(self._poll(n) for n in nodes), return_exceptions=True)
             await asyncio.sleep(POLL_INTERVAL)
 
@@ -326,7 +368,9 @@ class Cluster:
         started = time.monotonic()
         counts = Counter(node.inflight)
         try:
-            books = await asyncio.wait_for(node.agent.books.remote(), POLL_TIMEOUT)
+            # the first books take longer: the agent reads every model's header once
+            timeout = POLL_TIMEOUT if node.up else FIRST_POLL_TIMEOUT
+            books = await asyncio.wait_for(node.agent.books.remote(), timeout)
         except RayActorError:
             self.lose(node, "lost its agent")
             return
@@ -338,18 +382,21 @@ class Cluster:
                 ray.kill(node.agent)
             return
         except Exception:
-            if time.monotonic() - max(node.last_ok, started - POLL_TIMEOUT) > LOST_AFTER:
+            if (
+                node.up
+                and time.monotonic() - max(node.last_ok, started - POLL_TIMEOUT) > LOST_AFTER
+            ):
                 self.lose(node, f"did not answer for {LOST_AFTER:g}s")
             return
         node.take(books, started, counts)
         node.up = True
 
-    def known(self) -> set[str]:
-        out: set[str] = set()
-        for n in self.up():
+    def known(self, name: str) -> bool:
+        for n in self.nodes.values():
             books = n.books or {}
-            out.update(books.get("models", {}), books.get("aliases", {}))
-        return out
+            if name in books.get("models", {}) or name in books.get("aliases", {}):
+                return True
+        return False
 
     async def probe(self, node: Node) -> bool:
         """Does the node's corral answer (within 2 s)?"""
@@ -363,6 +410,9 @@ class Cluster:
         except (aiohttp.ClientError, asyncio.TimeoutError):
             return False
 
+    def poll_soon(self, node: Node) -> None:
+        self._spawn(self._poll(node))
+
     def check_soon(self, node: Node) -> None:
         """A request to the node failed: lose it now if its corral does not answer."""
 
@@ -370,9 +420,15 @@ class Cluster:
             if not await self.probe(node):
                 self.lose(node, "does not answer: its corral is unreachable")
 
-        self._tasks.append(asyncio.ensure_future(check()))
+        self._spawn(check())
 
-    async def refresh(self) -> None:
+    async def refresh(self, force: bool = False) -> None:
+        """Every node's books now (at most once a second unless forced: requests for unknown
+        names cannot make a storm of polls)."""
+        now = time.monotonic()
+        if now - self._refreshed < POLL_INTERVAL and not force:
+            return
+        self._refreshed = now
         await asyncio.gather(*(self._poll(n) for n in self.up()), return_exceptions=True)
 
     # ---- choosing ----------------------------------------------------------------------------
@@ -393,12 +449,25 @@ class Cluster:
     def choose(self, model: str) -> Choice:
         from corral.cluster.placement import Request as Want
 
-        views = [n.view(self.heat) for n in self.up()]
+        # The common case first, without building every node's view: the model is ready with
+        # a free slot somewhere (placement's first rule: most free slots, then most free bytes).
+        best: tuple[int, int, Node] | None = None
+        for n in self.nodes.values():
+            r = n.ready.get(model)
+            if r is None or not n.up or model in n.evicting:
+                continue
+            free_slots = int(r["slots"]) - n.inflight[model] - n.foreign.get(model, 0)
+            if free_slots > 0 and (best is None or (free_slots, n.free) > best[:2]):
+                best = (free_slots, n.free, n)
+        if best is not None and not self.pin(model):  # (a pinned model takes the long way)
+            n = best[2]
+            return Choice(n.id, "ready", need=int((n.books or {})["models"].get(model, 0)))
+        views = [n.view() for n in self.up()]
         waiting = frozenset(
             r.model for v in views for r in v.runners if r.state == "loading" and r.inflight
         )
         want = Want(model=model, pin=self.pin(model), now=time.monotonic(), waiting=waiting)
-        return choose(want, views, self.policy)
+        return choose(want, views, self.policy, self.heat)
 
     def home_node(self, request_headers: Iterable[tuple[bytes, bytes]]) -> Node | None:
         up = sorted(self.up(), key=lambda n: n.name)
@@ -412,7 +481,7 @@ class Cluster:
         now = time.monotonic()
         out = []
         for n in sorted(self.nodes.values(), key=lambda n: n.name):
-            v = n.view(self.heat)
+            v = n.view()
             out.append({
                 "id": n.id, "name": n.name, "address": n.address, "url": n.url, "up": n.up,
                 "budget": v.budget, "booked": v.booked, "free": v.free,
@@ -529,7 +598,7 @@ class Entry:
         self, scope: Scope, receive: Receive, send: Send, body: bytes, requested: str
     ) -> None:
         c = self.cluster
-        if c.canonical(requested) not in c.known():  # a model just pulled or copied?
+        if not c.known(c.canonical(requested)):  # a model just pulled or copied?
             await c.refresh()
         model = c.canonical(requested)
         lookup = scope["path"].startswith(_LOOKUP_PATHS) or scope["method"] == "GET"
@@ -545,8 +614,11 @@ class Entry:
             if lookup:
                 return node, None
             now = time.monotonic()
+            node.touch()
             for v in choice.victims:
                 node.evicting[v] = now
+            if choice.how not in ("ready", "queue"):
+                node.recent[model] = (now, choice.need)
             return node, choice
 
         if not lookup:
@@ -601,6 +673,7 @@ class Entry:
         node.relays.add(relay)
         if model is not None:
             node.inflight[model] += 1
+            node.touch()
         watcher = asyncio.ensure_future(_watch_disconnect(receive, relay))
         started = False
         last = b""
@@ -616,6 +689,9 @@ class Entry:
                     if model is not None and choice is not None and choice.how != "ready":
                         u = node.usage.setdefault(model, Usage())
                         u.load_cost = max(0.0, time.monotonic() - t0)
+                        node.touch()
+                        if choice.how != "queue":  # a load ended: the node's books changed
+                            self.cluster.poll_soon(node)
                     out = [
                         (k.lower(), v)
                         for k, v in resp.raw_headers
@@ -660,6 +736,7 @@ class Entry:
                 u = node.usage.setdefault(model, Usage())
                 u.last_used = time.monotonic()
                 u.uses += 1
+                node.touch()
 
     async def _fan(
         self, scope: Scope, receive: Receive, send: Send, body: bytes, model: str | None,
@@ -703,7 +780,7 @@ class Entry:
         if not done:
             raise ApiError(502, f"no node answered: {results[0]}")
         best = next((r for r in done if r[0] < 300), done[0])
-        await c.refresh()
+        await c.refresh(force=True)
         await _send(send, best[0], best[1], best[2].encode())
 
     # ---- answered from every node -----------------------------------------------------------

@@ -23,7 +23,7 @@ goes to nodes one of whose names matches. Nothing here does I/O or reads a clock
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Literal
 
@@ -99,7 +99,14 @@ class Request:
     waiting: frozenset[str] = field(default_factory=frozenset)  # models with queued requests
 
 
-def choose(req: Request, nodes: Sequence[NodeView], policy: Policy = cost_aware) -> Choice:
+def choose(
+    req: Request,
+    nodes: Sequence[NodeView],
+    policy: Policy = cost_aware,
+    heat: Callable[[str], float] | None = None,
+) -> Choice:
+    """The node for `req` (see the module's docstring). `heat` gives a model's heat for the
+    eviction ranking where the runners' own `heat` fields are not kept current."""
     has = [n for n in nodes if req.model in n.models]
     if not has:
         return Choice(None, "none", reason=f"model '{req.model}' not found on any node")
@@ -142,7 +149,7 @@ def choose(req: Request, nodes: Sequence[NodeView], policy: Policy = cost_aware)
     if not possible:
         n = max(eligible, key=lambda n: n.budget)
         return Choice(n.id, "too-big", need=need[n.id])
-    ranks = _cluster_ranks(possible, req, policy, max(need.values()))
+    ranks = _cluster_ranks(possible, req, policy, max(need.values()), heat)
     best: tuple[tuple[float, int, float], NodeView, tuple[str, ...]] | None = None
     for n in possible:
         found = _victims(n, need[n.id], ranks)
@@ -164,7 +171,11 @@ def choose(req: Request, nodes: Sequence[NodeView], policy: Policy = cost_aware)
 
 
 def _cluster_ranks(
-    nodes: Sequence[NodeView], req: Request, policy: Policy, need: int
+    nodes: Sequence[NodeView],
+    req: Request,
+    policy: Policy,
+    need: int,
+    heat: Callable[[str], float] | None,
 ) -> dict[tuple[str, int], int]:
     """Every idle runner of these nodes ranked by the policy at once: (node id, index) -> the
     position in the policy's eviction order (0 = evicted first)."""
@@ -178,7 +189,7 @@ def _cluster_ranks(
                     Candidate(
                         id=len(cands), model=r.model, size=r.bytes, last_used=r.last_used,
                         uses=r.uses, load_cost=r.load_cost, expires_at=math.inf,
-                        priority=r.priority, heat=r.heat,
+                        priority=r.priority, heat=heat(r.model) if heat else r.heat,
                     )
                 )  # fmt: skip
     snap = Snapshot(now=req.now, need=need, waiting_models=req.waiting)
