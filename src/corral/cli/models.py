@@ -125,8 +125,13 @@ def format_show(info: Mapping[str, Any]) -> str:
 def cmd_ps(args: argparse.Namespace) -> int:
     with connect() as client:
         data = client.get("/api/ps")
+    models = data.get("models") or []
     headers = ["NAME", "ID", "SIZE", "PROCESSOR", "CONTEXT", "UNTIL"]
-    print_table(headers, ps_rows(data.get("models") or []))
+    rows = ps_rows(models)
+    if any("node" in m for m in models):  # a cluster's entry (corral serve --ray)
+        headers.append("NODE")
+        rows = [[*row, str(m.get("node", ""))] for row, m in zip(rows, models, strict=True)]
+    print_table(headers, rows)
     return 0
 
 
