@@ -15,20 +15,19 @@ a well-formed call.
 
 from __future__ import annotations
 
-import asyncio
 import re
 import time
 import uuid
+from collections import deque
 from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass, field, replace
 from typing import Any
 
-import aiohttp
 import orjson
-from starlette.responses import Response, StreamingResponse
-from starlette.types import Receive, Scope, Send
+from starlette.responses import Response
 
 from corral.api.common import ApiError, runner_error_message
+from corral.api.stream import UPSTREAM_ERRORS, RelayResponse, RunnerStream
 from corral.runtime.scheduler import Lease
 
 # ---- the neutral request -------------------------------------------------------------------
@@ -134,7 +133,7 @@ class Generation:
     def __init__(
         self,
         lease: Lease,
-        upstream: aiohttp.ClientResponse,
+        upstream: RunnerStream,
         mode: str,
         stop: list[str],
         explain: Callable[[], Awaitable[str]],
@@ -147,13 +146,20 @@ class Generation:
         self.stop = stop
         self.explain = explain
         self.started = time.monotonic()
+        self.source: SSE | None = None
 
     def close(self) -> None:
         self.upstream.close()
         self.lease.release()
 
-    def _sse(self) -> AsyncIterator[dict[str, Any]]:
-        return sse_events(self.upstream, self.explain)
+    def _sse(self) -> SSE:
+        self.source = sse_events(self.upstream, self.explain)
+        return self.source
+
+    def buffered(self) -> bool:
+        """Whether the runner's next event has already been read (the events that follow now
+        come without waiting)."""
+        return self.source is not None and bool(self.source.pending)
 
     async def events(self) -> AsyncIterator[Event]:
         if self.mode != "chat":
@@ -287,20 +293,18 @@ class Generation:
         self, render: Callable[[AsyncIterator[Event]], AsyncIterator[bytes]], media_type: str
     ) -> Response:
         """A streaming response of `render(events)`; the lease and the upstream go back when it
-        ends, fails or the client leaves."""
+        ends, fails or the client leaves. What the events of one read from the runner render
+        to goes out in one write."""
         return _GenerationStream(render(self.events()), self, media_type)
 
 
-class _GenerationStream(StreamingResponse):
+class _GenerationStream(RelayResponse):
     def __init__(self, body: AsyncIterator[bytes], gen: Generation, media_type: str) -> None:
-        super().__init__(body, media_type=media_type)
+        super().__init__(body, media_type, more=gen.buffered)
         self.gen = gen
 
-    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        try:
-            await super().__call__(scope, receive, send)
-        finally:
-            self.gen.close()  # closing the upstream makes llama.cpp stop generating
+    async def close(self) -> None:
+        self.gen.close()  # closing the upstream makes llama.cpp stop generating
 
 
 def _usage(ev: dict[str, Any]) -> Usage:
@@ -314,24 +318,59 @@ def _usage(ev: dict[str, Any]) -> Usage:
     )  # fmt: skip
 
 
-async def sse_events(
-    resp: aiohttp.ClientResponse, explain: Callable[[], Awaitable[str]]
-) -> AsyncIterator[dict[str, Any]]:
+class SSE:
     """The JSON objects of a llama.cpp SSE stream; ApiError if the runner fails mid-stream
-    (`explain` says why: its exit status and last log lines)."""
-    try:
-        async for line in resp.content:
+    (`explain` says why: its exit status and last log lines). Each read from the runner is
+    split and parsed whole: `pending` holds what it brought that was not taken yet."""
+
+    def __init__(self, resp: RunnerStream, explain: Callable[[], Awaitable[str]]) -> None:
+        self.upstream = resp
+        self.explain = explain
+        self.pending: deque[Any] = deque()  # objects, or the ApiError that ends the stream
+        self.tail = b""  # a line not yet complete
+        self.ended = False
+
+    def __aiter__(self) -> SSE:
+        return self
+
+    async def __anext__(self) -> Any:
+        pending = self.pending
+        while not pending:
+            if self.ended:
+                raise StopAsyncIteration
+            await self._read()
+        item = pending.popleft()
+        if isinstance(item, ApiError):
+            self.ended = True
+            pending.clear()
+            raise item
+        return item
+
+    async def _read(self) -> None:
+        try:
+            data = await self.upstream.read()
+        except UPSTREAM_ERRORS:  # the runner died, was killed, or closed the stream
+            raise ApiError(500, await self.explain()) from None
+        if data:
+            lines = (self.tail + data).split(b"\n")
+            self.tail = lines.pop()
+        else:  # the end: a last line without its newline counts too
+            lines, self.tail, self.ended = [self.tail], b"", True
+        for line in lines:
             if line.startswith(b"data: "):
-                data = line[6:].strip()
-                if data == b"[DONE]":
+                body = line[6:].strip()
+                if body == b"[DONE]":
+                    self.ended = True
                     return
-                yield orjson.loads(data)
+                self.pending.append(orjson.loads(body))
             elif line.startswith(b"error: "):
-                raise ApiError(500, runner_error_message(line[7:], 500))
-    # aiohttp raises a bare RuntimeError ("Connection closed.") when the runner's session is
-    # closed under a stream (the runner died or was killed): the same failure, explained alike.
-    except (aiohttp.ClientError, OSError, asyncio.IncompleteReadError, RuntimeError):
-        raise ApiError(500, await explain()) from None
+                self.pending.append(ApiError(500, runner_error_message(line[7:], 500)))
+                return
+
+
+def sse_events(resp: RunnerStream, explain: Callable[[], Awaitable[str]]) -> SSE:
+    """The JSON objects of a llama.cpp SSE stream (see SSE)."""
+    return SSE(resp, explain)
 
 
 class StopScanner:

@@ -49,7 +49,7 @@ from corral.api.service import (
     explain_failure,
     until_disconnect,
 )
-from corral.api.stream import LeasedStream, json_response
+from corral.api.stream import LeasedStream, RunnerStream, json_response
 from corral.runtime.scheduler import Lease
 
 T = TypeVar("T")
@@ -276,10 +276,9 @@ class OpenAI:
         # bytes inside generated text would be escaped (`\"model\":...`), so cannot match.
         old, new = _model_pair(r.name), _model_pair(r.requested)
         if stream:
-            chunks: AsyncIterator[bytes] = resp.content.iter_any()
-            if old != new:
-                chunks = _renamed(chunks, old, new)
-            return LeasedStream(chunks, lease, resp, media_type="text/event-stream")
+            assert isinstance(resp, RunnerStream)
+            return LeasedStream(resp, lease, resp, "text/event-stream",
+                                rename=(old, new) if old != new else None)  # fmt: skip
         try:
             data = await until_disconnect(request, resp.read())
         finally:
@@ -318,8 +317,8 @@ class OpenAI:
         try:
             if legacy is not None:
                 await legacy.prepare(self.svc, lease)
-            payload = {**payload, "stream": True, "stream_options": {"include_usage": True}}
-            resp = await self.svc.post(lease, path, payload)
+            payload = {**payload, "stream_options": {"include_usage": True}}
+            resp = await self.svc.stream(lease, path, payload)
             try:
                 if legacy is not None:
                     for c in legacy.head():
@@ -651,19 +650,6 @@ def _seeded(params: dict[str, Any], seed: int | None, i: int) -> dict[str, Any]:
 
 def _model_pair(name: str) -> bytes:
     return b'"model":' + orjson.dumps(name)
-
-
-async def _renamed(chunks: AsyncIterator[bytes], old: bytes, new: bytes) -> AsyncIterator[bytes]:
-    """`chunks` with `old` replaced by `new`, cut at line ends so that no pair is split."""
-    tail = b""
-    async for chunk in chunks:
-        buf = tail + chunk
-        cut = buf.rfind(b"\n") + 1
-        tail = buf[cut:]
-        if cut:
-            yield buf[:cut].replace(old, new)
-    if tail:
-        yield tail.replace(old, new)
 
 
 def _usage(u: Usage) -> dict[str, Any]:

@@ -25,6 +25,7 @@ from corral.api import defaults
 from corral.api.common import ApiError, runner_error
 from corral.api.events import Chat, Generation, forced_schema
 from corral.api.metrics import note_model
+from corral.api.stream import RunnerStream, open_stream
 from corral.config import Settings
 from corral.core.books import Fit, Placer
 from corral.core.devices import GPU_CONTEXT_BYTES, Device
@@ -301,19 +302,18 @@ class Service:
     # ---- talking to a runner -----------------------------------------------------------------
     async def post(
         self, lease: Lease, path: str, payload: dict[str, Any]
-    ) -> aiohttp.ClientResponse:
-        """POST to the runner; a non-200 answer becomes an ApiError with llama.cpp's message."""
+    ) -> aiohttp.ClientResponse | RunnerStream:
+        """POST to the runner; a non-200 answer becomes an ApiError with llama.cpp's message.
+        A streamed request (`"stream": true`) gets a RunnerStream (see `stream`)."""
         runner = lease.runner
         assert runner.session is not None
         if self.kvcache is not None and path in GENERATION_PATHS and self.kvcache.wants(runner):
             # Among a runner's first requests: restore the saved conversation this prompt
             # continues, if any, and pin the request to its slot.
             payload = await self.kvcache.prepare(runner, path, payload)
-        # llama.cpp's server drops the connection after a streamed response even though it
-        # advertises keep-alive, so streamed requests do not go back into the pool.
-        headers = {"Content-Type": "application/json"}
         if payload.get("stream"):
-            headers["Connection"] = "close"
+            return await self._open_stream(runner, path, payload)
+        headers = {"Content-Type": "application/json"}
         try:
             resp = await runner.session.post(path, data=orjson.dumps(payload), headers=headers)
         except (aiohttp.ClientError, OSError):
@@ -325,6 +325,31 @@ class Service:
                 raise ApiError(500, await explain_failure(runner)) from None
             finally:
                 resp.release()
+            raise runner_error(body, resp.status)
+        return resp
+
+    async def stream(self, lease: Lease, path: str, payload: dict[str, Any]) -> RunnerStream:
+        """POST a streamed request to the runner: its answer comes on a connection of its own
+        (llama.cpp closes it after a streamed answer), read by corral's RunnerStream, which
+        relays a fast runner's tokens a few at a time."""
+        resp = await self.post(lease, path, {**payload, "stream": True})
+        assert isinstance(resp, RunnerStream)
+        return resp
+
+    async def _open_stream(
+        self, runner: Runner, path: str, payload: dict[str, Any]
+    ) -> RunnerStream:
+        try:
+            resp = await open_stream(runner.base_url, path, orjson.dumps(payload))
+        except OSError:
+            raise ApiError(500, await explain_failure(runner)) from None
+        if resp.status != 200:
+            try:
+                body = await resp.read_all()
+            except OSError:
+                raise ApiError(500, await explain_failure(runner)) from None
+            finally:
+                resp.close()
             raise runner_error(body, resp.status)
         return resp
 
@@ -466,8 +491,7 @@ class Service:
     async def _start(
         self, lease: Lease, path: str, payload: dict[str, Any], mode: str, stop: list[str] | None
     ) -> Generation:
-        resp = await self.post(lease, path, {**payload, "stream": True})
-
+        resp = await self.stream(lease, path, payload)
         return Generation(lease, resp, mode, stop or [], partial(explain_failure, lease.runner))
 
 

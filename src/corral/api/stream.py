@@ -1,67 +1,438 @@
-"""Responses that carry a runner lease: the lease is returned however the response ends."""
+"""Streamed responses from a runner, relayed at the runner's pace with as little work per token
+as the guarantees allow.
+
+What a relayed token costs is mostly fixed per read and per write (a system call each, a wake-up
+of the task, the ASGI send through the middleware), not per byte. So:
+- `RelayResponse` sends with a plain loop (no task group per response, no wrapper per chunk)
+  and watches for the client leaving with one idle task;
+- `Upstream` reads what the runner sent; when the last read was less than
+  `COALESCE_S` ago it lets that long pass first and takes everything that arrived meanwhile, so
+  a fast runner's tokens go out a few at a time (one read and one write for several), while a
+  token after a pause (the first, or any at a normal model's pace) goes out at once;
+- `LeasedStream` passes the runner's SSE bytes on, cut only at event boundaries.
+"""
 
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator
-from typing import Any
+import fcntl
+import socket
+import sys
+import termios
+import time
+from collections.abc import AsyncIterator, Callable
+from typing import Any, cast
+from urllib.parse import urlsplit
 
 import aiohttp
 import orjson
-from starlette.responses import Response, StreamingResponse
-from starlette.types import Receive, Scope, Send
+from starlette.responses import Response
+from starlette.types import Message, Receive, Scope, Send
 
 from corral.api.common import runner_error_message
-from corral.api.service import explain_failure
 from corral.runtime.scheduler import Lease
 
 SSE_DONE = b"data: [DONE]"
 MAX_HELD = 1 << 20  # an "event" longer than this without its blank line passes on as it is
+# A read this soon after the previous one waits out the rest of this window, so that what the
+# runner sends meanwhile goes out with it: at most this much added delay for a token, and only
+# for tokens that come faster than one per window.
+COALESCE_S = 0.002
+HIGH_WATER = 1 << 20  # received bytes the client has not taken: reading stops until it does
+HOLD_LOWAT = 1 << 16  # the socket's receive low-water mark while a window passes
+# What a runner failing mid-stream raises: RunnerStream raises OSErrors (ConnectionError);
+# aiohttp's errors, and its bare RuntimeError ("Connection closed.") for a session closed under
+# a stream, for a body read some other way.
+UPSTREAM_ERRORS = (aiohttp.ClientError, OSError, asyncio.IncompleteReadError, RuntimeError)
 
 
 def json_response(data: Any, status: int = 200) -> Response:
     return Response(orjson.dumps(data), status, media_type="application/json")
 
 
-class LeasedStream(StreamingResponse):
+class RunnerStream(asyncio.Protocol):
+    """A streamed POST to a runner, on a connection of its own (llama.cpp closes it after a
+    streamed answer anyway), read without an HTTP client library in between: what arrives is
+    only appended here, and the reader is woken when it should read.
+
+    `read()` returns the body's bytes that came since the last read (b"" at the end). A read
+    less than `window` after the previous one lets the rest of the window pass first and takes
+    everything that came meanwhile, so a fast runner's tokens go out a few at a time (one wake,
+    one write for several), while the first tokens, a token after a pause (any at a normal
+    model's pace) and the stream's end go out at once. While the window passes, the socket's
+    receive low-water mark (SO_RCVLOWAT) is raised, so the tokens wait in the kernel and wake
+    nobody, yet the connection's end (llama.cpp closes it right after `[DONE]`) or failure
+    still does at once; at the window's end, one read takes them all.
+
+    `status`, `read_all()` (a whole non-streamed answer, e.g. an error) and `close()` (which
+    makes llama.cpp stop generating) stand for what aiohttp's response offered."""
+
+    def __init__(self, window: float = COALESCE_S) -> None:
+        self.window = window
+        self.transport: asyncio.Transport | None = None
+        self.raw: list[bytes] = []  # received, not yet parsed
+        self.size = 0  # bytes in raw
+        self.buf = b""  # parsed up to here: a head or chunk header not yet complete
+        self.status = 0
+        self.headers: dict[str, str] = {}
+        self.chunked = False
+        self.left = -1  # body bytes left: of the current chunk (chunked) or of the body
+        self.crlf = False  # a chunk's data is in; its CRLF is not yet
+        self.done = False  # the whole body is in
+        self.eof = False  # the connection is closed
+        self.exc: BaseException | None = None
+        self.paused = False
+        self.waiter: asyncio.Future[None] | None = None
+        self.holding = False  # the reader lets a window pass: only the end wakes it early
+        self.ending = False  # the stream's last events came: nothing waits from now on
+        self.reads = 0
+        self.last = -window  # when the last read returned
+        self.loop = asyncio.get_running_loop()
+        self.sock: Any = None  # the socket (uvloop's stand-in), to set its low-water mark
+
+    # ---- the protocol: called by the event loop ----------------------------------------------
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        self.transport = cast(asyncio.Transport, transport)  # uvloop's is not a subclass
+        self.sock = transport.get_extra_info("socket")
+
+    def data_received(self, data: bytes) -> None:
+        self.raw.append(data)
+        self.size += len(data)
+        # The stream is ending (a finish reason, /completion's last event, [DONE], an error
+        # line): from now on nothing waits, so the end is never late. The same bytes inside
+        # generated text are JSON-escaped; a false match would only cost the coalescing.
+        if not self.ending and (b'"finish_reason":"' in data or b'"stop":true' in data
+                                or b"data: [DONE]" in data or b"error: " in data):  # fmt: skip
+            self.ending = True
+        if self.size > HIGH_WATER and self.transport is not None and not self.paused:
+            self.paused = True  # the client reads slower than the runner writes
+            self.transport.pause_reading()
+        waiter = self.waiter
+        if waiter is not None and (not self.holding or self.ending or self.paused):
+            self.waiter = None
+            waiter.set_result(None)
+
+    def eof_received(self) -> bool | None:
+        return None  # close the connection: connection_lost follows
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self.eof = True
+        if exc is not None and self.exc is None:
+            self.exc = exc
+        self._wake()
+
+    def _wake(self) -> None:
+        waiter = self.waiter
+        if waiter is not None:
+            self.waiter = None
+            if not waiter.done():
+                waiter.set_result(None)
+
+    async def _wait(self, timeout: float | None = None) -> None:
+        waiter = self.waiter = self.loop.create_future()
+        timer = None
+        if timeout is not None:
+            timer = self.loop.call_later(timeout, self._wake)
+        try:
+            await waiter
+        finally:
+            self.waiter = None
+            if timer is not None:
+                timer.cancel()
+
+    # ---- parsing -----------------------------------------------------------------------------
+    def _input(self) -> bytes:
+        data = b"".join(self.raw) if len(self.raw) != 1 else self.raw[0]
+        self.raw.clear()
+        self.size = 0
+        if self.paused and self.transport is not None:
+            self.paused = False
+            self.transport.resume_reading()
+        return self.buf + data if self.buf else data
+
+    def _head(self) -> bool:
+        """Parse the status line and headers, once they are all in."""
+        data = self._input()
+        end = data.find(b"\r\n\r\n")
+        if end < 0:
+            self.buf = data
+            return False
+        lines = data[:end].decode("latin-1").split("\r\n")
+        parts = lines[0].split(" ", 2)
+        if len(parts) < 2 or not parts[0].startswith("HTTP/") or not parts[1].isdigit():
+            raise ConnectionError(f"the runner answered {lines[0]!r}")
+        self.status = int(parts[1])
+        for line in lines[1:]:
+            key, _, value = line.partition(":")
+            self.headers[key.strip().lower()] = value.strip()
+        self.chunked = "chunked" in self.headers.get("transfer-encoding", "").lower()
+        length = self.headers.get("content-length", "")
+        self.left = 0 if self.chunked else int(length) if length.isdigit() else -1
+        self.done = not self.chunked and self.left == 0
+        self.buf = data[end + 4 :]
+        return True
+
+    def _take(self) -> bytes:
+        """The body bytes received and not taken yet, less the chunked encoding's framing."""
+        if not self.raw and not self.buf:
+            return b""
+        data = self._input()
+        self.buf = b""
+        if not self.chunked:
+            if self.left >= 0:  # Content-Length (what follows it is not ours)
+                data = data[: self.left]
+                self.left -= len(data)
+                self.done = self.left == 0
+            return data
+        out: list[bytes] = []
+        pos, n = 0, len(data)
+        while pos < n and not self.done:
+            if self.left > 0:  # inside a chunk
+                piece = data[pos : pos + self.left]
+                out.append(piece)
+                pos += len(piece)
+                self.left -= len(piece)
+                self.crlf = self.left == 0
+                continue
+            if self.crlf:  # the CRLF after a chunk's data
+                if n - pos < 2:
+                    break
+                pos += 2
+                self.crlf = False
+                continue
+            nl = data.find(b"\r\n", pos)
+            if nl < 0:
+                break
+            try:
+                size = int(data[pos:nl].split(b";", 1)[0], 16)
+            except ValueError:
+                raise ConnectionError("the runner's answer is not valid HTTP") from None
+            pos = nl + 2
+            if size == 0:  # the last chunk (trailers, if any, are not read)
+                self.done = True
+                break
+            self.left = size
+        self.buf = data[pos:] if pos < n and not self.done else b""
+        return out[0] if len(out) == 1 else b"".join(out)
+
+    # ---- what the response offers --------------------------------------------------------------
+    async def start(self, request: bytes) -> None:
+        assert self.transport is not None
+        self.transport.write(request)
+        while not self._head():
+            if self.eof:
+                raise self.exc or ConnectionResetError("the runner closed the connection")
+            await self._wait()
+
+    async def read(self) -> bytes:
+        while True:
+            data = self._take()
+            if data:
+                break
+            if self.done or (self.eof and not self.chunked and self.left < 0):
+                return b""  # all of it (a body without a length ends with the connection)
+            if self.eof:
+                raise self.exc or ConnectionResetError("the runner closed the stream")
+            await self._wait()
+        self.reads += 1
+        wait = self.last + self.window - time.monotonic()
+        # The first reads (the role event, then the first token) never wait, nor the end.
+        if wait > 0 and self.reads > 2 and not self.ending and not self.done and not self.eof:
+            await self._hold(wait)
+            data += self._take()
+        self.last = time.monotonic()
+        return data
+
+    async def _hold(self, seconds: float) -> None:
+        """Let `seconds` pass, woken early only by the stream's end or failure, then make sure
+        what came meanwhile is read."""
+        self.holding = True
+        held = self._lowat(HOLD_LOWAT)
+        try:
+            await self._wait(seconds)
+        finally:
+            self.holding = False
+            if held:
+                self._lowat(1)  # the kernel now says the socket is readable, if anything came
+        if held and not self.eof and self._unread():
+            await self._wait()  # the loop reads it next: data_received wakes this
+
+    def _lowat(self, n: int) -> bool:
+        try:
+            self.sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVLOWAT, n)
+            return True
+        except (OSError, AttributeError):  # closed, or no such option here: wake as data comes
+            return False
+
+    def _unread(self) -> int:
+        """Bytes waiting in the socket (0 if that cannot be known)."""
+        try:
+            got = fcntl.ioctl(self.sock.fileno(), termios.FIONREAD, b"\0\0\0\0")
+        except (OSError, AttributeError, ValueError):
+            return 0
+        return int.from_bytes(got, sys.byteorder, signed=True)
+
+    async def read_all(self) -> bytes:
+        parts = []
+        while chunk := await self.read():
+            parts.append(chunk)
+        return b"".join(parts)
+
+    def __aiter__(self) -> RunnerStream:
+        return self
+
+    async def __anext__(self) -> bytes:
+        data = await self.read()
+        if not data:
+            raise StopAsyncIteration
+        return data
+
+    def close(self) -> None:
+        if self.transport is not None:
+            self.transport.close()
+
+    release = close
+
+
+async def open_stream(base_url: str, path: str, body: bytes, connect_timeout: float = 10.0
+                      ) -> RunnerStream:  # fmt: skip
+    """POST `body` (JSON) to the runner at `base_url` and return once its answer's head is in;
+    OSError (ConnectionError) if the runner cannot be reached or closes the connection."""
+    url = urlsplit(base_url)
+    host, port = url.hostname or "127.0.0.1", url.port or 80
+    loop = asyncio.get_running_loop()
+    stream = RunnerStream()
+    async with asyncio.timeout(connect_timeout):
+        await loop.create_connection(lambda: stream, host, port)
+    try:
+        sock = stream.transport.get_extra_info("socket") if stream.transport else None
+        if sock is not None:
+            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        await stream.start(
+            b"POST %s HTTP/1.1\r\nHost: %s:%d\r\nContent-Type: application/json\r\n"
+            b"Content-Length: %d\r\nConnection: close\r\n\r\n"
+            % (path.encode(), host.encode(), port, len(body))
+            + body
+        )
+    except BaseException:
+        stream.close()
+        raise
+    return stream
+
+
+async def _disconnected(receive: Receive) -> None:
+    while (await receive())["type"] != "http.disconnect":
+        pass
+
+
+class RelayResponse(Response):
+    """A streamed 200 response whose body is `body_iterator`, sent by a plain loop.
+
+    Starlette's StreamingResponse runs each response in a task group beside a listener for
+    the client leaving; this one has a single idle task waiting for the disconnect, which
+    cancels the loop (and nothing else), and `close()` runs however the response ends. When
+    `more()` says the body has more output ready without waiting (a batch of events read at
+    once), the chunks are joined into one write."""
+
+    def __init__(
+        self,
+        body: AsyncIterator[bytes],
+        media_type: str,
+        more: Callable[[], bool] | None = None,
+    ) -> None:
+        self.body_iterator = body
+        self.status_code = 200
+        self.media_type = media_type
+        self.background = None
+        self.init_headers(None)
+        self.more = more
+
+    async def close(self) -> None:
+        """Called once the response is over, whatever ended it."""
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        task = asyncio.current_task()
+        assert task is not None
+        state = {"active": True, "gone": False}
+
+        def left(watch: asyncio.Future[None]) -> None:
+            if state["active"] and not watch.cancelled() and watch.exception() is None:
+                state["gone"] = True
+                task.cancel()
+
+        watch = asyncio.ensure_future(_disconnected(receive))
+        watch.add_done_callback(left)
+        try:
+            await send({"type": "http.response.start", "status": 200, "headers": self.raw_headers})
+            more = self.more
+            parts: list[bytes] = []
+            async for chunk in self.body_iterator:
+                if more is not None and more():
+                    parts.append(chunk)
+                    continue
+                if parts:
+                    parts.append(chunk)
+                    chunk = b"".join(parts)
+                    parts = []
+                message: Message = {"type": "http.response.body", "body": chunk, "more_body": True}
+                await send(message)
+            if parts:
+                await send({"type": "http.response.body", "body": b"".join(parts),
+                            "more_body": True})  # fmt: skip
+            state["active"] = False
+            await send({"type": "http.response.body", "body": b"", "more_body": False})
+        except asyncio.CancelledError:
+            if not state["gone"]:
+                raise
+            task.uncancel()  # the client left: the response is over, not the server's task
+        finally:
+            state["active"] = False
+            watch.cancel()
+            await self.close()
+
+
+def _error_line(out: bytes) -> str | None:
+    """The message of the last `error: {...}` line (llama.cpp's) in `out`, if any."""
+    if b"error: " not in out:  # the common case, found without splitting lines
+        return None
+    error = None
+    for line in out.split(b"\n"):
+        if (line := line.strip()).startswith(b"error: "):
+            error = runner_error_message(line[7:], 500)
+    return error
+
+
+class LeasedStream(RelayResponse):
     """Streams from a runner; releases the slot at once when the stream ends, fails, or the
-    client disconnects (Starlette cancels the body on disconnect), and also when the body is
-    never started at all.
+    client disconnects, and also when the body is never started at all.
 
     An SSE stream (the OpenAI pass-through) always ends with `data: [DONE]` or an error event:
     when the runner dies mid-stream, or ends it without [DONE], the client gets a final
     `data: {"error": {...}}` (what OpenAI sends, and its SDK raises as an APIError) saying why,
-    never a bare close."""
+    never a bare close. `rename` replaces the runner's `"model":...` pair by the client's
+    (applied to whole events, so a pair is never split)."""
 
     def __init__(
         self,
         body: AsyncIterator[bytes],
         lease: Lease,
-        upstream: aiohttp.ClientResponse,
+        upstream: RunnerStream | None,
         media_type: str,
+        rename: tuple[bytes, bytes] | None = None,
     ) -> None:
         if media_type == "text/event-stream":
-            body = self._ended(body)
-        super().__init__(body, media_type=media_type)
+            body = self._ended(body, rename)
+        super().__init__(body, media_type)
         self.lease = lease
         self.upstream = upstream
 
-    async def _ended(self, body: AsyncIterator[bytes]) -> AsyncIterator[bytes]:
+    async def _ended(
+        self, body: AsyncIterator[bytes], rename: tuple[bytes, bytes] | None
+    ) -> AsyncIterator[bytes]:
         held = b""  # an event not yet complete: passed on whole, or not at all
-        last = b""  # the last non-empty line passed on
+        tail = b""  # the last piece passed on that had any text: its last line is the last
         between = True  # what was passed on ends between events
         error: str | None = None  # llama.cpp's own `error: {...}` line, if it sent one
-
-        def passed(out: bytes) -> bytes:
-            nonlocal last, between, error
-            between = out.endswith(b"\n\n")
-            for line in out.split(b"\n"):
-                if line := line.strip():
-                    last = line
-                    if line.startswith(b"error: "):
-                        error = runner_error_message(line[7:], 500)
-            return out
-
         try:
             async for chunk in body:
                 held += chunk
@@ -69,26 +440,44 @@ class LeasedStream(StreamingResponse):
                 if cut >= 2:
                     out, held = held[:cut], held[cut:]
                 elif len(held) >= MAX_HELD:
-                    out, held = held, b""
+                    cut = held.rfind(b"\n") + 1 or len(held)  # a rename never splits a line
+                    out, held = held[:cut], held[cut:]
                 else:
                     continue
-                yield passed(out)
-        except (aiohttp.ClientError, OSError, asyncio.IncompleteReadError):
-            message = await explain_failure(self.lease.runner)
+                if rename is not None:
+                    out = out.replace(*rename)
+                error = _error_line(out) or error
+                between = out.endswith(b"\n\n")
+                if not out.isspace():
+                    tail = out
+                yield out
+        except UPSTREAM_ERRORS:
+            failed = True
         else:
+            failed = False
             if held:
-                yield passed(held)
-            if last == SSE_DONE:
-                return
-            message = error or await explain_failure(self.lease.runner)
+                if rename is not None:
+                    held = held.replace(*rename)
+                error = _error_line(held) or error
+                between = held.endswith(b"\n\n")
+                if not held.isspace():
+                    tail = held
+                yield held
+        last = tail.rstrip().rsplit(b"\n", 1)[-1].strip()  # the last line with any text
+        if not failed and last == SSE_DONE:
+            return
+        message = (error if not failed else None) or await self._explain()
         # A cut event was never passed on (unless huge), so this one starts on its own.
         err = {"message": message, "type": "server_error", "param": None, "code": None}
         yield (b"" if between else b"\n\n") + b"data: " + orjson.dumps({"error": err}) + b"\n\n"
 
-    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        try:
-            await super().__call__(scope, receive, send)
-        finally:
-            # Closing the upstream connection makes llama.cpp stop generating for this slot.
+    async def _explain(self) -> str:
+        from corral.api.service import explain_failure  # service imports this module's users
+
+        return await explain_failure(self.lease.runner)
+
+    async def close(self) -> None:
+        # Closing the upstream connection makes llama.cpp stop generating for this slot.
+        if self.upstream is not None:
             self.upstream.close()
-            self.lease.release()
+        self.lease.release()
