@@ -557,11 +557,27 @@ async def ollama_chunks(
             yield final
 
 
+_second: list[Any] = [None, ""]  # the last whole second formatted, and its text
+
+
+def created_at() -> str:
+    """now_rfc3339() (the time to the microsecond, as datetime.isoformat writes it), with the
+    date and time of day formatted once a second: it is in every streamed chunk."""
+    t = time.time()
+    sec = int(t)
+    us = round((t - sec) * 1e6)
+    if us >= 1_000_000:
+        sec, us = sec + 1, us - 1_000_000
+    if _second[0] != sec:
+        _second[:] = sec, time.strftime("%Y-%m-%dT%H:%M:%S", time.gmtime(sec))
+    return f"{_second[1]}.{us:06d}Z" if us else f"{_second[1]}Z"
+
+
 def _chunk(
     model: str, kind: str, text: str, thinking: str | None, logprobs: list[dict[str, Any]] | None
 ) -> dict[str, Any]:
     """One streamed Ollama chunk: generate has `response` (+ `thinking`), chat a `message`."""
-    out: dict[str, Any] = {"model": model, "created_at": now_rfc3339()}
+    out: dict[str, Any] = {"model": model, "created_at": created_at()}
     if kind == "response":
         out["response"] = text
         if thinking:
