@@ -292,6 +292,20 @@ def test_ollama_and_openai_clients(rig: Rig) -> None:
     assert node_of(rig, "alpha") == where
 
 
+def test_corral_ps_shows_each_model_s_node(rig: Rig) -> None:
+    env = {**os.environ, "CORRAL_HOST": rig.entry.url}
+    out = subprocess.run(
+        [sys.executable, "-m", "corral", "ps"], env=env, capture_output=True, text=True, timeout=60
+    )
+    assert out.returncode == 0, out.stderr
+    header, *rows = out.stdout.splitlines()
+    assert header.split()[-1] == "NODE"
+    ps = rig.ps()
+    for row in rows:
+        name, node = row.split()[0], row.split()[-1]
+        assert ps[name.removesuffix(":latest")]["node"] == node
+
+
 def test_entry_restart_finds_the_runners_where_they_were(rig: Rig) -> None:
     before = rig.ps()
     port = int(rig.entry.url.rsplit(":", 1)[1])

@@ -72,7 +72,16 @@ def wait_up(url: str, n: int, timeout: float = 300) -> None:
 
 
 # ---- the hop ---------------------------------------------------------------------------------
-def hop(entry: str, model: str, reps: int) -> dict[str, Any]:
+def cpu(pid: int) -> float:
+    import psutil
+
+    t = psutil.Process(pid).cpu_times()
+    return float(t.user + t.system)
+
+
+def hop(entry: str, model: str, reps: int, entry_pid: int) -> dict[str, Any]:
+    """Latency both ways, and the entry's CPU time per request it relays (less what it spends
+    idle on its polls): contention on a busy machine inflates latency, not CPU time."""
     c = httpx.Client(timeout=120)
     r = c.post(entry + "/api/generate", json={"model": model, "prompt": "x", "stream": False,
                                               "options": {"num_predict": 1}})  # fmt: skip
@@ -93,8 +102,13 @@ def hop(entry: str, model: str, reps: int) -> dict[str, Any]:
         ),
     }
     out: dict[str, Any] = {"node": node}
+    t0, c0 = time.perf_counter(), cpu(entry_pid)
+    time.sleep(3)
+    idle_cpu_per_s = (cpu(entry_pid) - c0) / (time.perf_counter() - t0)
+    out["entry_idle_cpu_ms_per_s"] = idle_cpu_per_s * 1e3
     for label, (path, body) in routes.items():
         times: dict[str, list[float]] = {"direct": [], "entry": []}
+        w0, c0 = time.perf_counter(), cpu(entry_pid)
         for i in range(reps + 10):
             order = ("direct", "entry") if i % 2 else ("entry", "direct")
             for way in order:
@@ -103,14 +117,16 @@ def hop(entry: str, model: str, reps: int) -> dict[str, Any]:
                 c.post(base + path, json=body).raise_for_status()
                 if i >= 10:  # warm-up
                     times[way].append(time.perf_counter() - t0)
+        busy = cpu(entry_pid) - c0 - idle_cpu_per_s * (time.perf_counter() - w0)
         d50, e50 = statistics.median(times["direct"]), statistics.median(times["entry"])
         out[label] = {
+            "entry_cpu_us_per_request": busy / (reps + 10) * 1e6,
             "direct_p50_ms": d50 * 1e3, "entry_p50_ms": e50 * 1e3, "hop_p50_ms": (e50 - d50) * 1e3,
             "direct_p95_ms": p(times["direct"], 0.95) * 1e3,
             "entry_p95_ms": p(times["entry"], 0.95) * 1e3,
         }  # fmt: skip
     # one long stream, each way
-    long = {"model": model, "prompt": "x", "options": {"num_predict": 1500, "num_ctx": 2048,
+    long = {"model": model, "prompt": "x", "options": {"num_predict": 600, "num_ctx": 2048,
             "temperature": 0}}  # fmt: skip
     c.post(direct + "/api/generate", json={**long, "stream": False}).raise_for_status()
     for way, base in (("direct", direct), ("entry", entry), ("direct", direct), ("entry", entry)):
@@ -278,6 +294,8 @@ def main() -> None:
             proc.wait(20)
             cl.shutdown()
 
+        stop.pid = proc.pid  # type: ignore[attr-defined]
+
         return url, logs, stop
 
     if "hop" not in args.skip:
@@ -286,7 +304,7 @@ def main() -> None:
         synth.write_llama_model(tiny / "tiny.gguf", n_layer=2, context_length=4096)
         url, _, stop = make_cluster(tiny, None)
         try:
-            out["hop"] = hop(url, "tiny", 60 if args.quick else 300)
+            out["hop"] = hop(url, "tiny", 60 if args.quick else 300, stop.pid)
         finally:
             stop()
         print(json.dumps(out["hop"], indent=1))
