@@ -7,12 +7,14 @@ as `ray start` on a machine would give them):
   node a (the head): alpha, beta, gamma       limit: one of them, never two
   node b           : alpha, beta, gamma, delta, epsilon   the same limit
   node c           : delta, epsilon (pinned to c)        plenty
+  node d (joins)   : zeta
 
 The tests share one cluster (Ray starts slowly) and run in order, each building on the state
 the one before left: models spread by memory, a warm model stays on its node, a load that fits
 nowhere evicts on the node whose victim the policy values least, the real ollama and openai
-clients, an entry restart that finds the runners where they were, a pinned model, and last a
-node killed mid-stream. Every runner must be gone once the cluster is down.
+clients, `corral ps`, an entry restart that finds the runners where they were, a pinned model,
+a frozen agent, a node that joins, and last a node killed mid-stream. Every runner must be
+gone once the cluster is down.
 """
 
 from __future__ import annotations
@@ -350,6 +352,23 @@ def test_unresponsive_agent_is_detected_and_rejoins(rig: Rig) -> None:
     )
     assert lost < 10
     assert {m: x["pid"] for m, x in rig.ps().items() if x["node"] == "b"} == before
+
+
+def test_node_that_joins_gets_an_agent(rig: Rig) -> None:
+    """A node added to the running cluster gets an agent and its models are served."""
+    d = rig.root / "d"
+    d.mkdir()
+    os.link(rig.root / "files" / "epsilon.gguf", d / "zeta.gguf")
+    env = {**BASE, "CORRAL_MODELS": str(d), "CORRAL_NODE_LOG_DIR": str(rig.log_dir)}
+    t0 = time.monotonic()
+    rig.nodes["d"] = rig.cluster.add_node(
+        num_cpus=1, object_store_memory=80 * 2**20, labels={"corral-node": "d"}, env_vars=env
+    )
+    wait_nodes(rig.entry, 4)
+    print(f"\nnode d joined and was serving {time.monotonic() - t0:.1f}s after ray start")
+    assert rig.generate("zeta").headers["x-corral-node"] == "d"
+    tags = {m["name"]: m["nodes"] for m in rig.c.get("/api/tags").json()["models"]}
+    assert tags["zeta:latest"] == ["d"]
 
 
 def test_node_killed_mid_stream(rig: Rig) -> None:
