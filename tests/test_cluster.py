@@ -330,6 +330,29 @@ def test_pinned_model_loads_on_its_node(rig: Rig) -> None:
     assert rig.generate("epsilon").headers["x-corral-node"] == "c"
 
 
+def test_copy_delete_and_stop_reach_every_node_concerned(rig: Rig) -> None:
+    """/api/copy and /api/delete go to every node that has the model; `corral stop` (Ollama's
+    unload) to every node that runs it."""
+    r = rig.c.post("/api/copy", json={"source": "alpha", "destination": "alpha-copy"})
+    assert r.status_code == 200, r.text
+    tags = {m["name"]: m["nodes"] for m in rig.c.get("/api/tags").json()["models"]}
+    assert tags["alpha-copy:latest"] == ["a", "b"]
+    r = rig.c.request("DELETE", "/api/delete", json={"model": "alpha-copy"})
+    assert r.status_code == 200, r.text
+    assert "alpha-copy:latest" not in {m["name"] for m in rig.c.get("/api/tags").json()["models"]}
+    assert "epsilon" in rig.ps()
+    env = {**os.environ, "CORRAL_HOST": rig.entry.url}
+    out = subprocess.run(
+        [sys.executable, "-m", "corral", "stop", "epsilon"],
+        env=env, capture_output=True, text=True, timeout=60,
+    )  # fmt: skip
+    assert out.returncode == 0, out.stderr
+    deadline = time.monotonic() + 20
+    while "epsilon" in rig.ps():
+        assert time.monotonic() < deadline, "epsilon was not unloaded"
+        time.sleep(0.1)
+
+
 def test_unresponsive_agent_is_detected_and_rejoins(rig: Rig) -> None:
     """A node whose agent stops answering (frozen, as a partition looks from the entry) leaves
     the entry's books within a few seconds, and comes back with its runners when it answers."""

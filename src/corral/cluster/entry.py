@@ -253,7 +253,7 @@ class Cluster:
             self.home = ray.get_runtime_context().get_node_id()
         self._tasks = [
             asyncio.ensure_future(self._membership_forever()),
-            asyncio.ensure_future(self._poll_forever()),
+            asyncio.ensure_future(self._watch_forever()),
         ]
 
     async def stop(self) -> None:
@@ -313,6 +313,7 @@ class Cluster:
             await self._poll(node)
             if not node.up:
                 raise RuntimeError("its agent gave no books")
+            self._spawn(self._poll_node(node))
             log.info("%s is up: corral at %s (log %s)", node.label, node.url, about["log"])
         except Exception as e:
             log.error("%s: no agent: %s", node.label, e)
@@ -356,11 +357,22 @@ class Cluster:
             self._spawn(node.session.close())
 
     # ---- books -------------------------------------------------------------------------------
-    async def _poll_forever(self) -> None:
-        while True:
-            nodes = [n for n in self.nodes.values() if n.up]  # _attach polls a new one
-            await asyncio.gather(*(self._poll(n) for n in nodes), return_exceptions=True)
+    async def _poll_node(self, node: Node) -> None:
+        """One node's books every POLL_INTERVAL, on its own clock: a slow node never delays
+        the others'."""
+        while self.nodes.get(node.id) is node:
+            await self._poll(node)
             await asyncio.sleep(POLL_INTERVAL)
+
+    async def _watch_forever(self) -> None:
+        """A node whose agent has not answered for LOST_AFTER is lost (a frozen agent, a
+        partition): checked twice a second, whatever its poll is waiting for."""
+        while True:
+            await asyncio.sleep(0.5)
+            now = time.monotonic()
+            for n in self.up():
+                if now - n.last_ok > LOST_AFTER:
+                    self.lose(n, f"did not answer for {LOST_AFTER:g}s")
 
     async def _poll(self, node: Node) -> None:
         from ray.exceptions import RayActorError, RayTaskError
@@ -381,14 +393,11 @@ class Cluster:
 
                 ray.kill(node.agent)
             return
-        except Exception:
-            if (
-                node.up
-                and time.monotonic() - max(node.last_ok, started - POLL_TIMEOUT) > LOST_AFTER
-            ):
-                self.lose(node, f"did not answer for {LOST_AFTER:g}s")
+        except Exception:  # a timeout: _watch_forever decides when the node is lost
             return
-        node.take(books, started, counts)
+        if started >= node.polled_at:  # (a poll that started earlier may end later)
+            node.take(books, started, counts)
+        node.last_ok = time.monotonic()
         node.up = True
 
     def known(self, name: str) -> bool:
