@@ -89,6 +89,13 @@ def log_lines(s: CorralServer, text: str) -> list[str]:
     return [ln for ln in s.log().splitlines() if text in ln]
 
 
+def wait_log(s: CorralServer, text: str) -> list[str]:
+    """The log lines with `text`, once there is one (what llama.cpp reused is logged once the
+    runner's counters show the request's prompt read)."""
+    s.wait_for(lambda: bool(log_lines(s, text)), 30, repr(text))
+    return log_lines(s, text)
+
+
 @pytest.fixture(scope="module")
 def kv_models(models_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
     d = tmp_path_factory.mktemp("kv_models")
@@ -100,7 +107,8 @@ def kv_models(models_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Pat
 
 
 def kv_server(start_server: Any, models: Path, kv: Path, **env: str) -> CorralServer:
-    return start_server(models, CORRAL_KV_CACHE_DIR=str(kv), CORRAL_NUM_PARALLEL="1", **env)
+    return start_server(models, **{"CORRAL_KV_CACHE_DIR": str(kv), "CORRAL_NUM_PARALLEL": "1",
+                                   **env})  # fmt: skip
 
 
 # --------------------------------------------------------------------------- with real runners
@@ -125,8 +133,8 @@ def test_a_conversation_resumes_from_its_saved_cache_after_an_unload(
     prompt = resumed["usage"]["prompt_tokens"]
     # llama.cpp took (nearly) the whole earlier prompt from the restored cache
     assert cached(resumed) >= first["usage"]["prompt_tokens"] - 8, resumed["usage"]
-    (line,) = log_lines(s, "resumed a saved conversation")
-    assert f"of the prompt's {prompt}" in line
+    (line,) = wait_log(s, "resumed a saved conversation")  # llama.cpp's count, as logged
+    assert f"reused {cached(resumed)} of the prompt's {prompt} tokens" in line
 
     # The same request without a saved cache: the same greedy answer.
     unload(s, "smollm2:135m")
@@ -142,14 +150,18 @@ def test_eviction_saves_the_conversation_and_the_reload_restores_it(
     start_server: Any, kv_models: Path, tmp_path: Path
 ) -> None:
     kv = tmp_path / "kv"
-    s = kv_server(start_server, kv_models, kv, CORRAL_MAX_LOADED_MODELS="1")
+    # Two slots: what llama.cpp reuses is measured by a probe in the restored slot.
+    s = kv_server(
+        start_server, kv_models, kv, CORRAL_MAX_LOADED_MODELS="1", CORRAL_NUM_PARALLEL="2"
+    )
     msgs = history(8, "Carthage")
     first = chat(s, "tiny", msgs)
     chat(s, "tiny2", history(3, "Athens"))  # evicts tiny: a load waits for its room
     s.wait_for(lambda: len(slots(kv)) == 1, 30, "tiny's conversation saved")
     resumed = chat(s, "tiny", resume(msgs, first, "And then?"))  # evicts tiny2, reloads tiny
     assert cached(resumed) >= first["usage"]["prompt_tokens"] - 8, resumed["usage"]
-    assert log_lines(s, "kv cache: 'tiny:latest' resumed a saved conversation")
+    (line,) = wait_log(s, "kv cache: 'tiny:latest' resumed a saved conversation")
+    assert "measured on the probe" in line
 
 
 def test_no_restore_into_another_model_or_another_shape(
@@ -173,14 +185,14 @@ def test_no_restore_into_another_model_or_another_shape(
     })  # fmt: skip
     assert r.status_code == 200, r.text
     assert r.json()["prompt_eval_count"] >= first["usage"]["prompt_tokens"]  # all evaluated
-    assert not log_lines(s, "resumed a saved conversation")
+    assert not log_lines(s, "a saved conversation")  # neither restored nor resumed
     assert saved.exists()
 
     # The file was fine all along: the shape it was saved from restores it.
     unload(s, "tiny")
     resumed = chat(s, "tiny", follow)
     assert cached(resumed) > 0
-    assert log_lines(s, "kv cache: 'tiny:latest' resumed a saved conversation")
+    assert wait_log(s, "kv cache: 'tiny:latest' resumed a saved conversation")
 
 
 def test_the_size_cap_removes_the_least_recently_used(
@@ -241,9 +253,10 @@ def test_a_sliding_window_model_reports_what_it_really_reuses(
     follow = resume(msgs, first, "More?")
     resumed = chat(s, "swa", follow)
     if cached(resumed) > 0:
-        assert log_lines(s, "kv cache: 'swa:latest' resumed a saved conversation")
+        (line,) = wait_log(s, "kv cache: 'swa:latest' resumed a saved conversation")
+        assert f"reused {cached(resumed)} of" in line
     else:
-        assert log_lines(s, "llama.cpp reused none of them")
+        assert wait_log(s, "llama.cpp reused none of them")
     unload(s, "swa")
     for p in slots(kv):
         p.unlink()

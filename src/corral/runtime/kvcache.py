@@ -20,9 +20,12 @@ temporary name; the file gets its name by an atomic rename. The directory is cap
 or whose tokens do not match its name, or that llama.cpp refuses to restore, is removed with a
 log line.
 
-Reuse is verified, not assumed: right after the restore, a one-token probe (`/completion`,
-`n_predict` 0, the prompt up to the shared prefix) makes llama.cpp report how many tokens it
-really took from the restored cache (`timings.cache_n`); that figure is logged and counted.
+Reuse is verified, not assumed: llama.cpp's own count of the prompt tokens it took from the
+restored cache is logged and counted. With one slot per runner (the default) it is the change
+in the runner's `prompt_tokens_cached_total` (/metrics) once the restored request's prompt is
+read, which costs the request nothing; with several slots, whose counters mix requests, a
+one-token probe right after the restore (`/completion`, `n_predict` 0, the prompt up to the
+shared prefix) makes llama.cpp report it for that slot (`timings.cache_n`).
 On models whose restore reuses nothing (llama.cpp cannot roll back a sliding-window or
 recurrent cache past what it holds: llama.cpp #28194, #26676), two such failures in a row stop
 corral saving that model's conversations.
@@ -81,6 +84,7 @@ HTTP_TIMEOUT = 30.0  # seconds for a save, a restore, a tokenization
 # The probe evaluates one token where the restore works, the shared prefix where it does not
 # (which the request then reuses): as long as a prompt may take.
 PROBE_TIMEOUT = 600.0
+MEASURE_INTERVAL = 0.25  # seconds between reads of a runner's counters after a restore
 
 
 class CorruptEntry(ValueError):
@@ -214,6 +218,7 @@ class KVCache:
              "restores", "restored_tokens", "reused_tokens", "failed_reuse", "dropped"), 0
         )  # fmt: skip
         self.last_restore: dict[str, Any] | None = None
+        self._tasks: set[asyncio.Task[None]] = set()  # measures of restored requests
         directory.mkdir(parents=True, exist_ok=True)
         self._clean_tmp()
 
@@ -358,6 +363,7 @@ class KVCache:
         if st is None or not st.pending or st.checks_left <= 0:
             return payload
         st.checks_left -= 1
+        started = time.monotonic()
         if payload.get("cache_prompt") is False or _has_media(payload):
             return payload
         try:
@@ -383,20 +389,18 @@ class KVCache:
         if slot is None:
             return payload
         try:
-            reused = await self._restore(runner, st, entry, slot, prompt, shared)
+            restored = await self._restore(runner, st, entry, slot, prompt, shared, started)
         finally:
             # Held until the pinned request is queued behind the restore in llama.cpp.
             asyncio.get_running_loop().call_later(1.0, st.claimed.discard, slot)
-        if reused is None:
-            return payload
-        return {**payload, "id_slot": slot}
+        return {**payload, "id_slot": slot} if restored else payload
 
     async def _restore(
         self, runner: Runner, st: _RunnerState, entry: Entry, slot: int, prompt: Sequence[int],
-        shared: int,
-    ) -> int | None:  # fmt: skip
-        """Restore `entry` into `slot` and measure what llama.cpp reuses of it; the tokens
-        reused, or None if the restore failed."""
+        shared: int, started: float,
+    ) -> bool:  # fmt: skip
+        """Restore `entry` into `slot` and see to it that what llama.cpp reuses of it is
+        measured; False if the restore failed. (`started`: when the request's check began.)"""
         st.pending.pop(entry.name, None)
         t0 = time.monotonic()
         res = await self._post_json(
@@ -406,56 +410,98 @@ class KVCache:
         n_restored = int(res.get("n_restored") or 0) if isinstance(res, dict) else 0
         if n_restored != len(entry.tokens):
             self._drop(entry.path, f"llama.cpp did not restore it ({res})")
-            return None
+            return False
         with contextlib.suppress(OSError):
             os.utime(entry.path)  # used: last to go under the cap
-        # The probe: the prompt up to one token past the shared prefix, so llama.cpp says
-        # what it takes from the cache while evaluating (nearly) nothing the request will not.
+        self.stats["restores"] += 1
+        self.stats["restored_tokens"] += n_restored
+        restore = {
+            "model": runner.name, "slot": slot, "restored": n_restored, "shared": shared,
+            "prompt": len(prompt), "restore_seconds": restore_s,
+        }  # fmt: skip
+        counters = await self._prompt_counters(runner) if runner.spec.num_parallel == 1 else None
+        if counters is not None:
+            # One slot: the next prompt the runner reads is this request's, and its counters
+            # (llama.cpp's /metrics) say what it took from the cache, with no extra decode.
+            restore["seconds"] = time.monotonic() - started
+            self._log_restore(restore)
+            self._spawn(self._measure_request(runner, st, restore, counters))
+            return True
+        # Several slots (their counters mix requests): a probe, the prompt up to one token
+        # past the shared prefix, makes llama.cpp say what it takes from this slot's cache
+        # while evaluating (nearly) nothing the request will not.
         probe = await self._post_json(runner, "/completion", {
             "prompt": list(prompt[: shared + 1]), "n_predict": 0, "id_slot": slot,
             "cache_prompt": True, "temperature": 0,
         }, PROBE_TIMEOUT)  # fmt: skip
+        restore["seconds"] = time.monotonic() - started
+        self._log_restore(restore)
         timings = probe.get("timings") if isinstance(probe, dict) else None
-        if not isinstance(timings, dict) or "cache_n" not in timings:
-            log.warning(
-                "kv cache: '%s' restored %d tokens into slot %d; how many llama.cpp "
-                "reuses is unknown (%s)",
-                runner.name,
-                n_restored,
-                slot,
-                probe,
-            )
-            return 0
-        reused = int(timings["cache_n"] or 0)
-        self.stats["restores"] += 1
-        self.stats["restored_tokens"] += n_restored
-        self.stats["reused_tokens"] += reused
-        self.last_restore = {
-            "model": runner.name, "slot": slot, "restored": n_restored, "shared": shared,
-            "reused": reused, "prompt": len(prompt), "restore_seconds": restore_s,
-        }  # fmt: skip
-        if reused == 0:
-            self.stats["failed_reuse"] += 1
-            fails = self._failures[st.key] = self._failures.get(st.key, 0) + 1
-            give_up = fails >= FAILURES_TO_GIVE_UP
-            if give_up:
-                self.no_reuse.add(st.key)
-            log.warning(
-                "kv cache: '%s' restored %d tokens into slot %d but llama.cpp reused none of "
-                "them (its cache cannot resume there: sliding-window or recurrent layers?)%s",
-                runner.name, n_restored, slot,
-                "; not saving this model's conversations any more" if give_up else "",
-            )  # fmt: skip
+        if isinstance(timings, dict) and "cache_n" in timings:
+            self._reused(runner, st, restore, int(timings["cache_n"] or 0), "probe")
         else:
+            log.warning("kv cache: how many tokens llama.cpp reuses in slot %d of '%s' is "
+                        "unknown (%s)", slot, runner.name, probe)  # fmt: skip
+        return True
+
+    def _log_restore(self, r: dict[str, Any]) -> None:
+        log.info(
+            "kv cache: '%s' restored a saved conversation into slot %d: %d tokens in %.0f ms, "
+            "%d of them shared with the prompt's %d (%.0f ms before the request, tokenizing "
+            "included)", r["model"], r["slot"], r["restored"], r["restore_seconds"] * 1e3,
+            r["shared"], r["prompt"], r["seconds"] * 1e3,
+        )  # fmt: skip
+
+    async def _measure_request(
+        self, runner: Runner, st: _RunnerState, restore: dict[str, Any],
+        before: tuple[float, float],
+    ) -> None:  # fmt: skip
+        """Wait for the runner to read its next prompt (the restored request's) and count
+        what it took from the cache."""
+        deadline = time.monotonic() + PROBE_TIMEOUT
+        while time.monotonic() < deadline:
+            await asyncio.sleep(MEASURE_INTERVAL)
+            if runner.session is None or runner.session.closed:
+                return
+            now = await self._prompt_counters(runner)
+            if now is not None and now != before:
+                self._reused(runner, st, restore, int(now[1] - before[1]), "request")
+                return
+
+    def _reused(
+        self, runner: Runner, st: _RunnerState, restore: dict[str, Any], reused: int, how: str
+    ) -> None:
+        """Record and report what llama.cpp really reused after a restore."""
+        self.stats["reused_tokens"] += reused
+        self.last_restore = {**restore, "reused": reused}
+        if reused > 0:
             self._failures.pop(st.key, None)
             log.info(
-                "kv cache: '%s' resumed a saved conversation in slot %d: restored %d tokens "
-                "in %.0f ms, llama.cpp reused %d of the prompt's %d",
-                runner.name, slot, n_restored, restore_s * 1e3, reused, len(prompt),
+                "kv cache: '%s' resumed a saved conversation in slot %d: llama.cpp reused %d "
+                "of the prompt's %d tokens (measured on the %s)",
+                runner.name, restore["slot"], reused, restore["prompt"], how,
             )  # fmt: skip
-        return reused
+            return
+        self.stats["failed_reuse"] += 1
+        fails = self._failures[st.key] = self._failures.get(st.key, 0) + 1
+        give_up = fails >= FAILURES_TO_GIVE_UP
+        if give_up:
+            self.no_reuse.add(st.key)
+        log.warning(
+            "kv cache: '%s' restored %d tokens into slot %d but llama.cpp reused none of them "
+            "(its cache cannot resume there: sliding-window or recurrent layers?)%s",
+            runner.name, restore["restored"], restore["slot"],
+            "; not saving this model's conversations any more" if give_up else "",
+        )  # fmt: skip
+
+    def _spawn(self, coro: Any) -> None:
+        task = asyncio.get_running_loop().create_task(coro)
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
 
     async def _claim_slot(self, runner: Runner, st: _RunnerState, wanted: Any) -> int | None:
+        if runner.spec.num_parallel == 1 and wanted in (None, -1, 0):
+            return 0  # the lease held for this request is the one slot's
         async with st.lock:
             slots = await self._get_json(runner, "/slots")
             if not isinstance(slots, list):
@@ -565,24 +611,40 @@ class KVCache:
         cells = runner.spec.n_ctx * runner.spec.num_parallel
         return alloc.kv_bytes / cells if alloc is not None and cells else 0.0
 
-    async def _prompt_speed(self, runner: Runner) -> float | None:
-        """The runner's prompt tokens per second so far (llama.cpp's /metrics); None if it
-        has read no prompt yet or does not say."""
-        if runner.session is None or runner.session.closed:
+    async def _prompt_counters(self, runner: Runner) -> tuple[float, float] | None:
+        """(prompt tokens evaluated, prompt tokens taken from the cache) since the runner
+        started, from llama.cpp's /metrics; None if it does not say."""
+        found = await self._metrics(
+            runner, ("llamacpp:prompt_tokens_total", "llamacpp:prompt_tokens_cached_total")
+        )
+        if len(found) < 2:
             return None
+        return found["llamacpp:prompt_tokens_total"], found["llamacpp:prompt_tokens_cached_total"]
+
+    async def _metrics(self, runner: Runner, names: Sequence[str]) -> dict[str, float]:
+        if runner.session is None or runner.session.closed:
+            return {}
         try:
             async with runner.session.get(
-                "/metrics", timeout=aiohttp.ClientTimeout(total=2.0)
+                "/metrics", timeout=aiohttp.ClientTimeout(total=5.0)
             ) as r:
                 text = await r.text() if r.status == 200 else ""
         except (aiohttp.ClientError, OSError, asyncio.TimeoutError, UnicodeDecodeError):
-            return None
+            return {}
         found: dict[str, float] = {}
         for line in text.splitlines():
             name, _, value = line.partition(" ")
-            if name in ("llamacpp:prompt_tokens_total", "llamacpp:prompt_seconds_total"):
+            if name in names:
                 with contextlib.suppress(ValueError):
                     found[name] = float(value)
+        return found
+
+    async def _prompt_speed(self, runner: Runner) -> float | None:
+        """The runner's prompt tokens per second so far (llama.cpp's /metrics); None if it
+        has read no prompt yet or does not say."""
+        found = await self._metrics(
+            runner, ("llamacpp:prompt_tokens_total", "llamacpp:prompt_seconds_total")
+        )
         secs = found.get("llamacpp:prompt_seconds_total") or 0.0
         toks = found.get("llamacpp:prompt_tokens_total") or 0.0
         return toks / secs if secs > 0 and toks > 0 else None
