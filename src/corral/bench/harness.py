@@ -18,7 +18,7 @@ if TYPE_CHECKING:
 
 SECTIONS = ("proxy", "cold", "swap", "estimates")  # what `all` runs
 # Run only when named: the soak is a stress test of a minute or more, with chaos.
-EXTRA = ("soak", "prefetch")
+EXTRA = ("soak", "prefetch", "resume")
 TITLES = {
     "proxy": "Proxy overhead",
     "cold": "Cold start",
@@ -26,6 +26,7 @@ TITLES = {
     "estimates": "Estimate accuracy",
     "soak": "Soak under a memory limit, with chaos",
     "prefetch": "Prefetch while a load waits for an eviction",
+    "resume": "Resumed conversations after an eviction",
 }
 
 
@@ -109,6 +110,10 @@ def run_section(name: str, scale: Scale, work: Path, say: Say) -> Section:
         from corral.bench import prefetch
 
         runners[name] = prefetch.run
+    elif name == "resume":
+        from corral.bench import resume
+
+        runners[name] = resume.run
     t0 = time.monotonic()
     try:
         sec = runners[name](scale, work, say)

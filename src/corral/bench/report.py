@@ -14,8 +14,8 @@ from typing import Any
 
 from corral.bench.common import Section, machine_line
 
-ORDER = ("proxy", "cold", "swap", "estimates", "soak")
-OPTIONAL = ("soak",)  # on the page once measured (`all` does not run them)
+ORDER = ("proxy", "cold", "swap", "estimates", "soak", "resume")
+OPTIONAL = ("soak", "resume")  # on the page once measured (`all` does not run them)
 # Hand-written blocks (`<!-- bench:notes:NAME -->`) a run keeps as they are, after the goals.
 NOTES = {
     "misses": "What the misses mean",
@@ -27,6 +27,7 @@ TITLES = {
     "swap": "3. Multi-model swap traces",
     "estimates": "4. Estimate accuracy",
     "soak": "5. Soak under a memory limit, with chaos",
+    "resume": "6. Resumed conversations after an eviction",
 }
 
 INTRO = """\
@@ -100,6 +101,20 @@ status >= 400 with a body in the family's error shape, or a mid-stream error in 
 a client that left, or BAD (a stream that closed without its end or an error, a connection
 error, no answer in time, an error without a message). A thread sums the runner processes'
 proportional set size (PSS) and RSS every 200 ms; another polls `/api/ps` for the books.""",
+    "resume": """\
+A conversation whose model was evicted, resumed with its KV cache saved and restored by corral
+(`corral.runtime.kvcache`) and without (`corral bench resume --write-docs`). Two corral servers
+with `CORRAL_MAX_LOADED_MODELS=1`, one with a KV cache directory, one with
+`CORRAL_KV_CACHE_SIZE=0`, interleaved. A repetition: a streamed chat of a ~2,000-token history
+(a full prefill), a request for another model (the eviction: the save runs while that load
+waits), then the conversation goes on (the answer and a new question), streamed; time to first
+token as the client sees it. Measured twice: as the request that reloads the model (reload
+included, the same load with and without the cache), and after an empty request reloaded it
+(the conversation's own cost). Tokens reused: the response's `cached_tokens` (llama.cpp's own
+count), and llama.cpp's `prompt_n` / `prompt_ms` for the prompt it did evaluate; save and
+restore times, the wait before the request (rendering, tokenizing, restore) and what corral
+logged as reused from corral's log. The same on a synthetic gemma3 whose layers see a
+512-token sliding window (5 of its 6 layers).""",
     "estimates": """\
 corral's memory estimate (`corral.core.estimate`) against what llama.cpp reports it allocated, for
 synthetic and real models at several contexts, slots and KV cache types
