@@ -31,6 +31,7 @@ from collections import Counter
 from collections.abc import Awaitable, Callable, Iterable
 from dataclasses import dataclass, field
 from typing import Any
+from urllib.parse import urlsplit
 
 import aiohttp
 import orjson
@@ -40,6 +41,7 @@ from starlette.types import Message, Receive, Scope, Send
 import corral
 from corral.api.common import ApiError
 from corral.cluster.placement import Choice, NodeView, RunnerView, choose
+from corral.cluster.relay import Broken, Pool, Unreachable, exchange
 from corral.config import Settings
 from corral.core.policy import POLICIES
 from corral.runtime.registry import canonical_name
@@ -55,6 +57,7 @@ SETTLE = 0.5  # books polled this long after an eviction was asked for show it
 HEAT_DECAY = 0.97  # per request, as in core.books
 NODE_LABEL = "corral-node"  # a Ray node label naming the node (`ray start --labels`)
 KEEPALIVE = 4.0  # idle pooled connections to a node: below its server's 5 s keep-alive
+WATCH_AFTER = 0.02  # seconds into a relayed request before its client's disconnect is watched
 
 # Hop-by-hop headers, and those the entry's own server writes.
 _DROP_RESPONSE = {
@@ -66,6 +69,7 @@ _DROP_REQUEST = {
     "content-length", "expect", "proxy-authorization",
     "origin",  # the entry's guard checked it (and answers CORS); the nodes' lists may differ
 }  # fmt: skip
+_DROP_REQUEST_B = {k.encode() for k in _DROP_REQUEST}
 # Requests that only read about a model: sent to a node that has it, no load expected.
 _LOOKUP_PATHS = ("/api/show", "/v1/messages/count_tokens")
 # Model management: on the node a client names (header X-Corral-Node), else the entry's own.
@@ -86,7 +90,6 @@ class Relay:
     node: Node
     model: str | None
     task: asyncio.Task[Any] | None
-    resp: aiohttp.ClientResponse | None = None
     lost: str | None = None  # why the node was lost under it
     gone: bool = False  # the client disconnected
 
@@ -100,7 +103,8 @@ class Node:
     agent: Any = None
     about: dict[str, Any] = field(default_factory=dict)  # the agent's info()
     url: str | None = None
-    session: aiohttp.ClientSession | None = None
+    session: aiohttp.ClientSession | None = None  # for the few calls off the data path
+    pool: Pool | None = None  # the data path's connections
     books: dict[str, Any] | None = None
     polled_at: float = -math.inf  # when the poll that gave `books` started
     last_ok: float = -math.inf
@@ -194,8 +198,15 @@ class Node:
             others = int(r.get("inflight", 0)) + int(r.get("queued", 0)) - counts.get(m, 0)
             if others > 0:
                 self.foreign[m] = others
-        if books.get("url") and books["url"] != self.url:
-            self.url = books["url"]
+        if books.get("url") and books["url"] != self.url:  # (an agent restarted its corral)
+            self.set_url(books["url"])
+
+    def set_url(self, url: str) -> None:
+        if self.pool is not None:
+            self.pool.close()
+        self.url = url
+        parts = urlsplit(url)
+        self.pool = Pool(parts.hostname or "127.0.0.1", parts.port or 80)
 
 
 class Heat:
@@ -303,7 +314,8 @@ class Cluster:
         try:
             node.agent = await asyncio.to_thread(self._agent_for, nid)
             about = await asyncio.wait_for(node.agent.info.remote(), timeout=180)
-            node.url, node.about = about["url"], about
+            node.about = about
+            node.set_url(about["url"])
             node.session = aiohttp.ClientSession(
                 connector=aiohttp.TCPConnector(limit=0, keepalive_timeout=KEEPALIVE),
                 timeout=aiohttp.ClientTimeout(total=None, sock_connect=5),
@@ -355,6 +367,8 @@ class Cluster:
                 relay.task.cancel()
         if node.session is not None:
             self._spawn(node.session.close())
+        if node.pool is not None:
+            node.pool.close()
 
     # ---- books -------------------------------------------------------------------------------
     async def _poll_node(self, node: Node) -> None:
@@ -668,53 +682,58 @@ class Entry:
         choice: Choice | None,
     ) -> None:
         """Send the request to `node`'s corral and relay its response as it comes."""
-        assert node.session is not None and node.url is not None
+        assert node.pool is not None
         path = scope["path"]
-        url = node.url + scope["raw_path"].decode("latin-1")
+        target = scope["raw_path"].decode("latin-1")
         if scope.get("query_string"):
-            url += "?" + scope["query_string"].decode("latin-1")
-        headers = [
-            (k.decode("latin-1"), v.decode("latin-1"))
-            for k, v in scope["headers"]
-            if k.decode("latin-1").lower() not in _DROP_REQUEST
-        ]
+            target += "?" + scope["query_string"].decode("latin-1")
+        headers = [(k, v) for k, v in scope["headers"] if k.lower() not in _DROP_REQUEST_B]
+        request = node.pool.request_bytes(scope["method"], target, headers, body)
         relay = Relay(node, model, asyncio.current_task())
         node.relays.add(relay)
         if model is not None:
             node.inflight[model] += 1
             node.touch()
-        watcher = asyncio.ensure_future(_watch_disconnect(receive, relay))
+        # The client's disconnect is watched for only once the answer takes a moment (a task
+        # per request costs more CPU than a short request's whole relay).
+        watcher: asyncio.Future[None] | None = None
+
+        def watch() -> None:
+            nonlocal watcher
+            watcher = asyncio.ensure_future(_watch_disconnect(receive, relay))
+
+        timer = asyncio.get_running_loop().call_later(WATCH_AFTER, watch)
         started = False
         last = b""
         content_type = ""
         t0 = time.monotonic()
         try:
             try:
-                async with node.session.request(
-                    scope["method"], url, data=body or None, headers=headers,
-                    allow_redirects=False,
-                ) as resp:  # fmt: skip
-                    relay.resp = resp
+                async with exchange(node.pool, request) as conn:
                     if model is not None and choice is not None and choice.how != "ready":
                         u = node.usage.setdefault(model, Usage())
                         u.load_cost = max(0.0, time.monotonic() - t0)
                         node.touch()
                         if choice.how != "queue":  # a load ended: the node's books changed
                             self.cluster.poll_soon(node)
-                    out = [
-                        (k.lower(), v)
-                        for k, v in resp.raw_headers
-                        if k.lower() not in _DROP_RESPONSE
-                    ]
+                    out = []
+                    for k, v in conn.headers:
+                        k = k.lower()
+                        if k == b"content-type":
+                            content_type = v.decode("latin-1")
+                        if k not in _DROP_RESPONSE:
+                            out.append((k, v))
                     out.append((b"x-corral-node", node.name.encode()))
-                    content_type = resp.headers.get("content-type", "")
                     await send(
-                        {"type": "http.response.start", "status": resp.status, "headers": out}
+                        {"type": "http.response.start", "status": conn.status, "headers": out}
                     )
                     started = True
-                    async for chunk in resp.content.iter_any():
-                        last = chunk
-                        await send({"type": "http.response.body", "body": chunk, "more_body": True})
+                    if scope["method"] != "HEAD":
+                        async for chunk in conn.body():
+                            last = chunk
+                            await send(
+                                {"type": "http.response.body", "body": chunk, "more_body": True}
+                            )
                 await send({"type": "http.response.body", "body": b"", "more_body": False})
             except asyncio.CancelledError:
                 if relay.gone or relay.lost is None:
@@ -723,11 +742,11 @@ class Entry:
                 if task is not None:
                     task.uncancel()
                 raise _Lost(relay.lost) from None
-        except (aiohttp.ClientError, asyncio.TimeoutError, _Lost) as e:
-            why = relay.lost or f"{node.label} failed: {type(e).__name__}: {e}".rstrip(": ")
-            if not started and (relay.lost is not None or isinstance(e, _UNREACHABLE)):
+        except (Unreachable, Broken, _Lost) as e:
+            why = relay.lost or f"{node.label} failed: {e}".rstrip(": ")
+            if not started and not isinstance(e, Broken):
                 raise _Unreachable(why) from None  # nothing sent yet: _deliver tries again
-            if relay.lost is None and isinstance(e, aiohttp.ClientError):
+            if relay.lost is None:
                 self.cluster.check_soon(node)
             if not started:
                 raise ApiError(502, why) from None
@@ -736,7 +755,9 @@ class Entry:
                 raise
             await send({"type": "http.response.body", "body": tail, "more_body": False})
         finally:
-            watcher.cancel()
+            timer.cancel()
+            if watcher is not None:
+                watcher.cancel()
             node.relays.discard(relay)
             if model is not None:
                 node.inflight[model] -= 1
@@ -884,15 +905,6 @@ class _Lost(Exception):
 
 class _Unreachable(Exception):
     pass
-
-
-# Failures of a request that never got an answer: a connection refused or reset, or a pooled
-# connection the node had closed. Retried (after a check of the node).
-_UNREACHABLE = (
-    aiohttp.ClientConnectorError,
-    aiohttp.ServerDisconnectedError,
-    aiohttp.ClientOSError,
-)
 
 
 def _is_unload(path: str, body: dict[str, Any]) -> bool:
