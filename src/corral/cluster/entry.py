@@ -10,10 +10,10 @@ loads and evictions it has just caused.
 
 The data path does not touch Ray: a request's `model` (from its JSON body, or its path) goes to
 `placement.choose`, and the request is forwarded over HTTP to the chosen node's corral, its
-response relayed byte for byte (one pooled aiohttp session per node). If that node is lost
-while the response streams (its agent or raylet dies, or its agent stops answering for
-LOST_AFTER seconds), the client gets an error in its API's shape naming the node, and the node's
-models leave the books, so the next request loads elsewhere.
+response relayed as it comes (cluster/relay.py: a keep-alive connection pool per node). If that
+node is lost while the response streams (its agent or raylet dies, or its agent stops answering
+for LOST_AFTER seconds), the client gets an error in its API's shape naming the node, and the
+node's models leave the books, so the next request loads elsewhere.
 
 `/api/tags`, `/v1/models` and the router's `/models` are the union of the nodes' lists;
 `/api/ps` lists every node's runners, each with its `node`; `/metrics` is every node's metrics
