@@ -1,14 +1,18 @@
 """Streamed responses from a runner, relayed at the runner's pace with as little work per token
 as the guarantees allow.
 
-What a relayed token costs is mostly fixed per read and per write (a system call each, a wake-up
-of the task, the ASGI send through the middleware), not per byte. So:
-- `RelayResponse` sends with a plain loop (no task group per response, no wrapper per chunk)
-  and watches for the client leaving with one idle task;
-- `Upstream` reads what the runner sent; when the last read was less than
-  `COALESCE_S` ago it lets that long pass first and takes everything that arrived meanwhile, so
-  a fast runner's tokens go out a few at a time (one read and one write for several), while a
-  token after a pause (the first, or any at a normal model's pace) goes out at once;
+What a relayed token costs is mostly fixed per wake-up, read and write (the event loop's turn,
+a system call each, the ASGI send through the middleware), not per byte. So:
+- `RunnerStream` reads the runner's stream on a connection of its own, with no HTTP client
+  library in between, and coalesces: a read less than a window after the previous one waits
+  out the window (the tokens wait in the kernel meanwhile) and takes everything that came, so a
+  fast runner's tokens go out a few at a time, while the first tokens, a token after a pause
+  (any at a normal model's pace) and the stream's end go out at once. The window is
+  `COALESCE_S`, longer while many streams are relayed at once (`STREAM_SHARE_S` each), so
+  that the relay's wake-ups stay bounded however many streams there are;
+- `RelayResponse` sends with a plain loop (no task group per response, no wrapper per chunk),
+  joining what one read brought into one write, and watches for the client leaving with one
+  idle task;
 - `LeasedStream` passes the runner's SSE bytes on, cut only at event boundaries.
 """
 
@@ -38,6 +42,9 @@ MAX_HELD = 1 << 20  # an "event" longer than this without its blank line passes 
 # runner sends meanwhile goes out with it: at most this much added delay for a token, and only
 # for tokens that come faster than one per window.
 COALESCE_S = 0.002
+STREAM_SHARE_S = 0.0005  # the window is at least this times the streams relayed at once ...
+MAX_WINDOW_S = 0.02  # ... up to this
+MIN_WAIT_S = 0.0005
 HIGH_WATER = 1 << 20  # received bytes the client has not taken: reading stops until it does
 HOLD_LOWAT = 1 << 16  # the socket's receive low-water mark while a window passes
 # What a runner failing mid-stream raises: RunnerStream raises OSErrors (ConnectionError);
@@ -89,6 +96,7 @@ class RunnerStream(asyncio.Protocol):
         self.last = -window  # when the last read returned
         self.loop = asyncio.get_running_loop()
         self.sock: Any = None  # the socket (uvloop's stand-in), to set its low-water mark
+        self.counted = False  # in _streams
 
     # ---- the protocol: called by the event loop ----------------------------------------------
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
@@ -117,6 +125,7 @@ class RunnerStream(asyncio.Protocol):
 
     def connection_lost(self, exc: Exception | None) -> None:
         self.eof = True
+        self._gone()
         if exc is not None and self.exc is None:
             self.exc = exc
         self._wake()
@@ -230,14 +239,17 @@ class RunnerStream(asyncio.Protocol):
             if data:
                 break
             if self.done or (self.eof and not self.chunked and self.left < 0):
+                self._gone()
                 return b""  # all of it (a body without a length ends with the connection)
             if self.eof:
                 raise self.exc or ConnectionResetError("the runner closed the stream")
             await self._wait()
         self.reads += 1
-        wait = self.last + self.window - time.monotonic()
-        # The first reads (the role event, then the first token) never wait, nor the end.
-        if wait > 0 and self.reads > 2 and not self.ending and not self.done and not self.eof:
+        window = max(self.window, min(_streams[0] * STREAM_SHARE_S, MAX_WINDOW_S))
+        wait = self.last + window - time.monotonic()
+        # The first reads (the role event, then the first token) never wait, nor the end, nor a
+        # read whose window is all but over (the event loop's timers count milliseconds).
+        if wait >= MIN_WAIT_S and self.reads > 2 and not (self.ending or self.done or self.eof):
             await self._hold(wait)
             data += self._take()
         self.last = time.monotonic()
@@ -290,18 +302,28 @@ class RunnerStream(asyncio.Protocol):
     def close(self) -> None:
         if self.transport is not None:
             self.transport.close()
+        self._gone()
 
     release = close
 
+    def _gone(self) -> None:
+        if self.counted:
+            self.counted = False
+            _streams[0] -= 1
 
-async def open_stream(base_url: str, path: str, body: bytes, connect_timeout: float = 10.0
-                      ) -> RunnerStream:  # fmt: skip
+
+_streams = [0]  # RunnerStreams open (counted from their head to their end or close)
+
+
+async def open_stream(
+    base_url: str, path: str, body: bytes, window: float = COALESCE_S, connect_timeout: float = 10
+) -> RunnerStream:
     """POST `body` (JSON) to the runner at `base_url` and return once its answer's head is in;
     OSError (ConnectionError) if the runner cannot be reached or closes the connection."""
     url = urlsplit(base_url)
     host, port = url.hostname or "127.0.0.1", url.port or 80
     loop = asyncio.get_running_loop()
-    stream = RunnerStream()
+    stream = RunnerStream(window)
     async with asyncio.timeout(connect_timeout):
         await loop.create_connection(lambda: stream, host, port)
     try:
@@ -317,6 +339,9 @@ async def open_stream(base_url: str, path: str, body: bytes, connect_timeout: fl
     except BaseException:
         stream.close()
         raise
+    if not stream.eof:
+        stream.counted = True
+        _streams[0] += 1
     return stream
 
 
