@@ -3,7 +3,9 @@
 Three measurements:
 - latency: short non-streamed requests (1 token) to the runner corral loaded and through
   corral, alternating which goes first; added latency = corral minus direct at p50 and p99;
-- streaming: ~200-token streams, tokens per second through corral over direct;
+- streaming: ~200-token streams, tokens per second through corral over direct, one stream at a
+  time and STREAMS at once (aggregate tokens per second, a runner with that many slots), with
+  the CPU corral spends per streamed token;
 - capacity: the most requests per second corral's API + scheduler path sustains against an
   instant fake runner (corral.bench.fake_runner), and the pure scheduler core's cycles per
   second, so we know corral is never the bottleneck.
@@ -15,9 +17,12 @@ the pid in /api/ps), so both sides run the same llama.cpp server with the same s
 from __future__ import annotations
 
 import asyncio
+import math
+import os
 import random
 import stat
 import sys
+import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -53,6 +58,7 @@ SEED = 42
 PROMPT_SHORT = "Hi"
 PROMPT_LONG = "Write a long story about a lighthouse keeper, the sea and a storm."
 WARMUP = 3  # pairs per route discarded before measuring
+STREAMS = 16  # concurrent streams in the aggregate streaming measurement
 
 
 @dataclass(frozen=True)
@@ -120,11 +126,18 @@ def _send(client: Http, path: str, body: dict[str, Any], close: bool) -> Timed:
     return t
 
 
+def cpu_seconds(pid: int) -> float:
+    t = psutil.Process(pid).cpu_times()
+    return float(t.user + t.system)
+
+
 def measure_pairs(
-    direct: Http, corral: Http, routes: list[Route], reps: int, warmup: int = WARMUP
-) -> dict[str, dict[str, list[Timed]]]:
+    direct: Http, corral: Http, routes: list[Route], reps: int, warmup: int = WARMUP,
+    cpu_pid: int | None = None, cpu: dict[str, list[float]] | None = None,
+) -> dict[str, dict[str, list[Timed]]]:  # fmt: skip
     """Every route's request direct and through corral, `reps` times, interleaved: each
-    repetition goes through all routes, and which side goes first alternates."""
+    repetition goes through all routes, and which side goes first alternates. With `cpu_pid`,
+    the CPU seconds that process used during each corral request go to `cpu[route]`."""
     out: dict[str, dict[str, list[Timed]]] = {r.name: {"direct": [], "corral": []} for r in routes}
     for i in range(warmup + reps):
         for route in routes:
@@ -133,11 +146,49 @@ def measure_pairs(
                 if side == "direct":
                     t = _send(direct, route.direct_path, route.direct_body, route.direct_stream)
                 else:
+                    c0 = cpu_seconds(cpu_pid) if cpu_pid is not None else 0.0
                     # Client -> corral stays keep-alive even for streams, as real clients do.
                     t = _send(corral, route.corral_path, route.corral_body, False)
+                    if cpu_pid is not None and cpu is not None and i >= warmup:
+                        cpu.setdefault(route.name, []).append(cpu_seconds(cpu_pid) - c0)
                 if i >= warmup:
                     out[route.name][side].append(t)
     return out
+
+
+def burst(url: str, route: Route, side: str, clients: int) -> tuple[float, list[Timed]]:
+    """`clients` streams of `route` at once, each on its own connection and thread: the wall
+    time from their common start to the last one's end, and each response."""
+    results: list[Timed] = []
+    errors: list[BaseException] = []
+    start = threading.Barrier(clients + 1)
+
+    def one() -> None:
+        http = Http(url)
+        try:
+            start.wait()
+            if side == "direct":
+                results.append(
+                    _send(http, route.direct_path, route.direct_body, route.direct_stream)
+                )
+            else:
+                results.append(_send(http, route.corral_path, route.corral_body, False))
+        except BaseException as e:  # raised in the caller
+            errors.append(e)
+        finally:
+            http.close()
+
+    threads = [threading.Thread(target=one, daemon=True) for _ in range(clients)]
+    for t in threads:
+        t.start()
+    start.wait()
+    t0 = time.perf_counter()
+    for t in threads:
+        t.join()
+    wall = time.perf_counter() - t0
+    if errors:
+        raise errors[0]
+    return wall, results
 
 
 def _load(server: CorralServer, model: str) -> str:
@@ -169,9 +220,9 @@ def overhead(scale: Scale, work: Path, say: Say, sec: Section) -> None:
          "corral p99", "added p99", "paired diff p50", "corral/direct p50"],
     )  # fmt: skip
     thr = Table(
-        f"Streaming throughput ({scale.stream_tokens} tokens)",
+        f"Streaming throughput, one stream at a time ({scale.stream_tokens} tokens)",
         ["model", "route", "direct tok/s", "corral tok/s", "corral/direct", "direct TTFT p50",
-         "corral TTFT p50"],
+         "corral TTFT p50", "corral CPU per token", "load average"],
     )  # fmt: skip
     data: dict[str, Any] = {}
     try:
@@ -201,10 +252,13 @@ def overhead(scale: Scale, work: Path, say: Say, sec: Section) -> None:
                         f"added latency at p50 < 1 ms ({route}, {short})", add50, 1e-3, ms
                     ))  # fmt: skip
                 say(f"proxy: {model}: {scale.stream_reps} streams per route and side")
+                cpu: dict[str, list[float]] = {}
+                load0 = os.getloadavg()[0]
                 res = measure_pairs(
                     direct, corral, stream_routes(model, scale.stream_tokens), scale.stream_reps,
-                    warmup=1,
+                    warmup=1, cpu_pid=server.proc.pid, cpu=cpu,
                 )  # fmt: skip
+                load = (load0, os.getloadavg()[0])
                 for route, sides in res.items():
                     rates = {
                         side: [safe_div(completion_tokens(t.body), t.latency) for t in ts]
@@ -213,14 +267,18 @@ def overhead(scale: Scale, work: Path, say: Say, sec: Section) -> None:
                     rd, rc = median(rates["direct"]), median(rates["corral"])
                     ttft = {s: median([t.ttft for t in ts]) for s, ts in sides.items()}
                     tokens = [completion_tokens(t.body) for t in sides["corral"]]
+                    per_token = safe_div(sum(cpu.get(route, [])), sum(tokens))
                     thr.add(short, route, f"{rd:.0f}", f"{rc:.0f}", ratio(safe_div(rc, rd)),
-                            ms(ttft["direct"]), ms(ttft["corral"]))  # fmt: skip
+                            ms(ttft["direct"]), ms(ttft["corral"]), us(per_token),
+                            f"{load[0]:.2f} -> {load[1]:.2f}")  # fmt: skip
                     data[f"stream/{short}/{route}"] = {
                         "direct_tok_s": summary(rates["direct"]),
                         "corral_tok_s": summary(rates["corral"]),
                         "tokens": tokens,
                         "ttft_direct": ttft["direct"],
                         "ttft_corral": ttft["corral"],
+                        "corral_cpu_s_per_token": per_token,
+                        "load_average": load,
                     }
                     sec.goals.append(goal_min(
                         f"streaming >= 98% of direct tokens/s ({route}, {short})",
@@ -234,6 +292,78 @@ def overhead(scale: Scale, work: Path, say: Say, sec: Section) -> None:
         server.stop()
     sec.tables += [lat, thr]
     sec.data |= data
+    concurrent(scale, work, say, sec)
+
+
+def concurrent(scale: Scale, work: Path, say: Say, sec: Section) -> None:
+    """STREAMS streams at once on a runner with STREAMS slots (the tiny model), direct and
+    through corral, interleaved: aggregate tokens per second, and corral's CPU per token."""
+    models_dir = work / "proxy-models"
+    model = f"{TINY}:latest"
+    server = start_corral(
+        models_dir, work / "proxy-concurrent.log",
+        {"CORRAL_CONTEXT_LENGTH": "1024", "CORRAL_NUM_PARALLEL": str(STREAMS),
+         "CORRAL_KEEP_ALIVE": "-1"},
+    )  # fmt: skip
+    table = Table(
+        f"Streaming throughput, {STREAMS} streams at once ({scale.stream_tokens} tokens each, "
+        f"a runner with {STREAMS} slots)",
+        ["model", "route", "direct tok/s", "corral tok/s", "corral/direct", "paired p50",
+         "corral CPU per token", "load average"],
+    )  # fmt: skip
+    reps = max(1, scale.stream_reps // 2)
+    try:
+        say(f"proxy: {TINY}: {reps} rounds of {STREAMS} concurrent streams per route and side")
+        url = _load(server, model)
+        routes = stream_routes(model, scale.stream_tokens)
+        rates: dict[str, dict[str, list[float]]] = {r.name: {"direct": [], "corral": []}
+                                                     for r in routes}  # fmt: skip
+        cpu: dict[str, list[tuple[float, int]]] = {r.name: [] for r in routes}
+        load0 = os.getloadavg()[0]
+        for i in range(reps + 1):  # the first round warms up
+            for route in routes:
+                for side in ("direct", "corral") if i % 2 == 0 else ("corral", "direct"):
+                    c0 = cpu_seconds(server.proc.pid)
+                    wall, results = burst(url if side == "direct" else server.url, route, side,
+                                          STREAMS)  # fmt: skip
+                    used = cpu_seconds(server.proc.pid) - c0
+                    tokens = sum(completion_tokens(t.body) for t in results)
+                    if i:
+                        rates[route.name][side].append(safe_div(tokens, wall))
+                        if side == "corral":
+                            cpu[route.name].append((used, tokens))
+        load = (load0, os.getloadavg()[0])
+    finally:
+        server.stop()
+    for route in routes:
+        d, c = rates[route.name]["direct"], rates[route.name]["corral"]
+        rd, rc = median(d), median(c)
+        paired = median([b / a for a, b in zip(d, c, strict=True) if a])
+        per_token = safe_div(sum(u for u, _ in cpu[route.name]),
+                             sum(n for _, n in cpu[route.name]))  # fmt: skip
+        table.add(TINY, route.name, f"{rd:.0f}", f"{rc:.0f}", ratio(safe_div(rc, rd)),
+                  ratio(paired), us(per_token), f"{load[0]:.2f} -> {load[1]:.2f}")  # fmt: skip
+        sec.data[f"stream{STREAMS}/{TINY}/{route.name}"] = {
+            "direct_tok_s": summary(d), "corral_tok_s": summary(c), "paired": paired,
+            "corral_cpu_s_per_token": per_token, "load_average": load,
+        }  # fmt: skip
+        sec.goals.append(goal_min(
+            f"streaming >= 98% of direct aggregate tokens/s, {STREAMS} streams ({route.name}, "
+            f"{TINY})", safe_div(rc, rd) * 100, 98.0, lambda x: f"{x:.1f}%",
+            lambda x: f"{x:.1f} percentage points",
+        ))  # fmt: skip
+    sec.tables.append(table)
+    sec.notes.append(
+        f"streaming: 'corral CPU per token' is the CPU time of corral's process during its "
+        f"streams over the tokens they carried; {STREAMS} streams: each on its own connection "
+        "and client thread, tokens/s = all their tokens over the time from their common start "
+        "to the last one's end; 'paired p50' is the median of corral/direct over back-to-back "
+        "rounds"
+    )
+
+
+def us(seconds: float) -> str:
+    return "n/a" if math.isnan(seconds) else f"{seconds * 1e6:.0f} us"
 
 
 # --------------------------------------------------------------------------- capacity
