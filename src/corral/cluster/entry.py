@@ -276,6 +276,8 @@ class Cluster:
         for n in self.nodes.values():
             if n.session is not None:
                 await n.session.close()
+            if n.pool is not None:
+                n.pool.close()
 
     def _spawn(self, aw: Awaitable[Any]) -> None:
         t = asyncio.ensure_future(aw)
@@ -979,7 +981,7 @@ def serve_cluster(settings: Settings) -> None:
         loopback_bind,
         raise_open_files_limit,
     )
-    from corral.server import error_response
+    from corral.server import Unhandled, error_response
 
     logging.basicConfig(
         level=settings.log_level.upper(),
@@ -994,7 +996,7 @@ def serve_cluster(settings: Settings) -> None:
     # The same guard as a single corral's: API keys, origins and CORS, the Host check on a
     # loopback bind, body limits; the nodes check keys again (the entry passes them on).
     app = Guard(
-        Entry(cluster),
+        Unhandled(Entry(cluster)),  # an unexpected error: a 500 in the family's shape
         render=error_response,
         gate=Gate(),
         keys=settings.api_keys,
