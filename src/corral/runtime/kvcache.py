@@ -84,7 +84,7 @@ HTTP_TIMEOUT = 30.0  # seconds for a save, a restore, a tokenization
 # The probe evaluates one token where the restore works, the shared prefix where it does not
 # (which the request then reuses): as long as a prompt may take.
 PROBE_TIMEOUT = 600.0
-MEASURE_INTERVAL = 0.25  # seconds between reads of a runner's counters after a restore
+MEASURE_INTERVAL = 0.25  # most seconds between reads of a runner's counters after a restore
 
 
 class CorruptEntry(ValueError):
@@ -108,6 +108,9 @@ class _RunnerState:
     checks_left: int = CHECKS_PER_LOAD
     lock: asyncio.Lock = field(default_factory=asyncio.Lock)
     claimed: set[int] = field(default_factory=set)  # slots restored for a request just sent
+    # A restore whose request's reuse is still to be read from the runner's counters:
+    # (what was restored, the counters before the request)
+    measuring: tuple[dict[str, Any], tuple[float, float]] | None = None
 
 
 def read_tokens(path: Path) -> array[int]:
@@ -231,6 +234,9 @@ class KVCache:
         """Save the runner's conversations before it stops (Scheduler.before_stop). With a
         load `waiting` for its memory, only saves that cost it less than they spare later,
         within WAITING_BUDGET seconds in all."""
+        st = self._runners.get(runner)
+        if st is not None and st.measuring is not None:  # a restored request's reuse, unread
+            await self._read_measure(runner, st)
         key = runner_key(runner)
         if key is None or key in self.no_reuse or runner.session is None:
             return
@@ -425,7 +431,8 @@ class KVCache:
             # (llama.cpp's /metrics) say what it took from the cache, with no extra decode.
             restore["seconds"] = time.monotonic() - started
             self._log_restore(restore)
-            self._spawn(self._measure_request(runner, st, restore, counters))
+            st.measuring = (restore, counters)
+            self._spawn(self._measure_request(runner, st))
             return True
         # Several slots (their counters mix requests): a probe, the prompt up to one token
         # past the shared prefix, makes llama.cpp say what it takes from this slot's cache
@@ -452,21 +459,26 @@ class KVCache:
             r["shared"], r["prompt"], r["seconds"] * 1e3,
         )  # fmt: skip
 
-    async def _measure_request(
-        self, runner: Runner, st: _RunnerState, restore: dict[str, Any],
-        before: tuple[float, float],
-    ) -> None:  # fmt: skip
+    async def _measure_request(self, runner: Runner, st: _RunnerState) -> None:
         """Wait for the runner to read its next prompt (the restored request's) and count
-        what it took from the cache."""
+        what it took from the cache (before_stop reads it one last time)."""
         deadline = time.monotonic() + PROBE_TIMEOUT
-        while time.monotonic() < deadline:
-            await asyncio.sleep(MEASURE_INTERVAL)
+        delay = 0.05
+        while st.measuring is not None and time.monotonic() < deadline:
+            await asyncio.sleep(delay)
+            delay = min(delay * 2, MEASURE_INTERVAL)
             if runner.session is None or runner.session.closed:
                 return
-            now = await self._prompt_counters(runner)
-            if now is not None and now != before:
-                self._reused(runner, st, restore, int(now[1] - before[1]), "request")
-                return
+            await self._read_measure(runner, st)
+
+    async def _read_measure(self, runner: Runner, st: _RunnerState) -> None:
+        if st.measuring is None:
+            return
+        restore, before = st.measuring
+        now = await self._prompt_counters(runner)
+        if now is not None and now != before and st.measuring is not None:
+            st.measuring = None
+            self._reused(runner, st, restore, int(now[1] - before[1]), "request")
 
     def _reused(
         self, runner: Runner, st: _RunnerState, restore: dict[str, Any], reused: int, how: str
