@@ -548,7 +548,10 @@ class Scheduler:
         except Exception:  # no figure, no prefetch
             return
         if spare > 0:
-            self._spawn(asyncio.to_thread(prefetch, q.spec.path, spare))
+            path = q.spec.path  # read until its load starts (which takes it off the set)
+            self._spawn(
+                asyncio.to_thread(prefetch, path, spare, lambda: path in self._prefetched)
+            )
             log.info("reading model '%s' ahead while room is made for it", model)
 
     def _ran_out_of_memory(self, model: str) -> None:
