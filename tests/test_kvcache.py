@@ -314,3 +314,28 @@ def test_the_cap_goes_by_last_use(tmp_path: Path) -> None:
     os.utime(files[0])  # restored just now: the most recently used
     cache.enforce_cap()  # each file is 108 bytes: two fit
     assert [p.exists() for p in files] == [True, False, True]
+
+
+def test_a_sliding_window_cache_cannot_go_back_and_that_is_not_held_against_the_model(
+    start_server: Any, kv_models: Path, tmp_path: Path
+) -> None:
+    """A prompt that leaves the saved tokens further back than the window: llama.cpp reuses
+    nothing (as it would from the cache in memory). corral says so, and keeps saving."""
+    kv = tmp_path / "kv"
+    s = kv_server(start_server, kv_models, kv, CORRAL_CONTEXT_LENGTH="2048")
+    msgs = history(10)
+    # shares only the system prompt and the first turn: ~90 of the ~800 saved tokens, while the
+    # sliding-window layers hold about the last 640 (the window plus a batch)
+    edited = [*msgs[:3], {"role": "user", "content": "Something else: Carthage?"}]
+    for _ in range(2):  # two failures in a row would stop saves if they counted
+        for p in slots(kv):  # only the full conversation saved: nothing closer to restore
+            p.unlink()
+        chat(s, "swa", msgs)
+        unload(s, "swa")
+        resp = chat(s, "swa", edited)
+        assert cached(resp) == 0
+        unload(s, "swa")
+    lines = wait_log(s, "further back than this model's cache can return")
+    assert len(lines) == 2
+    assert not log_lines(s, "not saving this model's conversations")
+    assert len(log_lines(s, "kv cache: saved slot 0 of 'swa:latest'")) == 4

@@ -49,6 +49,11 @@ ENV = {
 EVICTOR = "bench-evictor:latest"
 SWA_WINDOW = 512  # gemma3-1b's window
 N_PREDICT = 16
+WHEN = (
+    ("reload", "reload included"),
+    ("reloaded", "model reloaded"),
+    ("edited", "history edited at 60%, reload included"),
+)
 GOAL_MODELS = ("smollm2:135m",)  # the goal is SmolLM2's; the sliding-window model is reported
 
 _SAVED = re.compile(r"saved slot \d+ of '([^']+)': (\d+) tokens, ([\d.]+) MiB in (\d+) ms")
@@ -157,7 +162,12 @@ def one_rep(
     follow2 = [*follow, {"role": "assistant", "content": cold["text"]},
                {"role": "user", "content": "And its walls?"}]  # fmt: skip
     warm = chat(http, model, follow2)
-    return {"first": first, "reload": cold, "reloaded": warm}
+    # The client edits the conversation: the prompt leaves the saved tokens at 60% of the
+    # history (a sliding-window cache cannot go back there, in memory or restored).
+    evict(server, http, model)
+    cut = msgs[: 1 + 2 * ((len(msgs) - 2) * 3 // 10)]  # the system prompt and whole turns
+    edited = chat(http, model, [*cut, {"role": "user", "content": "Something else: Carthage?"}])
+    return {"first": first, "reload": cold, "reloaded": warm, "edited": edited}
 
 
 def log_figures(server: CorralServer, model: str) -> dict[str, list[float]]:
@@ -238,7 +248,7 @@ def run(scale: Scale, work: Path, say: Say) -> Section:
                 ))  # fmt: skip
             sec.data[short] = runs
             hist = median([r["first"]["prompt"] for r in runs["without"]])
-            for when, label in (("reload", "reload included"), ("reloaded", "model reloaded")):
+            for when, label in WHEN:
                 w = median([r[when]["ttft"] for r in runs["with cache"]])
                 wo = median([r[when]["ttft"] for r in runs["without"]])
                 reused = median([r[when]["cached"] for r in runs["with cache"]])
@@ -255,7 +265,7 @@ def run(scale: Scale, work: Path, say: Say) -> Section:
                     f"resumed after an eviction, {want:,}-token history, {short} ({label}): "
                     "time to first token with the saved cache <= 1/5 of without"
                 )
-                if short in GOAL_MODELS:
+                if short in GOAL_MODELS and when != "edited":
                     sec.goals.append(goal_max(
                         what, safe_div(w, wo), 0.2 + 1e-9, lambda x: f"{x:.3f}x of without",
                         lambda x: f"{x:.3f}x",

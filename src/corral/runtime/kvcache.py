@@ -26,9 +26,10 @@ in the runner's `prompt_tokens_cached_total` (/metrics) once the restored reques
 read, which costs the request nothing; with several slots, whose counters mix requests, a
 one-token probe right after the restore (`/completion`, `n_predict` 0, the prompt up to the
 shared prefix) makes llama.cpp report it for that slot (`timings.cache_n`).
-On models whose restore reuses nothing (llama.cpp cannot roll back a sliding-window or
-recurrent cache past what it holds: llama.cpp #28194, #26676), two such failures in a row stop
-corral saving that model's conversations.
+A sliding-window or recurrent cache cannot go back past what it holds (llama.cpp #28194,
+#26676): a prompt that leaves the saved tokens further back than that reuses nothing, restored
+or not, and is reported as such; where a prompt that continues the saved tokens reuses
+nothing, twice in a row for a model, corral stops saving that model's conversations.
 
 Costs stay off the hot path: a request is checked only while its runner has saved
 conversations not restored yet, and only among the runner's first requests. A save that would
@@ -79,6 +80,9 @@ CHECKS_PER_LOAD = 8  # requests after a load whose prompts are compared with sav
 WAITING_BUDGET = 2.0  # seconds of saving a load waiting for the memory may be delayed by
 DEFAULT_WRITE_BPS = 500e6  # bytes/s a save is assumed to write before one was measured
 FAILURES_TO_GIVE_UP = 2  # restores in a row that reused nothing before a model is not saved
+# A prompt that leaves the saved tokens within this many of their end continues them (a chat
+# template renders the last answer's end a little differently than it was generated).
+ROLLBACK_SLACK = 64
 STALE_TMP = 600.0  # seconds after which a temporary file is a crashed save's leftover
 HTTP_TIMEOUT = 30.0  # seconds for a save, a restore, a tokenization
 # The probe evaluates one token where the restore works, the shared prefix where it does not
@@ -495,13 +499,24 @@ class KVCache:
             )  # fmt: skip
             return
         self.stats["failed_reuse"] += 1
+        back = restore["restored"] - restore["shared"]
+        if back > ROLLBACK_SLACK:
+            # The prompt leaves the saved tokens well before their end: a sliding-window or
+            # recurrent cache cannot go back that far, restored or not. Not the model's fault.
+            log.warning(
+                "kv cache: '%s' restored %d tokens into slot %d but llama.cpp reused none of "
+                "them: the prompt leaves them %d tokens before their end, further back than "
+                "this model's cache can return (sliding-window or recurrent layers)",
+                runner.name, restore["restored"], restore["slot"], back,
+            )  # fmt: skip
+            return
         fails = self._failures[st.key] = self._failures.get(st.key, 0) + 1
         give_up = fails >= FAILURES_TO_GIVE_UP
         if give_up:
             self.no_reuse.add(st.key)
         log.warning(
-            "kv cache: '%s' restored %d tokens into slot %d but llama.cpp reused none of them "
-            "(its cache cannot resume there: sliding-window or recurrent layers?)%s",
+            "kv cache: '%s' restored %d tokens into slot %d but llama.cpp reused none of them, "
+            "though the prompt continues them (its restored cache does not resume)%s",
             runner.name, restore["restored"], restore["slot"],
             "; not saving this model's conversations any more" if give_up else "",
         )  # fmt: skip
