@@ -20,6 +20,7 @@ OPTIONAL = ("soak", "resume")  # on the page once measured (`all` does not run t
 NOTES = {
     "misses": "What the misses mean",
     "cluster": "Cluster mode (Ray): the hop, a swap trace on three nodes, scale",
+    "resume": "What the resumed-conversation figures mean",
 }
 TITLES = {
     "proxy": "1. Proxy overhead",
