@@ -101,6 +101,8 @@ def start_corral(
         "CORRAL_HOST": f"127.0.0.1:{port}",
         "CORRAL_MODELS": str(models),
         "CORRAL_LOG_LEVEL": "info",
+        # saved conversations stay with this server, not in the user's ~/.corral
+        "CORRAL_KV_CACHE_DIR": str(log_path.parent / "kvcache"),
         **(env or {}),
     }
     with open(log_path, "wb") as log:
