@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 import signal
 import threading
@@ -147,6 +148,10 @@ def test_dashboard_in_a_browser(dash: CorralServer, browser: Any, tmp_path: Path
         "n => [...document.querySelectorAll('.device-foot .who')]"
         ".some(e => e.textContent.includes(n))", arg=TINY,
     )  # fmt: skip
+    # Within a measure (2 s), what a reload would cost: the file is in the page cache.
+    row.locator(".page-cache").wait_for(timeout=10000)
+    assert re.fullmatch(r"\d+% in page cache · reload ≈ [\d.]+ s",
+                        row.locator(".page-cache").inner_text()), row.inner_text()  # fmt: skip
     assert page.evaluate("window.__sameDocument") is True  # no reload happened
     assert booked > 0
     row.locator(".mname").wait_for()

@@ -204,6 +204,9 @@ class Dashboard:
                 "progress": runner.progress if loading and runner else None,
                 "loading_for": round(now - runner.started_at, 1) if loading and runner else None,
                 "load_seconds": round(runner.load_duration, 3) if ready and runner else None,
+                # share of the file in the page cache, and the reload the policy predicts
+                "page_cache": s.residency.get(book.id),
+                "reload_seconds": round(book.load_cost, 3) if ready and runner else None,
                 "uses": book.uses,
             }
             models.append(item)

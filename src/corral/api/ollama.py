@@ -165,9 +165,7 @@ class Ollama:
                     answer_ids = await self.svc.tokenize(gen.lease, answer) if answer else []
                     return [*context, *await prompt_ids, *answer_ids]
 
-        return await respond(
-            request, stream, gen, r.requested, "response", start, top, context_of
-        )
+        return await respond(request, stream, gen, r.requested, "response", start, top, context_of)
 
     async def chat(self, request: Request) -> Response:
         body = await read_json(request)
@@ -303,6 +301,8 @@ class Ollama:
 
     async def ps(self, request: Request) -> Response:
         now_wall, now_mono = time.time(), time.monotonic()
+        verbose = request.query_params.get("verbose", "").lower() in ("1", "true", "yes")
+        sched = self.svc.scheduler
         models = []
         for book, runner in self.svc.scheduler.snapshot():
             try:
@@ -335,6 +335,17 @@ class Ollama:
                 "measured": [{"id": d, "bytes": n} for d, n in
                              self.svc.scheduler.measured_devices.get(book.id, {}).items()],
             })  # fmt: skip
+            if verbose:
+                # What a reload would cost now: the share of the model's file in the OS page
+                # cache (measured every 2 s while loaded) and the seconds the cost-aware
+                # eviction policy predicts from it and the last load.
+                ready = book.state == "ready" and runner.load_duration > 0
+                models[-1]["page_cache"] = {
+                    "file_bytes": r.info.file_size if r else None,
+                    "resident": sched.residency.get(book.id),
+                    "load_seconds": round(runner.load_duration, 3) if ready else None,
+                    "reload_seconds": round(book.load_cost, 3) if ready else None,
+                }
         return json_response({"models": models})
 
     async def show(self, request: Request) -> Response:

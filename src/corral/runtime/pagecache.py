@@ -112,6 +112,7 @@ def drop(path: str) -> bool:
     try:
         if not hasattr(os, "posix_fadvise"):
             return False
+        os.fsync(fd)  # dirty pages (a file just written) stay until they are on disk
         os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
         return True
     except OSError:

@@ -515,18 +515,19 @@ class Scheduler:
         self._file_loads[path] = now
 
     async def _predict_reloads(self) -> None:
-        """The cost-aware policy weighs what reloading each idle runner's model would cost
-        now: less if its file is still in the page cache, more once the cache lost it."""
-        idle = [
+        """The cost-aware policy weighs what reloading each loaded model would cost now: less
+        if its file is still in the page cache, more once the cache lost it (what /api/ps
+        verbose and the dashboard show too)."""
+        ready = [
             (rid, r.spec.path, r.load_duration)
             for rid, r in self.runners.items()
             if (b := self.core.runners.get(rid)) is not None
-            and b.state == "ready" and b.inflight == 0 and rid in self._load_resident
+            and b.state == "ready" and rid in self._load_resident
         ]  # fmt: skip
-        if not idle:
+        if not ready:
             return
-        fractions = await asyncio.to_thread(lambda: [resident(p) for _, p, _ in idle])
-        for (rid, path, took), now_res in zip(idle, fractions, strict=True):
+        fractions = await asyncio.to_thread(lambda: [resident(p) for _, p, _ in ready])
+        for (rid, path, took), now_res in zip(ready, fractions, strict=True):
             if now_res is None:
                 continue
             self.residency[rid] = now_res
@@ -549,9 +550,7 @@ class Scheduler:
             return
         if spare > 0:
             path = q.spec.path  # read until its load starts (which takes it off the set)
-            self._spawn(
-                asyncio.to_thread(prefetch, path, spare, lambda: path in self._prefetched)
-            )
+            self._spawn(asyncio.to_thread(prefetch, path, spare, lambda: path in self._prefetched))
             log.info("reading model '%s' ahead while room is made for it", model)
 
     def _ran_out_of_memory(self, model: str) -> None:

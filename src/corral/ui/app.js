@@ -256,6 +256,12 @@ function stateCell(m) {
     }
   } else if (r && r.load_seconds != null && (m.state === "ready" || m.state === "draining")) {
     html += `<div class="under">loaded in ${esc(duration(r.load_seconds))}</div>`;
+    // What an eviction would cost: a reload reads from the page cache what is still there.
+    if (r.page_cache != null) {
+      const cached = Math.round(r.page_cache * 100);
+      const reload = r.reload_seconds != null ? ` · reload ≈ ${esc(duration(r.reload_seconds))}` : "";
+      html += `<div class="under page-cache" title="share of the model's file in the OS page cache, and the reload time the eviction policy predicts from it">${cached}% in page cache${reload}</div>`;
+    }
   }
   return html;
 }
