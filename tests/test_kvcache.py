@@ -339,3 +339,55 @@ def test_a_sliding_window_cache_cannot_go_back_and_that_is_not_held_against_the_
     assert len(lines) == 2
     assert not log_lines(s, "not saving this model's conversations")
     assert len(log_lines(s, "kv cache: saved slot 0 of 'swa:latest'")) == 4
+
+
+async def test_a_load_waiting_for_the_memory_is_not_held_up_by_saving(
+    kv_models: Path,
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """Saving before an eviction delays the load that waits for the memory: with one waiting,
+    only saves within its budget are made (here none: the budget is 0); a runner stopped
+    with nothing waiting saves its conversation."""
+    import asyncio
+    import logging
+
+    from corral.core.spec import RunnerSpec
+    from corral.runtime import kvcache
+    from corral.runtime.scheduler import Scheduler
+
+    caplog.set_level(logging.INFO, "corral.runtime.kvcache")
+    monkeypatch.setattr(kvcache, "WAITING_BUDGET", 0.0)
+    cache = KVCache(tmp_path / "kv", 2**30)
+    mib = 2**20
+    sched = Scheduler({"cpu": 400 * mib}, max_loaded=1, measure_interval=3600)
+    sched.before_stop, sched.slot_save_path = cache.before_stop, cache.slot_save_path
+    prompt = " ".join(f"word{i}" for i in range(200))
+
+    async def converse(model: str) -> None:
+        spec = RunnerSpec(path=str(kv_models / f"{model}.gguf"), n_ctx=1024, num_parallel=1)
+        lease = await sched.acquire(model, spec, size=100 * mib)
+        try:
+            assert lease.runner.session is not None
+            async with lease.runner.session.post(
+                "/completion", json={"prompt": prompt, "n_predict": 2}
+            ) as r:
+                assert r.status == 200 and (await r.json())["tokens_evaluated"] >= 64
+        finally:
+            lease.release()
+
+    try:
+        await converse("tiny")
+        await converse("tiny2")  # tiny is evicted for it: a load waits for the memory
+        assert cache.stats["skipped_saves"] == 1 and cache.stats["saves"] == 0
+        assert not list((tmp_path / "kv").glob("*.slot"))
+        assert "with a load waiting" in caplog.text
+        assert sched.unload("tiny2")  # nothing waits for this one
+        for _ in range(100):
+            if cache.stats["saves"]:
+                break
+            await asyncio.sleep(0.1)
+        assert cache.stats["saves"] == 1 and len(list((tmp_path / "kv").glob("*.slot"))) == 1
+    finally:
+        await sched.shutdown()

@@ -48,7 +48,6 @@ from corral.core.devices import Device, budgets
 from corral.runtime.devices import discover, refresh
 from corral.runtime.kvcache import KVCache
 from corral.runtime.registry import Registry
-from corral.runtime.runner import Runner
 from corral.runtime.scheduler import Scheduler
 
 log = logging.getLogger("corral")
@@ -101,7 +100,6 @@ class Unhandled:
 def kv_cache(settings: Settings, scheduler: Scheduler) -> KVCache | None:
     """Conversations' KV caches saved before runners stop and restored after a reload
     (runtime.kvcache); None when CORRAL_KV_CACHE_SIZE is 0 or the directory is unusable."""
-    Runner.slot_save_default = None
     if settings.kv_cache_size <= 0:
         return None
     try:
@@ -109,7 +107,7 @@ def kv_cache(settings: Settings, scheduler: Scheduler) -> KVCache | None:
     except OSError as e:
         log.warning("conversations' KV caches will not be saved: %s", e)
         return None
-    Runner.slot_save_default = cache.slot_save_path  # runners started from now on
+    scheduler.slot_save_path = cache.slot_save_path  # runners started from now on
     scheduler.before_stop = cache.before_stop
     return cache
 

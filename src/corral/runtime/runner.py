@@ -21,7 +21,7 @@ import sys
 import time
 from collections.abc import AsyncIterator
 from dataclasses import asdict
-from typing import Any, ClassVar
+from typing import Any
 
 import aiohttp
 import psutil
@@ -41,10 +41,6 @@ class RunnerError(Exception):
 
 
 class Runner:
-    # The slot save directory of runners started without one: the server sets its KV cache
-    # directory here (the scheduler, which creates runners, does not know about it).
-    slot_save_default: ClassVar[str | None] = None
-
     def __init__(
         self,
         name: str,
@@ -58,7 +54,7 @@ class Runner:
         self.llama_server = llama_server
         self.layout = layout or Layout(spec.n_gpu_layers, None, spec.main_gpu)
         # Where llama.cpp's slot save/restore reads and writes (the KV cache directory).
-        self.slot_save_path = slot_save_path or Runner.slot_save_default
+        self.slot_save_path = slot_save_path
         self.base_url = ""
         self.proc: asyncio.subprocess.Process | None = None
         self.session: aiohttp.ClientSession | None = None

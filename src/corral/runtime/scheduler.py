@@ -157,6 +157,9 @@ class Scheduler:
         # memory), e.g. to save its slots' KV cache; bounded by `before_stop_timeout`.
         self.before_stop: Callable[[Runner, Stop, bool], Awaitable[None]] | None = None
         self.before_stop_timeout = 10.0
+        # Where runners started from now on let llama.cpp save and restore slots (the KV
+        # cache directory; None: no slot saving).
+        self.slot_save_path: str | None = None
         self._set_headroom(self.devices, [], {})  # as discovered; then every measure_interval
         self._free_before: dict[int, dict[str, int]] = {}  # runner id -> GPU free at stop
         self.runners: dict[int, Runner] = {}
@@ -258,7 +261,9 @@ class Scheduler:
                     fut.set_exception(SchedulerError(a.status, a.message, a.retry_after))
             elif isinstance(a, Load):
                 layout = a.fit.layout if isinstance(a.fit.layout, Layout) else None
-                runner = Runner(a.model, a.spec, self.llama_server, layout)
+                runner = Runner(
+                    a.model, a.spec, self.llama_server, layout, slot_save_path=self.slot_save_path
+                )
                 self.runners[a.runner] = runner
                 log.info(
                     "loading model '%s' (runner %d): booked %s", a.model, a.runner,
