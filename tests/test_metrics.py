@@ -119,3 +119,19 @@ def test_metrics_follow_a_real_sequence(start_server, models_dir: Path) -> None:
     # unknown paths share one label
     s.client.get("/no/such/path")
     assert value(scrape(s), "corral_requests_total", route="other", status="404") == 1
+
+
+def test_a_runner_unloaded_at_once_still_counts_its_tokens(start_server, models_dir: Path) -> None:
+    """The runners' token counters are read every 2 s and once more as a runner stops: a model
+    unloaded right after its answer (keep_alive 0) loses none."""
+    s = start_server(models_dir, CORRAL_BUILTIN_MODELS="0")
+    for n in (5, 7):
+        r = s.client.post("/api/generate", json={
+            "model": "tiny", "prompt": "hello there", "stream": False, "keep_alive": 0,
+            "options": {"num_predict": n, "temperature": 0},
+        })  # fmt: skip
+        assert r.status_code == 200, r.text
+        s.wait_for(lambda: not s.ps(), timeout=30, what="the unload")
+    m = scrape(s)
+    assert value(m, "corral_generated_tokens_total", model=TINY) == 5 + 7
+    assert value(m, "corral_prompt_tokens_total", model=TINY) >= 2 * r.json()["prompt_eval_count"]

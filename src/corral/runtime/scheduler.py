@@ -289,6 +289,10 @@ class Scheduler:
         self._arm_timer()
 
     async def _stop_runner(self, stop: Stop, runner: Runner) -> None:
+        if runner.load_duration > 0 and runner.stalled is None and not self._closing:
+            # what it processed since the last measure (2 s) would be lost with it
+            with contextlib.suppress(Exception):
+                await asyncio.wait_for(self._count_runner_tokens(stop.runner, runner), 1.0)
         if self.before_stop is not None and not self._closing:
             waiting = stop.room_for is not None or stop.kind == "options_change"
             try:
@@ -425,15 +429,17 @@ class Scheduler:
         books = self.core.runners
         ready = [(rid, r) for rid, r in self.runners.items()
                  if rid in books and books[rid].state == "ready"]  # fmt: skip
-        counts = await asyncio.gather(*(r.token_counts() for _, r in ready))
-        for (rid, r), c in zip(ready, counts, strict=True):
-            if c is None:
-                continue
-            before = self._runner_tokens.get(rid, (0, 0))
-            total = self.tokens.setdefault(r.name, [0, 0])
-            total[0] += max(0, c[0] - before[0])
-            total[1] += max(0, c[1] - before[1])
-            self._runner_tokens[rid] = c
+        await asyncio.gather(*(self._count_runner_tokens(rid, r) for rid, r in ready))
+
+    async def _count_runner_tokens(self, rid: int, runner: Runner) -> None:
+        c = await runner.token_counts()
+        if c is None:
+            return
+        before = self._runner_tokens.get(rid, (0, 0))
+        total = self.tokens.setdefault(runner.name, [0, 0])
+        total[0] += max(0, c[0] - before[0])
+        total[1] += max(0, c[1] - before[1])
+        self._runner_tokens[rid] = c
 
     def _read_machine(
         self, pids: list[int]
