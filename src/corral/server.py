@@ -35,6 +35,7 @@ from corral.api.guard import (
     loopback_bind,
     raise_open_files_limit,
 )
+from corral.api.llamacpp import NATIVE_PATHS, Native, llamacpp_error
 from corral.api.manage import Manage
 from corral.api.metrics import MeasureRequests, Metrics
 from corral.api.ollama import Ollama
@@ -57,6 +58,8 @@ def error_response(request: Request, e: ApiError) -> Response:
     """The error in the shape of the API family the client spoke."""
     if request.url.path.startswith("/v1/messages"):
         response = anthropic_error(e)
+    elif request.url.path in NATIVE_PATHS:
+        response = llamacpp_error(e)
     elif request.url.path.startswith("/v1/"):
         response = openai_error(e)
     else:
@@ -177,6 +180,7 @@ def create_app(settings: Settings, devices: list[Device] | None = None) -> Starl
         *Responses(service).routes(),
         *Rerank(service).routes(),
         *Router(service).routes(),
+        *Native(service).routes(),
         *Manage(service).routes(),
         *Dashboard(service).routes(),
     ]

@@ -1,0 +1,134 @@
+"""llama.cpp's own server API, routed by the `model` field as llama.cpp's router mode does:
+/completion (/completions), /infill, /tokenize, /detokenize, /apply-template, /embedding
+(/embeddings) and GET /props?model=. The runner's answer is relayed as it is, with the model
+renamed to the one the client asked for; errors in llama.cpp's shape.
+
+Not relayed (they would change a runner every client shares, or corral's own state): POST
+/props, POST /slots (save/restore/erase: corral keeps conversations' caches there), POST
+/lora-adapters."""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+from typing import Any
+
+import orjson
+from starlette.requests import Request
+from starlette.responses import Response
+from starlette.routing import Route
+
+from corral.api.common import ApiError, model_field, read_json
+from corral.api.service import Service, until_disconnect
+from corral.api.stream import UPSTREAM_ERRORS, LeasedStream, RunnerStream, json_response
+
+# path -> (the runner's path, the capability it needs or None)
+POST_ROUTES = {
+    "/completion": ("/completion", "completion"),
+    "/completions": ("/completion", "completion"),
+    "/infill": ("/infill", "insert"),
+    "/tokenize": ("/tokenize", None),
+    "/detokenize": ("/detokenize", None),
+    "/apply-template": ("/apply-template", "completion"),
+    "/embedding": ("/embedding", "embedding"),
+    "/embeddings": ("/embeddings", "embedding"),
+}
+NATIVE_PATHS = frozenset({*POST_ROUTES, "/props"})
+ERROR_TYPES = {
+    400: "invalid_request_error", 401: "authentication_error", 403: "permission_error",
+    404: "not_found_error", 501: "not_supported_error", 503: "unavailable_error",
+}  # fmt: skip
+
+
+def llamacpp_error(e: ApiError) -> Response:
+    """llama.cpp's error body: {"error": {"code", "message", "type"}}."""
+    kind = ERROR_TYPES.get(e.status, "server_error" if e.status >= 500 else "invalid_request_error")
+    return json_response({"error": {"code": e.status, "message": e.message, "type": kind}},
+                         e.status)  # fmt: skip
+
+
+class Native:
+    def __init__(self, service: Service) -> None:
+        self.svc = service
+
+    def routes(self) -> list[Route]:
+        return [
+            *(Route(p, self.post, methods=["POST"]) for p in POST_ROUTES),
+            Route("/props", self.props, methods=["GET"]),
+        ]
+
+    async def post(self, request: Request) -> Response:
+        body = await read_json(request)
+        path, capability = POST_ROUTES[request.url.path]
+        r = self.svc.resolve(model_field(body))
+        if capability == "embedding" and "embedding" not in r.info.capabilities:
+            raise ApiError(400, f"model '{r.requested}' does not support embeddings", "model")
+        if capability in ("completion", "insert"):
+            self.svc.require(r, capability, "insertion" if capability == "insert" else "completion")
+        stream = body.get("stream") is True and path in ("/completion", "/infill")
+        payload = {k: v for k, v in body.items() if k != "model"}
+        lease = await self.svc.lease(request, r, {}, None)
+        try:
+            resp = await self.svc.post(lease, path, payload)
+        except BaseException:
+            lease.release()
+            raise
+        # llama.cpp names the model by the runner's alias; the client gets the name it sent.
+        old, new = b'"model":' + orjson.dumps(r.name), b'"model":' + orjson.dumps(r.requested)
+        if stream:
+            assert isinstance(resp, RunnerStream)
+            return NativeStream(resp, lease, resp, "text/event-stream",
+                                rename=(old, new) if old != new else None)  # fmt: skip
+        assert not isinstance(resp, RunnerStream)
+        try:
+            data = await until_disconnect(request, resp.read())
+        finally:
+            resp.release()
+            lease.release()
+        return Response(data.replace(old, new), media_type="application/json")
+
+    async def props(self, request: Request) -> Response:
+        """The model's runner's /props (loading it, as llama.cpp's router does)."""
+        name = request.query_params.get("model")
+        if not name:
+            raise ApiError(400, "'model' is required (?model=...)", "model")
+        r = self.svc.resolve(name)
+        lease = await self.svc.lease(request, r, {}, None)
+        try:
+            runner = lease.runner
+            assert runner.session is not None
+            async with runner.session.get("/props") as resp:
+                data = await resp.read()
+                status = resp.status
+        finally:
+            lease.release()
+        return Response(data, status, media_type="application/json")
+
+
+class NativeStream(LeasedStream):
+    """A /completion stream relayed as llama.cpp sends it: it ends with an event holding
+    `"stop":true` (no `[DONE]`); a runner that dies before that adds an error event."""
+
+    async def _ended(
+        self, body: AsyncIterator[bytes], rename: tuple[bytes, bytes] | None
+    ) -> AsyncIterator[bytes]:
+        held, finished, failed = b"", False, False
+        try:
+            async for chunk in body:
+                held += chunk
+                cut = held.rfind(b"\n\n") + 2
+                if cut < 2:
+                    continue
+                out, held = held[:cut], held[cut:]
+                if rename is not None:
+                    out = out.replace(*rename)
+                finished = finished or b'"stop":true' in out or out.startswith(b"error:")
+                yield out
+        except UPSTREAM_ERRORS:
+            failed = True
+        if held and not failed:
+            finished = finished or b'"stop":true' in held
+            yield held.replace(*rename) if rename is not None else held
+        if not finished:
+            err: dict[str, Any] = {"code": 500, "message": await self._explain(),
+                                   "type": "server_error"}  # fmt: skip
+            yield b"data: " + orjson.dumps({"error": err}) + b"\n\n"
