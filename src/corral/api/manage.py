@@ -27,9 +27,10 @@ from starlette.responses import Response, StreamingResponse
 from starlette.routing import Route
 
 from corral.api.common import OPTION_RANGES, OPTION_TYPES, ApiError, field, read_json
-from corral.api.service import Service, until_disconnect
+from corral.api.service import Service, jinja_template, until_disconnect
 from corral.api.stream import json_response
 from corral.core.gguf import GGUFError, read_model_info
+from corral.core.gotemplate import TemplateError
 from corral.runtime import hub
 from corral.runtime.registry import ModelEntry, canonical_name
 from corral.runtime.store import Adapter, FileRef, Manifest, StoreError, norm_digest
@@ -206,6 +207,11 @@ class Manage:
         files = field(body, "files", dict)
         adapters = field(body, "adapters", dict)
         template = field(body, "template", str)
+        if template:
+            try:  # the runner renders it as Jinja: one corral cannot translate is refused now
+                jinja_template(template)
+            except TemplateError as e:
+                raise ApiError(400, f"template: {e}", "template") from None
         system = field(body, "system", str)
         params = check_parameters(body.get("parameters"))
         messages = check_messages(body.get("messages"))

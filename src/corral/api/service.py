@@ -9,6 +9,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import dataclasses
+import functools
 import hashlib
 import logging
 import os
@@ -44,6 +45,7 @@ from corral.core.gguf import (
     read_model_info,
     read_projector_info,
 )
+from corral.core.gotemplate import TemplateError, is_jinja, to_jinja
 from corral.core.placement import Placement, model_need, place
 from corral.core.spec import Layout, RunnerSpec
 from corral.runtime.kvcache import GENERATION_PATHS, KVCache
@@ -191,6 +193,7 @@ class Service:
             "use_mlock": defaults.get("use_mlock"),
             "flash_attn": defaults.get("flash_attn") or "auto",
             "n_cpu_moe": defaults.get("n_cpu_moe") or 0,
+            "chat_template": chat_template(r),
         }
         # The model's parts are what the model is: a runner with other ones never serves it.
         explicit = {"projector", "adapters"}
@@ -497,6 +500,25 @@ class Service:
 
 # The smallest context a runner gets: below it a chat template alone can fill the context.
 MIN_CTX = 256
+
+
+@functools.lru_cache(maxsize=256)
+def jinja_template(template: str) -> str:
+    """A created model's TEMPLATE as the runner's Jinja chat template: Ollama's Go syntax
+    translated, a Jinja template as it is."""
+    return template if is_jinja(template) else to_jinja(template)
+
+
+def chat_template(r: Resolved) -> str | None:
+    """The chat template a runner of this model renders with; None: the GGUF's own."""
+    if not r.entry.template:
+        return None
+    try:
+        return jinja_template(r.entry.template)
+    except TemplateError as e:  # /api/create refuses these: a manifest from elsewhere
+        raise ApiError(
+            500, f"model '{r.requested}' has a template corral cannot use: {e}"
+        ) from None
 
 
 def clamp_ctx(n_ctx: int, trained: int) -> int:

@@ -37,6 +37,9 @@ class RunnerSpec:
     use_mlock: bool | None = None
     flash_attn: str = "auto"  # one of FLASH_ATTN
     n_cpu_moe: int = 0  # keep the experts of the first N layers in system memory
+    # The chat template the runner renders with instead of the GGUF's (Jinja): a created
+    # model's TEMPLATE, translated from Ollama's Go syntax (core.gotemplate)
+    chat_template: str | None = None
 
 
 @dataclass(frozen=True)

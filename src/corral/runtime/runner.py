@@ -239,6 +239,8 @@ class Runner:
             cmd += ["-fa", s.flash_attn]
         if s.n_cpu_moe:
             cmd += ["--n-cpu-moe", str(s.n_cpu_moe)]
+        if s.chat_template:
+            cmd += ["--jinja", "--chat-template", s.chat_template]
         return cmd
 
     async def _read(self, stream: asyncio.StreamReader, ready: bool) -> None:

@@ -102,6 +102,8 @@ def build_params(spec: dict[str, Any]) -> Any:
     if fa not in FLASH_ATTN:
         raise ValueError(f"unsupported flash_attn {fa!r}; use one of {', '.join(FLASH_ATTN)}")
     p.flash_attn_type = x.llama_flash_attn_type(FLASH_ATTN_TYPE[fa])
+    if spec.get("chat_template"):  # a created model's TEMPLATE, in Jinja
+        p.chat_template = spec["chat_template"]
     if spec.get("n_cpu_moe"):
         # llama.cpp's --n-cpu-moe: the expert tensors of the first N layers stay in system
         # memory (one buffer override per layer, as common/arg.cpp writes them).
