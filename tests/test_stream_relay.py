@@ -4,6 +4,7 @@ writes what a test says when it says, and RelayResponse driven as an ASGI app.""
 from __future__ import annotations
 
 import asyncio
+import re
 import socket
 import threading
 import time
@@ -248,3 +249,109 @@ def test_a_client_that_leaves_ends_the_response_quietly() -> None:
     sent = asyncio.run(main())
     assert [m.get("body") for m in sent[1:]] == [b"first"]
     assert Relay.closed == 1
+
+
+# ---- the Ollama stream's plain tokens ---------------------------------------------------------
+REST = (
+    b',"created":1795418651,"id":"chatcmpl-M26F","model":"m","system_fingerprint":"b0-unknown",'
+    b'"object":"chat.completion.chunk"}'
+)
+DELTA = b'data: {"choices":[{"finish_reason":null,"index":0,"delta":%s}]' + REST + b"\n\n"
+# JSON string literals as llama.cpp (nlohmann::json) writes them, some of which orjson writes
+# otherwise (\u escapes, an escaped slash): those must take the parsed way.
+LITERALS = [
+    b'"Hello"', b'" world"', b'"\\n"', b'"\\t\\r\\b\\f"', b'"say \\"hi\\""', b'"a\\\\b"',
+    "\u00e9t\u00e9 \U0001f600 \u2028".encode().join([b'"', b'"']), b'"\x7f"', b'"\\u0001"',
+    b'"\\u00e9"', b'"a\\/b"', b'""', b'"\\"}}],\\"created\\":1"', b'"x\\\\"',
+]  # fmt: skip
+
+
+def sse_body(literals: list[bytes]) -> list[bytes]:
+    """A chat stream's reads: the role, content deltas, odd ones, the end (a read per 3)."""
+    events = [DELTA % b'{"role":"assistant","content":null}']
+    events += [DELTA % (b'{"content":%s}' % lit) for lit in literals]
+    events += [
+        DELTA % b'{"reasoning_content":"hmm"}',
+        # the same delta with more after it (logprobs): parsed
+        b'data: {"choices":[{"finish_reason":null,"index":0,"delta":{"content":"lp"}}]'
+        + REST[:-1] + b',"timings":{"predicted_n":1}}\n\n',
+        DELTA.replace(b"null", b'"length"') % b"{}",
+        b'data: {"choices":[],"usage":{"completion_tokens":9,"prompt_tokens":3},'
+        b'"timings":{"prompt_n":3,"predicted_n":9,"prompt_ms":1.5,"predicted_ms":2.5}}\n\n',
+        b"data: [DONE]\n\n",
+    ]  # fmt: skip
+    return [b"".join(events[i : i + 3]) for i in range(0, len(events), 3)]
+
+
+class Reads:
+    def __init__(self, reads: list[bytes]) -> None:
+        self.reads = list(reads)
+
+    async def read(self) -> bytes:
+        return self.reads.pop(0) if self.reads else b""
+
+    def close(self) -> None:
+        pass
+
+
+class Lease:
+    waited = 0.0
+    loaded = False
+
+    def release(self) -> None:
+        pass
+
+
+async def _explain() -> str:
+    return "gone"
+
+
+def _generation(reads: list[bytes]) -> Any:
+    from corral.api.events import Generation
+
+    return Generation(Lease(), Reads(reads), "chat", [], _explain)  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize("kind", ["response", "message"])
+def test_plain_tokens_are_written_as_the_parsed_way_writes_them(kind: str) -> None:
+    """Ollama's stream puts a plain token's JSON string as it came into its chunk: the same
+    bytes, line for line, as parsing every event and writing every chunk with orjson."""
+    import orjson
+
+    from corral.api.ollama import OllamaChunks, ollama_chunks, ollama_ndjson
+
+    reads = sse_body(LITERALS)
+
+    async def plain() -> list[bytes]:
+        gen = _generation(reads)
+        return [b async for b in ollama_ndjson(OllamaChunks(gen, 'm"1', kind, 0.0, None))]
+
+    async def parsed() -> list[bytes]:
+        gen = _generation(reads)
+        chunks = ollama_chunks(gen.events(), gen, 'm"1', kind, 0.0, None)
+        return [orjson.dumps(c) + b"\n" async for c in chunks]
+
+    def normal(lines: list[bytes]) -> list[bytes]:
+        """The lines less the two values that differ run to run, byte for byte otherwise."""
+        joined = b"".join(lines)
+        assert all(orjson.loads(line) for line in joined.splitlines())
+        return re.sub(rb'"created_at":"[^"]*"|"total_duration":\d+', b"", joined).splitlines()
+
+    fast, slow = asyncio.run(plain()), asyncio.run(parsed())
+    assert normal(fast) == normal(slow)
+    assert len(fast) == len(reads)  # what one read brought goes out in one piece
+    # every literal but the empty one is a chunk, and the thinking, "lp" and the last
+    assert len(normal(fast)) == len(LITERALS) - 1 + 3
+
+
+def test_only_plain_deltas_skip_the_parser() -> None:
+    from corral.api.events import SSE
+
+    sse = SSE(Reads([]), _explain)  # type: ignore[arg-type]
+    sse.plain = True
+    taken = {lit for lit in LITERALS if sse._plain((DELTA % (b'{"content":%s}' % lit))[:-2])}
+    assert taken == {
+        b'"Hello"', b'" world"', b'"\\n"', b'"\\t\\r\\b\\f"', b'"say \\"hi\\""', b'"a\\\\b"',
+        "\u00e9t\u00e9 \U0001f600 \u2028".encode().join([b'"', b'"']), b'"\x7f"',
+        b'"\\"}}],\\"created\\":1"', b'"x\\\\"',
+    }  # fmt: skip

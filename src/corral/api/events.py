@@ -162,42 +162,62 @@ class Generation:
         return self.source is not None and bool(self.source.pending)
 
     async def events(self) -> AsyncIterator[Event]:
+        async for batch in self.batches():
+            for ev in batch:
+                yield ev  # type: ignore[misc]  # no plain literals without plain=True
+
+    async def batches(self, plain: bool = False) -> AsyncIterator[list[Event | bytes]]:
+        """The events, a list per read from the runner (what came together goes out together).
+
+        With `plain`, a chat stream's content-only delta comes as the JSON string literal
+        llama.cpp wrote, unparsed (`Text(orjson.loads(literal))` otherwise); only where that
+        literal is what orjson writes for its text (`PLAIN_TEXT`) and no stop sequence needs
+        the text, so a renderer can put it in its own JSON as it is."""
         if self.mode != "chat":
             source = self._tool_events() if self.mode == "tool" else self._completion_events()
             async for ev in source:
-                yield ev
+                yield [ev]
             return
         reason, usage = "stop", Usage()
         scan = StopScanner(self.stop)
         deltas = 0  # content deltas: one token each, the count when a stop sequence cuts in
-        async for data in self._sse():
-            if data.get("timings"):
-                usage = _usage(data)
-            for choice in data.get("choices") or ():
-                delta = choice.get("delta") or {}
-                if delta.get("reasoning_content"):
-                    yield Thinking(delta["reasoning_content"])
-                if delta.get("content"):
+        sse = self._sse()
+        sse.plain = plain and not scan.stops
+        while items := await sse.batch():
+            out: list[Event | bytes] = []
+            for data in items:
+                if type(data) is bytes:  # a plain content delta (never empty)
                     deltas += 1
-                    text, hit = scan.feed(delta["content"])
-                    lp = tuple((choice.get("logprobs") or {}).get("content") or ())
-                    if text or lp:
-                        yield Text(text, lp)
-                    if hit is not None:  # returning closes the upstream: llama.cpp stops
-                        yield Done("stop", replace(usage, completion_tokens=deltas), hit)
-                        return
-                for tc in delta.get("tool_calls") or ():
-                    fn = tc.get("function") or {}
-                    yield ToolCall(
-                        tc.get("index", 0), tc.get("id") or "", fn.get("name") or "",
-                        fn.get("arguments") or "",
-                    )  # fmt: skip
-                if choice.get("finish_reason"):
-                    reason = choice["finish_reason"]
+                    out.append(data)
+                    continue
+                if data.get("timings"):
+                    usage = _usage(data)
+                for choice in data.get("choices") or ():
+                    delta = choice.get("delta") or {}
+                    if delta.get("reasoning_content"):
+                        out.append(Thinking(delta["reasoning_content"]))
+                    if delta.get("content"):
+                        deltas += 1
+                        text, hit = scan.feed(delta["content"])
+                        lp = tuple((choice.get("logprobs") or {}).get("content") or ())
+                        if text or lp:
+                            out.append(Text(text, lp))
+                        if hit is not None:  # returning closes the upstream: llama.cpp stops
+                            out.append(Done("stop", replace(usage, completion_tokens=deltas), hit))
+                            yield out
+                            return
+                    for tc in delta.get("tool_calls") or ():
+                        fn = tc.get("function") or {}
+                        out.append(ToolCall(
+                            tc.get("index", 0), tc.get("id") or "", fn.get("name") or "",
+                            fn.get("arguments") or "",
+                        ))  # fmt: skip
+                    if choice.get("finish_reason"):
+                        reason = choice["finish_reason"]
+            if out:
+                yield out
         rest = scan.flush()
-        if rest:
-            yield Text(rest)
-        yield Done(reason, usage)
+        yield [Text(rest), Done(reason, usage)] if rest else [Done(reason, usage)]
 
     async def _completion_events(self) -> AsyncIterator[Event]:
         scan = StopScanner(self.stop)
@@ -329,6 +349,8 @@ class SSE:
         self.pending: deque[Any] = deque()  # objects, or the ApiError that ends the stream
         self.tail = b""  # a line not yet complete
         self.ended = False
+        self.plain = False  # plain content deltas are taken as their JSON string (bytes)
+        self.rest = b""  # the last rest of a plain delta's line that PLAIN_REST matched
 
     def __aiter__(self) -> SSE:
         return self
@@ -346,6 +368,27 @@ class SSE:
             raise item
         return item
 
+    async def batch(self) -> list[Any]:
+        """What one read from the runner brought (at most one read: [] at the end); the
+        ApiError that ends a stream is raised once the objects before it were taken."""
+        pending = self.pending
+        while not pending:
+            if self.ended:
+                return []
+            await self._read()
+        if isinstance(pending[0], ApiError):
+            self.ended = True
+            item = pending.popleft()
+            pending.clear()
+            raise item
+        items = list(pending)
+        pending.clear()
+        for i, item in enumerate(items):
+            if isinstance(item, ApiError):
+                pending.append(item)
+                return items[:i]
+        return items
+
     async def _read(self) -> None:
         try:
             data = await self.upstream.read()
@@ -356,7 +399,11 @@ class SSE:
             self.tail = lines.pop()
         else:  # the end: a last line without its newline counts too
             lines, self.tail, self.ended = [self.tail], b"", True
+        plain = self.plain
         for line in lines:
+            if plain and line.startswith(PLAIN_HEAD) and (text := self._plain(line)):
+                self.pending.append(text)
+                continue
             if line.startswith(b"data: "):
                 body = line[6:].strip()
                 if body == b"[DONE]":
@@ -366,6 +413,20 @@ class SSE:
             elif line.startswith(b"error: "):
                 self.pending.append(ApiError(500, runner_error_message(line[7:], 500)))
                 return
+
+    def _plain(self, line: bytes) -> bytes | None:
+        """The JSON string of a plain content delta (PLAIN_HEAD...), None if it is not one
+        (or is empty: no token)."""
+        start = len(PLAIN_HEAD)
+        end = line.find(PLAIN_END, start)
+        if end <= start or PLAIN_TEXT.fullmatch(line, start, end) is None:
+            return None
+        rest = line[end:]
+        if rest != self.rest:  # the same but for "created" (seconds) all along a stream
+            if PLAIN_REST.fullmatch(rest) is None:
+                return None
+            self.rest = rest
+        return line[start - 1 : end + 1]
 
 
 def sse_events(resp: RunnerStream, explain: Callable[[], Awaitable[str]]) -> SSE:
@@ -405,6 +466,20 @@ class StopScanner:
     def flush(self) -> str:
         out, self.buf = self.buf, ""
         return out
+
+
+# A content-only delta as llama.cpp's chat stream writes it (its keys, in its order) ...
+PLAIN_HEAD = b'data: {"choices":[{"finish_reason":null,"index":0,"delta":{"content":"'
+PLAIN_END = b'"}}],"created":'
+# ... whose string literal is exactly what orjson writes for the text it holds: no escapes but
+# those orjson writes the same way (\u escapes, `\/` and raw control characters go the parsed
+# way; an escaped quote before PLAIN_END leaves a lone backslash, which does not match) ...
+PLAIN_TEXT = re.compile(rb'(?:[^"\\\x00-\x1f]|\\["\\bfnrt])+')
+# ... and nothing after it but these (no usage, timings or logprobs).
+PLAIN_REST = re.compile(
+    rb'"}}],"created":\d+,"id":"[^"\\]*","model":"[^"\\]*","system_fingerprint":"[^"\\]*",'
+    rb'"object":"chat\.completion\.chunk"}\r?'
+)
 
 
 # The start of a forced call as the schema shapes it, up to the arguments' first character.

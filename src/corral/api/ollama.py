@@ -33,7 +33,7 @@ from corral.api.common import (
     read_json,
     rfc3339,
 )
-from corral.api.events import Chat, Event, Generation, Text, Thinking, ToolCall
+from corral.api.events import Chat, Done, Event, Generation, Text, Thinking, ToolCall
 from corral.api.guard import entry_paths, hide_paths
 from corral.api.service import Resolved, Service, until_disconnect
 from corral.api.stream import json_response
@@ -518,6 +518,64 @@ def background(work: Awaitable[T]) -> asyncio.Future[T]:
 
 
 # ---- rendering -----------------------------------------------------------------------------
+class OllamaChunks:
+    """Events -> Ollama chunks (`response` for generate, `message` for chat); the last one
+    carries done, the reason and the timings."""
+
+    def __init__(
+        self,
+        gen: Generation,
+        model: str,
+        kind: str,
+        start: float,
+        top: int | None,
+        context_of: Callable[[str], Awaitable[list[int]]] | None = None,
+    ) -> None:
+        self.gen, self.model, self.kind, self.start, self.top = gen, model, kind, start, top
+        self.context_of = context_of
+        self.calls: dict[int, dict[str, str]] = {}
+        self.answer: list[str] = []
+
+    def chunk(self, ev: Text | Thinking | ToolCall) -> dict[str, Any] | None:
+        if isinstance(ev, Text):
+            self.answer.append(ev.text)
+            return _chunk(self.model, self.kind, ev.text, None, _logprobs(ev.logprobs, self.top))
+        if isinstance(ev, Thinking):
+            return _chunk(self.model, self.kind, "", ev.text, None)
+        c = self.calls.setdefault(ev.index, {"name": "", "arguments": ""})
+        c["name"] += ev.name
+        c["arguments"] += ev.arguments
+        return None
+
+    async def last(self, ev: Done) -> list[dict[str, Any]]:
+        model, kind, out = self.model, self.kind, []
+        if self.calls and kind == "message":
+            last = _chunk(model, kind, "", None, None)
+            last["message"]["tool_calls"] = [
+                {"function": {"name": c["name"], "arguments": _json_or_str(c["arguments"])}}
+                for _, c in sorted(self.calls.items())
+            ]
+            out.append(last)
+        u = ev.usage
+        final: dict[str, Any] = {
+            "model": model, "created_at": now_rfc3339(),
+            kind: "" if kind == "response" else {"role": "assistant", "content": ""},
+            "done": True, "done_reason": "length" if ev.reason == "length" else "stop",
+        }  # fmt: skip
+        if self.context_of is not None:
+            final["context"] = await self.context_of("".join(self.answer))
+        final |= {
+            "total_duration": ns(time.monotonic() - self.start),
+            "load_duration": ns(self.gen.lease.waited) if self.gen.lease.loaded else 0,
+            "prompt_eval_count": u.prompt_tokens,
+            "prompt_eval_duration": int(u.prompt_ms * 1e6),
+            "eval_count": u.completion_tokens,
+            "eval_duration": int(u.predicted_ms * 1e6),
+        }
+        out.append(final)
+        return out
+
+
 async def ollama_chunks(
     events: AsyncIterator[Event],
     gen: Generation,
@@ -527,45 +585,44 @@ async def ollama_chunks(
     top: int | None,
     context_of: Callable[[str], Awaitable[list[int]]] | None = None,
 ) -> AsyncIterator[dict[str, Any]]:
-    """Events -> Ollama chunks (`response` for generate, `message` for chat); the last one
-    carries done, the reason and the timings."""
-    calls: dict[int, dict[str, str]] = {}
-    answer: list[str] = []
+    """Events -> Ollama chunks (see OllamaChunks)."""
+    render = OllamaChunks(gen, model, kind, start, top, context_of)
     async for ev in events:
-        if isinstance(ev, Text):
-            answer.append(ev.text)
-            yield _chunk(model, kind, ev.text, None, _logprobs(ev.logprobs, top))
-        elif isinstance(ev, Thinking):
-            yield _chunk(model, kind, "", ev.text, None)
-        elif isinstance(ev, ToolCall):
-            c = calls.setdefault(ev.index, {"name": "", "arguments": ""})
-            c["name"] += ev.name
-            c["arguments"] += ev.arguments
-        else:
-            if calls and kind == "message":
-                last = _chunk(model, kind, "", None, None)
-                last["message"]["tool_calls"] = [
-                    {"function": {"name": c["name"], "arguments": _json_or_str(c["arguments"])}}
-                    for _, c in sorted(calls.items())
-                ]
+        if isinstance(ev, Done):
+            for last in await render.last(ev):
                 yield last
-            u = ev.usage
-            final: dict[str, Any] = {
-                "model": model, "created_at": now_rfc3339(),
-                kind: "" if kind == "response" else {"role": "assistant", "content": ""},
-                "done": True, "done_reason": "length" if ev.reason == "length" else "stop",
-            }  # fmt: skip
-            if context_of is not None:
-                final["context"] = await context_of("".join(answer))
-            final |= {
-                "total_duration": ns(time.monotonic() - start),
-                "load_duration": ns(gen.lease.waited) if gen.lease.loaded else 0,
-                "prompt_eval_count": u.prompt_tokens,
-                "prompt_eval_duration": int(u.prompt_ms * 1e6),
-                "eval_count": u.completion_tokens,
-                "eval_duration": int(u.predicted_ms * 1e6),
-            }
-            yield final
+        elif (c := render.chunk(ev)) is not None:
+            yield c
+
+
+async def ollama_ndjson(render: OllamaChunks) -> AsyncIterator[bytes]:
+    """The streamed answer: the chunks of one read from the runner in one piece. A plain
+    content token (Generation.batches) is written around its JSON string as it came: the same
+    bytes as its chunk through orjson, without parsing and re-encoding it; the chunks of one
+    read share their `created_at`."""
+    plain = render.top is None and render.context_of is None
+    head = b'{"model":' + orjson.dumps(render.model) + b',"created_at":"'
+    if render.kind == "response":
+        mid, tail = b'","response":', b',"done":false}\n'
+    else:
+        mid, tail = b'","message":{"role":"assistant","content":', b'},"done":false}\n'
+    try:
+        async for batch in render.gen.batches(plain):
+            out: list[bytes] = []
+            stamp = b""
+            for ev in batch:
+                if isinstance(ev, bytes):
+                    if not stamp:
+                        stamp = head + created_at().encode() + mid
+                    out += (stamp, ev, tail)
+                elif isinstance(ev, Done):
+                    out += [orjson.dumps(c) + b"\n" for c in await render.last(ev)]
+                elif (c := render.chunk(ev)) is not None:
+                    out.append(orjson.dumps(c) + b"\n")
+            if out:
+                yield b"".join(out)
+    except ApiError as e:  # mid-stream failure: Ollama reports it as a final error line
+        yield orjson.dumps({"error": e.message}) + b"\n"
 
 
 _second: list[Any] = [None, ""]  # the last whole second formatted, and its text
@@ -662,7 +719,8 @@ async def respond(
         return ollama_chunks(events, gen, model, kind, start, top, context_of)
 
     if stream:
-        return gen.response(lambda events: ndjson(chunks(events)), "application/x-ndjson")
+        render = OllamaChunks(gen, model, kind, start, top, context_of)
+        return gen.response(lambda _: ollama_ndjson(render), "application/x-ndjson")
     try:
         whole = await until_disconnect(request, _all(chunks(gen.events())))
         return json_response(merge(whole, kind))
@@ -672,11 +730,3 @@ async def respond(
 
 async def _all(chunks: AsyncIterator[dict[str, Any]]) -> list[dict[str, Any]]:
     return [c async for c in chunks]
-
-
-async def ndjson(chunks: AsyncIterator[dict[str, Any]]) -> AsyncIterator[bytes]:
-    try:
-        async for c in chunks:
-            yield orjson.dumps(c) + b"\n"
-    except ApiError as e:  # mid-stream failure: Ollama reports it as a final error line
-        yield orjson.dumps({"error": e.message}) + b"\n"
