@@ -12,6 +12,7 @@ Results are cached by (path, inode, size, mtime), so listing models repeatedly c
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import math
 import re
@@ -58,6 +59,8 @@ _MAX_ARRAY = 1024
 # would only make per-layer tuples exhaust memory.
 _MAX_LAYERS = 4096
 _BLOCK_RE = re.compile(r"blk\.(\d+)\.")
+# llama.cpp's split file names (gguf-split, llama_split_path): prefix-00001-of-00003.gguf
+SPLIT_RE = re.compile(r"^(?P<prefix>.+)-(?P<no>\d{5})-of-(?P<count>\d{5})\.gguf$", re.I)
 # The expert tensors of a mixture-of-experts layer (what llama.cpp's --n-cpu-moe keeps in system
 # memory: common.h's LLM_FFN_EXPS_REGEX).
 _EXPERT_RE = re.compile(r"blk\.(\d+)\.ffn_(up|down|gate|gate_up)_(ch|)exps")
@@ -124,6 +127,13 @@ class ModelInfo:
     )
     # Per layer: bytes of its experts (part of layer_bytes); () for a model without experts.
     expert_bytes: tuple[int, ...] = ()
+    # A split model (name-00001-of-0000N.gguf, llama.cpp's gguf-split): its other files, whose
+    # tensors and bytes are counted here too (`path` is the first, which llama.cpp loads).
+    parts: tuple[Path, ...] = ()
+
+    @property
+    def files(self) -> tuple[Path, ...]:
+        return (self.path, *self.parts)
 
     @property
     def parameter_size(self) -> str:
@@ -210,7 +220,36 @@ def read_model_info(path: str | Path) -> ModelInfo:
     st = p.stat()
     if not stat.S_ISREG(st.st_mode):
         raise GGUFError(f"{p} is not a regular file")
-    return _read_cached(p, st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns)
+    # The other parts of a split model are part of the cache key: one rewritten is read again.
+    others = []
+    for q in split_parts(p)[1:]:
+        try:
+            qs = q.stat()
+            others.append((q, qs.st_ino, qs.st_size, qs.st_mtime_ns))
+        except OSError:
+            others.append((q, 0, -1, 0))  # missing: _read says so
+    return _read_cached(p, st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns, tuple(others))
+
+
+def split_parts(path: str | Path) -> list[Path]:
+    """Every file of a split model, from its first part's name (the first part itself for a
+    model in one file, or for a part other than the first)."""
+    p = Path(path)
+    m = SPLIT_RE.match(p.name)
+    if m is None or int(m.group("no")) != 1:
+        return [p]
+    count = int(m.group("count"))
+    width = len(m.group("no"))
+    return [
+        p.with_name(f"{m.group('prefix')}-{i:0{width}d}-of-{m.group('count')}.gguf")
+        for i in range(1, count + 1)
+    ]
+
+
+def is_later_split_part(path: str | Path) -> bool:
+    """A split model's second or later file (served through the first)."""
+    m = SPLIT_RE.match(Path(path).name)
+    return m is not None and int(m.group("no")) > 1
 
 
 def clear_cache() -> None:
@@ -222,9 +261,11 @@ def clear_cache() -> None:
 
 
 @functools.lru_cache(maxsize=256)
-def _read_cached(path: Path, dev: int, ino: int, size: int, mtime_ns: int) -> ModelInfo:
+def _read_cached(
+    path: Path, dev: int, ino: int, size: int, mtime_ns: int, others: tuple[Any, ...] = ()
+) -> ModelInfo:
     # dev/ino/size/mtime are only the cache key: a replaced or rewritten file is read again.
-    return _read(path, size)
+    return _read(path, size, [(o[0], o[2]) for o in others])
 
 
 # --- parts of a model: projectors and adapters -------------------------------------------------
@@ -571,9 +612,32 @@ def _looks_like(head: bytes) -> str:
     return ""
 
 
-def _read(path: Path, size: int) -> ModelInfo:
+def _read(path: Path, size: int, others: list[tuple[Path, int]] | None = None) -> ModelInfo:
     reader = _open(path, size)
-    return _model_info(path, size, reader.fields.items(), reader.tensors)
+    tensors = list(reader.tensors)
+    count_field = reader.fields.get("split.count")
+    count = int(_scalar_value(count_field)) if count_field is not None else 1
+    parts: list[Path] = []
+    if count > 1:
+        # llama.cpp loads every part given the first; the tensors and bytes are all of them.
+        others = others if others is not None else [(q, q.stat().st_size if q.exists() else -1)
+                                                    for q in split_parts(path)[1:]]  # fmt: skip
+        if len(others) != count - 1:
+            raise GGUFError(
+                f"a split model in {count} files must be named like name-00001-of-"
+                f"{count:05d}.gguf (llama.cpp finds the other parts by name)"
+            )
+        for q, qsize in others:
+            if qsize < 0:
+                raise GGUFError(f"part {q.name} of this split model is missing")
+            try:
+                tensors += _open(q, qsize).tensors
+            except GGUFError as e:
+                raise GGUFError(f"part {q.name} of this split model: {e}") from None
+            size += qsize
+            parts.append(q)
+    info = _model_info(path, size, reader.fields.items(), tensors)
+    return dataclasses.replace(info, parts=tuple(parts)) if parts else info
 
 
 def _open(path: Path, size: int) -> _Reader:

@@ -17,6 +17,8 @@ import mmap
 import os
 from collections.abc import Callable
 
+from corral.core.gguf import split_parts
+
 log = logging.getLogger(__name__)
 
 PAGE = mmap.PAGESIZE
@@ -42,7 +44,28 @@ def _c() -> ctypes.CDLL | None:
 
 
 def resident(path: str) -> float | None:
-    """The fraction (0..1) of the file's pages in the page cache; None if unknown."""
+    """The fraction (0..1) of the model file's pages in the page cache (of all its files, for
+    a split model named by its first part); None if unknown."""
+    parts = split_parts(path)
+    if len(parts) == 1:
+        return _resident(path)
+    total = have = 0.0
+    for p in parts:
+        frac, size = _resident(str(p)), _size(str(p))
+        if frac is None:
+            return None
+        total, have = total + size, have + frac * size
+    return have / total if total else 1.0
+
+
+def _size(path: str) -> int:
+    try:
+        return os.stat(path).st_size
+    except OSError:
+        return 0
+
+
+def _resident(path: str) -> float | None:
     libc = _c()
     if libc is None:
         return None
@@ -74,10 +97,21 @@ def resident(path: str) -> float | None:
 def prefetch(
     path: str, limit: int | None = None, keep_going: Callable[[], bool] = lambda: True
 ) -> int:
-    """Read (up to `limit` bytes of) the file into the page cache, from the start, until done
-    or `keep_going()` turns false (the load itself has started); the bytes read. Blocking:
-    run it in a thread. (posix_fadvise WILLNEED alone was measured here to bring in only a
-    few MiB of a 256 MB file, so the pages are really read.)"""
+    """Read (up to `limit` bytes of) the model file into the page cache (every part of a split
+    one, in order), from the start, until done or `keep_going()` turns false (the load itself
+    has started); the bytes read. Blocking: run it in a thread. (posix_fadvise WILLNEED alone
+    was measured here to bring in only a few MiB of a 256 MB file, so the pages are really
+    read.)"""
+    done = 0
+    for p in split_parts(path):
+        left = None if limit is None else limit - done
+        if left is not None and left <= 0:
+            break
+        done += _prefetch(str(p), left, keep_going)
+    return done
+
+
+def _prefetch(path: str, limit: int | None, keep_going: Callable[[], bool]) -> int:
     try:
         fd = os.open(path, os.O_RDONLY)
     except OSError:

@@ -19,6 +19,7 @@ from pathlib import Path
 from typing import Any
 
 from corral.config import ConfigError, parse_duration
+from corral.core.gguf import SPLIT_RE, is_later_split_part, split_parts
 from corral.core.spec import FLASH_ATTN, Adapter
 from corral.runtime.store import Manifest, Store
 
@@ -110,8 +111,9 @@ class ModelEntry:
 
     @property
     def size(self) -> int:
+        """Bytes on disk (every part of a split model)."""
         try:
-            return self.path.stat().st_size
+            return sum(p.stat().st_size for p in split_parts(self.path))
         except OSError:
             return 0
 
@@ -152,9 +154,12 @@ class Registry:
         except OSError:
             files = []
         for f in files:
-            if not f.name.lower().startswith(PROJECTOR_PREFIX):
-                name = canonical_name(f.stem)
-                models[name] = ModelEntry(name, f)
+            if f.name.lower().startswith(PROJECTOR_PREFIX) or is_later_split_part(f):
+                continue
+            # a split model (name-00001-of-00003.gguf) is served as `name`, from its first part
+            split = SPLIT_RE.match(f.name)
+            name = canonical_name(split.group("prefix") if split else f.stem)
+            models[name] = ModelEntry(name, f)
         for entry in self._folder_models():
             models.setdefault(entry.name, entry)
         for m in self.store.all():

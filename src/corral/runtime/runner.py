@@ -26,6 +26,7 @@ from typing import Any
 import aiohttp
 import psutil
 
+from corral.core.gguf import split_parts
 from corral.core.memreport import Allocation, AllocationParser
 from corral.core.spec import Layout, RunnerSpec
 from corral.runtime.loadwatch import file_bytes, loaded_bytes
@@ -183,7 +184,8 @@ class Runner:
         """Keep `progress` up to date until start() returns: the share of the model's files
         (with its projector and adapters) the runner process holds in memory or has read."""
         s = self.spec
-        paths = [s.path, *([s.projector] if s.projector else []), *(a.path for a in s.adapters)]
+        paths = [*map(str, split_parts(s.path)), *([s.projector] if s.projector else []),
+                 *(a.path for a in s.adapters)]  # fmt: skip
         total, pid = file_bytes(paths), self.pid
         if not total or pid is None:
             return

@@ -38,6 +38,7 @@ from corral.core.books import (
 )
 from corral.core.devices import CPU, GPU_CONTEXT_BYTES, Device, live_headroom
 from corral.core.estimate import RUNNER_PROCESS_BYTES
+from corral.core.gguf import split_parts
 from corral.core.policy import (
     DEFAULT_DISK_SECONDS_PER_BYTE,
     DEFAULT_POLICY,
@@ -779,7 +780,8 @@ async def wait_for_recovery(
 
 
 def _file_size(path: str) -> int:
+    """The model's bytes on disk (all the parts of a split model)."""
     try:
-        return os.stat(path).st_size
+        return sum(os.stat(p).st_size for p in split_parts(path))
     except OSError:
         return 0

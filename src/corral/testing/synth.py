@@ -221,6 +221,8 @@ def _write(writer: gguf.GGUFWriter, path: Path, tensors: list[_Tensor], seed: in
     """Stream tensors to ``path``: only one tensor is ever in memory, so big files stay cheap."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
+    if writer.split_max_tensors:
+        return _write_split(writer, path, tensors, seed)
     # Write to a hidden, per-process name next to the destination and rename, so neither model
     # scanners nor concurrent writers ever see a half-written *.gguf.
     partial = path.with_name(f".{path.name}.{os.getpid()}.partial")
@@ -240,6 +242,35 @@ def _write(writer: gguf.GGUFWriter, path: Path, tensors: list[_Tensor], seed: in
         partial.unlink(missing_ok=True)
         raise
     return path
+
+
+def _write_split(writer: gguf.GGUFWriter, path: Path, tensors: list[_Tensor], seed: int) -> Path:
+    """As llama.cpp's gguf-split writes a model: `path`'s stem-00001-of-0000N.gguf and on,
+    the metadata in the first, `split.*` keys in each. Written in a hidden folder, then moved
+    next to `path`; the first part's path is returned."""
+    work = path.with_name(f".{path.name}.{os.getpid()}.split")
+    work.mkdir(exist_ok=True)
+    rng = np.random.default_rng(seed)
+    try:
+        for t in tensors:
+            writer.add_tensor_info(t.name, t.shape, t.dtype, t.nbytes)
+        writer.write_header_to_file(work / path.name)
+        writer.write_kv_data_to_file()
+        writer.write_ti_data_to_file()
+        for t in tensors:
+            writer.write_tensor_data(_tensor_data(rng, t))
+        writer.close()
+        shards = sorted(work.iterdir())
+        for shard in shards[1:] + shards[:1]:  # the first last: a complete model when it shows
+            shard.replace(path.parent / shard.name)
+        return path.parent / shards[0].name
+    except BaseException:
+        writer.close()
+        raise
+    finally:
+        for leftover in work.iterdir():
+            leftover.unlink()
+        work.rmdir()
 
 
 def _overhead_bytes(vocab: _Vocab, tensors: list[_Tensor]) -> int:
@@ -377,6 +408,7 @@ def _write_decoder(
     chat_template: str | None = None,
     n_expert: int = 0,
     n_expert_used: int = 0,
+    split_max_tensors: int = 0,
 ) -> Path:
     dims.validate()
     if target_bytes is not None:
@@ -384,7 +416,7 @@ def _write_decoder(
     vocab = _vocab(n_vocab)
     if chat_template is not None:
         vocab = replace(vocab, chat_template=chat_template)
-    writer = gguf.GGUFWriter(None, arch)
+    writer = gguf.GGUFWriter(None, arch, split_max_tensors=split_max_tensors)
     writer.add_type("model")
     writer.add_name(name)
     writer.add_file_type(gguf.LlamaFileType.MOSTLY_F16)
@@ -425,6 +457,7 @@ def write_llama_model(
     name: str = "synthetic-llama",
     seed: int = 0,
     chat_template: str | None = None,
+    split_max_tensors: int = 0,
 ) -> Path:
     """Write a random-weight f16 ``llama`` GGUF with SmolLM2's tokenizer and chat template
     (or ``chat_template``, e.g. ``TOOLS_TEMPLATE`` or ``THINKING_TEMPLATE``).
@@ -433,7 +466,8 @@ def write_llama_model(
     ``plan_llama_dims``). ``n_vocab=None`` keeps SmolLM2's full 49152-token vocabulary (adds
     ~6 MB at n_embd=64). llama.cpp's llama architecture has no sliding-window attention (it
     ignores ``llama.attention.sliding_window``), so ``sliding_window`` raises: use
-    ``write_swa_model``.
+    ``write_swa_model``. ``split_max_tensors`` writes it split as llama.cpp's gguf-split
+    does (``path``'s stem-00001-of-0000N.gguf and on; the first part's path is returned).
     """
     if sliding_window is not None:
         raise ValueError(
@@ -449,6 +483,7 @@ def write_llama_model(
         name=name,
         seed=seed,
         chat_template=chat_template,
+        split_max_tensors=split_max_tensors,
     )
 
 
