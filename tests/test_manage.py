@@ -327,3 +327,26 @@ def test_cli_create_cp_rm(server: CorralServer, models: Path, tmp_path: Path) ->
     assert (models / "tiny.gguf").is_file()
     r = corral(server, "create", "small", "-q", "q4_K_M", cwd=tmp_path)
     assert r.returncode == 1 and "quantize is not supported" in r.stderr
+
+
+def test_start_up_prunes_files_no_model_uses(tmp_path: Path) -> None:
+    """As Ollama prunes at start: blobs no manifest uses and abandoned uploads go once older
+    than an hour; a blob a model uses, a fresh upload and a download still resumable stay."""
+    from corral.runtime.store import FileRef, Manifest, Store
+
+    store = Store(tmp_path)
+    store.ensure()
+    used, orphan, fresh = (f"sha256:{c * 64}" for c in "abc")
+    for d in (used, orphan, fresh):
+        store.blob_path(d).write_bytes(b"x")
+    store.write(Manifest(name="m:latest", model=FileRef(digest=used)))
+    upload, download = store.partial / "upload-123", store.partial_path("sha256:" + "d" * 64)
+    upload.write_bytes(b"half")
+    download.write_bytes(b"half")
+    hours_ago = os.stat(upload).st_mtime - 2 * 3600
+    for p in (store.blob_path(used), store.blob_path(orphan), upload, download):
+        os.utime(p, (hours_ago, hours_ago))
+    removed = store.prune()
+    assert sorted(removed) == sorted([str(store.blob_path(orphan)), str(upload)])
+    assert store.has_blob(used) and store.has_blob(fresh) and download.exists()
+    assert store.prune(stale_partial=3600) == [str(download)]  # not resumed for a week

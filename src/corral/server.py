@@ -119,6 +119,8 @@ def create_app(settings: Settings, devices: list[Device] | None = None) -> Starl
     """The app; `devices` defaults to what this machine has (tests may pass a fake set)."""
     devices = discover() if devices is None else devices
     registry = Registry(settings.models_dir, builtin=settings.builtin_models)
+    if pruned := registry.store.prune():
+        log.info("removed %d file(s) no model uses from %s", len(pruned), registry.store.root)
     scheduler = Scheduler(
         budgets(devices, settings.memory_margin, settings.memory_limit),
         max_loaded=settings.max_loaded_models,

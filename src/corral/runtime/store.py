@@ -57,7 +57,7 @@ def parse_digest(digest: str) -> str:
 
 
 def norm_digest(digest: str) -> str:
-    """"sha256:<hex>", whatever form it came in (Ollama's blob routes take "sha256-" too)."""
+    """ "sha256:<hex>", whatever form it came in (Ollama's blob routes take "sha256-" too)."""
     return f"sha256:{parse_digest(digest)}"
 
 
@@ -285,6 +285,35 @@ class Store:
         except FileNotFoundError:
             raise StoreError(404, f"model '{name}' not found") from None
         return [str(path), *self._collect(old.refs() if old else [])]
+
+    def prune(self, grace: float = 3600.0, stale_partial: float = 7 * 86400.0) -> list[str]:
+        """At start-up, as Ollama prunes: remove blobs no manifest uses (uploads never created
+        into a model, leftovers of a crash) once older than `grace`, abandoned upload files,
+        and downloads not resumed for `stale_partial` seconds; returns the paths removed."""
+        now = time.time()
+        used = {parse_digest(r.digest) for m in self.all() for r in m.refs() if r.digest}
+        removed = []
+
+        def old(p: Path, age: float) -> bool:
+            try:
+                return now - p.stat().st_mtime > age
+            except OSError:
+                return False
+
+        candidates = []
+        with contextlib.suppress(OSError):
+            for p in self.blobs.iterdir():
+                if p.name.removeprefix("sha256-") not in used and old(p, grace):
+                    candidates.append(p)
+        with contextlib.suppress(OSError):
+            for p in self.partial.iterdir():
+                if old(p, grace if p.name.startswith("upload-") else stale_partial):
+                    candidates.append(p)
+        for p in candidates:
+            with contextlib.suppress(OSError):
+                p.unlink()
+                removed.append(str(p))
+        return removed
 
     def _collect(self, candidates: list[FileRef]) -> list[str]:
         """Remove those of `candidates`' blobs that no manifest refers to any more. (Uploaded
