@@ -21,6 +21,12 @@ from corral.testing import synth
 from corral.testing.server import CorralServer
 
 PIRATE = "You are a pirate. Answer every question in the voice of an old sea captain."
+# ChatML as an Ollama Go template: what the synthetic models' own template renders when the
+# conversation has a system message (without one theirs adds SmolLM2's default)
+CHATML = (
+    "{{- range .Messages }}<|im_start|>{{ .Role }}\n{{ .Content }}<|im_end|>\n{{ end }}"
+    "<|im_start|>assistant\n"
+)
 
 
 @pytest.fixture(scope="module")
@@ -80,7 +86,7 @@ def test_create_from_a_model_keeps_system_and_parameters(
     client: ollama.Client, server: CorralServer, models: Path
 ) -> None:
     parts = list(client.create(
-        model="pirate", from_="tiny", system=PIRATE, template="{{ .Prompt }}", license="MIT",
+        model="pirate", from_="tiny", system=PIRATE, template=CHATML, license="MIT",
         parameters={"temperature": 0.3, "num_ctx": 512, "num_predict": 5, "stop": ["Arr"]},
         stream=True,
     ))  # fmt: skip
@@ -92,7 +98,7 @@ def test_create_from_a_model_keeps_system_and_parameters(
 
     shown = client.show("pirate")
     assert system_of(server, "pirate") == PIRATE  # (the ollama client drops `system`)
-    assert shown.template == "{{ .Prompt }}"
+    assert shown.template == CHATML
     assert shown.license == "MIT"
     params = shown.parameters or ""
     for line in ("temperature", "0.3", "num_ctx", "512", "num_predict", '"Arr"'):
@@ -100,9 +106,10 @@ def test_create_from_a_model_keeps_system_and_parameters(
     assert from_line(shown.modelfile) == "tiny.gguf"
     assert f'SYSTEM """{PIRATE}"""' in shown.modelfile and 'PARAMETER stop "Arr"' in shown.modelfile
 
-    # Requests get the system prompt (when they have none) and the parameters as defaults.
-    own, plain = chat(client, "pirate"), chat(client, "tiny", num_predict=2)
-    assert (own.prompt_eval_count or 0) > (plain.prompt_eval_count or 0)
+    # Requests get the system prompt (when they have none) and the parameters as defaults;
+    # the template renders them (the same prompt as the base model's with that system).
+    own, plain = chat(client, "pirate"), chat(client, "tiny", system=PIRATE, num_predict=2)
+    assert own.prompt_eval_count == plain.prompt_eval_count
     assert own.eval_count is not None and own.eval_count <= 5  # num_predict 5
     assert {m.model: m.context_length for m in client.ps().models}["pirate:latest"] == 512
     overridden = chat(client, "pirate", system="Be brief.")
@@ -114,12 +121,13 @@ def test_create_from_a_model_keeps_system_and_parameters(
 
     # ... on the OpenAI API too (the byte pass-through)
     body = {"messages": [{"role": "user", "content": "Where is the treasure?"}], "temperature": 0}
+    with_system = {"messages": [{"role": "system", "content": PIRATE}, *body["messages"]]}
     usage = {
         m: server.client.post("/v1/chat/completions", json={"model": m, **body, **extra}).json()[
             "usage"]
-        for m, extra in (("pirate", {}), ("tiny", {"max_tokens": 2}))
+        for m, extra in (("pirate", {}), ("tiny", {"max_tokens": 2, **with_system}))
     }  # fmt: skip
-    assert usage["pirate"]["prompt_tokens"] > usage["tiny"]["prompt_tokens"]
+    assert usage["pirate"]["prompt_tokens"] == usage["tiny"]["prompt_tokens"]
     assert usage["pirate"]["completion_tokens"] <= 5
 
 
