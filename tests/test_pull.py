@@ -43,6 +43,10 @@ def files(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
         "router": synth.write_llama_model(d / "router.gguf", seed=28),
         "leave": synth.write_llama_model(d / "leave.gguf", seed=29),
     }
+    split = d / "split"
+    split.mkdir()
+    first = synth.write_llama_model(split / "Big-Q4_K_M.gguf", n_layer=4, split_max_tensors=12)
+    out["split"] = first
     projector = getattr(synth, "write_projector", None)
     if projector is not None:
         out[MMPROJ] = projector(d / MMPROJ, text_n_embd=64)
@@ -58,6 +62,9 @@ def hub(files: dict[str, Path]) -> Iterator[FakeHub]:
                           "README.md": b"# a test repo\n"})  # fmt: skip
         for key in ("resume", "retry", "corrupt", "chat", "cli", "router", "leave"):
             h.add_repo(f"corral-test/{key}-GGUF", {f"{key}-Q4_K_M.gguf": files[key]})
+        parts = {p.name: p for p in files["split"].parent.iterdir()}
+        h.add_repo("corral-test/Big-GGUF", parts)
+        h.add_repo("corral-test/Broken-GGUF", dict(sorted(parts.items())[:3]))  # one missing
         yield h
 
 
@@ -120,9 +127,9 @@ def test_choosing_the_file() -> None:
     # without Q4_K_M: the preferred order, else the first
     assert pull.choose(["a-Q8_0.gguf", "a-Q6_K.gguf"], None)[0] == "a-Q6_K.gguf"
     assert pull.choose(["a-weird.gguf"], None) == ("a-weird.gguf", None)
-    with pytest.raises(pull.PullError) as e:
-        pull.choose(["b-Q4_K_M-00001-of-00002.gguf", "b-Q4_K_M-00002-of-00002.gguf"], None)
-    assert e.value.status == 501
+    # a split model: its first part (the plan adds the others)
+    split = ["b-Q4_K_M-00001-of-00002.gguf", "b-Q4_K_M-00002-of-00002.gguf", "b-Q8_0.gguf"]
+    assert pull.choose(split, None) == ("b-Q4_K_M-00001-of-00002.gguf", None)
 
 
 # ---- pulls against the stand-in hub --------------------------------------------------------
@@ -314,3 +321,32 @@ def test_router_download_and_delete(server: CorralServer, models: Path) -> None:
     assert any("sha256-" in p for p in r.json()["removed"])
     r = server.client.post("/models", json={"model": "corral-test/absent"})
     assert r.status_code == 404 and "error" in r.json()
+
+
+def test_a_split_model_is_pulled_whole_and_served(
+    client: ollama.Client, server: CorralServer, models: Path
+) -> None:
+    """llama.cpp loads a split model from its first part and finds the others by name: every
+    part is pulled and verified, and linked under its hub name for the runner."""
+    before = blobs(models)
+    last = client.pull("hf.co/corral-test/Big-GGUF")
+    assert last.status == "success"
+    assert len(blobs(models) - before) == 4
+    name = "hf.co/corral-test/big-gguf:latest"
+    (tag,) = [m for m in client.list().models if m.model == name]
+    links = list((models / STORE_DIR / "splits").rglob("*.gguf"))
+    assert tag.size == sum(f.stat().st_size for f in links)
+    r = client.generate(model=name, prompt="Once upon", options={"num_predict": 3})
+    assert r.eval_count == 3
+    # the links the runner read: the hub's names, each to its verified blob
+    (view,) = (models / STORE_DIR / "splits").iterdir()
+    assert sorted(p.name for p in view.iterdir()) == [
+        f"Big-Q4_K_M-0000{i}-of-00004.gguf" for i in (1, 2, 3, 4)
+    ]
+    client.delete(name)
+    assert blobs(models) == before and not view.exists()
+    # a repository missing a part: refused before anything is downloaded
+    with pytest.raises(ollama.ResponseError) as e:
+        client.pull("hf.co/corral-test/Broken-GGUF")
+    assert e.value.status_code == 502 and "00004-of-00004" in str(e.value)
+    assert blobs(models) == before

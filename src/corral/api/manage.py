@@ -246,6 +246,7 @@ class Manage:
         manifest = Manifest(
             name=name,
             model=base.model,
+            parts=base.parts,
             projector=base.projector,
             adapters=(*base.adapters, *added),
             template=template if template is not None else base.template,

@@ -75,7 +75,7 @@ def parse_name(name: str) -> HubName:
     text = name.strip()
     for scheme in ("https://", "http://"):
         if text.lower().startswith(scheme):
-            text = text[len(scheme):]
+            text = text[len(scheme) :]
     host, _, rest = text.partition("/")
     repo, _, tag = rest.partition(":")
     parts = repo.split("/")
@@ -96,7 +96,7 @@ class HubFile:
     filename: str
     size: int
     sha256: str | None  # the LFS sha256 (None for a file not in LFS: then only its size is checked)
-    role: str  # "model" or "projector"
+    role: str  # "model", "part" (a split model's second part and on) or "projector"
 
     @property
     def digest(self) -> str:
@@ -132,7 +132,7 @@ def choose(filenames: list[str], quant: str | None) -> tuple[str, str | None]:
     PullError(404) when there is no such file."""
     ggufs = sorted(f for f in filenames if f.lower().endswith(".gguf"))
     models = [f for f in ggufs if not is_projector(f)]
-    # Of a split model only the first part is a candidate (and refused below).
+    # Of a split model only the first part is a candidate (the plan adds the others).
     models = [f for f in models if (m := SPLIT_RE.search(f)) is None or int(m.group(1)) == 1]
     projectors = [f for f in ggufs if is_projector(f)]
     if not models:
@@ -157,10 +157,6 @@ def choose(filenames: list[str], quant: str | None) -> tuple[str, str | None]:
     else:
         model = next(
             (f for q in PREFERRED_QUANTS for f in models if quant_matches(f, q)), models[0]
-        )
-    if SPLIT_RE.search(model):
-        raise PullError(
-            501, f"'{model}' is split into several files, which corral cannot pull yet"
         )
     projector = None
     if projectors:
@@ -224,8 +220,19 @@ def plan(name: HubName, token: str | None = None) -> Plan:
         model, projector = choose(list(siblings), name.quant)
     except PullError as e:
         raise PullError(e.status, f"cannot pull '{what}': {e.message}") from None
+    wanted: list[tuple[str, str | None]] = [("model", model), ("projector", projector)]
+    if (m := SPLIT_RE.search(model)) is not None:  # every part, named as the first one
+        stem, count = model[: m.start()], int(m.group(2))
+        for i in range(2, count + 1):
+            part = f"{stem}-{i:05d}-of-{m.group(2)}.gguf"
+            if part not in siblings:
+                raise PullError(
+                    502, f"cannot pull '{what}': part {part} of the split model is missing "
+                    "from the repository",
+                )  # fmt: skip
+            wanted.append(("part", part))
     files = []
-    for role, fname in (("model", model), ("projector", projector)):
+    for role, fname in wanted:
         if fname is None:
             continue
         s = siblings[fname]
@@ -398,7 +405,7 @@ async def pull(
     downloaded: dict[str, Path] = {}
     try:
         for f in plan.files:
-            key = (f.sha256 or f.filename)
+            key = f.sha256 or f.filename
             line: dict[str, Any] = {"status": f"pulling {key[:12]}",
                                     "digest": f.digest or f.filename, "total": f.size}  # fmt: skip
             if f.sha256 and store.has_blob(f.digest):
@@ -428,6 +435,7 @@ async def pull(
                 yield {**line, "completed": f.size}
         yield {"status": "verifying sha256 digest"}
         refs: dict[str, FileRef] = {}
+        parts: list[FileRef] = []
         for f in plan.files:
             if f.filename in downloaded:
                 digest = await asyncio.to_thread(
@@ -435,11 +443,15 @@ async def pull(
                 )
             else:
                 digest = f.digest
-            refs[f.role] = FileRef(digest=digest, name=f.filename, size=f.size)
+            ref = FileRef(digest=digest, name=f.filename, size=f.size)
+            if f.role == "part":
+                parts.append(ref)
+            else:
+                refs[f.role] = ref
         yield {"status": "writing manifest"}
         manifest = Manifest(
             name=plan.name.model_name, model=refs["model"], projector=refs.get("projector"),
-            source=f"{plan.source} {refs['model'].name}",
+            source=f"{plan.source} {refs['model'].name}", parts=tuple(parts),
         )  # fmt: skip
         await asyncio.to_thread(store.write, manifest)
         yield {"status": "success"}

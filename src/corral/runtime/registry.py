@@ -307,7 +307,7 @@ class Registry:
         options = {k: v for k, v in m.parameters.items() if k in _OPTION_TYPES}
         return ModelEntry(
             name=m.name,
-            path=self.store.path_of(m.model),
+            path=self.store.model_path(m),
             options=options,
             system=m.system,
             template=m.template,

@@ -26,6 +26,7 @@ import json
 import logging
 import os
 import re
+import shutil
 import tempfile
 import threading
 import time
@@ -113,9 +114,11 @@ class Manifest:
     license: str | None = None
     source: str = ""  # where it came from: "hf.co/owner/repo@<commit> <file>", "from <model>"
     created_at: float = 0.0
+    # A split model's other parts (`model` is the first), in order, named as on the hub
+    parts: tuple[FileRef, ...] = ()
 
     def refs(self) -> list[FileRef]:
-        return [self.model, *([self.projector] if self.projector else []),
+        return [self.model, *self.parts, *([self.projector] if self.projector else []),
                 *(a.file for a in self.adapters)]  # fmt: skip
 
     def to_json(self) -> dict[str, Any]:
@@ -124,6 +127,8 @@ class Manifest:
             out["projector"] = self.projector.to_json()
         if self.adapters:
             out["adapters"] = [{**a.file.to_json(), "scale": a.scale} for a in self.adapters]
+        if self.parts:
+            out["parts"] = [p.to_json() for p in self.parts]
         for key in ("template", "system", "license"):
             if getattr(self, key) is not None:
                 out[key] = getattr(self, key)
@@ -157,6 +162,7 @@ class Manifest:
             license=_opt_str(d, "license"),
             source=str(d.get("source", "")),
             created_at=float(d.get("created_at", 0.0)),
+            parts=tuple(FileRef.from_json(p) for p in d.get("parts") or ()),
         )
 
 
@@ -174,12 +180,33 @@ class Store:
         self.blobs = self.root / "blobs"
         self.partial = self.root / "partial"
         self.manifests = self.root / "manifests"
+        self.splits = self.root / "splits"  # split models' parts linked under their names
         self._locks: dict[str, threading.Lock] = {}
         self._guard = threading.Lock()
 
     def ensure(self) -> None:
         for d in (self.blobs, self.partial, self.manifests):
             d.mkdir(parents=True, exist_ok=True)
+
+    def model_path(self, m: Manifest) -> Path:
+        """The path a runner loads the model from. A split model's parts are blobs named by
+        digest, but llama.cpp finds the parts after the first by name: they are linked under
+        their hub names in splits/<first part's digest>/ (made again if missing)."""
+        first = self.path_of(m.model)
+        if not m.parts or m.model.digest is None:
+            return first
+        view = self.splits / parse_digest(m.model.digest)
+        with contextlib.suppress(OSError):
+            view.mkdir(parents=True, exist_ok=True)
+            for ref in (m.model, *m.parts):
+                link = view / Path(ref.name).name
+                target = self.path_of(ref)
+                if not link.is_symlink() or os.readlink(link) != str(target):
+                    tmp = view / f".{link.name}.tmp"
+                    tmp.unlink(missing_ok=True)
+                    tmp.symlink_to(target)
+                    os.replace(tmp, link)
+        return view / Path(m.model.name).name
 
     # ---- blobs -----------------------------------------------------------------------------
     def blob_path(self, digest: str) -> Path:
@@ -306,6 +333,10 @@ class Store:
                 if p.name.removeprefix("sha256-") not in used and old(p, grace):
                     candidates.append(p)
         with contextlib.suppress(OSError):
+            for view in self.splits.iterdir():  # links of a split model no longer there
+                if not (self.blobs / f"sha256-{view.name}").exists():
+                    shutil.rmtree(view, ignore_errors=True)
+        with contextlib.suppress(OSError):
             for p in self.partial.iterdir():
                 if old(p, grace if p.name.startswith("upload-") else stale_partial):
                     candidates.append(p)
@@ -327,4 +358,7 @@ class Store:
             with contextlib.suppress(FileNotFoundError):
                 path.unlink()
                 removed.append(str(path))
+            view = self.splits / parse_digest(ref.digest)  # it was a split model's first part
+            if view.is_dir():
+                shutil.rmtree(view, ignore_errors=True)
         return removed
