@@ -188,3 +188,16 @@ def test_jinja_is_told_from_go() -> None:
     assert is_jinja("{{ bos_token }}{{ messages[0].content }}")
     assert not is_jinja("{{ .System }} USER: {{ .Prompt }} ASSISTANT:")
     assert not is_jinja("{{- range .Messages }}{{ .Content }}{{ end }}")
+
+
+def test_render_renders_a_request_template_here() -> None:
+    """Ollama's generate `template` is rendered by corral (a runner renders only its own)."""
+    from corral.core.gotemplate import render
+
+    assert render(LEGACY, SYS_CHAT) == "[INST] Be brief.\n\nHi![/INST] Hello.[INST] Name?[/INST] "
+    jinja = "{% for m in messages %}{{ m.content }};{% endfor %}"
+    assert render(jinja, CHAT) == "Hi!;Hello.;Name?;"
+    with pytest.raises(TemplateError):
+        render("{{ html .Prompt }}", CHAT)
+    with pytest.raises(TemplateError):  # the sandbox: no reaching into Python from a template
+        render("{% for m in messages %}{{ m.__class__.__mro__ }}{% endfor %}", CHAT)

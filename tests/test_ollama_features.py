@@ -125,10 +125,20 @@ def test_generate_details(client: ollama.Client, server) -> None:
     assert again.done and len(again.context or []) > len(r.context)
     raw = client.generate(model=SMOL, prompt="The sky is", raw=True, options={"num_predict": 3})
     assert raw.response and raw.context is None
+    # A request's own Go template, as Ollama renders it, completed as a raw prompt.
+    templated = server.client.post("/api/generate", json={
+        "model": SMOL, "prompt": "The sky is", "system": "Be brief.", "stream": False,
+        "template": "{{ if .System }}[{{ .System }}] {{ end }}Q: {{ .Prompt }} A:",
+        "options": {"num_predict": 2},
+    }).json()  # fmt: skip
+    toks = server.client.post("/tokenize", json={
+        "model": SMOL, "content": "[Be brief.] Q: The sky is A:", "add_special": True,
+    }).json()["tokens"]  # fmt: skip
+    assert templated["prompt_eval_count"] == len(toks)
     resp = server.client.post(
-        "/api/generate", json={"model": SMOL, "prompt": "x", "template": "{{ .Prompt }}"}
+        "/api/generate", json={"model": SMOL, "prompt": "x", "template": "{{ html .Prompt }}"}
     )
-    assert resp.status_code == 400 and "template" in resp.json()["error"]
+    assert resp.status_code == 400 and "html" in resp.json()["error"]
     for body in ({"think": "max"}, {"top_logprobs": 50, "logprobs": True}, {"context": ["a"]},
                  {"images": "x"}):  # fmt: skip
         resp = server.client.post("/api/generate", json={"model": SMOL, "prompt": "x", **body})

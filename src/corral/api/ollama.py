@@ -3,7 +3,8 @@
 
 Generation goes through the shared layer (api/events): chat and templated generate become a
 neutral `Chat` (the model's chat template applies, tools and thinking included); raw prompts,
-template-less models and fill-in-the-middle go to llama.cpp's /completion or /infill. The
+a request's own Go `template` (rendered here, core/gotemplate), template-less models and
+fill-in-the-middle go to llama.cpp's /completion or /infill. The
 events become NDJSON chunks.
 """
 
@@ -38,6 +39,8 @@ from corral.api.guard import entry_paths, hide_paths
 from corral.api.service import Resolved, Service, until_disconnect
 from corral.api.stream import json_response
 from corral.config import ConfigError, parse_duration
+from corral.core.gotemplate import TemplateError
+from corral.core.gotemplate import render as render_template
 
 T = TypeVar("T")
 
@@ -125,12 +128,18 @@ class Ollama:
         check_think(r, think)
         if images and "vision" not in r.info.capabilities:
             raise ApiError(400, f"model '{name}' does not support images", "images")
-        if template:
-            raise ApiError(
-                400, "'template' (a Go template) is not supported: corral applies the model's "
-                "own chat template; send the prompt already templated with \"raw\": true",
-                "template",
-            )  # fmt: skip
+        if template and not raw:
+            # The request's own template (Go, as Ollama takes it): rendered here, then
+            # completed as a raw prompt.
+            if images:
+                raise ApiError(400, "'template' with 'images' is not supported", "template")
+            own = system if system is not None else r.entry.system
+            turns = [{"role": "system", "content": own}] if own else []
+            try:
+                prompt = render_template(template, [*turns, {"role": "user", "content": prompt}])
+            except TemplateError as e:
+                raise ApiError(400, f"template: {e}", "template") from None
+            raw = True
         stop = options.get("stop")
         start = time.monotonic()
         if suffix or raw or not r.info.chat_template:

@@ -18,10 +18,14 @@ json currentDate yesterdayDate. Anything else raises TemplateError naming it."""
 
 from __future__ import annotations
 
+import datetime
+import functools
+import json
 import re
 from dataclasses import dataclass, field
+from typing import Any
 
-__all__ = ["TemplateError", "is_jinja", "to_jinja"]
+__all__ = ["TemplateError", "is_jinja", "render", "to_jinja"]
 
 
 class TemplateError(ValueError):
@@ -681,3 +685,31 @@ def _vars(w: _Writer) -> str:
         return ""
     inits = ", ".join(f"{v}=none" for v in sorted(w.vars))
     return f"{{%- set _v = namespace({inits}) -%}}"
+
+
+@functools.lru_cache(maxsize=64)
+def _compiled(text: str) -> Any:
+    import jinja2.sandbox
+
+    # As llama.cpp renders chat templates (the translation does not depend on it: it writes
+    # no raw text); sandboxed, since the template is the client's.
+    env = jinja2.sandbox.ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
+    env.globals["strftime_now"] = lambda fmt: datetime.date.today().strftime(fmt)
+    env.filters["tojson"] = lambda x: json.dumps(x, separators=(",", ":"), ensure_ascii=False)
+    try:
+        return env.from_string(text if is_jinja(text) else to_jinja(text))
+    except jinja2.TemplateError as e:
+        raise TemplateError(f"invalid template: {e}") from None
+
+
+def render(template: str, messages: list[dict[str, Any]], tools: list[Any] | None = None) -> str:
+    """The prompt `template` (Go, as Ollama's `template` request field, or Jinja) makes of
+    `messages`, rendered here (a runner renders only its own template)."""
+    import jinja2
+
+    try:
+        return str(_compiled(template).render(
+            messages=messages, tools=tools or None, add_generation_prompt=True
+        ))  # fmt: skip
+    except jinja2.TemplateError as e:
+        raise TemplateError(f"rendering the template failed: {e}") from None
