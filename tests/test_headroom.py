@@ -7,6 +7,7 @@ import asyncio
 import logging
 import os
 import signal
+import sys
 from dataclasses import replace
 from pathlib import Path
 
@@ -15,6 +16,8 @@ import pytest
 from corral.core.devices import Device
 from corral.core.estimate import RUNNER_PROCESS_BYTES
 from corral.core.spec import RunnerSpec
+from corral.runtime import scheduler
+from corral.runtime.memwatch import oom_kills
 from corral.runtime.scheduler import _ALLOC_FAILED, OOM_RAISE, Scheduler
 
 GiB = 2**30
@@ -53,10 +56,12 @@ async def test_a_load_waits_for_memory_another_program_took(
 
 
 async def test_a_runner_killed_for_memory_is_booked_higher_next_time(
-    models_dir: Path, caplog: pytest.LogCaptureFixture
+    models_dir: Path, caplog: pytest.LogCaptureFixture, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """SIGKILL from outside corral is what the kernel's OOM killer sends: the next load of that
-    model books its allocation OOM_RAISE times higher."""
+    """A SIGKILL while the kernel's OOM kill count moved is the OOM killer's: the next load of
+    that model books its allocation OOM_RAISE times higher."""
+    kills = [7]
+    monkeypatch.setattr(scheduler, "oom_kills", lambda: kills[0])
     sched = Scheduler({"cpu": 8 * GiB}, measure_interval=3600)
     caplog.set_level(logging.WARNING, "corral.runtime.scheduler")
     try:
@@ -66,6 +71,7 @@ async def test_a_runner_killed_for_memory_is_booked_higher_next_time(
         real = sum(alloc.booked(["cpu"]).values()) + RUNNER_PROCESS_BYTES
         lease.release()
         assert lease.runner.pid is not None
+        kills[0] += 1  # as the kernel counts its kill
         os.kill(lease.runner.pid, signal.SIGKILL)
         for _ in range(100):
             await asyncio.sleep(0.05)
@@ -111,3 +117,35 @@ async def test_a_runner_killed_for_memory_is_booked_higher_next_time(
 )
 def test_which_load_failures_count_as_running_out_of_memory(message: str, oom: bool) -> None:
     assert bool(_ALLOC_FAILED.search(message)) is oom
+
+
+async def test_a_runner_killed_by_someone_else_is_not_taken_for_out_of_memory(
+    models_dir: Path, caplog: pytest.LogCaptureFixture, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """`kill -9` by hand (the kernel's OOM kill count stays): the runner's end is a crash, and
+    the model's booking stays as it was."""
+    monkeypatch.setattr(scheduler, "oom_kills", lambda: 7)
+    sched = Scheduler({"cpu": 8 * GiB}, measure_interval=3600)
+    caplog.set_level(logging.WARNING, "corral.runtime.scheduler")
+    try:
+        lease = await sched.acquire("tiny", tiny(models_dir), size=64 * 2**20)
+        lease.release()
+        assert lease.runner.pid is not None
+        os.kill(lease.runner.pid, signal.SIGKILL)
+        for _ in range(100):
+            await asyncio.sleep(0.05)
+            if not sched.core.runners:
+                break
+        assert not sched.core.runners and sched.raised == {}
+        assert any("killed by someone, not for memory" in r.message for r in caplog.records)
+    finally:
+        await sched.shutdown()
+
+
+def test_the_kernels_oom_kill_count_is_read(tmp_path: Path) -> None:
+    vmstat = tmp_path / "vmstat"
+    vmstat.write_text("nr_free_pages 1\noom_kill 3\nnr_zone 2\n")
+    assert oom_kills(str(vmstat)) == 3
+    assert oom_kills(str(tmp_path / "missing")) is None
+    if sys.platform.startswith("linux"):  # the real one (Linux 4.13+)
+        assert isinstance(oom_kills(), int)

@@ -66,3 +66,17 @@ def _smaps_rollup(pid: int) -> dict[str, int] | None:
         if parts and parts[0].isdigit():
             out[key] = int(parts[0]) * 1024  # kB
     return out
+
+
+def oom_kills(vmstat: str = "/proc/vmstat") -> int | None:
+    """How many processes the kernel's OOM killer has killed since boot (every OOM kill, a
+    cgroup's included; Linux 4.13+); None where it cannot be read. A runner that died of
+    SIGKILL while this did not move was killed by someone, not for memory."""
+    try:
+        with open(vmstat) as f:
+            for line in f:
+                if line.startswith("oom_kill "):
+                    return int(line.split()[1])
+    except (OSError, ValueError):
+        return None
+    return None

@@ -9,6 +9,7 @@ with another synchronous event.
 from __future__ import annotations
 
 import asyncio
+import collections
 import contextlib
 import itertools
 import logging
@@ -49,7 +50,7 @@ from corral.core.policy import (
 from corral.core.spec import Layout, RunnerSpec
 from corral.runtime.devices import gpu_process_memory
 from corral.runtime.journal import Journal
-from corral.runtime.memwatch import Usage, process_usage
+from corral.runtime.memwatch import Usage, oom_kills, process_usage
 from corral.runtime.pagecache import prefetch, resident
 from corral.runtime.runner import Runner, RunnerError
 
@@ -158,6 +159,8 @@ class Scheduler:
         # memory), e.g. to save its slots' KV cache; bounded by `before_stop_timeout`.
         self.before_stop: Callable[[Runner, Stop, bool], Awaitable[None]] | None = None
         self.before_stop_timeout = 10.0
+        # The kernel's OOM kill count at the last two measures (the older one is compared).
+        self._oom_seen: collections.deque[int | None] = collections.deque([oom_kills()], maxlen=2)
         # Where runners started from now on let llama.cpp save and restore slots (the KV
         # cache directory; None: no slot saving).
         self.slot_save_path: str | None = None
@@ -332,7 +335,8 @@ class Scheduler:
             else:
                 log.error("loading '%s' failed: %s", runner.name, e)
                 self.journal.record("load_failed", runner.name, runner=rid, message=str(e))
-                if _ALLOC_FAILED.search(str(e)):
+                found = _ALLOC_FAILED.search(str(e))
+                if found and (found.group(0).upper() != "SIGKILL" or self._oom_killed()):
                     self._ran_out_of_memory(runner.name)
             self.runners.pop(rid, None)
             self.core.load_failed(rid, str(e), time.monotonic())
@@ -410,6 +414,7 @@ class Scheduler:
             await asyncio.sleep(self.measure_interval)
 
     async def _measure_once(self) -> None:
+        self._oom_seen.append(oom_kills())
         pids = {rid: r.pid for rid, r in self.runners.items() if r.pid}
         # smaps_rollup reads take ~0.1-1 ms each, NVML calls similar: off the event loop.
         devices, usages, gpu = await asyncio.to_thread(self._read_machine, list(pids.values()))
@@ -565,6 +570,13 @@ class Scheduler:
             self._spawn(asyncio.to_thread(prefetch, path, spare, lambda: path in self._prefetched))
             log.info("reading model '%s' ahead while room is made for it", model)
 
+    def _oom_killed(self) -> bool:
+        """Whether the kernel's OOM killer killed a process lately (since the reading before
+        the last measure, 2-4 s ago): nothing of corral's sends SIGKILL to a serving runner.
+        Where the count cannot be read, a SIGKILL is taken for the OOM killer's."""
+        now, before = oom_kills(), self._oom_seen[0]
+        return now is None or before is None or now > before
+
     def _ran_out_of_memory(self, model: str) -> None:
         k = min(OOM_RAISE_MAX, self.raised.get(model, 1.0) * OOM_RAISE)
         self.raised[model] = k
@@ -611,8 +623,13 @@ class Scheduler:
         else:
             log.error("%s", runner.failure_message())
             self.journal.record("crash", runner.name, runner=rid, message=runner.failure_message())
-            if code == -signal.SIGKILL:  # nothing of corral's sent it: the OOM killer did
+            if code == -signal.SIGKILL and self._oom_killed():
                 self._ran_out_of_memory(runner.name)
+            elif code == -signal.SIGKILL:
+                log.warning(
+                    "runner for '%s' was killed by someone, not for memory: the kernel's OOM "
+                    "kill count did not change", runner.name,
+                )  # fmt: skip
         if runner.session is not None:
             await runner.session.close()
         before = self._free_before.pop(rid, None)
