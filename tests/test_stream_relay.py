@@ -120,6 +120,31 @@ def test_a_stream_cut_short_raises() -> None:
     asyncio.run(main())
 
 
+def test_closing_a_stream_closes_its_connection() -> None:
+    """close() (the client left) must reach the runner at once, whose generation it stops:
+    the relay's own descriptor for the socket must not keep the connection open."""
+    seen: list[bytes] = []
+
+    def write(conn: socket.socket) -> None:
+        conn.sendall(HEAD + chunk(event(0)))
+        conn.settimeout(10)
+        seen.append(conn.recv(100))  # b"" once corral closed the connection
+
+    async def main() -> None:
+        s = await stream_of(write)
+        assert await s.read() == event(0)
+        assert s.sock is not None
+        s.close()
+        assert s.sock is None
+        for _ in range(1000):
+            if seen:
+                break
+            await asyncio.sleep(0.01)
+
+    asyncio.run(main())
+    assert seen == [b""]
+
+
 def test_an_unreachable_runner_is_an_oserror() -> None:
     listener = socket.create_server(("127.0.0.1", 0))
     url = f"http://127.0.0.1:{listener.getsockname()[1]}"

@@ -4,12 +4,12 @@ as the guarantees allow.
 What a relayed token costs is mostly fixed per wake-up, read and write (the event loop's turn,
 a system call each, the ASGI send through the middleware), not per byte. So:
 - `RunnerStream` reads the runner's stream on a connection of its own, with no HTTP client
-  library in between, and coalesces: a read less than a window after the previous one waits
-  out the window (the tokens wait in the kernel meanwhile) and takes everything that came, so a
-  fast runner's tokens go out a few at a time, while the first tokens, a token after a pause
-  (any at a normal model's pace) and the stream's end go out at once. The window is
-  `COALESCE_S`, longer while many streams are relayed at once (`STREAM_SHARE_S` each), so
-  that the relay's wake-ups stay bounded however many streams there are;
+  library in between, and coalesces: a read in the first half of a window after the previous
+  one waits out the window (the tokens wait in the kernel meanwhile) and takes everything that
+  came, so a fast runner's tokens go out a few at a time, while the first tokens, a token after
+  a pause (any at a normal model's pace) and the stream's end go out at once. The window is
+  `COALESCE_S` (2 ms), a little longer while many streams are relayed at once
+  (`STREAM_SHARE_S` each, at most `MAX_WINDOW_S`, 3 ms): no token waits longer than that;
 - `RelayResponse` sends with a plain loop (no task group per response, no wrapper per chunk),
   joining what one read brought into one write, and watches for the client leaving with one
   idle task;
@@ -19,10 +19,8 @@ a system call each, the ASGI send through the middleware), not per byte. So:
 from __future__ import annotations
 
 import asyncio
-import fcntl
+import os
 import socket
-import sys
-import termios
 import time
 from collections.abc import AsyncIterator, Callable
 from typing import Any, cast
@@ -38,13 +36,16 @@ from corral.runtime.scheduler import Lease
 
 SSE_DONE = b"data: [DONE]"
 MAX_HELD = 1 << 20  # an "event" longer than this without its blank line passes on as it is
-# A read this soon after the previous one waits out the rest of this window, so that what the
-# runner sends meanwhile goes out with it: at most this much added delay for a token, and only
-# for tokens that come faster than one per window.
+# A read in the first half of this window after the previous one waits out the rest of it, so
+# that what the runner sends meanwhile goes out with it: at most this much added delay for a
+# token, and only for tokens that come at least two a window (slower ones would cost a wait
+# for less than one more token).
 COALESCE_S = 0.002
-STREAM_SHARE_S = 0.0005  # the window is at least this times the streams relayed at once ...
-MAX_WINDOW_S = 0.02  # ... up to this
-MIN_WAIT_S = 0.0005
+# With many streams relayed at once the window is this times their number, up to MAX_WINDOW_S:
+# a token is never held longer than that (a few ms), so a stream that gets a token every few
+# ms (a batch of many slots) goes out a token a read however many there are.
+STREAM_SHARE_S = 0.0005
+MAX_WINDOW_S = 0.003
 HIGH_WATER = 1 << 20  # received bytes the client has not taken: reading stops until it does
 HOLD_LOWAT = 1 << 16  # the socket's receive low-water mark while a window passes
 # What a runner failing mid-stream raises: RunnerStream raises OSErrors (ConnectionError);
@@ -63,7 +64,7 @@ class RunnerStream(asyncio.Protocol):
     only appended here, and the reader is woken when it should read.
 
     `read()` returns the body's bytes that came since the last read (b"" at the end). A read
-    less than `window` after the previous one lets the rest of the window pass first and takes
+    less than half a window after the previous one lets the rest of the window pass and takes
     everything that came meanwhile, so a fast runner's tokens go out a few at a time (one wake,
     one write for several), while the first tokens, a token after a pause (any at a normal
     model's pace) and the stream's end go out at once. While the window passes, the socket's
@@ -95,22 +96,31 @@ class RunnerStream(asyncio.Protocol):
         self.reads = 0
         self.last = -window  # when the last read returned
         self.loop = asyncio.get_running_loop()
-        self.sock: Any = None  # the socket (uvloop's stand-in), to set its low-water mark
+        # The connection's socket, on a file descriptor of our own (a dup), to set its
+        # low-water mark and ask what waits in it with one system call each (uvloop's stand-in
+        # makes a socket object for every call); closed with the connection.
+        self.sock: socket.socket | None = None
         self.counted = False  # in _streams
 
     # ---- the protocol: called by the event loop ----------------------------------------------
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         self.transport = cast(asyncio.Transport, transport)  # uvloop's is not a subclass
-        self.sock = transport.get_extra_info("socket")
+        try:
+            self.sock = socket.socket(fileno=os.dup(transport.get_extra_info("socket").fileno()))
+            self.sock.setblocking(False)  # as the loop's is (the flag is the socket's)
+        except (OSError, AttributeError):  # no socket to be had: wake as data comes
+            self.sock = None
 
     def data_received(self, data: bytes) -> None:
         self.raw.append(data)
         self.size += len(data)
-        # The stream is ending (a finish reason, /completion's last event, [DONE], an error
-        # line): from now on nothing waits, so the end is never late. The same bytes inside
-        # generated text are JSON-escaped; a false match would only cost the coalescing.
+        # The stream is ending (a finish reason, /completion's last event, [DONE], llama.cpp's
+        # error line): from now on nothing waits, so the end is never late. Generated text
+        # cannot hold the quoted ones (JSON escapes quotes) nor start a line; a false match
+        # would only cost the coalescing.
         if not self.ending and (b'"finish_reason":"' in data or b'"stop":true' in data
-                                or b"data: [DONE]" in data or b"error: " in data):  # fmt: skip
+                                or b"data: [DONE]" in data or b"\nerror: " in data
+                                or data.startswith(b"error: ")):  # fmt: skip
             self.ending = True
         if self.size > HIGH_WATER and self.transport is not None and not self.paused:
             self.paused = True  # the client reads slower than the runner writes
@@ -126,6 +136,7 @@ class RunnerStream(asyncio.Protocol):
     def connection_lost(self, exc: Exception | None) -> None:
         self.eof = True
         self._gone()
+        self._drop_sock()
         if exc is not None and self.exc is None:
             self.exc = exc
         self._wake()
@@ -248,16 +259,16 @@ class RunnerStream(asyncio.Protocol):
         window = max(self.window, min(_streams[0] * STREAM_SHARE_S, MAX_WINDOW_S))
         wait = self.last + window - time.monotonic()
         # The first reads (the role event, then the first token) never wait, nor the end, nor a
-        # read whose window is all but over (the event loop's timers count milliseconds).
-        if wait >= MIN_WAIT_S and self.reads > 2 and not (self.ending or self.done or self.eof):
+        # read in the second half of its window.
+        if wait > window / 2 and self.reads > 2 and not (self.ending or self.done or self.eof):
             await self._hold(wait)
             data += self._take()
         self.last = time.monotonic()
         return data
 
     async def _hold(self, seconds: float) -> None:
-        """Let `seconds` pass, woken early only by the stream's end or failure, then make sure
-        what came meanwhile is read."""
+        """Let `seconds` pass, woken early only by the stream's end or failure, then take what
+        came meanwhile."""
         self.holding = True
         held = self._lowat(HOLD_LOWAT)
         try:
@@ -266,23 +277,29 @@ class RunnerStream(asyncio.Protocol):
             self.holding = False
             if held:
                 self._lowat(1)  # the kernel now says the socket is readable, if anything came
-        if held and not self.eof and self._unread():
-            await self._wait()  # the loop reads it next: data_received wakes this
+        if held and not self.eof and not self.paused:
+            self._recv()
 
     def _lowat(self, n: int) -> bool:
+        if self.sock is None:
+            return False
         try:
             self.sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVLOWAT, n)
             return True
-        except (OSError, AttributeError):  # closed, or no such option here: wake as data comes
+        except OSError:  # closed, or no such option here: wake as data comes
             return False
 
-    def _unread(self) -> int:
-        """Bytes waiting in the socket (0 if that cannot be known)."""
+    def _recv(self) -> None:
+        """Take what waits in the socket now, without a turn of the event loop: everything the
+        loop read before is in `raw` already (it reads in this thread), and what it reads after
+        comes after this. The end of the connection, or its failure, is left to the loop."""
+        assert self.sock is not None
         try:
-            got = fcntl.ioctl(self.sock.fileno(), termios.FIONREAD, b"\0\0\0\0")
-        except (OSError, AttributeError, ValueError):
-            return 0
-        return int.from_bytes(got, sys.byteorder, signed=True)
+            data = self.sock.recv(1 << 20)
+        except OSError:  # nothing yet (EAGAIN), or a failure the loop reports
+            return
+        if data:
+            self.data_received(data)
 
     async def read_all(self) -> bytes:
         parts = []
@@ -300,9 +317,15 @@ class RunnerStream(asyncio.Protocol):
         return data
 
     def close(self) -> None:
+        self._drop_sock()  # first: while our descriptor is open, the connection stays open
         if self.transport is not None:
             self.transport.close()
         self._gone()
+
+    def _drop_sock(self) -> None:
+        if self.sock is not None:
+            self.sock.close()
+            self.sock = None
 
     release = close
 
@@ -327,9 +350,8 @@ async def open_stream(
     async with asyncio.timeout(connect_timeout):
         await loop.create_connection(lambda: stream, host, port)
     try:
-        sock = stream.transport.get_extra_info("socket") if stream.transport else None
-        if sock is not None:
-            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        if stream.sock is not None:
+            stream.sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
         await stream.start(
             b"POST %s HTTP/1.1\r\nHost: %s:%d\r\nContent-Type: application/json\r\n"
             b"Content-Length: %d\r\nConnection: close\r\n\r\n"
