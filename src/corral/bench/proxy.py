@@ -11,7 +11,11 @@ Three measurements:
   second, so we know corral is never the bottleneck.
 
 The direct side talks to the very runner process corral uses (its listening port is read from
-the pid in /api/ps), so both sides run the same llama.cpp server with the same spec and state.
+the pid in /api/ps), so both sides run the same llama.cpp server with the same spec and state,
+and the same client code reads both (one `read1` per arrival, whatever it holds).
+
+`CORRAL_BENCH_PROXY=stream,concurrent` (a comma list of `PARTS`) runs only those parts, e.g.
+while profiling corral's relay with py-spy.
 """
 
 from __future__ import annotations
@@ -59,6 +63,16 @@ PROMPT_SHORT = "Hi"
 PROMPT_LONG = "Write a long story about a lighthouse keeper, the sea and a storm."
 WARMUP = 3  # pairs per route discarded before measuring
 STREAMS = 16  # concurrent streams in the aggregate streaming measurement
+PARTS = ("latency", "stream", "concurrent", "capacity", "core")
+
+
+def parts() -> set[str]:
+    """The parts of the benchmark to run: CORRAL_BENCH_PROXY (comma list), or all of them."""
+    chosen = {p.strip() for p in os.environ.get("CORRAL_BENCH_PROXY", "").split(",") if p.strip()}
+    unknown = chosen - set(PARTS)
+    if unknown:
+        raise ValueError(f"CORRAL_BENCH_PROXY: unknown part(s) {sorted(unknown)}; parts: {PARTS}")
+    return chosen or set(PARTS)
 
 
 @dataclass(frozen=True)
@@ -199,9 +213,24 @@ def _load(server: CorralServer, model: str) -> str:
     return runner_url(pid)
 
 
+def stream_rate(t: Timed) -> float:
+    """Tokens per second while the stream flows: the tokens after the first over the time from
+    the first to the end (the time to the first token is measured on its own)."""
+    n = completion_tokens(t.body)
+    return safe_div(n - 1, t.end - t.first) if n > 1 else math.nan
+
+
+def whole_rate(t: Timed) -> float:
+    """Tokens per second over the whole request, from sending it to the end of the answer."""
+    return safe_div(completion_tokens(t.body), t.latency)
+
+
 def overhead(scale: Scale, work: Path, say: Say, sec: Section) -> None:
+    todo = parts()
     models_dir = work / "proxy-models"
     synth.write_llama_model(models_dir / f"{TINY}.gguf", n_layer=2, context_length=4096)
+    if not todo & {"latency", "stream"}:
+        return
     models = [f"{TINY}:latest"]
     if scale.proxy_smollm2:
         from corral.runtime.registry import smollm2_path
@@ -221,8 +250,9 @@ def overhead(scale: Scale, work: Path, say: Say, sec: Section) -> None:
     )  # fmt: skip
     thr = Table(
         f"Streaming throughput, one stream at a time ({scale.stream_tokens} tokens)",
-        ["model", "route", "direct tok/s", "corral tok/s", "corral/direct", "direct TTFT p50",
-         "corral TTFT p50", "corral CPU per token", "load average"],
+        ["model", "route", "direct tok/s", "corral tok/s", "corral/direct", "paired p50",
+         "whole request corral/direct", "direct TTFT p50", "corral TTFT p50",
+         "corral CPU per token", "load average"],
     )  # fmt: skip
     data: dict[str, Any] = {}
     try:
@@ -232,67 +262,87 @@ def overhead(scale: Scale, work: Path, say: Say, sec: Section) -> None:
             url = _load(server, model)
             direct, corral = Http(url), Http(server.url)
             try:
-                say(f"proxy: {model}: {scale.latency_reps} latency pairs per route")
-                res = measure_pairs(direct, corral, latency_routes(model), scale.latency_reps)
-                for route, sides in res.items():
-                    d = [t.latency for t in sides["direct"]]
-                    c = [t.latency for t in sides["corral"]]
-                    diffs = [b - a for a, b in zip(d, c, strict=True)]
-                    add50 = median(c) - median(d)
-                    add99 = percentile(c, 99) - percentile(d, 99)
-                    lat.add(short, route, ms(median(d)), ms(median(c)), ms(add50),
-                            ms(percentile(d, 99)), ms(percentile(c, 99)), ms(add99),
-                            ms(median(diffs)), ratio(safe_div(median(c), median(d))))  # fmt: skip
-                    data[f"latency/{short}/{route}"] = {
-                        "direct": summary(d),
-                        "corral": summary(c),
-                        "paired_diff": summary(diffs),
-                    }
-                    sec.goals.append(goal_max(
-                        f"added latency at p50 < 1 ms ({route}, {short})", add50, 1e-3, ms
-                    ))  # fmt: skip
-                say(f"proxy: {model}: {scale.stream_reps} streams per route and side")
-                cpu: dict[str, list[float]] = {}
-                load0 = os.getloadavg()[0]
-                res = measure_pairs(
-                    direct, corral, stream_routes(model, scale.stream_tokens), scale.stream_reps,
-                    warmup=1, cpu_pid=server.proc.pid, cpu=cpu,
-                )  # fmt: skip
-                load = (load0, os.getloadavg()[0])
-                for route, sides in res.items():
-                    rates = {
-                        side: [safe_div(completion_tokens(t.body), t.latency) for t in ts]
-                        for side, ts in sides.items()
-                    }
-                    rd, rc = median(rates["direct"]), median(rates["corral"])
-                    ttft = {s: median([t.ttft for t in ts]) for s, ts in sides.items()}
-                    tokens = [completion_tokens(t.body) for t in sides["corral"]]
-                    per_token = safe_div(sum(cpu.get(route, [])), sum(tokens))
-                    thr.add(short, route, f"{rd:.0f}", f"{rc:.0f}", ratio(safe_div(rc, rd)),
-                            ms(ttft["direct"]), ms(ttft["corral"]), us(per_token),
-                            f"{load[0]:.2f} -> {load[1]:.2f}")  # fmt: skip
-                    data[f"stream/{short}/{route}"] = {
-                        "direct_tok_s": summary(rates["direct"]),
-                        "corral_tok_s": summary(rates["corral"]),
-                        "tokens": tokens,
-                        "ttft_direct": ttft["direct"],
-                        "ttft_corral": ttft["corral"],
-                        "corral_cpu_s_per_token": per_token,
-                        "load_average": load,
-                    }
-                    sec.goals.append(goal_min(
-                        f"streaming >= 98% of direct tokens/s ({route}, {short})",
-                        safe_div(rc, rd) * 100, 98.0, lambda x: f"{x:.1f}%",
-                        lambda x: f"{x:.1f} percentage points",
-                    ))  # fmt: skip
+                if "latency" in todo:
+                    latency(direct, corral, model, short, scale, say, sec, lat, data)
+                if "stream" in todo:
+                    streaming(direct, corral, model, short, scale, say, sec, thr, data,
+                              server.proc.pid)  # fmt: skip
             finally:
                 direct.close()
                 corral.close()
     finally:
         server.stop()
-    sec.tables += [lat, thr]
+    sec.tables += [t for t in (lat, thr) if t.rows]
     sec.data |= data
-    concurrent(scale, work, say, sec)
+
+
+def latency(
+    direct: Http, corral: Http, model: str, short: str, scale: Scale, say: Say, sec: Section,
+    lat: Table, data: dict[str, Any],
+) -> None:  # fmt: skip
+    say(f"proxy: {model}: {scale.latency_reps} latency pairs per route")
+    res = measure_pairs(direct, corral, latency_routes(model), scale.latency_reps)
+    for route, sides in res.items():
+        d = [t.latency for t in sides["direct"]]
+        c = [t.latency for t in sides["corral"]]
+        diffs = [b - a for a, b in zip(d, c, strict=True)]
+        add50 = median(c) - median(d)
+        add99 = percentile(c, 99) - percentile(d, 99)
+        lat.add(short, route, ms(median(d)), ms(median(c)), ms(add50),
+                ms(percentile(d, 99)), ms(percentile(c, 99)), ms(add99),
+                ms(median(diffs)), ratio(safe_div(median(c), median(d))))  # fmt: skip
+        data[f"latency/{short}/{route}"] = {
+            "direct": summary(d),
+            "corral": summary(c),
+            "paired_diff": summary(diffs),
+        }
+        sec.goals.append(goal_max(
+            f"added latency at p50 < 1 ms ({route}, {short})", add50, 1e-3, ms
+        ))  # fmt: skip
+
+
+def streaming(
+    direct: Http, corral: Http, model: str, short: str, scale: Scale, say: Say, sec: Section,
+    thr: Table, data: dict[str, Any], pid: int,
+) -> None:  # fmt: skip
+    say(f"proxy: {model}: {scale.stream_reps} streams per route and side")
+    cpu: dict[str, list[float]] = {}
+    load0 = os.getloadavg()[0]
+    res = measure_pairs(
+        direct, corral, stream_routes(model, scale.stream_tokens), scale.stream_reps,
+        warmup=1, cpu_pid=pid, cpu=cpu,
+    )  # fmt: skip
+    load = (load0, os.getloadavg()[0])
+    for route, sides in res.items():
+        rates = {side: [stream_rate(t) for t in ts] for side, ts in sides.items()}
+        whole = {side: [whole_rate(t) for t in ts] for side, ts in sides.items()}
+        rd, rc = median(rates["direct"]), median(rates["corral"])
+        paired = median([b / a for a, b in zip(rates["direct"], rates["corral"], strict=True)
+                         if a > 0])  # fmt: skip
+        wd, wc = median(whole["direct"]), median(whole["corral"])
+        ttft = {s: median([t.ttft for t in ts]) for s, ts in sides.items()}
+        tokens = [completion_tokens(t.body) for t in sides["corral"]]
+        per_token = safe_div(sum(cpu.get(route, [])), sum(tokens))
+        thr.add(short, route, f"{rd:.0f}", f"{rc:.0f}", ratio(safe_div(rc, rd)), ratio(paired),
+                ratio(safe_div(wc, wd)), ms(ttft["direct"]), ms(ttft["corral"]), us(per_token),
+                f"{load[0]:.2f} -> {load[1]:.2f}")  # fmt: skip
+        data[f"stream/{short}/{route}"] = {
+            "direct_tok_s": summary(rates["direct"]),
+            "corral_tok_s": summary(rates["corral"]),
+            "paired": paired,
+            "direct_whole_tok_s": summary(whole["direct"]),
+            "corral_whole_tok_s": summary(whole["corral"]),
+            "tokens": tokens,
+            "ttft_direct": ttft["direct"],
+            "ttft_corral": ttft["corral"],
+            "corral_cpu_s_per_token": per_token,
+            "load_average": load,
+        }
+        sec.goals.append(goal_min(
+            f"streaming >= 98% of direct tokens/s ({route}, {short})",
+            safe_div(rc, rd) * 100, 98.0, lambda x: f"{x:.1f}%",
+            lambda x: f"{x:.1f} percentage points",
+        ))  # fmt: skip
 
 
 def concurrent(scale: Scale, work: Path, say: Say, sec: Section) -> None:
@@ -309,7 +359,7 @@ def concurrent(scale: Scale, work: Path, say: Say, sec: Section) -> None:
         f"Streaming throughput, {STREAMS} streams at once ({scale.stream_tokens} tokens each, "
         f"a runner with {STREAMS} slots)",
         ["model", "route", "direct tok/s", "corral tok/s", "corral/direct", "paired p50",
-         "corral CPU per token", "load average"],
+         "whole burst corral/direct", "corral CPU per token", "load average"],
     )  # fmt: skip
     reps = max(1, scale.stream_reps // 2)
     try:
@@ -317,6 +367,8 @@ def concurrent(scale: Scale, work: Path, say: Say, sec: Section) -> None:
         url = _load(server, model)
         routes = stream_routes(model, scale.stream_tokens)
         rates: dict[str, dict[str, list[float]]] = {r.name: {"direct": [], "corral": []}
+                                                     for r in routes}  # fmt: skip
+        whole: dict[str, dict[str, list[float]]] = {r.name: {"direct": [], "corral": []}
                                                      for r in routes}  # fmt: skip
         cpu: dict[str, list[tuple[float, int]]] = {r.name: [] for r in routes}
         load0 = os.getloadavg()[0]
@@ -329,7 +381,10 @@ def concurrent(scale: Scale, work: Path, say: Say, sec: Section) -> None:
                     used = cpu_seconds(server.proc.pid) - c0
                     tokens = sum(completion_tokens(t.body) for t in results)
                     if i:
-                        rates[route.name][side].append(safe_div(tokens, wall))
+                        # While the streams flow: from the first token of any to the last end.
+                        flow = max(t.end for t in results) - min(t.first for t in results)
+                        rates[route.name][side].append(safe_div(tokens - STREAMS, flow))
+                        whole[route.name][side].append(safe_div(tokens, wall))
                         if side == "corral":
                             cpu[route.name].append((used, tokens))
         load = (load0, os.getloadavg()[0])
@@ -339,12 +394,16 @@ def concurrent(scale: Scale, work: Path, say: Say, sec: Section) -> None:
         d, c = rates[route.name]["direct"], rates[route.name]["corral"]
         rd, rc = median(d), median(c)
         paired = median([b / a for a, b in zip(d, c, strict=True) if a])
+        wd, wc = median(whole[route.name]["direct"]), median(whole[route.name]["corral"])
         per_token = safe_div(sum(u for u, _ in cpu[route.name]),
                              sum(n for _, n in cpu[route.name]))  # fmt: skip
         table.add(TINY, route.name, f"{rd:.0f}", f"{rc:.0f}", ratio(safe_div(rc, rd)),
-                  ratio(paired), us(per_token), f"{load[0]:.2f} -> {load[1]:.2f}")  # fmt: skip
+                  ratio(paired), ratio(safe_div(wc, wd)), us(per_token),
+                  f"{load[0]:.2f} -> {load[1]:.2f}")  # fmt: skip
         sec.data[f"stream{STREAMS}/{TINY}/{route.name}"] = {
             "direct_tok_s": summary(d), "corral_tok_s": summary(c), "paired": paired,
+            "direct_whole_tok_s": summary(whole[route.name]["direct"]),
+            "corral_whole_tok_s": summary(whole[route.name]["corral"]),
             "corral_cpu_s_per_token": per_token, "load_average": load,
         }  # fmt: skip
         sec.goals.append(goal_min(
@@ -354,11 +413,14 @@ def concurrent(scale: Scale, work: Path, say: Say, sec: Section) -> None:
         ))  # fmt: skip
     sec.tables.append(table)
     sec.notes.append(
-        f"streaming: 'corral CPU per token' is the CPU time of corral's process during its "
-        f"streams over the tokens they carried; {STREAMS} streams: each on its own connection "
-        "and client thread, tokens/s = all their tokens over the time from their common start "
-        "to the last one's end; 'paired p50' is the median of corral/direct over back-to-back "
-        "rounds"
+        "streaming: tokens/s while the streams flow, from the first token to the end (time to "
+        "first token is the latency table's and the TTFT columns' business); 'whole request' "
+        "divides by the time from sending the request instead; 'paired p50' is the median of "
+        "corral/direct over back-to-back runs; 'corral CPU per token' is the CPU time of "
+        f"corral's process during its streams over the tokens they carried; {STREAMS} streams: "
+        "each on its own connection and client thread, tokens/s = their tokens (less each "
+        "stream's first) over the time from the first token of any to the last one's end; "
+        "'whole burst' = all their tokens over the time from their common start"
     )
 
 
@@ -552,16 +614,22 @@ def core_bench(cycles: int) -> tuple[Table, dict[str, Any]]:
 
 
 def run(scale: Scale, work: Path, say: Say) -> Section:
+    todo = parts()
     sec = Section("proxy", "Proxy overhead")
     overhead(scale, work, say, sec)
-    capacity(scale, work, say, sec)
-    say("proxy: scheduler core")
-    table, data = core_bench(scale.core_cycles)
-    sec.tables.append(table)
-    sec.data["core"] = data
-    sec.notes.append(
-        "latency: 'paired diff p50' is the median of (corral - direct) over back-to-back pairs, "
-        f"less sensitive to drift than the difference of medians; p99 over "
-        f"{scale.latency_reps} pairs is close to the maximum"
-    )
+    if "concurrent" in todo:
+        concurrent(scale, work, say, sec)
+    if "capacity" in todo:
+        capacity(scale, work, say, sec)
+    if "core" in todo:
+        say("proxy: scheduler core")
+        table, data = core_bench(scale.core_cycles)
+        sec.tables.append(table)
+        sec.data["core"] = data
+    if "latency" in todo:
+        sec.notes.append(
+            "latency: 'paired diff p50' is the median of (corral - direct) over back-to-back "
+            f"pairs, less sensitive to drift than the difference of medians; p99 over "
+            f"{scale.latency_reps} pairs is close to the maximum"
+        )
     return sec
