@@ -583,3 +583,43 @@ def test_a_request_whose_runner_is_loading_waits_for_it_past_its_deadline() -> N
     assert h.outcome[a] == "granted"
     h.advance(0.0)
     assert h.outcome[late] == "failed"  # loaded, no slot, past its deadline
+
+
+def test_a_wait_for_memory_busy_runners_hold_is_counted() -> None:
+    """b's load needs the room a's runner holds while it serves a long request: the expected
+    wait is what is left of that request (a's service time less its time so far) plus b's
+    load, and a client that cannot wait that long is refused at once."""
+    core = Core(budgets={"cpu": 1000})
+    now = 0.0
+
+    def req(i: int, model: str, deadline: float = math.inf) -> Request:
+        return Request(i, model, spec(model), frozenset(), 600, None, now, deadline=now + deadline)
+
+    def rid(model: str) -> int:
+        (r,) = [r.id for r in core.runners.values() if r.model == model]
+        return r
+
+    core.request(req(1, "b"), now)  # b: loads in 5 s, serves in 5 s
+    now = 5.0
+    core.loaded(rid("b"), now)
+    now = 10.0
+    core.release(1, now)
+    core.request(req(2, "a"), now)  # a evicts b
+    core.exited(rid("b"), now)
+    now = 12.0
+    core.loaded(rid("a"), now)
+    now = 112.0
+    core.release(2, now)  # a's requests take 100 s
+    core.request(req(3, "a"), now)  # granted: a is busy until about 212
+    core.drain()
+    now = 122.0
+    assert core.expected_wait(req(4, "b"), now) == pytest.approx(90.0 + 5.0)
+    with pytest.raises(QueueFull) as e:
+        core.request(req(4, "b", deadline=60.0), now)
+    assert e.value.retry_after == pytest.approx(35.0)
+    core.request(req(5, "b", deadline=240.0), now)  # one that can wait is queued
+    assert [q.id for q in core.queue] == [5]
+    # a request waiting for a keeps it busy one service time longer; b's request ahead of
+    # this one takes its own 5 s
+    core.request(req(6, "a"), now)
+    assert core.expected_wait(req(7, "b"), now) == pytest.approx(190.0 + 5.0 + 5.0)

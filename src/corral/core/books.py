@@ -221,9 +221,9 @@ class Core:
         return self._fit(q) is None and q.fit(self.free()) is not None
 
     def expected_wait(self, req: Request, now: float) -> float | None:
-        """Seconds req would likely wait for a slot, from the model's measured service times
-        and load time; None where there is nothing to go by (no measure yet, or it waits for
-        memory that other models' requests hold)."""
+        """Seconds req would likely wait for a slot, from the models' measured service times
+        and load time, the memory other models' requests hold included; None where there is
+        nothing to go by (no measure yet)."""
         s = self._service.get(req.model)
         if s is None:
             return None
@@ -232,7 +232,10 @@ class Core:
         if r is None or r.draining or not compatible(r.spec, req):
             if req.model not in self._load_cost:
                 return None
-            load = self._load_cost[req.model]
+            room = self._memory_wait(req, now)
+            if room is None:
+                return None
+            load = room + self._load_cost[req.model]
             parallel = req.spec.num_parallel
         else:
             parallel = r.spec.num_parallel
@@ -242,6 +245,35 @@ class Core:
         if r is not None and r.state == "ready" and not r.draining:
             ahead += r.inflight - parallel + 1  # it waits for one of the busy slots too
         return load + max(0, ahead) * s / max(1, parallel)
+
+    def _memory_wait(self, req: Request, now: float) -> float | None:
+        """Seconds until req's load has room: 0 if it fits now or once idle runners are
+        evicted; else when enough busy runners will have served what they hold and what waits
+        for them (from their models' service times). None where that cannot be told (a busy
+        model not measured yet, or room that only loading or pinned runners hold). Loads
+        queued ahead of req are not counted: a low estimate, so that refusals stay sure."""
+        free = [r for r in self.runners.values()
+                if r.state == "unloading" or (r.state == "ready" and r.inflight == 0
+                                              and not r.pinned)]  # fmt: skip
+        if self._fit(req, _sum_devices(free), len(free)) is not None:
+            return 0.0
+        busy: list[tuple[float, RunnerBook]] = []
+        for r in self.runners.values():
+            if r.state != "ready" or r.inflight == 0 or r.pinned:
+                continue
+            s = self._service.get(r.model)
+            if s is None:
+                return None
+            started = [self._granted_at.get(q, now) for q, rid in self.granted.items()
+                       if rid == r.id]  # fmt: skip
+            left = max((max(0.0, s - (now - at)) for at in started), default=0.0)
+            waiting = sum(1 for q in self.queue if q.model == r.model)
+            busy.append((left + math.ceil(waiting / max(1, r.spec.num_parallel)) * s, r))
+        for t, r in sorted(busy, key=lambda x: x[0]):
+            free.append(r)
+            if self._fit(req, _sum_devices(free), len(free)) is not None:
+                return t
+        return None
 
     def current(self, model: str) -> RunnerBook | None:
         """The model's runner that is loading or ready (not one on its way out)."""
