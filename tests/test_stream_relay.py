@@ -380,3 +380,18 @@ def test_only_plain_deltas_skip_the_parser() -> None:
         "\u00e9t\u00e9 \U0001f600 \u2028".encode().join([b'"', b'"']), b'"\x7f"',
         b'"\\"}}],\\"created\\":1"', b'"x\\\\"',
     }  # fmt: skip
+
+
+def test_events_of_one_read_are_said_to_be_ready() -> None:
+    """A family rendering events one by one (OpenAI chunks, Anthropic, Responses) joins what
+    one read brought into one write: `buffered()` holds until the read's last event."""
+    from corral.api.events import Text
+
+    reads = [DELTA % b'{"content":"a"}' + DELTA % b'{"content":"b"}' + DELTA % b'{"content":"c"}',
+             DELTA % b'{"content":"d"}', b"data: [DONE]\n\n"]  # fmt: skip
+
+    async def main() -> list[tuple[str, bool]]:
+        gen = _generation(reads)
+        return [(ev.text, gen.buffered()) async for ev in gen.events() if isinstance(ev, Text)]
+
+    assert asyncio.run(main()) == [("a", True), ("b", True), ("c", False), ("d", False)]

@@ -147,6 +147,7 @@ class Generation:
         self.explain = explain
         self.started = time.monotonic()
         self.source: SSE | None = None
+        self.left = 0  # events of the current batch events() has not yielded yet
 
     def close(self) -> None:
         self.upstream.close()
@@ -159,11 +160,13 @@ class Generation:
     def buffered(self) -> bool:
         """Whether the runner's next event has already been read (the events that follow now
         come without waiting)."""
-        return self.source is not None and bool(self.source.pending)
+        return self.left > 0 or (self.source is not None and bool(self.source.pending))
 
     async def events(self) -> AsyncIterator[Event]:
         async for batch in self.batches():
+            self.left = len(batch)
             for ev in batch:
+                self.left -= 1
                 yield ev  # type: ignore[misc]  # no plain literals without plain=True
 
     async def batches(self, plain: bool = False) -> AsyncIterator[list[Event | bytes]]:
