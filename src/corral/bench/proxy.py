@@ -15,7 +15,7 @@ the pid in /api/ps), so both sides run the same llama.cpp server with the same s
 and the same client code reads both (one `read1` per arrival, whatever it holds).
 
 `CORRAL_BENCH_PROXY=stream,concurrent` (a comma list of `PARTS`) runs only those parts, e.g.
-while profiling corral's relay with py-spy.
+while profiling corral's relay with py-spy (add `smollm2` for the real model too).
 """
 
 from __future__ import annotations
@@ -63,7 +63,8 @@ PROMPT_SHORT = "Hi"
 PROMPT_LONG = "Write a long story about a lighthouse keeper, the sea and a storm."
 WARMUP = 3  # pairs per route discarded before measuring
 STREAMS = 16  # concurrent streams in the aggregate streaming measurement
-PARTS = ("latency", "stream", "concurrent", "capacity", "core")
+# smollm2: latency and stream on SmolLM2 too (where the scale says so), beside the tiny model
+PARTS = ("latency", "stream", "smollm2", "concurrent", "capacity", "core")
 
 
 def parts() -> set[str]:
@@ -232,7 +233,7 @@ def overhead(scale: Scale, work: Path, say: Say, sec: Section) -> None:
     if not todo & {"latency", "stream"}:
         return
     models = [f"{TINY}:latest"]
-    if scale.proxy_smollm2:
+    if scale.proxy_smollm2 and "smollm2" in todo:
         from corral.runtime.registry import smollm2_path
 
         if smollm2_path() is not None:
