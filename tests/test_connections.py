@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import re
 import resource
 import select
 import socket
@@ -23,6 +24,7 @@ import pytest
 from corral.testing.server import CorralServer
 
 READ_TIMEOUT = 2.0
+IDLE_TIMEOUT = 5.0
 GEN = {"model": "tiny", "prompt": "hi", "stream": False, "options": {"num_predict": 2}}
 
 
@@ -33,8 +35,9 @@ def s(start_server, models_dir: Path) -> CorralServer:
     resource.setrlimit(resource.RLIMIT_NOFILE, (min(1024, hard), hard))
     try:
         return start_server(
-            models_dir, CORRAL_READ_TIMEOUT=f"{READ_TIMEOUT}s", CORRAL_BUILTIN_MODELS="0"
-        )
+            models_dir, CORRAL_READ_TIMEOUT=f"{READ_TIMEOUT}s", CORRAL_BUILTIN_MODELS="0",
+            CORRAL_IDLE_TIMEOUT=f"{IDLE_TIMEOUT}s",
+        )  # fmt: skip
     finally:
         resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))
 
@@ -120,6 +123,44 @@ def test_idle_connections_are_closed_after_the_read_timeout(s: CorralServer) -> 
     finally:
         for sock in socks:
             sock.close()
+
+
+def one_response(sock: socket.socket, timeout: float = 5) -> bytes:
+    """One response of a kept-alive connection (headers and its content-length body)."""
+    sock.settimeout(timeout)
+    data = b""
+    while b"\r\n\r\n" not in data:
+        data += sock.recv(65536)
+    head, _, body = data.partition(b"\r\n\r\n")
+    length = int(re.search(rb"(?i)content-length: *(\d+)", head).group(1))  # type: ignore[union-attr]
+    while len(body) < length:
+        body += sock.recv(65536)
+    return head
+
+
+def test_a_kept_alive_connection_waits_the_idle_timeout(s: CorralServer) -> None:
+    """After a response the connection may stay idle longer than the read timeout (clients keep
+    theirs for 4-90 s; closing sooner races their next request), then it is closed; once the
+    next request starts, its headers are due within the read timeout again."""
+    request = b"GET /api/version HTTP/1.1\r\nHost: 127.0.0.1\r\n\r\n"
+    with socket.create_connection(addr(s)) as sock:
+        sock.sendall(request)
+        assert one_response(sock).startswith(b"HTTP/1.1 200")
+        time.sleep(READ_TIMEOUT + 1)  # idle past the read timeout: still open, still served
+        sock.sendall(request)
+        assert one_response(sock).startswith(b"HTTP/1.1 200")
+        start = time.monotonic()
+        assert closed(sock, IDLE_TIMEOUT + 3)
+        took = time.monotonic() - start
+    assert IDLE_TIMEOUT - 0.5 < took < IDLE_TIMEOUT + 3, took
+    with socket.create_connection(addr(s)) as sock:  # a request begun after a response ...
+        sock.sendall(request)
+        assert one_response(sock).startswith(b"HTTP/1.1 200")
+        sock.sendall(b"GET /api/version HTTP/1.1\r\n")  # ... and never finished
+        start = time.monotonic()
+        assert closed(sock, READ_TIMEOUT + 3)
+        took = time.monotonic() - start
+    assert READ_TIMEOUT - 0.5 < took < READ_TIMEOUT + 3, took
 
 
 def test_slowloris_is_cut_off(s: CorralServer) -> None:

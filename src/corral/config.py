@@ -198,6 +198,9 @@ DEFAULTS: dict[str, str] = {
     "CORRAL_ORIGINS": "",  # comma-separated web origins (`*` wildcards) allowed besides loopback
     "CORRAL_SHUTDOWN_GRACE": "30s",  # on SIGTERM, how long requests in flight may take to finish
     "CORRAL_READ_TIMEOUT": "10s",  # a connection's request headers must arrive within this
+    # a kept-alive connection may wait this long for its next request: longer than clients keep
+    # theirs (aiohttp 15 s, Go 90 s), so a client never sends into a connection being closed
+    "CORRAL_IDLE_TIMEOUT": "2m",
     "CORRAL_MAX_CONNECTIONS": "4096",
     # a Ray cluster to serve as one endpoint ("auto", or the head's address); empty: this machine
     "CORRAL_RAY_ADDRESS": "",
@@ -233,6 +236,7 @@ class Settings:
     origins: tuple[str, ...]  # web origins allowed besides loopback and corral's own pages
     shutdown_grace: float  # on SIGTERM, in-flight requests get this long; inf = no limit
     read_timeout: float  # for a request's headers; its body must keep arriving after it
+    idle_timeout: float  # a kept-alive connection's wait for its next request
     max_connections: int  # lowered at start-up to what the open-files limit allows
     ray_address: str | None  # cluster mode (corral.cluster): the Ray cluster to join
 
@@ -281,6 +285,7 @@ class Settings:
             origins=_list(raw["CORRAL_ORIGINS"]),
             shutdown_grace=parse_duration(raw["CORRAL_SHUTDOWN_GRACE"], "CORRAL_SHUTDOWN_GRACE"),
             read_timeout=_positive(raw["CORRAL_READ_TIMEOUT"], "CORRAL_READ_TIMEOUT"),
+            idle_timeout=_positive(raw["CORRAL_IDLE_TIMEOUT"], "CORRAL_IDLE_TIMEOUT"),
             max_connections=_int("CORRAL_MAX_CONNECTIONS", raw["CORRAL_MAX_CONNECTIONS"], 16),
             ray_address=raw["CORRAL_RAY_ADDRESS"].strip() or None,
         )

@@ -289,8 +289,10 @@ def serve(overrides: Mapping[str, str] | None = None) -> None:
         app, host=settings.host, port=settings.port, log_level=settings.log_level,
         access_log=settings.log_level == "debug", timeout_graceful_shutdown=5,
         # httptools' protocol (h11's without it) with timeouts for headers and a connection cap
-        http=guarded_protocol(AutoHTTPProtocol, settings.read_timeout, max_connections),
-        ws="none", timeout_keep_alive=5,
+        http=guarded_protocol(
+            AutoHTTPProtocol, settings.read_timeout, max_connections, settings.idle_timeout
+        ),
+        ws="none", timeout_keep_alive=math.ceil(settings.idle_timeout),
         # JSON logs: uvicorn's loggers go through the root handler too, not its own format
         log_config=None if settings.log_format == "json" else uvicorn.config.LOGGING_CONFIG,
     )  # fmt: skip

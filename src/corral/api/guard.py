@@ -408,10 +408,17 @@ _TOO_LARGE_RESPONSE = (
 
 
 def guarded_protocol(
-    base: type[asyncio.Protocol], read_timeout: float, max_connections: int
+    base: type[asyncio.Protocol],
+    read_timeout: float,
+    max_connections: int,
+    idle_timeout: float | None = None,
 ) -> type[asyncio.Protocol]:
     """A subclass of uvicorn's HTTP protocol (`base`: httptools' or h11's) that times out
     connections waiting for a request's headers, caps header bytes and connections.
+
+    A new connection must send its first request's headers within `read_timeout`; a kept-alive
+    one may wait `idle_timeout` (default: the same) for its next request, whose headers are
+    then due within `read_timeout` of its first byte.
 
     It reads only what both of uvicorn's protocols have: `cycle` (the current request, with
     `response_complete`), `connections` (the server's set), `transport`, `loop`, and the
@@ -419,16 +426,18 @@ def guarded_protocol(
     # Connections with no request in progress, oldest first: the ones that make room.
     waiting: dict[Any, None] = {}
     warned = [-math.inf]  # when a refused connection was last logged (once a minute at most)
+    idle = read_timeout if idle_timeout is None else idle_timeout
 
     class Guarded(base):  # type: ignore[valid-type, misc]
         _g_since: float
         _g_bytes: int
         _g_timer: asyncio.TimerHandle | None
+        _g_allow: float  # seconds from _g_since, until the next request's first byte
 
         def connection_made(self, transport: asyncio.BaseTransport) -> None:
             super().connection_made(transport)
             self._g_timer = None
-            self._g_wait()
+            self._g_wait(read_timeout)
             if len(self.connections) > max_connections and not self._g_make_room():
                 if self.loop.time() - warned[0] > 60:
                     warned[0] = self.loop.time()
@@ -442,6 +451,8 @@ def guarded_protocol(
 
         def data_received(self, data: bytes) -> None:
             if not self._g_busy():
+                if self._g_bytes == 0 and data:  # a request starts: its headers are due
+                    self._g_since, self._g_allow = self.loop.time(), read_timeout
                 self._g_bytes += len(data)
             super().data_received(data)
             if self._g_busy():  # its headers are in: the request is the app's now
@@ -453,7 +464,7 @@ def guarded_protocol(
         def on_response_complete(self) -> None:
             super().on_response_complete()
             if not self._g_busy() and not self.transport.is_closing():
-                self._g_wait()
+                self._g_wait(idle)
 
         def connection_lost(self, exc: Exception | None) -> None:
             waiting.pop(self, None)
@@ -466,24 +477,25 @@ def guarded_protocol(
             c = self.cycle
             return c is not None and not c.response_complete
 
-        def _g_wait(self) -> None:
-            """Start waiting for the next request: its headers are due within read_timeout."""
-            self._g_since = self.loop.time()
+        def _g_wait(self, allow: float) -> None:
+            """Start waiting for the next request: it must start within `allow` seconds."""
+            self._g_since, self._g_allow = self.loop.time(), allow
             self._g_bytes = 0
             waiting.pop(self, None)
             waiting[self] = None
-            if self._g_timer is None and math.isfinite(read_timeout):
-                self._g_timer = self.loop.call_later(read_timeout, self._g_check)
+            first = min(allow, read_timeout)
+            if self._g_timer is None and math.isfinite(first):
+                self._g_timer = self.loop.call_later(first, self._g_check)
 
         def _g_check(self) -> None:
             self._g_timer = None
             if self.transport.is_closing() or self._g_busy():
                 return  # re-armed when the response completes
-            left = self._g_since + read_timeout - self.loop.time()
+            left = self._g_since + self._g_allow - self.loop.time()
             if left > 0:
                 self._g_timer = self.loop.call_later(left, self._g_check)
                 return
-            log.debug("closing a connection that sent no complete request in %gs", read_timeout)
+            log.debug("closing a connection that sent no complete request in %gs", self._g_allow)
             waiting.pop(self, None)
             self.transport.close()
 

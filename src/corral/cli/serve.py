@@ -30,6 +30,11 @@ SERVE_FLAGS: dict[str, tuple[str, str, str]] = {
     "--origins": ("CORRAL_ORIGINS", "LIST", "web origins allowed to call, e.g. https://*.my.org"),
     "--shutdown-grace": ("CORRAL_SHUTDOWN_GRACE", "DURATION", "on SIGTERM, time to finish"),
     "--read-timeout": ("CORRAL_READ_TIMEOUT", "DURATION", "close connections slow to send"),
+    "--idle-timeout": (
+        "CORRAL_IDLE_TIMEOUT",
+        "DURATION",
+        "close kept-alive connections idle this long",
+    ),
     "--max-connections": ("CORRAL_MAX_CONNECTIONS", "N", "most open connections"),
     "--ray": ("CORRAL_RAY_ADDRESS", "ADDRESS", "serve a Ray cluster: 'auto' or the head's address"),
 }

@@ -1010,8 +1010,10 @@ def serve_cluster(settings: Settings) -> None:
     config = uvicorn.Config(
         app, host=settings.host, port=settings.port, log_level=settings.log_level,
         access_log=settings.log_level == "debug", timeout_graceful_shutdown=5,
-        http=guarded_protocol(AutoHTTPProtocol, settings.read_timeout, max_connections),
-        timeout_keep_alive=5, ws="none", lifespan="on",
+        http=guarded_protocol(
+            AutoHTTPProtocol, settings.read_timeout, max_connections, settings.idle_timeout
+        ),
+        timeout_keep_alive=math.ceil(settings.idle_timeout), ws="none", lifespan="on",
     )  # fmt: skip
     server = uvicorn.Server(config)
     with contextlib.suppress(KeyboardInterrupt):
