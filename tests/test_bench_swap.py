@@ -5,6 +5,7 @@ llama-server. No llama-server runs here."""
 from __future__ import annotations
 
 import os
+import signal
 import subprocess
 import sys
 import time
@@ -62,7 +63,10 @@ def test_mapped_models_keeps_gguf_paths_with_spaces() -> None:
 
 
 def _mapper(path: Path) -> subprocess.Popen[bytes]:
-    code = (
+    """A parent process (the sampler's root: it does not count) whose only child maps and
+    touches `path`, as a server and its runner. (Sampling the test process itself would count
+    the other servers the test session runs.) Killing the parent's group ends both."""
+    child = (
         "import mmap, sys, time\n"
         "f = open(sys.argv[1], 'rb')\n"
         "m = mmap.mmap(f.fileno(), 0, prot=mmap.PROT_READ)\n"
@@ -70,7 +74,15 @@ def _mapper(path: Path) -> subprocess.Popen[bytes]:
         "print('ready', flush=True)\n"
         "time.sleep(60)\n"
     )
-    proc = subprocess.Popen([sys.executable, "-c", code, str(path)], stdout=subprocess.PIPE)
+    parent = (
+        "import subprocess, sys\n"
+        "p = subprocess.Popen([sys.executable, '-c', sys.argv[1], sys.argv[2]])\n"
+        "p.wait()\n"
+    )
+    proc = subprocess.Popen(
+        [sys.executable, "-c", parent, child, str(path)], stdout=subprocess.PIPE,
+        start_new_session=True,
+    )  # fmt: skip
     assert proc.stdout is not None and proc.stdout.readline() == b"ready\n"
     return proc
 
@@ -81,13 +93,13 @@ def test_sampler_sums_descendants_and_drops_a_model_no_one_maps(tmp_path: Path) 
     model.write_bytes(os.urandom(8 * MIB))
     proc = _mapper(model)
     try:
-        sampler = MemorySampler(os.getpid(), limit=4 * MIB, drop_unmapped=True)
+        sampler = MemorySampler(proc.pid, limit=4 * MIB, drop_unmapped=True)
         pss = sampler.sample()
-        # the child's touched mapping of the file counts (the test process itself does not)
+        # the child's touched mapping of the file counts (its parent, the root, does not)
         assert pss >= 8 * MIB
         assert sampler.peak == pss and sampler.over == 1 and sampler.drops == 0
     finally:
-        proc.kill()
+        os.killpg(proc.pid, signal.SIGKILL)
         proc.wait()
     sampler.sample()  # the file is mapped no more: dropped from the page cache
     assert sampler.drops == 1

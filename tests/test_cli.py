@@ -316,6 +316,7 @@ def test_serve_maps_every_flag(fake_serve: list[dict[str, str]]) -> None:
         "CORRAL_ORIGINS",
         "CORRAL_SHUTDOWN_GRACE",
         "CORRAL_READ_TIMEOUT",
+        "CORRAL_IDLE_TIMEOUT",
         "CORRAL_MAX_CONNECTIONS",
     }
     assert set(fake_serve[0]) <= set(DEFAULTS)  # every flag is a setting

@@ -384,11 +384,17 @@ def test_concurrent_requests_for_an_unloaded_model_share_one_load_and_one_evicti
 def test_waiting_loads_start_first_come_first_served(pressure) -> None:
     s = pressure
     bg = Background()
+
+    def queued(model: str) -> int:
+        doc = s.client.get("/api/corral/state", params={"model": model}).json()
+        return sum(int(m["queued"]) for m in doc["models"] if m["name"] == name(model))
+
     with streams(s, "a", "b") as st:
         bg.gen(s, "c", "c")
-        time.sleep(0.5)  # c's request arrives first...
+        # c's request is queued first (a busy CI machine once got d's there sooner) ...
+        s.wait_for(lambda: queued("c") == 1, timeout=30, what="c's request queued")
         bg.gen(s, "d", "d")  # ...then d's; both wait for memory
-        time.sleep(0.5)
+        s.wait_for(lambda: queued("d") == 1, timeout=30, what="d's request queued")
         st["a"].more()
         st["b"].more()
         assert bg.alive() == 2 and loads_of(s, "c") == loads_of(s, "d") == 0
