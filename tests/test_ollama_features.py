@@ -13,7 +13,7 @@ import ollama
 import pytest
 
 from corral.api.events import Done, Event, Text, Thinking, ToolCall, Usage
-from corral.api.ollama import merge, ollama_chunks
+from corral.api.ollama import OllamaChunks, merge
 
 SMOL = "smollm2:135m"
 PNG = (  # a 1x1 PNG
@@ -188,7 +188,7 @@ async def _events() -> AsyncIterator[Event]:
 def test_chunks_carry_tool_calls_with_object_arguments() -> None:
     async def run() -> list[dict[str, Any]]:
         gen: Any = _Gen()
-        return [c async for c in ollama_chunks(_events(), gen, "m", "message", 0.0, None)]
+        return [c async for c in OllamaChunks(gen, "m", "message", 0.0, None).of(_events())]
 
     chunks = asyncio.run(run())
     assert [c["done"] for c in chunks] == [False, False, False, True]

@@ -343,7 +343,7 @@ def test_plain_tokens_are_written_as_the_parsed_way_writes_them(kind: str) -> No
     bytes, line for line, as parsing every event and writing every chunk with orjson."""
     import orjson
 
-    from corral.api.ollama import OllamaChunks, ollama_chunks, ollama_ndjson
+    from corral.api.ollama import OllamaChunks, ollama_ndjson
 
     reads = sse_body(LITERALS)
 
@@ -353,7 +353,7 @@ def test_plain_tokens_are_written_as_the_parsed_way_writes_them(kind: str) -> No
 
     async def parsed() -> list[bytes]:
         gen = _generation(reads)
-        chunks = ollama_chunks(gen.events(), gen, 'm"1', kind, 0.0, None)
+        chunks = OllamaChunks(gen, 'm"1', kind, 0.0, None).of(gen.events())
         return [orjson.dumps(c) + b"\n" async for c in chunks]
 
     def normal(lines: list[bytes]) -> list[bytes]:

@@ -18,8 +18,8 @@ from starlette.responses import Response
 from starlette.routing import Route
 
 from corral.api.common import ApiError, model_field, read_json
-from corral.api.service import Service, until_disconnect
-from corral.api.stream import UPSTREAM_ERRORS, LeasedStream, RunnerStream, json_response
+from corral.api.service import Service
+from corral.api.stream import UPSTREAM_ERRORS, LeasedStream, json_response
 
 # path -> (the runner's path, the capability it needs or None)
 POST_ROUTES = {
@@ -66,25 +66,7 @@ class Native:
             self.svc.require(r, capability, "insertion" if capability == "insert" else "completion")
         stream = body.get("stream") is True and path in ("/completion", "/infill")
         payload = {k: v for k, v in body.items() if k != "model"}
-        lease = await self.svc.lease(request, r, {}, None)
-        try:
-            resp = await self.svc.post(lease, path, payload)
-        except BaseException:
-            lease.release()
-            raise
-        # llama.cpp names the model by the runner's alias; the client gets the name it sent.
-        old, new = b'"model":' + orjson.dumps(r.name), b'"model":' + orjson.dumps(r.requested)
-        if stream:
-            assert isinstance(resp, RunnerStream)
-            return NativeStream(resp, lease, resp, "text/event-stream",
-                                rename=(old, new) if old != new else None)  # fmt: skip
-        assert not isinstance(resp, RunnerStream)
-        try:
-            data = await until_disconnect(request, resp.read())
-        finally:
-            resp.release()
-            lease.release()
-        return Response(data.replace(old, new), media_type="application/json")
+        return await self.svc.pass_through(request, r, path, payload, stream, NativeStream)
 
     async def props(self, request: Request) -> Response:
         """The model's runner's /props (loading it, as llama.cpp's router does)."""

@@ -584,24 +584,14 @@ class OllamaChunks:
         out.append(final)
         return out
 
-
-async def ollama_chunks(
-    events: AsyncIterator[Event],
-    gen: Generation,
-    model: str,
-    kind: str,
-    start: float,
-    top: int | None,
-    context_of: Callable[[str], Awaitable[list[int]]] | None = None,
-) -> AsyncIterator[dict[str, Any]]:
-    """Events -> Ollama chunks (see OllamaChunks)."""
-    render = OllamaChunks(gen, model, kind, start, top, context_of)
-    async for ev in events:
-        if isinstance(ev, Done):
-            for last in await render.last(ev):
-                yield last
-        elif (c := render.chunk(ev)) is not None:
-            yield c
+    async def of(self, events: AsyncIterator[Event]) -> AsyncIterator[dict[str, Any]]:
+        """The chunks of `events`, one by one."""
+        async for ev in events:
+            if isinstance(ev, Done):
+                for last in await self.last(ev):
+                    yield last
+            elif (c := self.chunk(ev)) is not None:
+                yield c
 
 
 async def ollama_ndjson(render: OllamaChunks) -> AsyncIterator[bytes]:
@@ -724,14 +714,11 @@ async def respond(
     top: int | None,
     context_of: Callable[[str], Awaitable[list[int]]] | None = None,
 ) -> Response:
-    def chunks(events: AsyncIterator[Event]) -> AsyncIterator[dict[str, Any]]:
-        return ollama_chunks(events, gen, model, kind, start, top, context_of)
-
+    render = OllamaChunks(gen, model, kind, start, top, context_of)
     if stream:
-        render = OllamaChunks(gen, model, kind, start, top, context_of)
         return gen.response(lambda _: ollama_ndjson(render), "application/x-ndjson")
     try:
-        whole = await until_disconnect(request, _all(chunks(gen.events())))
+        whole = await until_disconnect(request, _all(render.of(gen.events())))
         return json_response(merge(whole, kind))
     finally:
         gen.close()

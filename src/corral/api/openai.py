@@ -49,7 +49,7 @@ from corral.api.service import (
     explain_failure,
     until_disconnect,
 )
-from corral.api.stream import LeasedStream, RunnerStream, json_response
+from corral.api.stream import json_response
 from corral.runtime.scheduler import Lease
 
 T = TypeVar("T")
@@ -104,7 +104,7 @@ class OpenAI:
         body = defaults.openai_body(r.entry, body, chat=True)  # a created model's defaults
         forced = choice not in ("auto", "none")
         if n == 1 and not forced:
-            return await self._proxy(request, r, body, "/v1/chat/completions", stream)
+            return await self.svc.pass_through(request, r, "/v1/chat/completions", body, stream)
 
         if forced:
             params = {k: v for k, v in body.items() if k not in CHAT_OWN}
@@ -200,7 +200,7 @@ class OpenAI:
         # clients cannot parse: such streams are rebuilt too.
         several = isinstance(prompt, list) and bool(prompt) and not isinstance(prompt[0], int)
         if n == 1 and k is None and not echo and not (stream and several):
-            return await self._proxy(request, r, body, "/v1/completions", stream)
+            return await self.svc.pass_through(request, r, "/v1/completions", body, stream)
 
         drop = ("n", "echo", "stream_options")
         upstream = {key: value for key, value in body.items() if key not in drop}
@@ -243,7 +243,7 @@ class OpenAI:
         self.svc.require(r, "embedding", "embeddings")
         if dims is None and (fmt == "float" or sys.byteorder == "little"):
             # llama.cpp encodes base64 itself, from its floats in host byte order.
-            return await self._proxy(request, r, body, "/v1/embeddings", False)
+            return await self.svc.pass_through(request, r, "/v1/embeddings", body, False)
         payload = {k: v for k, v in body.items() if k not in ("dimensions", "encoding_format")}
         data = await self._raw_whole(request, r, "/v1/embeddings", payload)
         for item in data.get("data") or ():
@@ -261,31 +261,6 @@ class OpenAI:
         return json_response(data)
 
     # ---- talking to the runner ---------------------------------------------------------------
-    async def _proxy(
-        self, request: Request, r: Resolved, body: dict[str, Any], path: str, stream: bool
-    ) -> Response:
-        """The pass-through: the runner's bytes, renamed to the model the client asked for."""
-        lease = await self.svc.lease(request, r, {}, None)
-        try:
-            resp = await self.svc.post(lease, path, body)
-        except BaseException:
-            lease.release()
-            raise
-        # llama.cpp names the model by the runner's alias (the registry name); clients expect
-        # the name they sent. Replacing the exact `"model":"<alias>"` pair is safe: the same
-        # bytes inside generated text would be escaped (`\"model\":...`), so cannot match.
-        old, new = _model_pair(r.name), _model_pair(r.requested)
-        if stream:
-            assert isinstance(resp, RunnerStream)
-            return LeasedStream(resp, lease, resp, "text/event-stream",
-                                rename=(old, new) if old != new else None)  # fmt: skip
-        try:
-            data = await until_disconnect(request, resp.read())
-        finally:
-            resp.release()
-            lease.release()
-        return Response(data.replace(old, new), media_type="application/json")
-
     async def _raw_whole(
         self,
         request: Request,
@@ -646,10 +621,6 @@ def _seeded(params: dict[str, Any], seed: int | None, i: int) -> dict[str, Any]:
 
 
 # ---- rendering -----------------------------------------------------------------------------
-
-
-def _model_pair(name: str) -> bytes:
-    return b'"model":' + orjson.dumps(name)
 
 
 def _usage(u: Usage) -> dict[str, Any]:

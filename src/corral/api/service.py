@@ -21,12 +21,13 @@ from typing import Any, TypeVar
 import aiohttp
 import orjson
 from starlette.requests import Request
+from starlette.responses import Response
 
 from corral.api import defaults
 from corral.api.common import ApiError, runner_error
 from corral.api.events import Chat, Generation, forced_schema
 from corral.api.metrics import note_model
-from corral.api.stream import RunnerStream, open_stream
+from corral.api.stream import LeasedStream, RunnerStream, open_stream
 from corral.config import Settings
 from corral.core.books import Fit, Placer
 from corral.core.devices import GPU_CONTEXT_BYTES, Device
@@ -330,6 +331,39 @@ class Service:
                 resp.release()
             raise runner_error(body, resp.status)
         return resp
+
+    async def pass_through(
+        self,
+        request: Request,
+        r: Resolved,
+        path: str,
+        body: dict[str, Any],
+        stream: bool,
+        relay: type[LeasedStream] = LeasedStream,
+    ) -> Response:
+        """The runner's answer to `body` on `path` as it is (`relay` streams it), with the
+        model renamed to the one the client asked for."""
+        lease = await self.lease(request, r, {}, None)
+        try:
+            resp = await self.post(lease, path, body)
+        except BaseException:
+            lease.release()
+            raise
+        # llama.cpp names the model by the runner's alias (the registry name); clients expect
+        # the name they sent. Replacing the exact `"model":"<alias>"` pair is safe: the same
+        # bytes inside generated text would be escaped (`\"model\":...`), so cannot match.
+        old, new = b'"model":' + orjson.dumps(r.name), b'"model":' + orjson.dumps(r.requested)
+        if stream:
+            assert isinstance(resp, RunnerStream)
+            return relay(resp, lease, resp, "text/event-stream",
+                         rename=(old, new) if old != new else None)  # fmt: skip
+        assert not isinstance(resp, RunnerStream)
+        try:
+            data = await until_disconnect(request, resp.read())
+        finally:
+            resp.release()
+            lease.release()
+        return Response(data.replace(old, new), media_type="application/json")
 
     async def stream(self, lease: Lease, path: str, payload: dict[str, Any]) -> RunnerStream:
         """POST a streamed request to the runner: its answer comes on a connection of its own
