@@ -4,6 +4,7 @@ within CORRAL_SHUTDOWN_GRACE, then every runner stops. Real `corral serve` proce
 from __future__ import annotations
 
 import json
+import os
 import signal
 import time
 from pathlib import Path
@@ -31,16 +32,24 @@ def test_sigterm_lets_a_stream_finish_and_refuses_new_requests(
         pids = s.runners()
         start = time.monotonic()
         assert pids
-        s.proc.send_signal(signal.SIGTERM)
-        s.wait_for(lambda: "stopping: no new requests" in s.log(), timeout=5, what="the drain")
-        with httpx.Client(base_url=s.url, timeout=10) as fresh:
-            r = fresh.post("/api/generate", json=GEN)
-            assert r.status_code == 503, r.text
-            assert r.json() == {"error": "server is shutting down"}
-            assert int(r.headers["retry-after"]) >= 1
-            r = fresh.post("/v1/chat/completions", json={"model": "tiny", "messages": []})
-            assert r.status_code == 503 and r.headers["retry-after"]
-            assert r.json()["error"]["message"] == "server is shutting down"
+        # The runner is held still while the server drains, so that the stream is surely in
+        # flight (a quiet machine wrote all 200 tokens before the SIGTERM was handled).
+        for pid in pids:
+            os.kill(pid, signal.SIGSTOP)
+        try:
+            s.proc.send_signal(signal.SIGTERM)
+            s.wait_for(lambda: "stopping: no new requests" in s.log(), timeout=5, what="the drain")
+            with httpx.Client(base_url=s.url, timeout=10) as fresh:
+                r = fresh.post("/api/generate", json=GEN)
+                assert r.status_code == 503, r.text
+                assert r.json() == {"error": "server is shutting down"}
+                assert int(r.headers["retry-after"]) >= 1
+                r = fresh.post("/v1/chat/completions", json={"model": "tiny", "messages": []})
+                assert r.status_code == 503 and r.headers["retry-after"]
+                assert r.json()["error"]["message"] == "server is shutting down"
+        finally:
+            for pid in pids:
+                os.kill(pid, signal.SIGCONT)
         assert s.proc.poll() is None  # still serving the stream
         rest = [json.loads(line) for line in lines if line.strip()]
     print(f"the stream went on for {time.monotonic() - start:.2f}s after SIGTERM")
