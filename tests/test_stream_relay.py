@@ -395,3 +395,22 @@ def test_events_of_one_read_are_said_to_be_ready() -> None:
         return [(ev.text, gen.buffered()) async for ev in gen.events() if isinstance(ev, Text)]
 
     assert asyncio.run(main()) == [("a", True), ("b", True), ("c", False), ("d", False)]
+
+
+def test_data_after_the_reader_was_cancelled_is_only_kept() -> None:
+    """A reader cancelled (its client left) while tokens still come: the data that arrives
+    before the cancelled reader has run again must not wake its finished waiter (the event
+    loop reported an InvalidStateError from data_received, as a soak run found)."""
+
+    async def main() -> None:
+        s = RunnerStream()
+        reader = asyncio.ensure_future(s._wait())
+        await asyncio.sleep(0)  # the reader waits
+        assert s.waiter is not None
+        reader.cancel()  # its waiter is cancelled now; the reader runs again on a later turn
+        s.data_received(b"more")
+        with pytest.raises(asyncio.CancelledError):
+            await reader
+        assert s.raw == [b"more"] and s.waiter is None
+
+    asyncio.run(main())

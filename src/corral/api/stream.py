@@ -125,10 +125,8 @@ class RunnerStream(asyncio.Protocol):
         if self.size > HIGH_WATER and self.transport is not None and not self.paused:
             self.paused = True  # the client reads slower than the runner writes
             self.transport.pause_reading()
-        waiter = self.waiter
-        if waiter is not None and (not self.holding or self.ending or self.paused):
-            self.waiter = None
-            waiter.set_result(None)
+        if self.waiter is not None and (not self.holding or self.ending or self.paused):
+            self._wake()
 
     def eof_received(self) -> bool | None:
         return None  # close the connection: connection_lost follows
@@ -142,6 +140,8 @@ class RunnerStream(asyncio.Protocol):
         self._wake()
 
     def _wake(self) -> None:
+        # The waiter may be done already and its reader not yet resumed: woken by the window's
+        # timer, or cancelled (the client left) while data still comes.
         waiter = self.waiter
         if waiter is not None:
             self.waiter = None
