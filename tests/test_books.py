@@ -623,3 +623,40 @@ def test_a_wait_for_memory_busy_runners_hold_is_counted() -> None:
     # this one takes its own 5 s
     core.request(req(6, "a"), now)
     assert core.expected_wait(req(7, "b"), now) == pytest.approx(190.0 + 5.0 + 5.0)
+
+
+def test_the_reserved_bytes_count_as_booked_for_every_load() -> None:
+    """The runners' shared code is booked once for all of them: without it a (700) and a (300)
+    fill the budget of 1000 exactly; with 200 reserved, the second load evicts the first."""
+    h = Harness("lru", budget=1000)
+    h.core.reserved = {"cpu": 200}
+    assert h.core.used() == {"cpu": 200} and h.core.free() == {"cpu": 800}
+    c = h.request("c")  # 700
+    h.finish_load(1)
+    h.release(c)
+    h.request("a")  # 300: 200 + 700 + 300 > 1000
+    assert h.core.runners[1].state == "unloading"
+    h.exit(1)
+    assert h.core.current("a") is not None and h.core.used() == {"cpu": 500}
+
+
+def test_a_model_that_fits_the_budget_only_without_the_reservation_fails_at_once() -> None:
+    h = Harness("lru", budget=1000)
+    h.core.reserved = {"cpu": 400}
+    r = h.request("c")  # 700 <= 1000, but only 600 are left for runners
+    assert h.outcome[r] == "failed"
+    assert not h.core.runners
+
+
+def test_a_reservation_raised_over_the_budget_evicts_idle_runners() -> None:
+    h = Harness("lru", budget=1000)
+    for m in ("a", "b"):  # 300 + 500, both idle
+        rid = h.request(m)
+        h.finish_load(h.core.current(m).id)
+        h.release(rid)
+        h.advance(0.1)
+    h.core.reserve("cpu", 400, h.now)  # measured: the code holds more than reserved
+    h.measured = True  # as a grown booking would: the books may be over until they shed
+    h.apply()
+    stops = [r.model for r in h.core.runners.values() if r.state == "unloading"]
+    assert stops == ["a"]  # the least recently used is enough: 400 + 500 <= 1000

@@ -41,6 +41,7 @@ from ray.cluster_utils import Cluster
 
 from corral.cluster.agent import model_needs, node_service
 from corral.config import Settings
+from corral.core.estimate import RUNNER_CODE_BYTES
 from corral.runtime.runner import free_port
 from corral.testing import synth
 
@@ -174,6 +175,7 @@ def rig(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Rig]:
     # one big model fits (its real allocation may replace the estimate), two never do
     limit = int(max(big) * 1.3)
     assert 2 * min(big) * 0.9 > limit, needs
+    limit += RUNNER_CODE_BYTES  # booked once for all runners
     env = {
         "a": {**BASE, "CORRAL_MODELS": str(root / "a"), "CORRAL_MEMORY_LIMIT": str(limit)},
         "b": {**BASE, "CORRAL_MODELS": str(root / "b"), "CORRAL_MEMORY_LIMIT": str(limit)},
@@ -398,7 +400,8 @@ def test_node_killed_mid_stream(rig: Rig) -> None:
     """delta loads on c (b has no room); c dies while delta streams: the client gets an error
     naming c, and the next request for delta loads it on b."""
     long = {"num_ctx": 16384, "temperature": 0}  # greedy on random weights: no end of text
-    assert rig.generate("delta", **long).headers["x-corral-node"] == "c"
+    before = rig.ps()
+    assert rig.generate("delta", **long).headers["x-corral-node"] == "c", (before, rig.status())
     st = rig.status()
     body = {"model": "delta", "prompt": "hi", "options": {**long, "num_predict": 16000}}
     lines: list[dict[str, Any]] = []

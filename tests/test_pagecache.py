@@ -9,6 +9,7 @@ from pathlib import Path
 
 import pytest
 
+from corral.core.estimate import RUNNER_CODE_BYTES
 from corral.core.policy import disk_seconds_per_byte, reload_seconds
 from corral.core.spec import RunnerSpec
 from corral.runtime import pagecache, scheduler
@@ -97,7 +98,8 @@ async def test_a_load_waiting_for_an_eviction_reads_its_file_ahead(
     models_dir: Path, caplog: pytest.LogCaptureFixture
 ) -> None:
     caplog.set_level(logging.INFO, "corral.runtime.scheduler")
-    sched = Scheduler({"cpu": 60 * MiB}, measure_interval=3600)
+    # room for one of the two 50 MiB bookings beside the runners' shared code, not for both
+    sched = Scheduler({"cpu": 60 * MiB + RUNNER_CODE_BYTES}, measure_interval=3600)
     a = RunnerSpec(path=str(models_dir / "tiny.gguf"), n_ctx=512, num_parallel=1)
     b = RunnerSpec(path=str(models_dir / "tiny2.gguf"), n_ctx=512, num_parallel=1)
     try:

@@ -419,9 +419,9 @@ def test_model_need_keeps_cpu_experts_in_system_memory() -> None:
         non_layer=4 * MiB, compute=2 * MiB, overhead=MiB,
         adapters_per_layer=(MiB // 2,) * 3, adapters_other=MiB // 4,
         projector_weights=3 * MiB, projector_compute=MiB,
-        cpu_experts_per_layer=(8 * MiB, 8 * MiB),
+        cpu_experts_per_layer=(8 * MiB, 8 * MiB), process=5 * MiB,
     )  # fmt: skip
-    m = model_need(est, process=5 * MiB)
+    m = model_need(est)
     assert m.layers == (3 * MiB + MiB // 2, 3 * MiB + MiB // 2, 11 * MiB + MiB // 2)
     assert m.host == 4 * MiB + MiB + MiB // 4 + 16 * MiB + 5 * MiB
     assert m.projector == 4 * MiB

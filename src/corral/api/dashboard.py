@@ -35,6 +35,7 @@ from starlette.routing import BaseRoute, Route
 import corral
 from corral.api.common import ApiError
 from corral.api.service import Service
+from corral.api.stream import json_response
 from corral.runtime.journal import Event
 from corral.runtime.registry import canonical_name
 
@@ -100,6 +101,7 @@ class Dashboard:
             Route("/ui/", self.page, methods=["GET", "HEAD"]),
             Route("/ui/{name}", self.asset, methods=["GET", "HEAD"]),
             Route("/api/corral/state", self.state_endpoint, methods=["GET"]),
+            Route("/api/corral/books", self.books_endpoint, methods=["GET"]),
             Route("/api/corral/events", self.events_endpoint, methods=["GET"]),
             Route("/models/sse", self.router_sse, methods=["GET"]),
         ]
@@ -222,13 +224,16 @@ class Dashboard:
                     measured += m[dev]
                 elif dev == "cpu" and rid in s.measured:
                     measured += s.measured[rid]
+                if dev == "cpu" and rid in s.measured:  # its share of the runners' code
+                    measured += getattr(s, "code_share", 0)
             devices.append({
                 "id": dev,
                 "name": d.name if d else dev,
                 "total": d.total if d else None,
                 "in_use": d.total - d.free if d else None,  # all programs, as reported
                 "budget": budget,
-                "booked": used.get(dev, 0),
+                "booked": used.get(dev, 0),  # reserved included
+                "reserved": core.reserved.get(dev, 0),  # for all runners: their shared code
                 "measured": measured,  # what corral's runners really hold there
                 "headroom": core.headroom.get(dev) if hasattr(core, "headroom") else None,
             })  # fmt: skip
@@ -248,6 +253,12 @@ class Dashboard:
         state = self.state(request.query_params.get("model") or None)
         body = orjson.dumps(state, option=orjson.OPT_NON_STR_KEYS)
         return Response(body, media_type="application/json", headers={"Cache-Control": "no-cache"})
+
+    async def books_endpoint(self, request: Request) -> Response:
+        """The scheduler's budgets and what it holds for all runners at once (their shared
+        code), per device: what a cluster's entry needs of a node's books besides /api/ps."""
+        core = self.scheduler.core
+        return json_response({"budgets": core.budgets, "reserved": core.reserved})
 
     # ---- streams ------------------------------------------------------------------------------
     def _stopping(self, request: Request) -> bool:

@@ -247,8 +247,12 @@ class _Books(Collector):
             labels=["device"],
         )  # fmt: skip
         used = GaugeMetricFamily(
-            "corral_device_booked_bytes", "Bytes booked by corral's runners on a device",
-            labels=["device"],
+            "corral_device_booked_bytes", "Bytes booked by corral's runners on a device "
+            "(the reserved bytes included)", labels=["device"],
+        )  # fmt: skip
+        reserved = GaugeMetricFamily(
+            "corral_device_reserved_bytes", "Bytes booked on a device for all runners at once "
+            "(the code every runner maps, resident once)", labels=["device"],
         )  # fmt: skip
         real = GaugeMetricFamily(
             "corral_device_used_bytes", "Bytes in use on a device as the OS or driver reports "
@@ -258,10 +262,12 @@ class _Books(Collector):
             budget.add_metric([dev], n)
         for dev, n in core.used().items():
             used.add_metric([dev], n)
+            reserved.add_metric([dev], getattr(core, "reserved", {}).get(dev, 0))
         for d in s.last_devices:
             real.add_metric([d.id], d.total - d.free)
         yield budget
         yield used
+        yield reserved
         yield real
         prompt = CounterMetricFamily(
             "corral_prompt_tokens", "Prompt tokens the runners processed", labels=["model"]

@@ -33,7 +33,6 @@ from corral.core.books import Fit, Placer
 from corral.core.devices import GPU_CONTEXT_BYTES, Device
 from corral.core.estimate import (
     KV_CACHE_TYPES,
-    RUNNER_PROCESS_BYTES,
     Estimate,
     check_kv_cache_type,
     estimate,
@@ -250,10 +249,11 @@ class Service:
         est = self.estimate(r.info, spec, r)
         try:
             ticket = self.scheduler.submit(
-                r.name, spec, explicit=explicit, size=est.total + RUNNER_PROCESS_BYTES,
+                r.name, spec, explicit=explicit, size=est.total + est.process,
                 keep_alive=self.keep_alive(r.entry, keep_alive),
                 pinned=r.entry.pinned, priority=r.entry.priority,
                 place=self.placer(est, {**r.entry.options, **options}, r.entry.devices),
+                process=est.process,
             )  # fmt: skip
             if ticket.fut.done():  # a warm runner had a free slot: no need to watch the client
                 return await self.scheduler.wait(ticket)
@@ -293,7 +293,7 @@ class Service:
         model's and the request's; `allowed`: the model's devices)."""
         # The runner process itself is booked with every model (as once it loads), and its
         # CUDA context on every GPU it uses.
-        need = model_need(est, RUNNER_PROCESS_BYTES, GPU_CONTEXT_BYTES)
+        need = model_need(est, GPU_CONTEXT_BYTES)
         num_gpu, main_gpu = options.get("num_gpu"), options.get("main_gpu")
         devices = self.devices
 

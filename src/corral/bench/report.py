@@ -107,10 +107,11 @@ cores; `python -m corral.bench.llama_build` does only that).""",
 A black-box stress test (`corral.bench.soak`; tests/test_soak.py runs the same with 32 clients
 for 60 s and asserts its goals). A real corral serves five synthetic llama models (4-30 MB)
 under a `CORRAL_MEMORY_LIMIT` of half of what they book in all (corral's estimate plus the
-runner process), with `CORRAL_RUNNER_STALL_TIMEOUT=5s` and `CORRAL_QUEUE_TIMEOUT=10s`. Closed-loop
-clients send a random mix over every API family (Ollama chat and generate, OpenAI chat and
-completions, Anthropic messages, Responses; streamed or not; 4-32 tokens; models by Zipf-like
-popularity); a tenth of the streaming clients leave mid-stream; a few Ollama requests flip
+runner process) plus the runners' shared code (booked once), with
+`CORRAL_RUNNER_STALL_TIMEOUT=5s` and `CORRAL_QUEUE_TIMEOUT=10s`. Closed-loop clients send a
+random mix over every API family (Ollama chat and generate, OpenAI chat and completions,
+Anthropic messages, Responses; streamed or not; 4-32 tokens; models by Zipf-like popularity);
+a tenth of the streaming clients leave mid-stream; a few Ollama requests flip
 `options.num_ctx` between 512 and 2048, reloading the model under load (each is timed).
 Chaos: a busy runner is frozen with SIGSTOP at 25% and 65% of the run and left frozen
 (corral's watchdog must kill it), another is SIGKILLed at 45%. Every response is classified:

@@ -46,6 +46,7 @@ import httpx
 import psutil
 
 from corral.bench.common import MIB, Goal, Say, Scale, Section, Table, percentile, secs
+from corral.core.estimate import RUNNER_CODE_BYTES
 from corral.testing import synth
 from corral.testing.server import CorralServer, all_runner_pids, runner_pids, start_corral
 
@@ -142,13 +143,12 @@ def bookings(models_dir: Path, names: list[str], cfg: SoakConfig) -> dict[str, i
     from corral.core import estimate as est
     from corral.core.gguf import read_model_info
 
-    process = int(getattr(est, "RUNNER_PROCESS_BYTES", 0))
     out = {}
     for name in names:
         spec = runner_spec(models_dir, name, server_env(cfg, None))
         info = read_model_info(spec.path)
         e = est.estimate(info, spec.n_ctx, spec.num_parallel, spec.kv_cache_type)
-        out[name] = int(e.total) + process
+        out[name] = int(e.total + e.process)
     return out
 
 
@@ -656,8 +656,9 @@ def run_soak(work: Path, cfg: SoakConfig | None = None, say: Say | None = None) 
     say = say or (lambda _msg: None)
     names = write_models(work / "soak-models", cfg.sizes_mb, say)
     booked = bookings(work / "soak-models", names, cfg)
-    limit = int(sum(booked.values()) * cfg.limit_share)
-    limit = max(limit, max(booked.values()) * 5 // 4)  # the biggest must fit, with a reload
+    # (and the runners' shared code, which corral reserves once)
+    limit = int(sum(booked.values()) * cfg.limit_share) + RUNNER_CODE_BYTES
+    limit = max(limit, max(booked.values()) * 5 // 4 + RUNNER_CODE_BYTES)  # the biggest fits
     say(f"soak: {len(names)} models booking {sum(booked.values()) / MIB:.0f} MiB in all, "
         f"limit {limit / MIB:.0f} MiB; {cfg.clients} clients for {cfg.duration:g}s")  # fmt: skip
     log_path = work / "soak-corral.log"

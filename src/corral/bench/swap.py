@@ -52,6 +52,7 @@ from corral.bench.common import (
     wait_until,
 )
 from corral.bench.trace import CHAT, EMBED, OFFLINE, TraceEvent, generate_trace, simulate
+from corral.core.estimate import RUNNER_CODE_BYTES, Estimate
 from corral.core.policy import DEFAULT_POLICY
 from corral.testing import synth
 from corral.testing.server import free_port, start_corral
@@ -204,8 +205,8 @@ def write_models(models_dir: Path, sizes_mb: tuple[int, ...], say: Say) -> list[
     return names
 
 
-def estimated_sizes(models_dir: Path, names: list[str]) -> dict[str, int]:
-    """What corral books for each model when a request arrives (its estimate)."""
+def estimated_sizes(models_dir: Path, names: list[str]) -> dict[str, Estimate]:
+    """What corral estimates for each model's runner when a request arrives."""
     from corral.bench.cold import runner_spec
     from corral.core.estimate import estimate
     from corral.core.gguf import read_model_info
@@ -213,8 +214,13 @@ def estimated_sizes(models_dir: Path, names: list[str]) -> dict[str, int]:
     out = {}
     for name in names:
         spec = runner_spec(models_dir, name, ENV)
-        out[name] = estimate(read_model_info(spec.path), spec.n_ctx, spec.num_parallel).total
+        out[name] = estimate(read_model_info(spec.path), spec.n_ctx, spec.num_parallel)
     return out
+
+
+# The workload's memory limit is half of what its models need with this much per runner
+# process: fixed apart from corral's own bookkeeping, so that runs compare across versions.
+LIMIT_PROCESS_BYTES = 32 * MIB
 
 
 def calibrate(
@@ -653,11 +659,13 @@ def run_variant(
     models_dir = work / ("swap-models" if not v.cold else "swap-models-big")
     chat = write_models(models_dir, v.sizes_mb, say)
     names = [*chat, EMBED_NAME]
-    est = estimated_sizes(models_dir, names)
+    estimates = estimated_sizes(models_dir, names)
+    est = {n: e.total + e.process for n, e in estimates.items()}  # booked when requested
     cal = calibrate(models_dir, names, work, say, cold=v.cold)
     real: dict[str, int] = cal["sizes"]
     # About half of the models fit; always the biggest (as estimated) beside the embedder.
-    budget = max(sum(real.values()) // 2, max(est.values()) + real[EMBED_NAME])
+    half = sum(e.total + LIMIT_PROCESS_BYTES for e in estimates.values()) // 2
+    budget = max(half, max(est.values()) + real[EMBED_NAME] + RUNNER_CODE_BYTES)
     long_model = chat[-2] if len(chat) > 1 else chat[0]  # a big model in a long session
     trace = generate_trace(
         SEED, scale.swap_requests, chat, embed_model=EMBED_NAME, long_session_model=long_model
@@ -666,7 +674,7 @@ def run_variant(
     seq = [e.model for e in trace]
     times = [e.t * factor for e in trace]
     sims = {
-        p: simulate(seq, est, budget, p, loaded_sizes=real, times=times,
+        p: simulate(seq, est, budget - RUNNER_CODE_BYTES, p, loaded_sizes=real, times=times,
                     load_seconds=lambda m: cal["load_seconds"][m])
         for p in (*v.policies, OFFLINE)
     }  # fmt: skip
@@ -677,7 +685,7 @@ def run_variant(
     )
     for name in names:
         size = (models_dir / f"{name}.gguf").stat().st_size
-        models_table.add(name, mib(size), mib(real[name]), mib(est[name]),
+        models_table.add(name, mib(size), mib(real[name]), mib(estimates[name].total),
                          f"{cal['load_seconds'][name]:.2f} s", seq.count(name))  # fmt: skip
     sec.tables.append(models_table)
     sec.notes.append(

@@ -103,7 +103,6 @@ class NodeAgent:
         self._needs: dict[tuple[str, str, int, float], int] = {}
         self._pins: tuple[float, dict[str, list[str]]] = (-1.0, {})
         self._session: aiohttp.ClientSession | None = None
-        self._budget: dict[str, int] | None = None
 
     def _wait_ready(self) -> None:
         deadline = time.monotonic() + START_TIMEOUT
@@ -146,12 +145,16 @@ class NodeAgent:
         async with self._session.get(f"{self.url}/api/ps") as resp:
             resp.raise_for_status()
             ps = (await resp.json())["models"]
+        async with self._session.get(f"{self.url}/api/corral/books") as resp:
+            resp.raise_for_status()
+            books = await resp.json()
         models, aliases = await asyncio.to_thread(self._models)
         return {
             "node_id": self.node_id,
             "url": self.url,
             "pid": self.proc.pid,
-            "budgets": self._budgets(),
+            "budgets": books["budgets"],
+            "reserved": books["reserved"],  # for all the node's runners at once
             "runners": [
                 {
                     "model": m["model"],
@@ -187,15 +190,6 @@ class NodeAgent:
         return self.proc.returncode
 
     # ---- the node's models -------------------------------------------------------------------
-    def _budgets(self) -> dict[str, int]:
-        if self._budget is None:
-            from corral.core.devices import budgets
-            from corral.runtime.devices import discover
-
-            s = self.settings
-            self._budget = budgets(discover(), s.memory_margin, s.memory_limit)
-        return self._budget
-
     def _models(self) -> tuple[dict[str, int], dict[str, str]]:
         if self._service is None:
             self._service = node_service(self.settings)
@@ -245,7 +239,6 @@ def model_needs(
     scheduler books it (0 where the file cannot be read: the node's corral says why when asked
     for it); and the aliases."""
     from corral.api.common import ApiError
-    from corral.core.estimate import RUNNER_PROCESS_BYTES
 
     cache = {} if cache is None else cache
     models: dict[str, int] = {}
@@ -259,7 +252,8 @@ def model_needs(
             try:
                 r = svc.resolve(entry.name)
                 spec, _ = svc.runner_spec(r, {})
-                need = int(svc.estimate(r.info, spec, r).total) + RUNNER_PROCESS_BYTES
+                est = svc.estimate(r.info, spec, r)
+                need = int(est.total + est.process)
             except (ApiError, OSError, ValueError) as e:
                 log.warning("model %s: %s", entry.name, e)
                 need = 0

@@ -177,7 +177,7 @@ class Node:
         view = NodeView(
             id=self.id,
             name=self.name,
-            budget=sum(books.get("budgets", {}).values()),
+            budget=room(books),
             models=models,
             runners=tuple(runners),
             names=self.names,
@@ -189,7 +189,7 @@ class Node:
         self.touch()
         self.books = books
         self.ready = {r["model"]: r for r in books["runners"] if r["state"] == "ready"}
-        self.free = sum(books["budgets"].values()) - sum(r["bytes"] for r in books["runners"])
+        self.free = room(books) - sum(r["bytes"] for r in books["runners"])
         self.polled_at = started
         self.last_ok = time.monotonic()
         self.foreign = {}
@@ -223,6 +223,12 @@ class Heat:
     def __call__(self, model: str) -> float:
         h, at = self.h.get(model, (0.0, self.arrivals))
         return h * HEAT_DECAY ** (self.arrivals - at)
+
+
+def room(books: dict[str, Any]) -> int:
+    """Bytes a node's runners may book in all: its budgets less what its scheduler holds for
+    all of them at once (their shared code)."""
+    return sum(books.get("budgets", {}).values()) - sum(books.get("reserved", {}).values())
 
 
 def node_names(info: dict[str, Any]) -> tuple[str, frozenset[str]]:

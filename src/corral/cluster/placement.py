@@ -59,7 +59,7 @@ class RunnerView:
 class NodeView:
     id: str  # Ray node id
     name: str  # what errors and /api/ps call it
-    budget: int  # bytes its corral may book, all devices together
+    budget: int  # bytes its runners may book, all devices together (less its reservation)
     models: Mapping[str, int]  # canonical name -> bytes a runner of it books on this node
     runners: tuple[RunnerView, ...] = ()
     names: frozenset[str] = frozenset()  # what `nodes = [...]` pins may match: id, host, labels

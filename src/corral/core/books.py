@@ -175,6 +175,9 @@ class Core:
     # use right now (devices.live_headroom, refreshed by the shell). Loads fit under the
     # smaller of this and the budget; a device missing here has only its budget.
     headroom: dict[str, int] = field(default_factory=dict)
+    # Device id -> bytes held for every runner at once, not for one: the runners' shared code
+    # (mapped by each, resident once). Always booked, so that the first load pays for it too.
+    reserved: dict[str, int] = field(default_factory=dict)
     max_loaded: int = 0  # 0: memory decides
     max_queue: int = 512
     default_keep_alive: float = 300.0
@@ -199,7 +202,7 @@ class Core:
 
     # ---- queries ---------------------------------------------------------------------------
     def used(self) -> dict[str, int]:
-        out = dict.fromkeys(self.budgets, 0)
+        out = {d: self.reserved.get(d, 0) for d in self.budgets}
         for r in self.runners.values():
             for dev, n in r.devices.items():
                 out[dev] = out.get(dev, 0) + n
@@ -417,6 +420,12 @@ class Core:
             r.devices[dev] = max(n, r.devices.get(dev, 0))
         self._pump(now)
 
+    def reserve(self, device: str, n: int, now: float) -> None:
+        """Hold `n` bytes on `device` for all runners at once (their shared code, measured):
+        if that puts it over its budget, idle runners make room as for a grown booking."""
+        self.reserved[device] = n
+        self._pump(now)
+
     def reload_cost(self, runner_id: int, seconds: float) -> None:
         """What reloading this runner's model would cost now (the shell predicts it from how
         much of the file is in the page cache): the cost-aware policy weighs it."""
@@ -607,10 +616,15 @@ class Core:
         fit = self._fit(q)
         if fit is not None:
             return fit
-        if q.fit(self.budgets) is None:
-            msg = (
-                f"model '{q.model}' needs {_size(q.size)} but corral may use at most "
-                + ", ".join(f"{_size(b)} on {d}" for d, b in self.budgets.items())
+        room = {d: b - self.reserved.get(d, 0) for d, b in self.budgets.items()}
+        if q.fit(room) is None:
+            caps = [
+                f"{_size(b)} on {d}" + (f" ({_size(n)} of it for the runners' code)" if n else "")
+                for d, b in self.budgets.items()
+                for n in [self.reserved.get(d, 0)]
+            ]
+            msg = f"model '{q.model}' needs {_size(q.size)} but corral may use at most " + (
+                ", ".join(caps)
             )
             for other in [o for o in self.queue if o.model == q.model and o.spec == q.spec]:
                 self.queue.remove(other)

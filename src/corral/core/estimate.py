@@ -31,13 +31,14 @@ if TYPE_CHECKING:  # runner_child imports this module and must not pay for the G
 
 __all__ = [
     "KV_CACHE_TYPES",
-    "RUNNER_PROCESS_BYTES",
+    "RUNNER_CODE_BYTES",
     "Estimate",
     "LlamaParams",
     "check_kv_cache_type",
     "estimate",
     "estimate_bytes",
     "llama_params",
+    "process_bytes",
     "projector_bytes",
 ]
 
@@ -61,11 +62,22 @@ PER_TOKEN_EXTRA = 24 * F32
 PER_TOKEN_QUANT_KV = 128
 # The log prints MiB with 2 decimals (up to 5 KiB off per buffer) and buffers are aligned.
 SLACK = 32 * 1024
-# Not in the estimate (llama.cpp does not count it, and the books hold what llama.cpp
-# allocated once a runner is loaded): the runner process itself, i.e. Python, xllamacpp's code
-# and heap, thread stacks; measured ~28 MiB USS beyond the buffers on CPU. A scheduler that
-# must not over-commit can reserve this per runner on top.
-RUNNER_PROCESS_BYTES = 32 * 2**20
+# Not in llama.cpp's account (the books hold what llama.cpp allocated once a runner is loaded),
+# so booked beside it: what a runner process costs by itself. Measured as proportional set size
+# beyond llama.cpp's buffers on CPU (xllamacpp 2026.10), idle and while as many clients as slots
+# generate after a 600-token prompt:
+# - its own memory (`Estimate.process`): the interpreter's heap, the vocabulary's tables, the
+#   slots' samplers and token buffers, HTTP threads. With an 8,192-token vocabulary 9.4 MiB
+#   idle, 16.4 MiB busy with 1 slot, 18.6 MiB with 4; with SmolLM2's 49,152 tokens 19.6 MiB
+#   idle, 32.4 MiB busy with 1 slot, 36.6 MiB with 4;
+# - the shared code (xllamacpp's library, libpython, libstdc++), mapped by every runner but
+#   resident once: 16-26 MiB in all, whatever the number of runners. Booked once per machine
+#   (`RUNNER_CODE_BYTES`), not once per runner (the scheduler raises it if it measures more).
+PROCESS_BASE = 16 * 2**20
+PROCESS_PER_SLOT = 2**19
+PROCESS_PER_TOKEN = 416  # bytes per vocabulary token (tokens, merges, lookup tables) ...
+PROCESS_PER_TOKEN_SLOT = 48  # ... and per token and slot (each slot's sampler candidates)
+RUNNER_CODE_BYTES = 28 * 2**20
 GGUF_ALIGNMENT = 32  # general.alignment default: each tensor's data may be padded to it
 # Architectures whose feed-forward is not gated (up -> act -> down): one n_ff activation, not
 # three (gate, up, gate*up). Unknown architectures count as gated, which errs high.
@@ -272,6 +284,9 @@ class Estimate:
     projector_compute: int = 0
     # Per layer: expert weights kept in system memory (--n-cpu-moe), part of weights_per_layer
     cpu_experts_per_layer: tuple[int, ...] = ()
+    # The runner process's own memory beyond llama.cpp's buffers (process_bytes): not in
+    # `total` (llama.cpp does not count it), booked in system memory beside it
+    process: int = 0
 
     @property
     def projector(self) -> int:
@@ -334,7 +349,15 @@ def estimate(
         projector_weights=proj_weights,
         projector_compute=proj_compute,
         cpu_experts_per_layer=tuple(experts) if any(experts) else (),
+        process=process_bytes(info, num_parallel),
     )
+
+
+def process_bytes(info: ModelInfo, num_parallel: int = 1) -> int:
+    """A runner process's own memory beyond llama.cpp's buffers (see PROCESS_BASE)."""
+    slots = max(1, num_parallel)
+    per_token = PROCESS_PER_TOKEN + PROCESS_PER_TOKEN_SLOT * slots
+    return PROCESS_BASE + PROCESS_PER_SLOT * slots + max(0, info.n_vocab) * per_token
 
 
 def estimate_bytes(info: ModelInfo, n_ctx: int, num_parallel: int, kv_type: str = "f16") -> int:

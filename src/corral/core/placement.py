@@ -118,10 +118,10 @@ def gpu_share(placement: Placement) -> int:
     return sum(n for d, n in placement.devices.items() if d != CPU)
 
 
-def model_need(est: Estimate, process: int = 0, gpu_context: int = 0) -> ModelNeed:
-    """A runner's estimate as placement needs it; `process` is the runner process itself
-    (booked in system memory with every model), `gpu_context` what the process holds on each
-    GPU it uses besides llama.cpp's buffers (its CUDA context)."""
+def model_need(est: Estimate, gpu_context: int = 0) -> ModelNeed:
+    """A runner's estimate as placement needs it: the runner process's own memory
+    (`est.process`) is booked in system memory with every model, `gpu_context` is what the
+    process holds on each GPU it uses besides llama.cpp's buffers (its CUDA context)."""
     n = len(est.weights_per_layer)
     lora = est.adapters_per_layer or (0,) * n
     moe = (*est.cpu_experts_per_layer, *(0,) * n)[:n]
@@ -134,7 +134,7 @@ def model_need(est: Estimate, process: int = 0, gpu_context: int = 0) -> ModelNe
         # GPU it errs towards system memory (verify on a GPU machine).
         gpu_compute=est.compute + gpu_context,
         cpu_compute=est.compute,
-        host=est.non_layer + est.overhead + est.adapters_other + sum(moe) + process,
+        host=est.non_layer + est.overhead + est.adapters_other + sum(moe) + est.process,
         projector=est.projector,
     )
 

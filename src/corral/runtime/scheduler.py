@@ -38,7 +38,7 @@ from corral.core.books import (
     scaled_placer,
 )
 from corral.core.devices import CPU, GPU_CONTEXT_BYTES, Device, live_headroom
-from corral.core.estimate import RUNNER_PROCESS_BYTES
+from corral.core.estimate import RUNNER_CODE_BYTES
 from corral.core.gguf import split_parts
 from corral.core.policy import (
     DEFAULT_DISK_SECONDS_PER_BYTE,
@@ -50,7 +50,7 @@ from corral.core.policy import (
 from corral.core.spec import Layout, RunnerSpec
 from corral.runtime.devices import gpu_process_memory
 from corral.runtime.journal import Journal
-from corral.runtime.memwatch import Usage, oom_kills, process_usage
+from corral.runtime.memwatch import Usage, code_pss, oom_kills, process_usage
 from corral.runtime.pagecache import prefetch, resident
 from corral.runtime.runner import Runner, RunnerError
 
@@ -125,7 +125,16 @@ class Scheduler:
             max_queue=max_queue,
             default_keep_alive=default_keep_alive,
             policy=POLICIES[policy],
+            # The runners' shared code, resident once for all of them (raised if measured more)
+            reserved={CPU: RUNNER_CODE_BYTES} if CPU in budgets else {},
         )
+        # Each runner's share of that code (memwatch.code_pss), as last measured: what a
+        # runner's measure holds beyond its own memory, which its booking is compared with.
+        self.code_share = 0
+        self._measures = 0
+        # Model -> the bytes its runner process costs beyond llama.cpp's buffers (the
+        # estimate's `process`, as submitted): booked beside the real allocation once loaded.
+        self.process_bytes: dict[str, int] = {}
         self.load_timeout = load_timeout
         self.queue_timeout = queue_timeout
         self.llama_server = llama_server
@@ -186,11 +195,14 @@ class Scheduler:
         pinned: bool = False,
         priority: int = 0,
         place: Placer | None = None,
+        process: int = 0,
     ) -> Ticket:
-        """Ask for a runner slot for `model`. Synchronous: when the model's runner has a free
-        slot the ticket is granted on return. SchedulerError if refused."""
+        """Ask for a runner slot for `model` (`size`: its runner's bytes in all, `process` of
+        them the runner process's own). Synchronous: when the model's runner has a free slot
+        the ticket is granted on return. SchedulerError if refused."""
         if self._closing:
             raise SchedulerError(503, "server is shutting down", SHUTDOWN_RETRY_AFTER)
+        self.process_bytes[model] = process
         k = self.raised.get(model)
         if k is not None:  # it ran out of memory before: ask for more room this time
             place = scaled_placer(place or cpu_placer(size), k)
@@ -380,7 +392,7 @@ class Scheduler:
                 book.size / 2**20,
             )
         if real is not None:  # llama.cpp's buffers, the process that holds them, its contexts
-            real[CPU] = real.get(CPU, 0) + RUNNER_PROCESS_BYTES
+            real[CPU] = real.get(CPU, 0) + self.process_bytes.get(runner.name, 0)
             for dev, n in list(real.items()):
                 if dev != CPU and n:
                     real[dev] = n + GPU_CONTEXT_BYTES
@@ -396,9 +408,11 @@ class Scheduler:
             )  # fmt: skip
         if runner.pid is not None and math.isfinite(self.measure_interval):
             # Measured at once too: the books must hold what it holds from the start, not
-            # from the next measure (one smaps_rollup read, well under a millisecond).
+            # from the next measure (smaps_rollup and smaps reads: a few ms, once per load).
             usage = process_usage(runner.pid)
-            if usage is not None:
+            share = code_pss(runner.pid)
+            if usage is not None and share is not None:
+                self.code_share = share
                 self._observe(rid, now, usage, {})
 
     async def _measure_forever(self) -> None:
@@ -417,9 +431,17 @@ class Scheduler:
         self._oom_seen.append(oom_kills())
         pids = {rid: r.pid for rid, r in self.runners.items() if r.pid}
         # smaps_rollup reads take ~0.1-1 ms each, NVML calls similar: off the event loop.
-        devices, usages, gpu = await asyncio.to_thread(self._read_machine, list(pids.values()))
+        # One runner's share of the shared code stands for every runner's (they map the same
+        # files): a different runner's each time, in case one maps something the others do not.
+        self._measures += 1
+        some = list(pids.values())[self._measures % len(pids)] if pids else None
+        devices, usages, gpu, share = await asyncio.to_thread(
+            self._read_machine, list(pids.values()), some
+        )
         self.last_devices = devices
         now = time.monotonic()
+        if share is not None:
+            self._code_measured(share, len(pids), now)
         for (rid, _), usage in zip(pids.items(), usages, strict=True):
             book = self.core.runners.get(rid)
             if usage is not None and book is not None:
@@ -448,11 +470,26 @@ class Scheduler:
         self._runner_tokens[rid] = c
 
     def _read_machine(
-        self, pids: list[int]
-    ) -> tuple[list[Device], list[Usage | None], dict[int, dict[str, int]]]:
+        self, pids: list[int], code_of: int | None
+    ) -> tuple[list[Device], list[Usage | None], dict[int, dict[str, int]], int | None]:
         devices = self.refresh(self.devices) if self.refresh is not None else self.devices
         gpus = [d for d in devices if d.library != "cpu"]
-        return devices, [process_usage(p) for p in pids], gpu_process_memory(gpus) if gpus else {}
+        usages = [process_usage(p) for p in pids]
+        share = code_pss(code_of) if code_of is not None else None
+        return devices, usages, gpu_process_memory(gpus) if gpus else {}, share
+
+    def _code_measured(self, share: int, runners: int, now: float) -> None:
+        """The runners' shared code as measured: each one's share, and the reservation for all
+        of them raised where they hold more than it (never lowered)."""
+        self.code_share = share
+        total = share * runners
+        reserved = self.core.reserved.get(CPU)
+        if reserved is not None and total > reserved:
+            log.warning(
+                "the runners' shared code holds %.1f MiB, more than the %.1f MiB reserved for "
+                "it: reserving that", total / 2**20, reserved / 2**20,
+            )  # fmt: skip
+            self.core.reserve(CPU, total, now)
 
     def _observe(
         self, rid: int, now: float, usage: Usage, gpu: Mapping[int, Mapping[str, int]]
@@ -460,11 +497,12 @@ class Scheduler:
         book = self.core.runners.get(rid)
         if book is None or book.state != "ready":
             return
-        seen = {CPU: usage.pss}
+        own = max(0, usage.pss - self.code_share)  # its own memory: the shared code is reserved
+        seen = {CPU: own}
         for pid in usage.pids:
             for dev, n in gpu.get(pid, {}).items():
                 seen[dev] = seen.get(dev, 0) + n
-        self.measured[rid] = usage.pss
+        self.measured[rid] = own
         self.measured_devices[rid] = seen
         for dev, n in seen.items():
             if n > book.devices.get(dev, 0):
