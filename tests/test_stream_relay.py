@@ -154,10 +154,11 @@ def test_an_unreachable_runner_is_an_oserror() -> None:
 
 
 def test_fast_tokens_are_coalesced_and_the_end_is_not_late() -> None:
-    """With a 50 ms window: the first two tokens are not held; then tokens 0.2 ms apart go out
-    a window's worth per read; the end (the runner closing the connection after [DONE]) is
-    read at once, not when the window is over."""
-    n, window = 80, 0.05
+    """With a 100 ms window (long, so that a busy machine's scheduling delays stay well within
+    its halves): the first two tokens are not held; then tokens 0.2 ms apart go out a window's
+    worth per read; the end (the runner closing the connection after [DONE]) is read at once,
+    not when the window is over."""
+    n, window = 80, 0.1
     closed: list[float] = []
     first = threading.Event()
 
@@ -195,11 +196,12 @@ def test_fast_tokens_are_coalesced_and_the_end_is_not_late() -> None:
 
 
 def test_tokens_at_a_normal_pace_go_out_one_by_one() -> None:
+    # 20 tokens/s: far slower than the few-ms window, and than a busy machine's hiccups
     def write(conn: socket.socket) -> None:
         conn.sendall(HEAD)
         for i in range(5):
             conn.sendall(chunk(event(i)))
-            time.sleep(0.01)
+            time.sleep(0.05)
         conn.sendall(chunk(b"data: [DONE]\n\n") + b"0\r\n\r\n")
 
     async def main() -> None:
