@@ -13,7 +13,7 @@ import aiohttp
 from corral.core.estimate import estimate
 from corral.core.gguf import read_model_info
 from corral.core.spec import RunnerSpec
-from corral.runtime.memwatch import code_pss, process_memory, process_usage
+from corral.runtime.memwatch import code_rss, process_memory, process_usage
 from corral.runtime.registry import smollm2_path
 from corral.runtime.scheduler import Scheduler
 
@@ -78,9 +78,9 @@ def test_ps_shows_booked_and_measured_bytes(server) -> None:
     assert m["measured"] == [{"id": "cpu", "bytes": m["measured_bytes"]}]  # no GPU here
 
 
-def test_code_pss_is_the_shared_code_not_the_heap() -> None:
-    """Two interpreters map the same code: each one's code share is part of its PSS, and the
-    64 MiB one of them touches is not in it."""
+def test_code_rss_is_the_code_not_the_heap() -> None:
+    """Two interpreters map the same code: each one's resident code is part of its RSS, about
+    the same for both, and the 64 MiB one of them touches is not in it."""
     code = (
         "import sys, time; b = bytearray(int(sys.argv[1]) << 20); "
         "b[::4096] = b'x' * len(b[::4096]); print('ok', flush=True); time.sleep(30)"
@@ -90,23 +90,24 @@ def test_code_pss_is_the_shared_code_not_the_heap() -> None:
     try:
         for p in procs:
             assert p.stdout is not None and p.stdout.readline().strip() == b"ok"
-        shares = [code_pss(p.pid) for p in procs]
+        codes = [code_rss(p.pid) for p in procs]
         usages = [process_usage(p.pid) for p in procs]
-        for share, usage in zip(shares, usages, strict=True):
-            assert share is not None and usage is not None
-            assert 0 < share < usage.pss
-        assert shares[0] is not None and shares[1] is not None
-        assert abs(shares[1] - shares[0]) < 8 << 20  # not the 64 MiB
-        assert usages[1] is not None and usages[1].pss - shares[1] >= 64 << 20
+        for c, usage in zip(codes, usages, strict=True):
+            assert c is not None and usage is not None
+            assert 0 < c < usage.rss
+        assert codes[0] is not None and codes[1] is not None
+        assert abs(codes[1] - codes[0]) < 8 << 20  # not the 64 MiB
+        assert usages[1] is not None and usages[1].rss - codes[1] >= 64 << 20
+        assert usages[1].anon >= 64 << 20  # the heap is anonymous memory
     finally:
         for p in procs:
             p.kill()
             p.wait()
-    assert code_pss(procs[0].pid) is None  # gone
+    assert code_rss(procs[0].pid) is None  # gone
 
 
 async def test_a_busy_smollm2_runner_holds_no_more_than_its_booking() -> None:
-    """The runner process's own memory (its PSS less its share of the shared code) stays
+    """The runner process's own memory (its RSS less the code every runner maps) stays
     within what corral books for it (llama.cpp's buffers and `Estimate.process`) while two
     requests with long prompts generate: the booking never had to grow to a measure."""
     path = smollm2_path()
@@ -138,8 +139,8 @@ async def test_a_busy_smollm2_runner_holds_no_more_than_its_booking() -> None:
             await work
         print(f"own memory at peak {peak / 2**20:.1f} MiB, booked {booked / 2**20:.1f} MiB, "
               f"of which the process {est.process / 2**20:.1f} MiB; "
-              f"code share {sched.code_share / 2**20:.1f} MiB")  # fmt: skip
-        assert sched.code_share > 0
+              f"code {sched.code_last / 2**20:.1f} MiB")  # fmt: skip
+        assert sched.code_last > 0
         assert 0 < peak <= booked, (peak / 2**20, booked / 2**20)
         assert book.devices["cpu"] == booked  # never grown to a measure
     finally:

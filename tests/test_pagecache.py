@@ -99,13 +99,14 @@ async def test_a_load_waiting_for_an_eviction_reads_its_file_ahead(
 ) -> None:
     caplog.set_level(logging.INFO, "corral.runtime.scheduler")
     # room for one of the two 50 MiB bookings beside the runners' shared code, not for both
+    # (40 MiB of each is its process, booked beside llama.cpp's allocation once loaded)
     sched = Scheduler({"cpu": 60 * MiB + RUNNER_CODE_BYTES}, measure_interval=3600)
     a = RunnerSpec(path=str(models_dir / "tiny.gguf"), n_ctx=512, num_parallel=1)
     b = RunnerSpec(path=str(models_dir / "tiny2.gguf"), n_ctx=512, num_parallel=1)
     try:
-        lease = await sched.acquire("tiny", a, size=50 * MiB)
+        lease = await sched.acquire("tiny", a, size=50 * MiB, process=40 * MiB)
         lease.release()
-        lease = await sched.acquire("tiny2", b, size=50 * MiB)  # evicts tiny first
+        lease = await sched.acquire("tiny2", b, size=50 * MiB, process=40 * MiB)  # evicts tiny
         lease.release()
         assert any("reading model 'tiny2' ahead" in r.message for r in caplog.records)
     finally:
@@ -139,7 +140,8 @@ def test_ps_verbose_and_the_dashboard_show_what_a_reload_would_cost(
         pc["load_seconds"], rel=0.05
     )
     assert pagecache.drop(str(tmp_path / "base.gguf"))
-    s.wait_for(lambda: verbose()["resident"] < 0.1, timeout=10, what="the drop seen")
+    # every loaded model's residency is read every RESIDENCY_EVERY measures (2 s each)
+    s.wait_for(lambda: verbose()["resident"] < 0.1, timeout=30, what="the drop seen")
     cold = verbose()
     assert cold["reload_seconds"] > pc["reload_seconds"]  # its bytes come from disk now
     doc = s.client.get("/api/corral/state").json()

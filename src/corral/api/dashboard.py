@@ -224,8 +224,8 @@ class Dashboard:
                     measured += m[dev]
                 elif dev == "cpu" and rid in s.measured:
                     measured += s.measured[rid]
-                if dev == "cpu" and rid in s.measured:  # its share of the runners' code
-                    measured += getattr(s, "code_share", 0)
+            if dev == "cpu" and measured:  # the runners' code, in memory once for all of them
+                measured += getattr(s, "code_last", 0)
             devices.append({
                 "id": dev,
                 "name": d.name if d else dev,

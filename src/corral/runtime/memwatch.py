@@ -1,14 +1,17 @@
 """What runner processes really hold, for the books to follow the machine (Core.observed).
 
-System memory is measured as the proportional set size (PSS: private pages plus a share of
-pages mapped by several processes, such as the runners' common libraries and a model file two
-runners map), which adds up across processes to what they cost the machine; RSS would count
-every shared library once per runner. Reading /proc/PID/smaps_rollup costs ~0.1-1 ms.
+A runner's system memory is read from /proc/PID/status (RssAnon, RssFile, RssShmem): kernel
+counters, ~50 us whatever the model's size. (PSS from smaps_rollup walks every page the process
+maps: 8 ms for SmolLM2, 20 ms per GB of weights, every measure, for every runner.) RSS counts
+the code every runner maps (xllamacpp's library, libpython) in each of them, though it is in
+memory once: the scheduler books that code once for all runners (Core.reserved) and takes each
+runner's resident code (`code_rss`, measured once when it is ready) off its measure. What is
+left, its own memory, is its heap, KV cache and buffers (anonymous) and the pages of its model
+file it has touched.
 """
 
 from __future__ import annotations
 
-import contextlib
 import os
 from dataclasses import dataclass
 
@@ -17,7 +20,7 @@ import psutil
 
 @dataclass(frozen=True)
 class Usage:
-    pss: int  # bytes of system memory the process tree costs the machine
+    rss: int  # bytes of system memory the process tree has resident (shared code included)
     # ... of which anonymous (heap, KV cache, buffers): the part the kernel's "available" figure
     # does not count as free. Weights mapped from the file are page cache, counted there.
     anon: int
@@ -25,56 +28,53 @@ class Usage:
 
 
 def process_usage(pid: int) -> Usage | None:
-    """System memory of a runner process and its children; None if it is gone or unreadable.
-    (Where the kernel reports no PSS, RSS, which errs high.)"""
+    """System memory of a runner process and its children; None if it is gone or unreadable."""
     try:
         proc = psutil.Process(pid)
         procs = [proc, *proc.children(recursive=True)]
     except psutil.Error:
         return None
-    pss = anon = 0
+    rss = anon = 0
     pids = []
     for p in procs:
-        fields = _smaps_rollup(p.pid)
-        if fields is not None and "Pss" in fields:
-            pss += fields["Pss"]
-            anon += fields.get("Pss_Anon", fields.get("Anonymous", fields["Pss"]))
-            pids.append(p.pid)
+        fields = _status(p.pid)
+        if fields is None:
             continue
-        with contextlib.suppress(psutil.Error):
-            rss = int(p.memory_info().rss)
-            pss, anon = pss + rss, anon + rss
-            pids.append(p.pid)
-    return Usage(pss, anon, tuple(pids)) if pss else None
+        a = fields.get("RssAnon", 0) + fields.get("RssShmem", 0)
+        rss += a + fields.get("RssFile", 0)
+        anon += a
+        pids.append(p.pid)
+    return Usage(rss, anon, tuple(pids)) if rss else None
 
 
 def process_memory(pid: int) -> int | None:
-    """PSS of a runner process and its children, in bytes; None if it is gone."""
+    """Resident memory of a runner process and its children, in bytes; None if it is gone."""
     u = process_usage(pid)
-    return None if u is None else u.pss
+    return None if u is None else u.rss
 
 
-def _smaps_rollup(pid: int) -> dict[str, int] | None:
+def _status(pid: int) -> dict[str, int] | None:
+    """The memory counters of /proc/PID/status (RssAnon, RssFile, RssShmem, ...), in bytes."""
     try:
-        with open(f"/proc/{pid}/smaps_rollup", "rb") as f:
+        with open(f"/proc/{pid}/status", "rb") as f:
             text = f.read().decode("ascii", "replace")
     except OSError:
         return None
     out = {}
-    for line in text.splitlines()[1:]:
-        key, _, rest = line.partition(":")
-        parts = rest.split()
-        if parts and parts[0].isdigit():
-            out[key] = int(parts[0]) * 1024  # kB
+    for line in text.splitlines():
+        if line.startswith(("Rss", "Vm")):
+            key, _, rest = line.partition(":")
+            parts = rest.split()
+            if parts and parts[0].isdigit():
+                out[key] = int(parts[0]) * 1024  # kB
     return out
 
 
-def code_pss(pid: int) -> int | None:
-    """The part of a process's PSS that is shared code: the pages of its executable and of the
-    shared libraries it maps, less those it wrote (relocations: private to it). Every runner
-    maps the same code, so this is each runner's equal share of code resident once for all of
-    them. Reads /proc/PID/smaps in full (~3 ms: one process per measure, not every one); None
-    if the process is gone."""
+def code_rss(pid: int) -> int | None:
+    """The resident pages of a process's executable and shared libraries, less those it wrote
+    (relocations: its own): the code every runner maps alike, in memory once for all of them.
+    Reads /proc/PID/smaps in full, which walks every page the process maps (~10 ms for SmolLM2,
+    more for bigger models): once per runner, off the event loop. None if it is gone."""
     try:
         exe = os.readlink(f"/proc/{pid}/exe").encode()
         with open(f"/proc/{pid}/smaps", "rb") as f:
@@ -88,7 +88,7 @@ def code_pss(pid: int) -> int | None:
         if not key.endswith(b":"):  # a mapping's header: address perms offset dev inode path
             path = rest.rsplit(b" ", 1)[-1] if rest.count(b" ") >= 4 else b""
             code = path == exe or path.endswith(b".so") or b".so." in path
-        elif code and key == b"Pss:":
+        elif code and key == b"Rss:":
             total += int(rest.split()[0])
         elif code and key == b"Private_Dirty:":
             total -= int(rest.split()[0])

@@ -50,7 +50,7 @@ from corral.core.policy import (
 from corral.core.spec import Layout, RunnerSpec
 from corral.runtime.devices import gpu_process_memory
 from corral.runtime.journal import Journal
-from corral.runtime.memwatch import Usage, code_pss, oom_kills, process_usage
+from corral.runtime.memwatch import Usage, code_rss, oom_kills, process_usage
 from corral.runtime.pagecache import prefetch, resident
 from corral.runtime.runner import Runner, RunnerError
 
@@ -60,6 +60,7 @@ SHUTDOWN_GRACE = 0.5  # seconds a serving runner gets to exit on SIGTERM when th
 SHUTDOWN_RETRY_AFTER = 5.0  # a restarting server is usually back within seconds
 OOM_RAISE = 1.25  # a model that ran out of memory is booked this much higher next time ...
 OOM_RAISE_MAX = 4.0  # ... up to this factor in all
+RESIDENCY_EVERY = 5  # measures between two reads of every loaded model's page-cache residency
 # What llama.cpp (ggml, CUDA, Vulkan) says when an allocation fails during a load.
 _ALLOC_FAILED = re.compile(
     r"out of memory|failed to allocate|unable to allocate|cudaMalloc|bad_alloc"
@@ -128,9 +129,11 @@ class Scheduler:
             # The runners' shared code, resident once for all of them (raised if measured more)
             reserved={CPU: RUNNER_CODE_BYTES} if CPU in budgets else {},
         )
-        # Each runner's share of that code (memwatch.code_pss), as last measured: what a
-        # runner's measure holds beyond its own memory, which its booking is compared with.
-        self.code_share = 0
+        # Each runner's resident code (memwatch.code_rss, measured once when it is ready): what
+        # its measure holds beyond its own memory, which its booking is compared with; and the
+        # last one measured, for a runner whose own is not yet in.
+        self._code: dict[int, int] = {}
+        self.code_last = 0
         self._measures = 0
         # Model -> the bytes its runner process costs beyond llama.cpp's buffers (the
         # estimate's `process`, as submitted): booked beside the real allocation once loaded.
@@ -408,12 +411,12 @@ class Scheduler:
             )  # fmt: skip
         if runner.pid is not None and math.isfinite(self.measure_interval):
             # Measured at once too: the books must hold what it holds from the start, not
-            # from the next measure (smaps_rollup and smaps reads: a few ms, once per load).
+            # from the next measure (/proc/PID/status: ~50 us). Its code is measured once, off
+            # the event loop (a walk of every page it maps), and it is measured again then.
             usage = process_usage(runner.pid)
-            share = code_pss(runner.pid)
-            if usage is not None and share is not None:
-                self.code_share = share
+            if usage is not None:
                 self._observe(rid, now, usage, {})
+            self._spawn(self._measure_code(rid, runner.pid))
 
     async def _measure_forever(self) -> None:
         """Every few seconds: what each runner really holds goes to the books (Core.observed:
@@ -431,17 +434,9 @@ class Scheduler:
         self._oom_seen.append(oom_kills())
         pids = {rid: r.pid for rid, r in self.runners.items() if r.pid}
         # smaps_rollup reads take ~0.1-1 ms each, NVML calls similar: off the event loop.
-        # One runner's share of the shared code stands for every runner's (they map the same
-        # files): a different runner's each time, in case one maps something the others do not.
-        self._measures += 1
-        some = list(pids.values())[self._measures % len(pids)] if pids else None
-        devices, usages, gpu, share = await asyncio.to_thread(
-            self._read_machine, list(pids.values()), some
-        )
+        devices, usages, gpu = await asyncio.to_thread(self._read_machine, list(pids.values()))
         self.last_devices = devices
         now = time.monotonic()
-        if share is not None:
-            self._code_measured(share, len(pids), now)
         for (rid, _), usage in zip(pids.items(), usages, strict=True):
             book = self.core.runners.get(rid)
             if usage is not None and book is not None:
@@ -450,7 +445,10 @@ class Scheduler:
         self._apply()
         self._warn_short_of_headroom()
         await self._count_tokens()
-        await self._predict_reloads()
+        # mincore over each model file (~35 ms per GB): every few measures, and at once for a
+        # runner that has no residency yet
+        self._measures += 1
+        await self._predict_reloads(every=self._measures % RESIDENCY_EVERY == 0)
 
     async def _count_tokens(self) -> None:
         """Add what each ready runner processed since the last read to its model's count."""
@@ -470,26 +468,32 @@ class Scheduler:
         self._runner_tokens[rid] = c
 
     def _read_machine(
-        self, pids: list[int], code_of: int | None
-    ) -> tuple[list[Device], list[Usage | None], dict[int, dict[str, int]], int | None]:
+        self, pids: list[int]
+    ) -> tuple[list[Device], list[Usage | None], dict[int, dict[str, int]]]:
         devices = self.refresh(self.devices) if self.refresh is not None else self.devices
         gpus = [d for d in devices if d.library != "cpu"]
-        usages = [process_usage(p) for p in pids]
-        share = code_pss(code_of) if code_of is not None else None
-        return devices, usages, gpu_process_memory(gpus) if gpus else {}, share
+        return devices, [process_usage(p) for p in pids], gpu_process_memory(gpus) if gpus else {}
 
-    def _code_measured(self, share: int, runners: int, now: float) -> None:
-        """The runners' shared code as measured: each one's share, and the reservation for all
-        of them raised where they hold more than it (never lowered)."""
-        self.code_share = share
-        total = share * runners
+    async def _measure_code(self, rid: int, pid: int) -> None:
+        """A new runner's resident code, once: then its measure is its own memory, and the
+        reservation for all runners' code is raised if one of them holds more (never lowered:
+        the code is the same for every runner, in memory once)."""
+        code = await asyncio.to_thread(code_rss, pid)
+        if code is None or rid not in self.runners:
+            return
+        self._code[rid] = self.code_last = code
+        now = time.monotonic()
         reserved = self.core.reserved.get(CPU)
-        if reserved is not None and total > reserved:
+        if reserved is not None and code > reserved:
             log.warning(
                 "the runners' shared code holds %.1f MiB, more than the %.1f MiB reserved for "
-                "it: reserving that", total / 2**20, reserved / 2**20,
+                "it: reserving that", code / 2**20, reserved / 2**20,
             )  # fmt: skip
-            self.core.reserve(CPU, total, now)
+            self.core.reserve(CPU, code, now)
+        usage = process_usage(pid)
+        if usage is not None:
+            self._observe(rid, now, usage, {})
+        self._apply()
 
     def _observe(
         self, rid: int, now: float, usage: Usage, gpu: Mapping[int, Mapping[str, int]]
@@ -497,7 +501,10 @@ class Scheduler:
         book = self.core.runners.get(rid)
         if book is None or book.state != "ready":
             return
-        own = max(0, usage.pss - self.code_share)  # its own memory: the shared code is reserved
+        # its own memory: the code is reserved for all runners (until a runner's code is
+        # measured, the last one measured or, before any, what is reserved for it)
+        code = self._code.get(rid) or self.code_last or self.core.reserved.get(CPU, 0)
+        own = max(0, usage.rss - code)
         seen = {CPU: own}
         for pid in usage.pids:
             for dev, n in gpu.get(pid, {}).items():
@@ -569,15 +576,17 @@ class Scheduler:
                 log.info("disk reads cost %.2f s/GB more than the page cache", spb * 1e9)
         self._file_loads[path] = now
 
-    async def _predict_reloads(self) -> None:
+    async def _predict_reloads(self, every: bool = True) -> None:
         """The cost-aware policy weighs what reloading each loaded model would cost now: less
         if its file is still in the page cache, more once the cache lost it (what /api/ps
-        verbose and the dashboard show too)."""
+        verbose and the dashboard show too). `every`: each ready runner's, else only those
+        not predicted yet."""
         ready = [
             (rid, r.spec.path, r.load_duration)
             for rid, r in self.runners.items()
             if (b := self.core.runners.get(rid)) is not None
             and b.state == "ready" and rid in self._load_resident
+            and (every or rid not in self.residency)
         ]  # fmt: skip
         if not ready:
             return
@@ -644,6 +653,7 @@ class Scheduler:
             self.runners.pop(rid, None)
             self.measured.pop(rid, None)
             self.measured_devices.pop(rid, None)
+            self._code.pop(rid, None)
             self._runner_tokens.pop(rid, None)
             self._load_resident.pop(rid, None)
             self.residency.pop(rid, None)
