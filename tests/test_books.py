@@ -660,3 +660,19 @@ def test_a_reservation_raised_over_the_budget_evicts_idle_runners() -> None:
     h.apply()
     stops = [r.model for r in h.core.runners.values() if r.state == "unloading"]
     assert stops == ["a"]  # the least recently used is enough: 400 + 500 <= 1000
+
+
+def test_a_reload_while_another_load_starves_does_not_loop() -> None:
+    """Found by the random sequences: a's runner is drained for a request with new options
+    while c's load starves for a's memory (so a's plain request is held back). The reload must
+    not go ahead of c: it would serve no one (the plain request is still held back), drain
+    again, and reload for ever."""
+    h = Harness("cost")
+    h.request("a")
+    h.request("a")
+    h.request("c", 512)
+    h.advance(5.0)
+    h.request("a")
+    h.request("a", 512)
+    h.settle()
+    assert h.core.loads <= 4  # a, c, a, a with 512

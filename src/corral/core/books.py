@@ -569,7 +569,10 @@ class Core:
             if r is not None and r.draining:
                 if r.state == "ready" and r.inflight == 0:
                     self._stop(r, "reloading with new options", "options_change")
-                    self._reloading.add(r.model)
+                    # Its reload goes first, unless a load has starved for this memory: then
+                    # that one does (else a reload that serves no held-back request loops).
+                    if cutoff == math.inf:
+                        self._reloading.add(r.model)
                 continue
             if r is not None:
                 if r.state == "ready" and r.inflight < r.spec.num_parallel:
