@@ -225,7 +225,7 @@ class Dashboard:
                 elif dev == "cpu" and rid in s.measured:
                     measured += s.measured[rid]
             if dev == "cpu" and measured:  # the runners' code, in memory once for all of them
-                measured += getattr(s, "code_last", 0)
+                measured += s.code_last
             devices.append({
                 "id": dev,
                 "name": d.name if d else dev,

@@ -262,7 +262,7 @@ class _Books(Collector):
             budget.add_metric([dev], n)
         for dev, n in core.used().items():
             used.add_metric([dev], n)
-            reserved.add_metric([dev], getattr(core, "reserved", {}).get(dev, 0))
+            reserved.add_metric([dev], core.reserved.get(dev, 0))
         for d in s.last_devices:
             real.add_metric([d.id], d.total - d.free)
         yield budget

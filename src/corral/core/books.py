@@ -80,6 +80,7 @@ class Request:
     pinned: bool = False
     priority: int = 0
     place: Placer | None = None  # None: all of `size` in system memory
+    process: int = 0  # of `size`, its process's own memory (beside llama.cpp's allocation)
 
     def fit(self, free: Mapping[str, int]) -> Fit | None:
         return (self.place or cpu_placer(self.size))(free)
@@ -103,6 +104,7 @@ class RunnerBook:
     draining: bool = False  # a queued request needs it reloaded: grant nothing new
     pinned: bool = False
     priority: int = 0
+    process: int = 0  # its process's own memory, booked beside llama.cpp's allocation once loaded
 
     @property
     def size(self) -> int:
@@ -608,6 +610,7 @@ class Core:
             last_used=now,
             pinned=q.pinned,
             priority=q.priority,
+            process=q.process,
         )
         self.loads += 1
         self.actions.append(Load(rid, q.model, q.spec, fit))

@@ -135,9 +135,6 @@ class Scheduler:
         self._code: dict[int, int] = {}
         self.code_last = 0
         self._measures = 0
-        # Model -> the bytes its runner process costs beyond llama.cpp's buffers (the
-        # estimate's `process`, as submitted): booked beside the real allocation once loaded.
-        self.process_bytes: dict[str, int] = {}
         self.load_timeout = load_timeout
         self.queue_timeout = queue_timeout
         self.llama_server = llama_server
@@ -205,7 +202,6 @@ class Scheduler:
         the ticket is granted on return. SchedulerError if refused."""
         if self._closing:
             raise SchedulerError(503, "server is shutting down", SHUTDOWN_RETRY_AFTER)
-        self.process_bytes[model] = process
         k = self.raised.get(model)
         if k is not None:  # it ran out of memory before: ask for more room this time
             place = scaled_placer(place or cpu_placer(size), k)
@@ -219,7 +215,7 @@ class Scheduler:
         req = Request(
             id=rid, model=model, spec=spec, explicit=explicit, size=size, keep_alive=keep_alive,
             arrived=now, deadline=now + self.queue_timeout, pinned=pinned, priority=priority,
-            place=place,
+            place=place, process=process,
         )  # fmt: skip
         try:
             self.core.request(req, now)
@@ -395,7 +391,7 @@ class Scheduler:
                 book.size / 2**20,
             )
         if real is not None:  # llama.cpp's buffers, the process that holds them, its contexts
-            real[CPU] = real.get(CPU, 0) + self.process_bytes.get(runner.name, 0)
+            real[CPU] = real.get(CPU, 0) + (book.process if book is not None else 0)
             for dev, n in list(real.items()):
                 if dev != CPU and n:
                     real[dev] = n + GPU_CONTEXT_BYTES
