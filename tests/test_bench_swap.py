@@ -15,7 +15,7 @@ from typing import Any
 import pytest
 
 from corral.bench import llama_build
-from corral.bench.common import MIB, SCALES
+from corral.bench.common import EVICT_LINE, MIB, SCALES, logged_loads
 from corral.bench.swap import (
     OVER,
     MemorySampler,
@@ -55,6 +55,22 @@ def test_parse_smaps_rollup_gives_bytes() -> None:
     assert fields["Swap"] == 0
     assert "THPeligible" not in fields  # not a size
     assert parse_smaps_rollup("") == {}
+
+
+def test_loads_counted_from_the_log_are_not_its_unloads() -> None:
+    # The unload line contains "loading model 'x' (runner N)": counted as a load, corral's
+    # loads and bytes loaded came out about twice what they were.
+    log = (
+        "12:00:00,001 INFO corral.runtime.scheduler: loading model 'a:latest' (runner 1): booked\n"
+        "12:00:01,001 INFO corral.runtime.scheduler: loading model 'b:latest' (runner 2): booked\n"
+        "12:00:02,001 INFO corral.runtime.scheduler: unloading model 'a:latest' (runner 1): "
+        "evicted to make room for 'c:latest'\n"
+        "12:00:02,002 INFO corral.runtime.scheduler: loading model 'c:latest' (runner 3): booked\n"
+        "12:00:03,001 INFO corral.runtime.scheduler: unloading model 'b:latest' (runner 2): "
+        "expired\n"
+    )
+    assert logged_loads(log) == ["a", "b", "c"]
+    assert EVICT_LINE.findall(log) == ["a:latest"]
 
 
 def test_mapped_models_keeps_gguf_paths_with_spaces() -> None:

@@ -28,6 +28,16 @@ import psutil
 Say = Callable[[str], None]
 MIB = 2**20
 
+# The scheduler's log lines for a load and an eviction. A load's pattern must not match the
+# unload line ("unloading model 'x' (runner 3)" contains "loading model 'x' (runner 3)").
+LOAD_LINE = re.compile(r"(?<!un)loading model '([^']+)' \(runner \d+\)")
+EVICT_LINE = re.compile(r"unloading model '([^']+)' \(runner \d+\): evicted")
+
+
+def logged_loads(log: str) -> list[str]:
+    """The models a corral log says it loaded, in order, without ':latest'."""
+    return [m.removesuffix(":latest") for m in LOAD_LINE.findall(log)]
+
 
 # --------------------------------------------------------------------------- run sizes
 

@@ -45,7 +45,18 @@ from typing import Any
 import httpx
 import psutil
 
-from corral.bench.common import MIB, Goal, Say, Scale, Section, Table, percentile, secs
+from corral.bench.common import (
+    EVICT_LINE,
+    MIB,
+    Goal,
+    Say,
+    Scale,
+    Section,
+    Table,
+    logged_loads,
+    percentile,
+    secs,
+)
 from corral.core.estimate import RUNNER_CODE_BYTES
 from corral.testing import synth
 from corral.testing.server import CorralServer, all_runner_pids, runner_pids, start_corral
@@ -68,8 +79,6 @@ PROMPTS = (
     "once upon a time",
 )
 STALL_LINE = "did not answer for"  # the watchdog's log line when it kills a runner
-_LOAD = re.compile(r"loading model '([^']+)'")
-_EVICT = re.compile(r"unloading model '[^']+' \(runner \d+\): evicted")
 
 
 @dataclass(frozen=True)
@@ -815,8 +824,8 @@ def summarize(
         "stalls_in_log": len(stall_lines),
         "stall_log_lines": [line[-300:] for line in stall_lines[:10]],
         "stall_detection": [e.client_error_after for e in stops],
-        "loads": len(_LOAD.findall(log)),
-        "evictions": len(_EVICT.findall(log)),
+        "loads": len(logged_loads(log)),
+        "evictions": len(EVICT_LINE.findall(log)),
         "tracebacks": log.count("Traceback (most recent call last)"),
     }
 

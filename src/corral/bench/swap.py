@@ -38,12 +38,14 @@ from pathlib import Path
 from typing import Any
 
 from corral.bench.common import (
+    EVICT_LINE,
     MIB,
     Goal,
     Say,
     Scale,
     Section,
     Table,
+    logged_loads,
     mib,
     ms,
     safe_div,
@@ -65,8 +67,6 @@ ENV = {
     "CORRAL_BUILTIN_MODELS": "0", "CORRAL_MEMORY_MARGIN": "0", "CORRAL_QUEUE_TIMEOUT": "10m",
 }  # fmt: skip
 _TOKEN = re.compile(rb'"content":"(?:[^"\\]|\\.)')
-_LOAD = re.compile(r"loading model '([^']+)' \(runner \d+\)")
-_EVICT = re.compile(r"unloading model '([^']+)' \(runner \d+\): evicted")
 _ROUTER_LOAD = re.compile(r"spawning server instance with name=(\S+) on port")
 _ROUTER_EVICT = re.compile(r"(?:removing|evicting idle) LRU name=(\S+)")
 SAMPLE_EVERY = 0.1  # seconds between memory samples
@@ -329,10 +329,6 @@ async def replay(
         return list(await asyncio.gather(*(one(e) for e in trace)))
 
 
-def _stem(name: str) -> str:
-    return name.removesuffix(":latest")
-
-
 def _summarize(results: list[dict[str, Any]]) -> dict[str, Any]:
     ok = [r for r in results if r["ok"]]
     waits = [r["wait"] for r in ok if "wait" in r]
@@ -364,13 +360,13 @@ def replay_corral(
         memory = sampler.stop()
         server.stop()
     log = server.log()
-    loads = [_stem(m) for m in _LOAD.findall(log)]
+    loads = logged_loads(log)
     out = _summarize(results)
     out |= {
         "memory": memory,
         "load_average": round(load_avg, 2),
         "loads": len(loads),
-        "evictions": len(_EVICT.findall(log)),
+        "evictions": len(EVICT_LINE.findall(log)),
         "bytes_loaded": sum(real.get(m, 0) for m in loads),
         "loads_per_model": {m: loads.count(m) for m in sorted(set(loads))},
     }

@@ -18,7 +18,6 @@ import argparse
 import asyncio
 import json
 import os
-import re
 import statistics
 import subprocess
 import sys
@@ -30,6 +29,7 @@ from typing import Any
 
 import httpx
 
+from corral.bench.common import EVICT_LINE, logged_loads
 from corral.testing.server import free_port
 
 BASE = {
@@ -37,8 +37,6 @@ BASE = {
     "CORRAL_KEEP_ALIVE": "1h", "CORRAL_MEMORY_MARGIN": "0", "CORRAL_QUEUE_TIMEOUT": "10m",
     "CORRAL_LOG_LEVEL": "info", "CORRAL_EVICTION_POLICY": "cost",
 }  # fmt: skip
-_LOAD = re.compile(r"loading model '([^']+)' \(runner \d+\)")
-_EVICT = re.compile(r"unloading model '([^']+)' \(runner \d+\): evicted")
 
 
 def p(xs: list[float], q: float) -> float:
@@ -185,10 +183,10 @@ def swap(work: Path, quick: bool, make_cluster: Any, fractions: list[float]) -> 
         finally:
             stop()
         text = "".join(f.read_text(errors="replace") for f in logs.glob("corral-node-*.log"))
-        loads = [m.removesuffix(":latest") for m in _LOAD.findall(text)]
+        loads = logged_loads(text)
         r = _summarize(results)
         r |= {
-            "loads": len(loads), "evictions": len(_EVICT.findall(text)),
+            "loads": len(loads), "evictions": len(EVICT_LINE.findall(text)),
             "bytes_loaded": sum(real.get(m, 0) for m in loads),
             "loads_per_model": dict(Counter(loads)),
         }  # fmt: skip
