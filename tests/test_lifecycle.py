@@ -61,6 +61,22 @@ def test_keep_alive_expiry_stops_the_runner(short_keepalive: CorralServer) -> No
     assert "keep-alive expired" in s.log()
 
 
+def test_a_runner_has_its_own_process_group_but_not_its_own_session(short_keepalive) -> None:
+    """Ctrl-C in the terminal reaches corral only (which stops the runners), while the runners
+    stay in corral's session: the kernel's autogroup scheduling makes each session a CPU group
+    of its own, and a runner in its own group spun its compute threads' barriers against
+    itself whenever runners were busy together (20-40x slower on 2 cores)."""
+    s = short_keepalive
+    assert gen(s, "tiny", keep_alive="1m").status_code == 200
+    pid = loaded(s)["tiny:latest"]["pid"]
+    assert os.getpgid(pid) == pid != os.getpgid(s.proc.pid)
+    assert os.getsid(pid) == os.getsid(s.proc.pid)
+    if os.path.exists(f"/proc/{pid}/autogroup"):  # kernels built with autogroup scheduling
+        with open(f"/proc/{pid}/autogroup") as mine, open(f"/proc/{s.proc.pid}/autogroup") as its:
+            assert mine.read().split()[0] == its.read().split()[0]
+    assert gen(s, "tiny", keep_alive=0).status_code == 200
+
+
 def test_request_keep_alive_overrides_and_negative_is_forever(short_keepalive) -> None:
     s = short_keepalive
     assert gen(s, "tiny", keep_alive=-1).status_code == 200

@@ -145,8 +145,7 @@ class Runner:
             stdout=asyncio.subprocess.PIPE,
             stderr=asyncio.subprocess.PIPE,
             env=env,
-            preexec_fn=_die_with_parent,
-            start_new_session=True,  # Ctrl-C in the terminal goes to corral, which stops runners
+            preexec_fn=_runner_preexec,
         )
         assert self.proc.stdout is not None and self.proc.stderr is not None
         self._readers = [
@@ -454,8 +453,19 @@ def free_port() -> int:
         return int(s.getsockname()[1])
 
 
+def _runner_preexec() -> None:
+    """Runs in the runner between fork and exec. Its own process group, so that Ctrl-C in
+    the terminal goes to corral, which stops the runners; but not its own session: with the
+    kernel's autogroup scheduling (on by default on most distributions) every session is a
+    CPU group that gets a fair share as a whole, and a busy runner held to its group's share
+    spins llama.cpp's thread barriers against itself (two busy runners on 2 cores answered
+    20-40x slower each in their own sessions than in corral's). And SIGKILL when corral dies,
+    even by SIGKILL."""
+    os.setpgid(0, 0)
+    _die_with_parent()
+
+
 def _die_with_parent() -> None:
-    # Runs in the child between fork and exec: SIGKILL it when corral dies, even by SIGKILL.
     if sys.platform.startswith("linux"):
         with contextlib.suppress(OSError, AttributeError):
             ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
