@@ -19,6 +19,7 @@ from corral.bench.common import EVICT_LINE, MIB, SCALES, logged_loads
 from corral.bench.swap import (
     OVER,
     MemorySampler,
+    _summarize,
     mapped_models,
     parse_smaps_rollup,
     peak_cell,
@@ -71,6 +72,23 @@ def test_loads_counted_from_the_log_are_not_its_unloads() -> None:
     )
     assert logged_loads(log) == ["a", "b", "c"]
     assert EVICT_LINE.findall(log) == ["a:latest"]
+
+
+def test_a_replay_keeps_each_request_for_the_json() -> None:
+    results = [
+        {"model": "chat-8m", "kind": "chat", "at": 0.51234, "ok": True, "status": 200,
+         "latency": 1.23456, "ttft": 1.2, "wait": 1.01234},
+        {"model": "embed", "kind": "embed", "at": 0.7, "ok": True, "status": 200,
+         "latency": 0.0104},
+        {"model": "chat-8m", "kind": "chat", "at": 0.9, "ok": False, "error": "ClientError: x"},
+    ]  # fmt: skip
+    out = _summarize(results)
+    assert out["requests"] == 3 and out["ok"] == 2 and out["errors"] == 1
+    assert out["per_request"] == [
+        [0.512, "chat-8m", 1.235, 1.012, True],
+        [0.7, "embed", 0.01, None, True],
+        [0.9, "chat-8m", None, None, False],
+    ]
 
 
 def test_mapped_models_keeps_gguf_paths_with_spaces() -> None:

@@ -339,7 +339,17 @@ def _summarize(results: list[dict[str, Any]]) -> dict[str, Any]:
         "first_errors": errors[:3], "wait": summary(waits), "latency": summary(lat),
         "chat_latency": summary([r["latency"] for r in ok if r["kind"] == CHAT]),
         "embed_latency": summary([r["latency"] for r in ok if r["kind"] == EMBED]),
+        # Request by request (in --json only), to see what a tail waited for: [sent at, model,
+        # latency, wait (chat: time to first token less the runner's prompt time), ok].
+        "per_request": [
+            [round(r["at"], 3), r["model"], _r3(r.get("latency")), _r3(r.get("wait")), r["ok"]]
+            for r in results
+        ],
     }  # fmt: skip
+
+
+def _r3(x: float | None) -> float | None:
+    return None if x is None else round(x, 3)
 
 
 def replay_corral(
