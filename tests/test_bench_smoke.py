@@ -178,6 +178,8 @@ def test_smoke_run_of_every_section(tmp_path: Path) -> None:
         assert sections[name]["error"] is None
         assert sections[name]["tables"] and all(t["rows"] for t in sections[name]["tables"])
     assert sections["proxy"]["goals"] and sections["cold"]["goals"]
+    titles = [t["title"] for t in sections["proxy"]["tables"]]
+    assert any(t.startswith("Two runners computing at once") for t in titles), titles
     est = sections["estimates"]
     assert est["error"] is None and (est["blocks"] or "skipped" in " ".join(est["notes"]))
     text = docs.read_text()

@@ -8,7 +8,10 @@ Three measurements:
   the CPU corral spends per streamed token;
 - capacity: the most requests per second corral's API + scheduler path sustains against an
   instant fake runner (corral.bench.fake_runner), and the pure scheduler core's cycles per
-  second, so we know corral is never the bottleneck.
+  second, so we know corral is never the bottleneck;
+- contention: two runners computing at once (two small models, one slot each), each model's
+  short requests through corral alone and while the other model's run: how runners share the
+  CPU (in CPU groups of their own they spun their compute threads against each other).
 
 The direct side talks to the very runner process corral uses (its listening port is read from
 the pid in /api/ps), so both sides run the same llama.cpp server with the same spec and state,
@@ -64,7 +67,7 @@ PROMPT_LONG = "Write a long story about a lighthouse keeper, the sea and a storm
 WARMUP = 3  # pairs per route discarded before measuring
 STREAMS = 16  # concurrent streams in the aggregate streaming measurement
 # smollm2: latency and stream on SmolLM2 too (where the scale says so), beside the tiny model
-PARTS = ("latency", "stream", "smollm2", "concurrent", "capacity", "core")
+PARTS = ("latency", "stream", "smollm2", "concurrent", "capacity", "core", "contention")
 
 
 def parts() -> set[str]:
@@ -425,6 +428,75 @@ def concurrent(scale: Scale, work: Path, say: Say, sec: Section) -> None:
     )
 
 
+CONTENTION_MODELS = ("bench-contend-a", "bench-contend-b")
+
+
+def contention(scale: Scale, work: Path, say: Say, sec: Section) -> None:
+    """Short chat requests (4 tokens) to one model alone, then to two models at once, each
+    model's requests one after another, through corral: per-request latency."""
+    models_dir = work / "contention-models"
+    for i, name in enumerate(CONTENTION_MODELS):
+        path = models_dir / f"{name}.gguf"
+        if not path.exists():
+            synth.write_llama_model(path, target_bytes=16 * 2**20, context_length=2048, seed=i)
+    n = max(4, scale.latency_reps // 10)
+    server = start_corral(
+        models_dir, work / "proxy-contention.log",
+        {"CORRAL_CONTEXT_LENGTH": "512", "CORRAL_NUM_PARALLEL": "1", "CORRAL_KEEP_ALIVE": "-1",
+         "CORRAL_BUILTIN_MODELS": "0"},
+    )  # fmt: skip
+    say(f"proxy: two runners at once, {n} requests per model and round")
+
+    async def run() -> tuple[list[list[float]], list[list[float]]]:
+        import aiohttp
+
+        async with aiohttp.ClientSession() as s:
+
+            async def one(model: str, i: int) -> float:
+                body = {"model": model, "max_tokens": 4, "temperature": 0, "messages": [
+                    {"role": "user", "content": f"Question {i}: tell me about topic {i % 13}. "
+                     * 6}]}  # fmt: skip
+                t0 = time.perf_counter()
+                async with s.post(server.url + "/v1/chat/completions", json=body) as r:
+                    await r.read()
+                    r.raise_for_status()
+                return time.perf_counter() - t0
+
+            async def loop(model: str, k: int) -> list[float]:
+                return [await one(model, 100 * k + i) for i in range(n)]
+
+            for m in CONTENTION_MODELS:
+                await one(m, 0)  # loaded and warm
+            alone = [await loop(m, k) for k, m in enumerate(CONTENTION_MODELS)]
+            both = await asyncio.gather(*(loop(m, k) for k, m in enumerate(CONTENTION_MODELS)))
+            return alone, list(both)
+
+    try:
+        load0 = os.getloadavg()[0]
+        alone, both = asyncio.run(run())
+        load = (load0, os.getloadavg()[0])
+    finally:
+        server.stop()
+    table = Table(
+        f"Two runners computing at once ({os.cpu_count()} cores; each model 16 MiB, one slot; "
+        f"{n} chat requests of 4 tokens per model, one after another)",
+        ["model", "alone p50", "at once p50", "at once max", "at once / alone", "load average"],
+    )
+    for m, solo, lat in zip(CONTENTION_MODELS, alone, both, strict=True):
+        table.add(m, ms(median(solo)), ms(median(lat)), ms(max(lat)),
+                  ratio(safe_div(median(lat), median(solo))),
+                  f"{load[0]:.2f} -> {load[1]:.2f}")  # fmt: skip
+        sec.data[f"contention/{m}"] = {"alone": summary(solo), "at_once": summary(lat),
+                                       "load_average": load}  # fmt: skip
+    sec.tables.append(table)
+    sec.notes.append(
+        "contention: 'at once / alone' is each model's median latency with both models' "
+        "requests running over its median alone; runners share corral's session (one CPU "
+        "group under the kernel's autogroup scheduling), so their threads share the cores as "
+        "equals"
+    )
+
+
 def us(seconds: float) -> str:
     return "n/a" if math.isnan(seconds) else f"{seconds * 1e6:.0f} us"
 
@@ -622,6 +694,8 @@ def run(scale: Scale, work: Path, say: Say) -> Section:
         concurrent(scale, work, say, sec)
     if "capacity" in todo:
         capacity(scale, work, say, sec)
+    if "contention" in todo:
+        contention(scale, work, say, sec)
     if "core" in todo:
         say("proxy: scheduler core")
         table, data = core_bench(scale.core_cycles)
