@@ -65,7 +65,7 @@ def test_a_runner_has_its_own_process_group_but_not_its_own_session(short_keepal
     """Ctrl-C in the terminal reaches corral only (which stops the runners), while the runners
     stay in corral's session: the kernel's autogroup scheduling makes each session a CPU group
     of its own, and a runner in its own group spun its compute threads' barriers against
-    itself whenever runners were busy together (20-40x slower on 2 cores)."""
+    itself whenever runners were busy together (3-80x slower on 2 cores)."""
     s = short_keepalive
     assert gen(s, "tiny", keep_alive="1m").status_code == 200
     pid = loaded(s)["tiny:latest"]["pid"]

@@ -459,7 +459,7 @@ def _runner_preexec() -> None:
     kernel's autogroup scheduling (on by default on most distributions) every session is a
     CPU group that gets a fair share as a whole, and a busy runner held to its group's share
     spins llama.cpp's thread barriers against itself (two busy runners on 2 cores answered
-    20-40x slower each in their own sessions than in corral's). And SIGKILL when corral dies,
+    3-80x slower each in their own sessions, 4x in corral's). And SIGKILL when corral dies,
     even by SIGKILL."""
     os.setpgid(0, 0)
     _die_with_parent()
