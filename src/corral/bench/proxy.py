@@ -39,6 +39,7 @@ import orjson
 import psutil
 
 from corral.bench.common import (
+    MIB,
     Http,
     Say,
     Scale,
@@ -438,7 +439,7 @@ def contention(scale: Scale, work: Path, say: Say, sec: Section) -> None:
     for i, name in enumerate(CONTENTION_MODELS):
         path = models_dir / f"{name}.gguf"
         if not path.exists():
-            synth.write_llama_model(path, target_bytes=16 * 2**20, context_length=2048, seed=i)
+            synth.write_llama_model(path, target_bytes=16 * MIB, context_length=2048, seed=i)
     n = max(4, scale.latency_reps // 10)
     server = start_corral(
         models_dir, work / "proxy-contention.log",

@@ -54,7 +54,7 @@ def process_memory(pid: int) -> int | None:
 
 
 def _status(pid: int) -> dict[str, int] | None:
-    """The memory counters of /proc/PID/status (RssAnon, RssFile, RssShmem, ...), in bytes."""
+    """The resident-memory counters of /proc/PID/status (RssAnon, RssFile, RssShmem), in bytes."""
     try:
         with open(f"/proc/{pid}/status", "rb") as f:
             text = f.read().decode("ascii", "replace")
@@ -62,7 +62,7 @@ def _status(pid: int) -> dict[str, int] | None:
         return None
     out = {}
     for line in text.splitlines():
-        if line.startswith(("Rss", "Vm")):
+        if line.startswith("Rss"):
             key, _, rest = line.partition(":")
             parts = rest.split()
             if parts and parts[0].isdigit():

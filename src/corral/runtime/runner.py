@@ -462,10 +462,6 @@ def _runner_preexec() -> None:
     3-80x slower each in their own sessions, 4x in corral's). And SIGKILL when corral dies,
     even by SIGKILL."""
     os.setpgid(0, 0)
-    _die_with_parent()
-
-
-def _die_with_parent() -> None:
     if sys.platform.startswith("linux"):
         with contextlib.suppress(OSError, AttributeError):
             ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG

@@ -429,7 +429,7 @@ class Scheduler:
     async def _measure_once(self) -> None:
         self._oom_seen.append(oom_kills())
         pids = {rid: r.pid for rid, r in self.runners.items() if r.pid}
-        # smaps_rollup reads take ~0.1-1 ms each, NVML calls similar: off the event loop.
+        # Device refreshes and NVML calls take ~0.1-1 ms each: off the event loop.
         devices, usages, gpu = await asyncio.to_thread(self._read_machine, list(pids.values()))
         self.last_devices = devices
         now = time.monotonic()
