@@ -13,6 +13,7 @@ import httpx
 import psutil
 import pytest
 
+from corral.runtime.runner import GOMP_SPINCOUNT
 from corral.testing.server import CorralServer, all_runner_pids
 
 # Greedy decoding of a seeded random model repeats tokens and never samples EOS, so a stream
@@ -76,6 +77,8 @@ def test_a_runner_has_its_own_process_group_but_not_its_own_session(short_keepal
         # root (containers): autogroups apply only in the root group. Same group either way.
         with open(f"/proc/{pid}/autogroup") as mine, open(f"/proc/{s.proc.pid}/autogroup") as its:
             assert mine.read() == its.read()
+    with open(f"/proc/{pid}/environ", "rb") as f:  # barriers spin briefly (runner.GOMP_SPINCOUNT)
+        assert f"GOMP_SPINCOUNT={GOMP_SPINCOUNT}".encode() in f.read().split(b"\0")
     assert gen(s, "tiny", keep_alive=0).status_code == 200
 
 

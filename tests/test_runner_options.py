@@ -15,7 +15,7 @@ from corral.core.gguf import read_model_info
 from corral.core.spec import Adapter, Layout, RunnerSpec
 from corral.runtime import runner_child
 from corral.runtime.registry import ModelEntry, Registry
-from corral.runtime.runner import Runner
+from corral.runtime.runner import GOMP_SPINCOUNT, Runner, runner_env
 from corral.testing import synth
 from corral.testing.server import CorralServer
 
@@ -182,6 +182,17 @@ def test_llama_server_flags() -> None:
         assert flag in cmd, (flag, cmd)
     on_gpu = " ".join(Runner("m", spec, "llama-server", Layout(5))._binary_cmd(1234))
     assert "--no-mmproj-offload" not in on_gpu
+
+
+def test_runner_environment() -> None:
+    layout = Layout(0, env=(("CUDA_VISIBLE_DEVICES", "1"),))
+    env = runner_env({"PATH": "/bin", "CUDA_VISIBLE_DEVICES": "0,1"}, layout.env)
+    assert env["PATH"] == "/bin" and env["GGML_NO_BACKTRACE"] == "1"
+    assert env["CUDA_VISIBLE_DEVICES"] == "1"  # the layout's GPUs, not corral's
+    assert env["GOMP_SPINCOUNT"] == GOMP_SPINCOUNT and int(GOMP_SPINCOUNT) < 300_000
+    # How OpenMP threads wait is the user's call once they make it.
+    assert runner_env({"GOMP_SPINCOUNT": "300000"})["GOMP_SPINCOUNT"] == "300000"
+    assert "GOMP_SPINCOUNT" not in runner_env({"OMP_WAIT_POLICY": "active"})
 
 
 # ---- a real runner: the options reach it and shape it ---------------------------------------

@@ -19,7 +19,7 @@ import signal
 import socket
 import sys
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Iterable, Mapping
 from dataclasses import asdict
 from typing import Any
 
@@ -34,6 +34,14 @@ from corral.runtime.loadwatch import file_bytes, loaded_bytes
 log = logging.getLogger(__name__)
 
 LOG_TAIL_LINES = 40
+# llama.cpp's CPU threads meet at a barrier after every graph node, and libgomp's default has a
+# waiting thread spin ~300,000 pauses (milliseconds) before it sleeps. With more busy threads
+# than cores (two runners computing at once, a load beside a generation) the spinner burns its
+# time slice while the thread it waits for is off the CPU: a 0.2 s load took 1.5-2.5 s and the
+# swap trace's p95 was 1.8-7.4 s. 3,000 still catches a partner that is on a CPU: one stream
+# alone within noise of the default (SmolLM2 -4%; 1,000 cost 42%), the swap trace's p95
+# 0.44-0.60 s (docs/benchmarks.md, "what the misses mean"). The user's OpenMP settings win.
+GOMP_SPINCOUNT = "3000"
 MAX_LINE = 4096  # characters of one log line kept; the rest is drained and dropped
 
 
@@ -132,19 +140,12 @@ class Runner:
                 "slot_save_path": slot_dir(self.slot_save_path),
             }
             cmd = [sys.executable, "-m", "corral.runtime.runner_child", json.dumps(payload)]
-        # GGML_NO_BACKTRACE: a llama.cpp abort must exit at once, not wait on gdb for a trace.
-        env = {
-            **os.environ,
-            "PYTHONUNBUFFERED": "1",
-            "GGML_NO_BACKTRACE": "1",
-            **dict(self.layout.env),
-        }
         self.proc = await asyncio.create_subprocess_exec(
             *cmd,
             stdin=asyncio.subprocess.PIPE,
             stdout=asyncio.subprocess.PIPE,
             stderr=asyncio.subprocess.PIPE,
-            env=env,
+            env=runner_env(os.environ, self.layout.env),
             preexec_fn=_runner_preexec,
         )
         assert self.proc.stdout is not None and self.proc.stderr is not None
@@ -435,6 +436,17 @@ async def _lines(stream: asyncio.StreamReader) -> AsyncIterator[str]:
             skipping, buf = True, b""
     if buf and not skipping:
         yield buf[:MAX_LINE].decode(errors="replace").rstrip()
+
+
+def runner_env(base: Mapping[str, str], layout: Iterable[tuple[str, str]] = ()) -> dict[str, str]:
+    """A runner's environment: corral's, with what every runner needs and its layout's
+    (CUDA_VISIBLE_DEVICES: the GPUs booked). GGML_NO_BACKTRACE: a llama.cpp abort must exit at
+    once, not wait on gdb for a trace. OpenMP's spin as GOMP_SPINCOUNT says, unless the user
+    set how OpenMP threads wait."""
+    env = dict(base)
+    if "GOMP_SPINCOUNT" not in env and "OMP_WAIT_POLICY" not in env:
+        env["GOMP_SPINCOUNT"] = GOMP_SPINCOUNT
+    return {**env, "PYTHONUNBUFFERED": "1", "GGML_NO_BACKTRACE": "1", **dict(layout)}
 
 
 def slot_dir(path: str | None) -> str | None:
