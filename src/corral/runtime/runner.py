@@ -38,9 +38,10 @@ LOG_TAIL_LINES = 40
 # waiting thread spin ~300,000 pauses (milliseconds) before it sleeps. With more busy threads
 # than cores (two runners computing at once, a load beside a generation) the spinner burns its
 # time slice while the thread it waits for is off the CPU: a 0.2 s load took 1.5-2.5 s and the
-# swap trace's p95 was 1.8-7.4 s. 3,000 still catches a partner that is on a CPU: one stream
-# alone within noise of the default (SmolLM2 -4%; 1,000 cost 42%), the swap trace's p95
-# 0.44-0.60 s (docs/benchmarks.md, "what the misses mean"). The user's OpenMP settings win.
+# swap trace's p95 was 1.8-7.4 s. With 3,000 it was 0.44-0.60 s and two runners computing at
+# once had no outliers; one stream of SmolLM2-135M (the shortest graph nodes, where barriers
+# weigh most) lost 10% (10,000: 3%, but twice the median at once; 1,000: 42%). Figures in
+# docs/benchmarks.md, "what the misses mean". The user's own OpenMP settings win.
 GOMP_SPINCOUNT = "3000"
 MAX_LINE = 4096  # characters of one log line kept; the rest is drained and dropped
 
