@@ -77,9 +77,28 @@ def test_a_runner_has_its_own_process_group_but_not_its_own_session(short_keepal
         # root (containers): autogroups apply only in the root group. Same group either way.
         with open(f"/proc/{pid}/autogroup") as mine, open(f"/proc/{s.proc.pid}/autogroup") as its:
             assert mine.read() == its.read()
-    with open(f"/proc/{pid}/environ", "rb") as f:  # barriers spin briefly (runner.GOMP_SPINCOUNT)
-        assert f"GOMP_SPINCOUNT={GOMP_SPINCOUNT}".encode() in f.read().split(b"\0")
     assert gen(s, "tiny", keep_alive=0).status_code == 200
+
+
+def spin(pid: int) -> str | None:
+    with open(f"/proc/{pid}/environ", "rb") as f:
+        env = dict(v.decode().partition("=")[::2] for v in f.read().split(b"\0") if v)
+    return env.get("GOMP_SPINCOUNT")
+
+
+def test_a_runner_started_beside_another_spins_briefly(short_keepalive) -> None:
+    """Alone, a CPU runner keeps libgomp's long spin at its barriers (fastest alone); one
+    started while another CPU runner stays spins GOMP_SPINCOUNT pauses, so that runners
+    computing at once do not burn their time slices waiting for threads off the CPU."""
+    s = short_keepalive
+    s.wait_for(lambda: not loaded(s), timeout=15, what="the runners of earlier tests to go")
+    assert gen(s, "tiny", keep_alive="1m").status_code == 200
+    assert gen(s, "tiny2", keep_alive="1m").status_code == 200
+    ps = loaded(s)
+    assert spin(ps["tiny:latest"]["pid"]) is None
+    assert spin(ps["tiny2:latest"]["pid"]) == GOMP_SPINCOUNT
+    for model in ("tiny", "tiny2"):
+        assert gen(s, model, keep_alive=0).status_code == 200
 
 
 def test_request_keep_alive_overrides_and_negative_is_forever(short_keepalive) -> None:

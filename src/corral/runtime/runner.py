@@ -40,8 +40,10 @@ LOG_TAIL_LINES = 40
 # time slice while the thread it waits for is off the CPU: a 0.2 s load took 1.5-2.5 s and the
 # swap trace's p95 was 1.8-7.4 s. With 3,000 it was 0.44-0.60 s and two runners computing at
 # once had no outliers; one stream of SmolLM2-135M (the shortest graph nodes, where barriers
-# weigh most) lost 10% (10,000: 3%, but twice the median at once; 1,000: 42%). Figures in
-# docs/benchmarks.md, "what the misses mean". The user's own OpenMP settings win.
+# weigh most) lost 10% (10,000: 3%, but twice the median at once; 1,000: 42%). So only a
+# runner started beside another CPU runner spins briefly (`short_spin`); one alone keeps the
+# long spin. Figures in docs/benchmarks.md, "what the misses mean". The user's own OpenMP
+# settings win.
 GOMP_SPINCOUNT = "3000"
 MAX_LINE = 4096  # characters of one log line kept; the rest is drained and dropped
 
@@ -58,8 +60,12 @@ class Runner:
         llama_server: str | None = None,
         layout: Layout | None = None,
         slot_save_path: str | None = None,
+        short_spin: bool = False,
     ) -> None:
         self.name = name
+        # Started beside other runners computing on the CPU: its OpenMP threads spin briefly
+        # at barriers (GOMP_SPINCOUNT), so that runners busy at once do not burn their turns.
+        self.short_spin = short_spin
         self.spec = spec
         self.llama_server = llama_server
         self.layout = layout or Layout(spec.n_gpu_layers, None, spec.main_gpu)
@@ -146,7 +152,7 @@ class Runner:
             stdin=asyncio.subprocess.PIPE,
             stdout=asyncio.subprocess.PIPE,
             stderr=asyncio.subprocess.PIPE,
-            env=runner_env(os.environ, self.layout.env),
+            env=runner_env(os.environ, self.layout.env, self.short_spin),
             preexec_fn=_runner_preexec,
         )
         assert self.proc.stdout is not None and self.proc.stderr is not None
@@ -439,13 +445,15 @@ async def _lines(stream: asyncio.StreamReader) -> AsyncIterator[str]:
         yield buf[:MAX_LINE].decode(errors="replace").rstrip()
 
 
-def runner_env(base: Mapping[str, str], layout: Iterable[tuple[str, str]] = ()) -> dict[str, str]:
+def runner_env(
+    base: Mapping[str, str], layout: Iterable[tuple[str, str]] = (), short_spin: bool = False
+) -> dict[str, str]:
     """A runner's environment: corral's, with what every runner needs and its layout's
     (CUDA_VISIBLE_DEVICES: the GPUs booked). GGML_NO_BACKTRACE: a llama.cpp abort must exit at
-    once, not wait on gdb for a trace. OpenMP's spin as GOMP_SPINCOUNT says, unless the user
-    set how OpenMP threads wait."""
+    once, not wait on gdb for a trace. With `short_spin`, OpenMP's spin as GOMP_SPINCOUNT
+    says, unless the user set how OpenMP threads wait."""
     env = dict(base)
-    if "GOMP_SPINCOUNT" not in env and "OMP_WAIT_POLICY" not in env:
+    if short_spin and "GOMP_SPINCOUNT" not in env and "OMP_WAIT_POLICY" not in env:
         env["GOMP_SPINCOUNT"] = GOMP_SPINCOUNT
     return {**env, "PYTHONUNBUFFERED": "1", "GGML_NO_BACKTRACE": "1", **dict(layout)}
 

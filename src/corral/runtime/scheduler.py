@@ -276,9 +276,11 @@ class Scheduler:
                     fut.set_exception(SchedulerError(a.status, a.message, a.retry_after))
             elif isinstance(a, Load):
                 layout = a.fit.layout if isinstance(a.fit.layout, Layout) else None
+                on_cpu = (layout.n_gpu_layers if layout else a.spec.n_gpu_layers) == 0
                 runner = Runner(
-                    a.model, a.spec, self.llama_server, layout, slot_save_path=self.slot_save_path
-                )
+                    a.model, a.spec, self.llama_server, layout, slot_save_path=self.slot_save_path,
+                    short_spin=on_cpu and self._computing_on_cpu(),
+                )  # fmt: skip
                 self.runners[a.runner] = runner
                 log.info(
                     "loading model '%s' (runner %d): booked %s", a.model, a.runner,
@@ -302,6 +304,16 @@ class Scheduler:
                 )
                 self._spawn(self._stop_runner(a, self.runners[a.runner]))
         self._arm_timer()
+
+    def _computing_on_cpu(self) -> bool:
+        """Whether a runner that stays (loading or ready, not on its way out) computes on the
+        CPU: a CPU runner started beside it spins briefly at its barriers (runner.short_spin),
+        while one that has the CPU to itself keeps llama.cpp's long spin, which is faster alone."""
+        return any(
+            book.state != "unloading" and rid in self.runners
+            and self.runners[rid].layout.n_gpu_layers == 0
+            for rid, book in self.core.runners.items()
+        )  # fmt: skip
 
     async def _stop_runner(self, stop: Stop, runner: Runner) -> None:
         if runner.load_duration > 0 and runner.stalled is None and not self._closing:
