@@ -60,12 +60,12 @@ class Runner:
         llama_server: str | None = None,
         layout: Layout | None = None,
         slot_save_path: str | None = None,
-        short_spin: bool = False,
     ) -> None:
         self.name = name
-        # Started beside other runners computing on the CPU: its OpenMP threads spin briefly
-        # at barriers (GOMP_SPINCOUNT), so that runners busy at once do not burn their turns.
-        self.short_spin = short_spin
+        # Started beside other runners computing on the CPU (the scheduler decides): its OpenMP
+        # threads spin briefly at barriers (GOMP_SPINCOUNT), so runners busy at once do not
+        # burn their turns.
+        self.short_spin = False
         self.spec = spec
         self.llama_server = llama_server
         self.layout = layout or Layout(spec.n_gpu_layers, None, spec.main_gpu)

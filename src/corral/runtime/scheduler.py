@@ -276,11 +276,10 @@ class Scheduler:
                     fut.set_exception(SchedulerError(a.status, a.message, a.retry_after))
             elif isinstance(a, Load):
                 layout = a.fit.layout if isinstance(a.fit.layout, Layout) else None
-                on_cpu = (layout.n_gpu_layers if layout else a.spec.n_gpu_layers) == 0
                 runner = Runner(
-                    a.model, a.spec, self.llama_server, layout, slot_save_path=self.slot_save_path,
-                    short_spin=on_cpu and self._computing_on_cpu(),
-                )  # fmt: skip
+                    a.model, a.spec, self.llama_server, layout, slot_save_path=self.slot_save_path
+                )
+                runner.short_spin = runner.layout.n_gpu_layers == 0 and self._computing_on_cpu()
                 self.runners[a.runner] = runner
                 log.info(
                     "loading model '%s' (runner %d): booked %s", a.model, a.runner,
