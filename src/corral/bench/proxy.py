@@ -494,7 +494,8 @@ def contention(scale: Scale, work: Path, say: Say, sec: Section) -> None:
         "contention: 'at once / alone' is each model's median latency with both models' "
         "requests running over its median alone; runners share corral's session (one CPU "
         "group under the kernel's autogroup scheduling), so their threads share the cores as "
-        "equals"
+        "equals; the second runner, started beside the first, spins briefly at its barriers "
+        "(GOMP_SPINCOUNT), the first keeps llama.cpp's long spin"
     )
 
 

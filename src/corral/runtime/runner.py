@@ -62,10 +62,7 @@ class Runner:
         slot_save_path: str | None = None,
     ) -> None:
         self.name = name
-        # Started beside other runners computing on the CPU (the scheduler decides): its OpenMP
-        # threads spin briefly at barriers (GOMP_SPINCOUNT), so runners busy at once do not
-        # burn their turns.
-        self.short_spin = False
+        self.short_spin = False  # GOMP_SPINCOUNT's short spin; the scheduler decides
         self.spec = spec
         self.llama_server = llama_server
         self.layout = layout or Layout(spec.n_gpu_layers, None, spec.main_gpu)
@@ -450,8 +447,8 @@ def runner_env(
 ) -> dict[str, str]:
     """A runner's environment: corral's, with what every runner needs and its layout's
     (CUDA_VISIBLE_DEVICES: the GPUs booked). GGML_NO_BACKTRACE: a llama.cpp abort must exit at
-    once, not wait on gdb for a trace. With `short_spin`, OpenMP's spin as GOMP_SPINCOUNT
-    says, unless the user set how OpenMP threads wait."""
+    once, not wait on gdb for a trace. With `short_spin`, GOMP_SPINCOUNT's spin, unless the
+    user set how OpenMP threads wait."""
     env = dict(base)
     if short_spin and "GOMP_SPINCOUNT" not in env and "OMP_WAIT_POLICY" not in env:
         env["GOMP_SPINCOUNT"] = GOMP_SPINCOUNT

@@ -306,8 +306,7 @@ class Scheduler:
 
     def _computing_on_cpu(self) -> bool:
         """Whether a runner that stays (loading or ready, not on its way out) computes on the
-        CPU: a CPU runner started beside it spins briefly at its barriers (runner.short_spin),
-        while one that has the CPU to itself keeps llama.cpp's long spin, which is faster alone."""
+        CPU: then a CPU runner started now gets the short spin (runner.GOMP_SPINCOUNT)."""
         return any(
             book.state != "unloading" and rid in self.runners
             and self.runners[rid].layout.n_gpu_layers == 0
