@@ -54,6 +54,10 @@ from corral.runtime.scheduler import Scheduler
 log = logging.getLogger("corral")
 
 
+# GET / answers as Ollama does, and says which server this is in a header.
+ROOT_HEADERS = {"x-corral-version": corral.__version__}
+
+
 def error_response(request: Request, e: ApiError) -> Response:
     """The error in the shape of the API family the client spoke."""
     if request.url.path.startswith("/v1/messages"):
@@ -155,7 +159,8 @@ def create_app(settings: Settings, devices: list[Device] | None = None) -> Starl
     async def root(request: Request) -> Response:
         if request.method == "GET" and wants_html(request):  # a browser: the dashboard
             return RedirectResponse("/ui", status_code=302)
-        return Response("corral is running", media_type="text/plain")
+        # Some clients compare the body with Ollama's; corral's name goes in a header.
+        return Response("Ollama is running", media_type="text/plain", headers=ROOT_HEADERS)
 
     async def health(request: Request) -> Response:
         return json_response({"status": "ok"})

@@ -13,7 +13,9 @@ repeats it as llama.cpp counted it, split into `input_tokens` (evaluated) and
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator
+import logging
+import re
+from collections.abc import AsyncIterator, Mapping
 from typing import Any
 
 import orjson
@@ -21,11 +23,15 @@ from starlette.requests import Request
 from starlette.responses import Response
 from starlette.routing import Route
 
-from corral.api.common import ApiError, field, model_field, read_json
+from corral.api.common import ApiError, field, model_field, read_json, rfc3339
 from corral.api.events import Chat, Done, Event, Result, Text, Thinking, ToolCall, Usage, new_id
-from corral.api.service import Service, until_disconnect
+from corral.api.service import Resolved, Service, chat_template, until_disconnect
 from corral.api.stream import json_response
+from corral.core.roles import place_system, renders_later_system
+from corral.runtime.registry import ModelEntry
 from corral.runtime.scheduler import Lease
+
+log = logging.getLogger("corral.anthropic")
 
 # HTTP status -> Anthropic's error type (https://docs.anthropic.com/en/api/errors)
 ERROR_TYPES = {
@@ -68,6 +74,7 @@ class Anthropic:
         shown = thinking(body.get("thinking"))[1]
         chat.params["max_tokens"] = max_tokens
         r = self.svc.resolve(name)
+        placed(r, chat)
         gen = await self.svc.generate(request, r, chat, options={}, keep_alive=None, stop=stop)
         if stream:
             try:
@@ -93,6 +100,7 @@ class Anthropic:
         name = model_field(body)
         chat = to_chat(body)
         r = self.svc.resolve(name)
+        placed(r, chat)
         self.svc.check_chat(r, chat.messages)
         lease = await self.svc.lease(request, r, {}, None)
         try:
@@ -105,7 +113,46 @@ class Anthropic:
         return len(await self.svc.prompt_tokens(lease, chat))
 
 
+# ---- models (GET /v1/models with an anthropic-version header) ---------------------------------
+def model_object(entry: ModelEntry) -> dict[str, Any]:
+    return {
+        "type": "model", "id": entry.name, "display_name": entry.name,
+        "created_at": rfc3339(entry.modified_at),
+    }  # fmt: skip
+
+
+def model_list(entries: list[ModelEntry], query: Mapping[str, str]) -> dict[str, Any]:
+    """Anthropic's paged model list (`limit` 1-1000, default 20; `after_id` / `before_id`)."""
+    try:
+        limit = int(query.get("limit", "20"))
+    except ValueError:
+        raise ApiError(400, "limit: expected an integer", "limit") from None
+    if not 1 <= limit <= 1000:
+        raise ApiError(400, "limit: must be between 1 and 1000", "limit")
+    ids = [e.name for e in entries]
+    start, end = 0, len(entries)
+    for key in ("after_id", "before_id"):
+        if key in query:
+            if query[key] not in ids:
+                raise ApiError(404, f"{key}: model '{query[key]}' not found", key)
+            at = ids.index(query[key])
+            start, end = (at + 1, end) if key == "after_id" else (start, at)
+    page = entries[start:end]
+    page = page[-limit:] if "before_id" in query and "after_id" not in query else page[:limit]
+    data = [model_object(e) for e in page]
+    return {
+        "data": data, "has_more": len(page) < end - start,
+        "first_id": data[0]["id"] if data else None, "last_id": data[-1]["id"] if data else None,
+    }  # fmt: skip
+
+
 # ---- request -> Chat ------------------------------------------------------------------------
+def placed(r: Resolved, chat: Chat) -> None:
+    """The chat's system messages where the model's template takes them (core/roles.py)."""
+    template = chat_template(r) or r.info.chat_template
+    chat.messages = place_system(chat.messages, renders_later_system(template))
+
+
 def stop_sequences(body: dict[str, Any]) -> list[str]:
     stops = field(body, "stop_sequences", list, [])
     if not all(isinstance(s, str) for s in stops):
@@ -124,8 +171,19 @@ def to_chat(body: dict[str, Any]) -> Chat:
         raise ApiError(400, "messages: at least one message is required", "messages")
     for i, m in enumerate(raw):
         messages.extend(to_openai_messages(m, f"messages.{i}"))
-    tools = [to_openai_tool(t, f"tools.{i}") for i, t in enumerate(field(body, "tools", list, []))]
+    offered = field(body, "tools", list, [])
+    tools = [to_openai_tool(t, f"tools.{i}") for i, t in enumerate(offered)]
     choice, parallel = tool_choice(body.get("tool_choice"), bool(tools))
+    hosted = [t for t in tools if "function" not in t]
+    tools = [t for t in tools if "function" in t]
+    if hosted:
+        if choice in {t["name"] for t in hosted}:
+            raise ApiError(
+                400, f"tool_choice: '{choice}' is a server tool, which corral cannot run",
+                "tool_choice",
+            )  # fmt: skip
+        log.info("server tools left out of the prompt (corral cannot run them): %s",
+                 ", ".join(t["name"] for t in hosted))
     params: dict[str, Any] = {}
     for key, lo, hi in (("temperature", 0.0, 1.0), ("top_p", 0.0, 1.0)):
         value = field(body, key, float)
@@ -141,21 +199,34 @@ def to_chat(body: dict[str, Any]) -> Chat:
     if tools and parallel is not None:
         params["parallel_tool_calls"] = parallel
     params |= output_format(body.get("output_config"))
-    params["chat_template_kwargs"] = {"enable_thinking": thinking(body.get("thinking"))[0]}
+    kwargs: dict[str, Any] = {"enable_thinking": thinking(body.get("thinking"))[0]}
+    effort = reasoning_effort(body.get("output_config"))
+    if effort:
+        kwargs["reasoning_effort"] = effort  # read by templates that take it (gpt-oss)
+    params["chat_template_kwargs"] = kwargs
     field(body, "metadata", dict)  # accepted (user_id), nothing to do with it locally
     return Chat(messages, tools, choice, params)
 
 
-def system_text(system: Any) -> str:
+# Claude Code's first system block, `x-anthropic-billing-header: cc_version=...; cch=...`,
+# changes on every request: rendered, it would void the runner's prompt cache at the prompt's
+# first tokens. Such header blocks say nothing to the model, so they are dropped.
+_HEADER_BLOCK = re.compile(r"x-anthropic-[a-z-]+:[^\n]*\n?")
+
+
+def system_text(system: Any, where: str = "system") -> str:
+    """A system prompt (a string or text blocks) as one string, without x-anthropic-* blocks."""
     if system is None or isinstance(system, str):
-        return system or ""
+        return _HEADER_BLOCK.sub("", system or "", count=1) if system else ""
     if not isinstance(system, list):
-        raise ApiError(400, "system: expected a string or an array of text blocks", "system")
+        raise ApiError(400, f"{where}: expected a string or an array of text blocks", where)
     parts = []
     for j, b in enumerate(system):
-        if block_type(b, f"system.{j}") != "text":
-            raise ApiError(400, f"system.{j}: only text blocks are allowed in system", "system")
-        parts.append(text_of(b, f"system.{j}"))
+        if block_type(b, f"{where}.{j}") != "text":
+            raise ApiError(400, f"{where}.{j}: only text blocks are allowed in system", where)
+        text = text_of(b, f"{where}.{j}")
+        if not _HEADER_BLOCK.match(text):
+            parts.append(text)
     return "\n".join(parts)
 
 
@@ -209,8 +280,10 @@ def to_openai_messages(m: Any, where: str) -> list[dict[str, Any]]:
     if not isinstance(m, dict):
         raise ApiError(400, f"{where}: expected an object", where)
     role = m.get("role")
+    if role == "system":  # Claude Code's mid-conversation system messages; placed later
+        return [{"role": "system", "content": system_text(m.get("content"), f"{where}.content")}]
     if role not in ("user", "assistant"):
-        raise ApiError(400, f"{where}.role: expected 'user' or 'assistant'", where)
+        raise ApiError(400, f"{where}.role: expected 'user', 'assistant' or 'system'", where)
     content = m.get("content")
     if isinstance(content, str):
         return [{"role": role, "content": content}]
@@ -287,9 +360,13 @@ def to_openai_tool(t: Any, where: str) -> dict[str, Any]:
     if not isinstance(t, dict):
         raise ApiError(400, f"{where}: expected an object", where)
     kind = t.get("type")
-    if kind not in (None, "custom"):  # server tools (web search, bash, ...) run at Anthropic
-        raise ApiError(400, f"{where}: tool type '{kind}' is not supported", where)
     name = field(t, "name", str, prefix=f"{where}.")
+    if kind not in (None, "custom"):
+        # A server tool (web_search_20250305, code_execution_..., ...) runs at Anthropic:
+        # returned apart, so the caller can leave it out (or refuse a tool_choice naming it).
+        if not isinstance(kind, str):
+            raise ApiError(400, f"{where}.type: expected a string", where)
+        return {"type": kind, "name": name or kind}
     schema = field(t, "input_schema", dict, prefix=f"{where}.")
     if not name:
         raise ApiError(400, f"{where}.name: Field required", where)
@@ -354,9 +431,24 @@ def thinking(value: Any) -> tuple[bool, bool]:
     return kind != "disabled", display != "omitted"
 
 
+def reasoning_effort(config: Any) -> str | None:
+    """output_config.effort as the low/medium/high that reasoning templates take."""
+    if not isinstance(config, dict):
+        return None
+    effort = field(config, "effort", str, prefix="output_config.")
+    if effort is None:
+        return None
+    levels = {"low": "low", "medium": "medium", "high": "high", "xhigh": "high", "max": "high"}
+    if effort not in levels:
+        raise ApiError(
+            400, "output_config.effort: expected 'low', 'medium', 'high', 'xhigh' or 'max'",
+            "output_config",
+        )  # fmt: skip
+    return levels[effort]
+
+
 def output_format(config: Any) -> dict[str, Any]:
-    """output_config.format (structured outputs) as llama.cpp's response_format; the effort
-    level has no local meaning and is ignored."""
+    """output_config.format (structured outputs) as llama.cpp's response_format."""
     if config is None:
         return {}
     if not isinstance(config, dict):

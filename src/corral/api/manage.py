@@ -101,6 +101,14 @@ class Manage:
         name = _name(body)
         stream = field(body, "stream", bool, True)
         field(body, "insecure", bool)
+        if self.svc.registry.get(name) is not None and not hub.is_hub_name(name):
+            # A model that is here and has no hub to come from (a local file, the built-in
+            # model, one created here): Ollama answers a pull of a present model with success,
+            # and clients (Codex --oss) pull before they use a model.
+            if not stream:
+                return json_response({"status": "success"})
+            lines = [{"status": "pulling manifest"}, {"status": "success"}]
+            return StreamingResponse(ndjson(_statuses(lines)), media_type="application/x-ndjson")
         plan = await self._plan(request, name)
         progress = hub.pull(self.store, plan)
         if stream:

@@ -121,6 +121,8 @@ class Ollama:
         top = logprob_fields(body)
         options = check_options(body.get("options"))
         keep_alive = keep_alive_field(body)
+        if raw and (template or system or context):  # as Ollama answers it
+            raise ApiError(400, "raw mode does not support template, system, or context", "raw")
         if not prompt and not images and not suffix:
             return await self._load_or_unload(request, name, keep_alive, options, {"response": ""})
         r = self.svc.resolve(name)
@@ -384,7 +386,16 @@ class Ollama:
         return json_response(out)
 
     async def version(self, request: Request) -> Response:
-        return json_response({"version": corral.__version__})
+        return json_response(version())
+
+
+# The Ollama API version corral implements, which clients read from /api/version to decide what
+# they may use (Codex --oss refuses anything older than 0.13.4); corral's own is beside it.
+OLLAMA_API_VERSION = "0.23.4"
+
+
+def version() -> dict[str, str]:
+    return {"version": OLLAMA_API_VERSION, "corral": corral.__version__}
 
 
 # ---- request fields ------------------------------------------------------------------------

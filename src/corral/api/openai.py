@@ -30,7 +30,7 @@ from starlette.responses import Response, StreamingResponse
 from starlette.routing import Route
 from starlette.types import Receive, Scope, Send
 
-from corral.api import defaults
+from corral.api import anthropic, defaults
 from corral.api.common import ApiError, field, model_field, read_json
 from corral.api.events import (
     Chat,
@@ -371,10 +371,18 @@ class OpenAI:
         }
 
     async def models(self, request: Request) -> Response:
+        # Anthropic's clients (Claude Code's model discovery) list models on the same path;
+        # they say so with anthropic-version, and get Anthropic's shape.
+        if "anthropic-version" in request.headers:
+            entries = list(self.svc.registry.all())
+            return json_response(anthropic.model_list(entries, request.query_params))
         data = [self._model(e.name) for e in self.svc.registry.all()]
         return json_response({"object": "list", "data": data})
 
     async def model(self, request: Request) -> Response:
+        if "anthropic-version" in request.headers:
+            entry = self.svc.entry(request.path_params["model"])
+            return json_response(anthropic.model_object(entry))
         return json_response(self._model(request.path_params["model"]))
 
 

@@ -164,13 +164,16 @@ def cmd_version(args: argparse.Namespace) -> int:
     print(f"corral client version {__version__}")
     try:
         with connect() as client:
-            server = client.get("/api/version").get("version", "unknown")
+            answer = client.get("/api/version")
+        server = answer.get("corral") or answer.get("version", "unknown")
     except Unreachable as e:
         print(f"Warning: {e}", file=sys.stderr)
     except CLIError as e:
         print(f"Warning: could not get the server version: {e}", file=sys.stderr)
     else:
         print(f"corral server version {server}")
+        if "corral" in answer:
+            print(f"Ollama API version {answer['version']}")
     return 0
 
 

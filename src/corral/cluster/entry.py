@@ -39,6 +39,7 @@ from starlette.requests import Request
 from starlette.types import Message, Receive, Scope, Send
 
 import corral
+from corral.api import ollama
 from corral.api.common import ApiError
 from corral.cluster.placement import Choice, NodeView, RunnerView, choose
 from corral.cluster.relay import Broken, Pool, Unreachable, exchange
@@ -592,7 +593,7 @@ class Entry:
                 await _json(send, await local(self))
                 return
             if path in ("/", "/health"):
-                body = b"corral is running" if path == "/" else b'{"status":"ok"}'
+                body = b"Ollama is running" if path == "/" else b'{"status":"ok"}'
                 kind = b"text/plain" if path == "/" else b"application/json"
                 await _send(send, 200, body, kind)
                 return
@@ -867,7 +868,7 @@ class Entry:
         return {"object": "list", "data": list(merged.values())}
 
     async def version(self) -> dict[str, Any]:
-        return {"version": corral.__version__}
+        return ollama.version()
 
     async def status(self) -> dict[str, Any]:
         return self.cluster.status()

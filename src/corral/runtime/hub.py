@@ -91,6 +91,14 @@ def parse_name(name: str) -> HubName:
     return HubName(host.lower(), repo, quant)
 
 
+def is_hub_name(name: str) -> bool:
+    try:
+        parse_name(name)
+    except PullError:
+        return False
+    return True
+
+
 @dataclass(frozen=True)
 class HubFile:
     filename: str
