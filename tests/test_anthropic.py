@@ -381,7 +381,9 @@ def test_model_without_chat(client: anthropic.Anthropic) -> None:
         (b'{"model": "smollm2:135m", "max_tokens": 5, "messages": "hi"}', "messages"),
         (b'{"model": "smollm2:135m", "max_tokens": 5, "messages": []}', "messages"),
         (b'{"model": "smollm2:135m", "max_tokens": 5, '
-         b'"messages": [{"role": "system", "content": "x"}]}', "messages.0.role"),
+         b'"messages": [{"role": "system", "content": "x"}]}', "at least one user or assistant"),
+        (b'{"model": "smollm2:135m", "max_tokens": 5, '
+         b'"messages": [{"role": "tool", "content": "x"}]}', "messages.0.role"),
         (b'{"model": "smollm2:135m", "max_tokens": 5, '
          b'"messages": [{"role": "user", "content": [{"type": "video"}]}]}',
          "messages.0.content.0"),

@@ -38,7 +38,7 @@ def registered(s: CorralServer) -> list[str]:
 # ---- without a browser ------------------------------------------------------------------------
 def test_root_answers_clients_and_sends_browsers_to_the_page(dash: CorralServer) -> None:
     plain = dash.client.get("/")
-    assert plain.status_code == 200 and plain.text == "corral is running"
+    assert plain.status_code == 200 and plain.text == "Ollama is running"
     plain = dash.client.get("/", headers={"Accept": "application/json"})
     assert plain.text == "Ollama is running"  # as Ollama answers it; some clients compare
     assert plain.headers["x-corral-version"]

@@ -171,6 +171,9 @@ def to_chat(body: dict[str, Any]) -> Chat:
         raise ApiError(400, "messages: at least one message is required", "messages")
     for i, m in enumerate(raw):
         messages.extend(to_openai_messages(m, f"messages.{i}"))
+    if all(m["role"] == "system" for m in messages):
+        raise ApiError(400, "messages: at least one user or assistant message is required",
+                       "messages")  # fmt: skip
     offered = field(body, "tools", list, [])
     tools = [to_openai_tool(t, f"tools.{i}") for i, t in enumerate(offered)]
     choice, parallel = tool_choice(body.get("tool_choice"), bool(tools))
