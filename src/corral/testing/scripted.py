@@ -58,8 +58,16 @@ FAMILIES: tuple[str, ...] = (
 )
 
 _TEMPLATES = Path(__file__).parent / "templates" / "families"
-# Logit of the scripted next token; every other token's is 0 (e^-128: never sampled).
+# Logit of the scripted next token; every other token's is at most _VALUE times that.
 _LOGIT = 128.0
+# Share of a branch's direction in the residual after attention (see _weights).
+_VALUE = 0.1
+# A marker's attention score above any other token's (query . key / sqrt(n_embd)): it takes all
+# the weight in any prompt that fits the context.
+_SCORE = 30.0
+# The last RoPE pair turns by _ROPE_BASE ** -(1 - 2 / n_embd) per position: ~2e-6 here.
+_ROPE_BASE = 1e6
+_CONTEXT = 8192
 _CONTROL = int(gguf.TokenType.CONTROL)
 _USER_DEFINED = int(gguf.TokenType.USER_DEFINED)
 MARKERS = {"reply": "<|corral_reply|>", "call": "<|corral_call|>", "answer": "<|corral_answer|>"}
@@ -109,6 +117,10 @@ class _Family:
     text_end: str = "<|im_end|>"
     call_end: str = "<|im_end|>"
     tools: bool = True
+    # Where the marker goes: after the generation prompt (the prompt's last token), or before
+    # the whole prompt, for families whose llama.cpp parser reads the generation prompt and would
+    # trip on a marker in it (attention carries the marker to the prompt's end).
+    marker_first: bool = False
     extra: dict[str, Any] = field(default_factory=dict)
 
 
@@ -177,7 +189,12 @@ _FAMILIES: dict[str, _Family] = {
         user_defined=(*_QWEN_TOKENS, "<think>", "</think>"),
         call=_hermes_call,
     ),
-    "qwen3-coder": _Family("qwen3-coder.jinja", user_defined=_QWEN_TOKENS, call=_qwen3_coder_call),
+    "qwen3-coder": _Family(
+        "qwen3-coder.jinja",
+        user_defined=_QWEN_TOKENS,
+        call=_qwen3_coder_call,
+        marker_first=True,
+    ),
     "hermes": _Family(
         "hermes.jinja",
         user_defined=(*_QWEN_TOKENS, "<tools>", "</tools>"),
@@ -223,6 +240,7 @@ _FAMILIES: dict[str, _Family] = {
         call=_mistral_call,
         text_end="</s>",
         call_end="</s>",
+        marker_first=True,
     ),
     "gpt-oss": _Family(
         "gpt-oss.jinja",
@@ -241,6 +259,7 @@ _FAMILIES: dict[str, _Family] = {
         call=_harmony_call,
         text_end="<|return|>",
         call_end="<|call|>",
+        marker_first=True,
     ),
     "glm": _Family(
         "glm.jinja",
@@ -279,11 +298,11 @@ def _family(family: str) -> _Family:
         raise ValueError(f"unknown family {family!r}; use one of {', '.join(FAMILIES)}") from None
 
 
-def _suffix(call: bool) -> str:
-    """Jinja that writes the marker of the script's branch after the generation prompt."""
+def _marker(call: bool, first: bool) -> str:
+    """Jinja that writes the marker of the script's branch: after the generation prompt, or
+    (``first``) before everything, whether or not there is a generation prompt."""
     tools_marker = MARKERS["call"] if call else MARKERS["reply"]
-    return (
-        "{%- if add_generation_prompt -%}"
+    choose = (
         "{%- set corral_ns = namespace(tool_result=false) -%}"
         "{%- for corral_m in messages -%}"
         "{%- if corral_m.role == 'tool' -%}{%- set corral_ns.tool_result = true -%}{%- endif -%}"
@@ -292,15 +311,19 @@ def _suffix(call: bool) -> str:
         f"{{%- elif tools -%}}{{{{- '{tools_marker}' -}}}}"
         f"{{%- else -%}}{{{{- '{MARKERS['reply']}' -}}}}"
         "{%- endif -%}"
-        "{%- endif -%}"
     )
+    if first:
+        return choose
+    return "{%- if add_generation_prompt -%}" + choose + "{%- endif -%}"
 
 
 def chat_template(family: str, script: Script = Script()) -> str:
-    """The chat template a scripted model of ``family`` carries: the family's, then the suffix."""
+    """The chat template a scripted model of ``family`` carries: the family's with the marker."""
     fam = _family(family)
     call = script.call is not None and fam.tools and fam.call is not None
-    return family_template(family).rstrip("\n") + "\n" + _suffix(call)
+    if fam.marker_first:
+        return _marker(call, first=True) + family_template(family)
+    return family_template(family).rstrip("\n") + "\n" + _marker(call, first=False)
 
 
 # --------------------------------------------------------------------------- writer
@@ -366,9 +389,15 @@ def _plan(family: str, script: Script, n_vocab: int) -> tuple[_Plan, synth._Voca
     return plan, base, fam
 
 
-def _weights(plan: _Plan) -> tuple[np.ndarray, np.ndarray, int]:
-    """Token embedding and output matrices: the chains as a bigram table."""
-    # Every token that has a successor gets a basis direction of its own.
+@dataclass(frozen=True)
+class _Weights:
+    n_embd: int
+    arrays: list[tuple[str, np.ndarray]]
+
+
+def _weights(plan: _Plan) -> _Weights:
+    """The tensors: the chains as a bigram table, and one attention head that carries the
+    prompt's marker to every later position (so a marker need not be the last prompt token)."""
     successor: dict[int, int] = {}
     for ids in plan.chains:
         for prev, nxt in itertools.pairwise(ids):
@@ -377,30 +406,77 @@ def _weights(plan: _Plan) -> tuple[np.ndarray, np.ndarray, int]:
                     f"the script repeats the token {plan.tokens[prev]!r} with different "
                     "continuations; make the reply, answer and call texts differ"
                 )
+    # Residual directions: one per token with a successor (markers and chain tokens), then one
+    # per branch (what attention copies from the marker).
     directions = {tok: i for i, tok in enumerate(successor)}
-    n_embd = max(64, -(-len(directions) // 64) * 64)
+    markers = {branch: plan.ids[text] for branch, text in MARKERS.items()}
+    branch_dir = {branch: len(directions) + i for i, branch in enumerate(markers)}
+    n_embd = max(64, -(-(len(directions) + len(branch_dir)) // 64) * 64)
+    n, root = n_embd, float(np.sqrt(n_embd))
     n_tokens = len(plan.tokens)
-    embd = np.zeros((n_tokens, n_embd), dtype=np.float32)
-    reply_marker = plan.ids[MARKERS["reply"]]
-    # Tokens outside the chains read as the reply marker: any other prompt gets the reply.
-    embd[:, directions[reply_marker]] = 1.0
+    # Every other token embeds as zero: it writes nothing and attends to the marker, if any.
+    embd = np.zeros((n_tokens, n), dtype=np.float32)
     for tok, d in directions.items():
-        embd[tok] = 0.0
         embd[tok, d] = 1.0
-    # RMS norm scales a basis vector by sqrt(n_embd); the output rows undo that.
-    out = np.zeros((n_tokens, n_embd), dtype=np.float32)
-    scale = _LOGIT / np.sqrt(n_embd)
+    # Attention (one head of width n): the query is a constant (bias); only markers have a key,
+    # in the last RoPE pair, which barely turns at this frequency base (_ROPE_BASE), so a marker
+    # takes all the weight wherever it is. A marker's value is its branch direction; any other
+    # token's value (the bias) is the reply's, so a prompt without a marker gets the reply.
+    # attn_norm turns a basis vector e into sqrt(n) e, hence the 1 / root below.
+    qk, qk_size = n - 2, float(np.sqrt(_SCORE * root))
+    wq = np.zeros((n, n), dtype=np.float32)
+    bq = np.zeros(n, dtype=np.float32)
+    bq[qk] = qk_size
+    wk = np.zeros((n, n), dtype=np.float32)
+    wv = np.zeros((n, n), dtype=np.float32)
+    bv = np.zeros(n, dtype=np.float32)
+    bv[branch_dir["reply"]] = _VALUE
+    for branch, tok in markers.items():
+        if tok not in directions:
+            continue
+        wk[qk, directions[tok]] = qk_size / root
+        wv[branch_dir[branch], directions[tok]] += _VALUE / root
+        wv[branch_dir["reply"], directions[tok]] -= _VALUE / root
+    wo = np.eye(n, dtype=np.float32)
+    # Output: token u's row points at the direction of the token before it; a chain's first
+    # token also at its branch's direction, reached from the marker or through attention. The
+    # residual is d_t + _VALUE c_branch, RMS-normed: the scripted successor's logit is ~_LOGIT,
+    # the branch's first token's ~_VALUE * _LOGIT.
+    out = np.zeros((n_tokens, n), dtype=np.float32)
+    scale = _LOGIT / root
     for prev, nxt in successor.items():
         out[nxt, directions[prev]] = scale
-    return embd.astype(np.float16), out.astype(np.float16), n_embd
+    for ids in plan.chains:
+        branch = next(b for b, tok in markers.items() if tok == ids[0])
+        out[ids[1], branch_dir[branch]] = scale
+    ff = 32
+    ones = np.ones(n, dtype=np.float32)
+    f16 = np.float16
+    arrays: list[tuple[str, np.ndarray]] = [
+        ("token_embd.weight", embd.astype(f16)),
+        ("output_norm.weight", ones),
+        ("output.weight", out.astype(f16)),
+        ("blk.0.attn_norm.weight", ones),
+        ("blk.0.attn_q.weight", wq.astype(f16)),
+        ("blk.0.attn_q.bias", bq),
+        ("blk.0.attn_k.weight", wk.astype(f16)),
+        ("blk.0.attn_k.bias", np.zeros(n, dtype=np.float32)),
+        ("blk.0.attn_v.weight", wv.astype(f16)),
+        ("blk.0.attn_v.bias", bv),
+        ("blk.0.attn_output.weight", wo.astype(f16)),
+        ("blk.0.ffn_norm.weight", ones),
+        ("blk.0.ffn_gate.weight", np.zeros((ff, n), dtype=f16)),
+        ("blk.0.ffn_up.weight", np.zeros((ff, n), dtype=f16)),
+        ("blk.0.ffn_down.weight", np.zeros((n, ff), dtype=f16)),
+    ]
+    return _Weights(n, arrays)
 
 
 def write_scripted_model(path: Path, family: str = "qwen2.5", script: Script = Script()) -> Path:
     """Write a scripted model of ``family`` (one of ``FAMILIES``) to ``path``; see ``Script``."""
     plan, base, fam = _plan(family, script, synth.DEFAULT_N_VOCAB)
-    embd, out, n_embd = _weights(plan)
-    n_ff = 32
-    n_head = n_embd // 16
+    weights = _weights(plan)
+    n_embd = weights.n_embd
     vocab = replace(
         base,
         tokens=plan.tokens,
@@ -414,42 +490,27 @@ def write_scripted_model(path: Path, family: str = "qwen2.5", script: Script = S
     writer.add_name(f"corral-scripted-{family}")
     writer.add_file_type(gguf.LlamaFileType.MOSTLY_F16)
     writer.add_vocab_size(len(plan.tokens))
-    writer.add_context_length(4096)
+    writer.add_context_length(_CONTEXT)
     writer.add_embedding_length(n_embd)
     writer.add_block_count(1)
-    writer.add_feed_forward_length(n_ff)
-    writer.add_head_count(n_head)
-    writer.add_head_count_kv(n_head)
-    writer.add_key_length(16)
-    writer.add_value_length(16)
-    writer.add_rope_dimension_count(16)
-    writer.add_rope_freq_base(10000.0)
+    writer.add_feed_forward_length(32)
+    writer.add_head_count(1)
+    writer.add_head_count_kv(1)
+    writer.add_key_length(n_embd)
+    writer.add_value_length(n_embd)
+    writer.add_rope_dimension_count(n_embd)
+    writer.add_rope_freq_base(_ROPE_BASE)
     writer.add_layer_norm_rms_eps(1e-5)
     synth._add_vocab(writer, vocab, add_bos=False)
     if fam.eot is not None:
         writer.add_eot_token_id(plan.ids[fam.eot])
     if fam.eom is not None:
         writer.add_eom_token_id(plan.ids[fam.eom])
-    e = n_embd
-    arrays: list[tuple[str, np.ndarray]] = [
-        ("token_embd.weight", embd),
-        ("output_norm.weight", np.ones(e, dtype=np.float32)),
-        ("output.weight", out),
-        ("blk.0.attn_norm.weight", np.ones(e, dtype=np.float32)),
-        ("blk.0.attn_q.weight", np.zeros((e, e), dtype=np.float16)),
-        ("blk.0.attn_k.weight", np.zeros((e, e), dtype=np.float16)),
-        ("blk.0.attn_v.weight", np.zeros((e, e), dtype=np.float16)),
-        ("blk.0.attn_output.weight", np.zeros((e, e), dtype=np.float16)),
-        ("blk.0.ffn_norm.weight", np.ones(e, dtype=np.float32)),
-        ("blk.0.ffn_gate.weight", np.zeros((n_ff, e), dtype=np.float16)),
-        ("blk.0.ffn_up.weight", np.zeros((n_ff, e), dtype=np.float16)),
-        ("blk.0.ffn_down.weight", np.zeros((e, n_ff), dtype=np.float16)),
-    ]
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     partial = path.with_name(f".{path.name}.{os.getpid()}.partial")
     try:
-        for name, array in arrays:
+        for name, array in weights.arrays:
             writer.add_tensor(name, array)
         writer.write_header_to_file(partial)
         writer.write_kv_data_to_file()
