@@ -4,7 +4,9 @@ format checked against the SDK's own types."""
 from __future__ import annotations
 
 import json
+import logging
 import os
+import re
 import signal
 from collections.abc import AsyncIterator
 from typing import Any
@@ -17,7 +19,7 @@ from openai.types.responses import Response, ResponseStreamEvent
 
 from corral.api.common import ApiError
 from corral.api.events import Done, Event, Text, Thinking, ToolCall, Usage
-from corral.api.responses import Builder, parse_request
+from corral.api.responses import Builder, CustomInput, ToolRef, parse_request
 from corral.testing.server import CorralServer
 
 SMOL = "smollm2:135m"
@@ -451,10 +453,11 @@ def test_previous_response_id_is_refused(client: openai.OpenAI) -> None:
     assert isinstance(e.value.body, dict) and e.value.body["param"] == "previous_response_id"
 
 
-def test_unsupported_tool_type_is_refused(client: openai.OpenAI) -> None:
+def test_unknown_tool_type_is_refused(client: openai.OpenAI) -> None:
     with pytest.raises(openai.BadRequestError) as e:
-        client.responses.create(model=SMOL, input="x", tools=[{"type": "web_search"}])
-    assert "not supported" in e.value.message and "web_search" in e.value.message
+        client.responses.create(model=SMOL, input="x", tools=[{"type": "teleport"}])  # type: ignore[misc,list-item]
+    assert "not supported" in e.value.message and "teleport" in e.value.message
+    assert isinstance(e.value.body, dict) and e.value.body["param"] == "tools"
 
 
 def test_unknown_model_and_wrong_capability(client: openai.OpenAI) -> None:
@@ -599,3 +602,416 @@ def test_runner_killed_mid_stream(server: CorralServer) -> None:
         timeout=60,
     )  # fmt: skip
     assert again.status_code == 200 and again.json()["status"] == "incomplete"
+
+
+# ---- Codex's tools: namespaces, custom (free-form) tools, hosted tools ----------------------
+# The shapes below are those Codex CLI 0.169.0 sends (captured from its requests): its
+# multi-agent tools as a namespace, web_search beside them, apply_patch as a custom tool with
+# a Lark grammar, and a function_call back from OpenAI that names its namespace.
+
+AGENTS: dict[str, Any] = {
+    "type": "namespace",
+    "name": "multi_agent_v1",
+    "description": "Tools for spawning and managing sub-agents.",
+    "tools": [
+        {"type": "function", "name": "close_agent", "description": "Close an agent.",
+         "strict": False,
+         "parameters": {"type": "object", "properties": {"target": {"type": "string"}},
+                        "required": ["target"], "additionalProperties": False}},
+        WEATHER,
+    ],
+}  # fmt: skip
+PATCH: dict[str, Any] = {
+    "type": "custom",
+    "name": "apply_patch",
+    "description": "Edit files with a patch.",
+    "format": {
+        "type": "grammar",
+        "syntax": "lark",
+        "definition": 'start: "*** Begin Patch" LF "*** End Patch"\nLF: "\\n"',
+    },
+}
+# A regex-formatted custom tool: its pattern bounds a forced call, so even a random model
+# writes one of its few words.
+ANSWER: dict[str, Any] = {
+    "type": "custom",
+    "name": "answer",
+    "description": "Answer yes or no.",
+    "format": {"type": "grammar", "syntax": "regex", "definition": "yes|no|maybe"},
+}
+HOSTED: list[dict[str, Any]] = [
+    {"type": "web_search", "external_web_access": False},
+    {"type": "file_search", "vector_store_ids": ["vs_1"]},
+    {"type": "code_interpreter", "container": {"type": "auto"}},
+    {"type": "image_generation"},
+]
+CODEX: dict[str, Any] = {
+    "model": "tools",
+    "input": [
+        {"type": "message", "id": "msg_1", "role": "developer",
+         "content": [{"type": "input_text", "text": "You are a coding agent."}]},
+        {"type": "message", "id": "msg_2", "role": "user",
+         "content": [{"type": "input_text", "text": "Weather in Paris?"}]},
+    ],
+    "tools": [TIME, AGENTS, PATCH, *HOSTED],
+    "tool_choice": "auto",
+    "parallel_tool_calls": False,
+    "reasoning": {"effort": "medium", "summary": "auto", "context": "all_turns"},
+    "store": False,
+    "include": ["reasoning.encrypted_content"],
+    "prompt_cache_key": "01a2137e-13f2-7ff1-b767-f5186a3c8392",
+    "client_metadata": {"thread_id": "01a2137e", "x-codex-window-id": "01a2137e:0"},
+    "text": {"verbosity": "low"},
+    "service_tier": "default",
+    "safety_identifier": "user-1",
+    "user": "someone",
+    "metadata": {"run": "1"},
+    "max_output_tokens": 4,
+}  # fmt: skip
+
+
+def test_codex_request_becomes_chat(caplog: pytest.LogCaptureFixture) -> None:
+    with caplog.at_level(logging.INFO, logger="corral.api.responses"):
+        req = parse_request(CODEX)
+    tools = {t["function"]["name"]: t["function"] for t in req.chat.tools}
+    # Namespaces flattened into their functions under their own names; hosted tools left out.
+    assert list(tools) == ["get_time", "close_agent", "get_weather", "apply_patch"]
+    assert tools["get_weather"]["parameters"] == WEATHER["parameters"]
+    assert tools["close_agent"]["description"] == "Close an agent."
+    assert tools["close_agent"]["strict"] is False
+    # The custom tool is a function of one string, shown its grammar.
+    assert tools["apply_patch"]["parameters"] == {
+        "type": "object",
+        "properties": {"input": {"type": "string", "description": (
+            "The input, which must match this lark grammar:\n"
+            + PATCH["format"]["definition"])}},
+        "required": ["input"],
+        "additionalProperties": False,
+    }  # fmt: skip
+    assert tools["apply_patch"]["description"] == "Edit files with a patch."
+    assert req.tools == {
+        "get_time": ToolRef("get_time"),
+        "close_agent": ToolRef("close_agent", "multi_agent_v1"),
+        "get_weather": ToolRef("get_weather", "multi_agent_v1"),
+        "apply_patch": ToolRef("apply_patch", custom=True),
+    }
+    # One log line names what was left out.
+    lines = [r for r in caplog.records if r.name == "corral.api.responses"]
+    assert len(lines) == 1 and lines[0].levelno == logging.INFO
+    msg = lines[0].getMessage()
+    assert all(
+        t in msg for t in ("web_search", "file_search", "code_interpreter", "image_generation")
+    )
+    # What means something locally is used; the rest is accepted and echoed or ignored.
+    assert req.chat.params["parallel_tool_calls"] is False
+    assert req.chat.params["chat_template_kwargs"] == {
+        "enable_thinking": True,
+        "reasoning_effort": "medium",
+    }
+    assert req.chat.tool_choice == "auto" and req.stream is False
+    assert req.chat.messages == [
+        {"role": "system", "content": "You are a coding agent."},
+        {"role": "user", "content": "Weather in Paris?"},
+    ]
+    echo = req.echo
+    assert echo["store"] is False and echo["parallel_tool_calls"] is False
+    assert echo["prompt_cache_key"] == CODEX["prompt_cache_key"]
+    assert echo["reasoning"] == {"effort": "medium", "summary": "auto"}
+    assert echo["text"]["verbosity"] == "low" and echo["safety_identifier"] == "user-1"
+    assert [t["type"] for t in echo["tools"]] == [
+        "function", "namespace", "custom",
+        "web_search", "file_search", "code_interpreter", "image_generation",
+    ]  # fmt: skip
+
+
+def test_codex_tools_in_additional_tools_items() -> None:
+    # Codex's newer models get their tools in an additional_tools input item: a "functions"
+    # namespace with a custom tool, and more namespaces.
+    req = parse_request({
+        "model": "m",
+        "input": [
+            {"type": "additional_tools", "id": "at_1", "role": "developer", "tools": [
+                {"type": "namespace", "name": "functions", "description": "", "tools": [
+                    {"type": "custom", "name": "exec", "description": "Run JavaScript.",
+                     "format": {"type": "grammar", "syntax": "lark", "definition": "start: /.+/"}},
+                    {"type": "function", "name": "wait", "parameters": {"type": "object"}},
+                ]},
+                {"type": "namespace", "name": "clock", "description": "Time.", "tools": [
+                    {"type": "function", "name": "wait", "parameters": {"type": "object"}},
+                ]},
+                {"type": "web_search"},
+            ]},
+            {"role": "user", "content": "hi"},
+        ],
+        "parallel_tool_calls": False,
+    })  # fmt: skip
+    # Two namespaces both have "wait": each is shown qualified.
+    assert [t["function"]["name"] for t in req.chat.tools] == [
+        "exec", "functions__wait", "clock__wait"
+    ]  # fmt: skip
+    assert req.tools["exec"] == ToolRef("exec", "functions", custom=True)
+    assert req.tools["clock__wait"] == ToolRef("wait", "clock")
+    assert req.chat.messages == [{"role": "user", "content": "hi"}]
+    assert req.chat.params["parallel_tool_calls"] is False
+    assert req.echo["tools"] == []  # only `tools` is echoed
+    # A member whose name a plain function has is qualified; the plain one keeps it.
+    namespaced = {"type": "function", "name": "get_weather", "namespace": "multi_agent_v1"}
+    req = parse_request({"model": "m", "input": "x", "tools": [
+        {"type": "function", "name": "get_weather"}, AGENTS,
+    ], "tool_choice": namespaced})  # fmt: skip
+    assert [t["function"]["name"] for t in req.chat.tools] == [
+        "get_weather", "close_agent", "multi_agent_v1__get_weather"
+    ]  # fmt: skip
+    assert req.chat.tool_choice == "multi_agent_v1__get_weather"
+    # Without the namespace, the tool in no namespace is the one meant.
+    req = parse_request({"model": "m", "input": "x", "tools": [
+        {"type": "function", "name": "get_weather"}, AGENTS,
+    ], "tool_choice": {"type": "function", "name": "get_weather"}})  # fmt: skip
+    assert req.chat.tool_choice == "get_weather"
+
+
+def test_tool_choice_names_namespaced_and_custom_tools() -> None:
+    def choice(value: Any) -> str:
+        return parse_request({**CODEX, "tool_choice": value}).chat.tool_choice
+
+    assert choice({"type": "function", "name": "get_weather"}) == "get_weather"
+    assert choice({"type": "custom", "name": "apply_patch"}) == "apply_patch"
+    assert choice("required") == "required"
+    req = parse_request({**CODEX, "tool_choice": {"type": "custom", "name": "apply_patch"}})
+    assert req.echo["tool_choice"] == {"type": "custom", "name": "apply_patch"}
+    # Two namespaces with the same member, and none outside them: the namespace must be given.
+    other = {**AGENTS, "name": "other_agents"}
+    with pytest.raises(ApiError) as e:
+        parse_request({**CODEX, "tools": [AGENTS, other],
+                       "tool_choice": {"type": "function", "name": "close_agent"}})  # fmt: skip
+    assert e.value.param == "tool_choice" and "namespace" in e.value.message
+
+
+@pytest.mark.parametrize("kind", [
+    "web_search", "file_search", "web_search_preview", "code_interpreter", "image_generation",
+    "computer_use_preview", "mcp",
+])  # fmt: skip
+def test_tool_choice_forcing_a_hosted_tool_is_400(kind: str) -> None:
+    with pytest.raises(ApiError) as e:
+        parse_request({**CODEX, "tool_choice": {"type": kind, "server_label": "x"}})
+    assert e.value.status == 400 and e.value.param == "tool_choice"
+    assert kind in e.value.message and "cannot run" in e.value.message
+
+
+def test_later_turn_items_become_chat_messages() -> None:
+    req = parse_request({**CODEX, "input": [
+        {"role": "user", "content": "Weather, then patch."},
+        # As Codex sends back what the model called: name plus namespace, ids and status.
+        {"type": "function_call", "status": "completed", "id": "fc_1", "name": "get_weather",
+         "namespace": "multi_agent_v1", "arguments": '{"city":"Paris"}', "call_id": "call_a"},
+        {"type": "custom_tool_call", "id": "ctc_1", "status": "completed", "call_id": "call_b",
+         "name": "apply_patch", "input": "*** Begin Patch\n*** End Patch"},
+        {"type": "function_call_output", "id": "fco_1", "call_id": "call_a", "output": "Sunny"},
+        {"type": "custom_tool_call_output", "id": "ctco_1", "call_id": "call_b",
+         "output": [{"type": "input_text", "text": "Done"}, {"type": "input_text", "text": "!"}]},
+        {"type": "reasoning", "id": "rs_1", "summary": [], "encrypted_content": None},
+        {"type": "custom_tool_call", "call_id": "call_c", "name": "exec", "namespace": "gone",
+         "input": "1"},
+        {"type": "custom_tool_call_output", "call_id": "call_c", "output": "2"},
+    ]})  # fmt: skip
+    assert req.chat.messages == [
+        {"role": "user", "content": "Weather, then patch."},
+        {"role": "assistant", "content": "", "tool_calls": [
+            {"id": "call_a", "type": "function",
+             "function": {"name": "get_weather", "arguments": '{"city":"Paris"}'}},
+            {"id": "call_b", "type": "function",
+             "function": {"name": "apply_patch",
+                          "arguments": '{"input":"*** Begin Patch\\n*** End Patch"}'}},
+        ]},
+        {"role": "tool", "tool_call_id": "call_a", "content": "Sunny", "name": "get_weather"},
+        {"role": "tool", "tool_call_id": "call_b", "content": "Done\n!", "name": "apply_patch"},
+        # A tool no longer offered keeps the name the model would have seen.
+        {"role": "assistant", "content": "", "tool_calls": [
+            {"id": "call_c", "type": "function",
+             "function": {"name": "gone__exec", "arguments": '{"input":"1"}'}},
+        ]},
+        {"role": "tool", "tool_call_id": "call_c", "content": "2", "name": "gone__exec"},
+    ]  # fmt: skip
+
+
+def test_custom_input_streams_as_it_is_decoded() -> None:
+    text = 'line 1\n"quoted" \\ tab\t \u00e9 \U0001f600 end'
+    raw = json.dumps({"input": text})  # \uXXXX escapes, a surrogate pair among them
+    for step in (1, 2, 3, 5, 7):
+        c = CustomInput()
+        got = "".join(c.feed(raw[i : i + step]) for i in range(0, len(raw), step))
+        assert got == text and c.final() == text
+    c = CustomInput()  # cut short: what it had
+    assert c.feed('{"input": "ab') == "ab" and c.final() == "ab"
+    c = CustomInput()  # another key: nothing streams, the value comes whole at the end
+    assert c.feed('{"patch": "x"}') == "" and c.final() == "x"
+    c = CustomInput()  # not JSON at all: the text as written
+    assert c.feed("*** Begin Patch") == "" and c.final() == "*** Begin Patch"
+
+
+async def test_calls_come_back_as_the_client_knows_them() -> None:
+    refs = {
+        "get_weather": ToolRef("get_weather", "multi_agent_v1"),
+        "apply_patch": ToolRef("apply_patch", custom=True),
+    }
+    b = Builder("m", {"tools": [], "tool_choice": "auto", "parallel_tool_calls": True}, refs)
+    events = await _render(
+        b,
+        _events(
+            ToolCall(0, "call_a", "get_weather", '{"city":'), ToolCall(0, arguments='"Paris"}'),
+            ToolCall(1, "call_b", "apply_patch", '{"input": "a\\'),
+            ToolCall(1, arguments='nb"'), ToolCall(1, arguments="}"),
+            Done("tool_calls", Usage(10, 6)),
+        ),
+    )  # fmt: skip
+    assert [e["type"] for e in events] == [
+        "response.created", "response.in_progress",
+        "response.output_item.added",
+        "response.function_call_arguments.delta", "response.function_call_arguments.delta",
+        "response.function_call_arguments.done", "response.output_item.done",
+        "response.output_item.added",
+        "response.custom_tool_call_input.delta",  # "a": the escape waits for its second half
+        "response.custom_tool_call_input.delta",  # "\nb"
+        "response.custom_tool_call_input.done", "response.output_item.done",
+        "response.completed",
+    ]  # fmt: skip
+    fc, ctc = events[-1]["response"]["output"]
+    assert fc == {"id": fc["id"], "type": "function_call", "status": "completed",
+                  "call_id": "call_a", "name": "get_weather", "namespace": "multi_agent_v1",
+                  "arguments": '{"city":"Paris"}'}  # fmt: skip
+    assert ctc == {"id": ctc["id"], "type": "custom_tool_call", "status": "completed",
+                   "call_id": "call_b", "name": "apply_patch", "input": "a\nb"}  # fmt: skip
+    assert ctc["id"].startswith("ctc_") and fc["id"].startswith("fc_")
+    assert events[2]["item"]["namespace"] == "multi_agent_v1"
+    assert events[7]["item"] == {**ctc, "status": "in_progress", "input": ""}
+    assert [e["delta"] for e in events[8:10]] == ["a", "\nb"]
+    assert events[10]["input"] == "a\nb" and events[10]["item_id"] == ctc["id"]
+    assert events[10]["output_index"] == 1
+    Response.model_validate(events[-1]["response"])
+
+
+def test_codex_request_is_accepted(server: CorralServer) -> None:
+    r = server.client.post("/v1/responses", json=CODEX)
+    assert r.status_code == 200, r.text
+    body = r.json()
+    assert body["store"] is False and body["parallel_tool_calls"] is False
+    Response.model_validate(body)
+    events = raw_stream(server, CODEX)  # Codex streams
+    assert events[-1]["type"] in ("response.completed", "response.incomplete")
+
+
+def test_forced_namespaced_call(client: openai.OpenAI, server: CorralServer) -> None:
+    body = {**CODEX, "tool_choice": {"type": "function", "name": "get_weather"},
+            "max_output_tokens": 60}  # fmt: skip
+    r = server.client.post("/v1/responses", json=body)
+    assert r.status_code == 200, r.text
+    (call,) = r.json()["output"]
+    assert call["type"] == "function_call" and call["status"] == "completed"
+    assert call["name"] == "get_weather" and call["namespace"] == "multi_agent_v1"
+    check_weather_args(call["arguments"])
+    parsed = Response.model_validate(r.json()).output[0]
+    assert parsed.type == "function_call" and parsed.namespace == "multi_agent_v1"
+
+    events = raw_stream(server, body)
+    types = [e["type"] for e in events]
+    assert types[:3] == ["response.created", "response.in_progress", "response.output_item.added"]
+    assert set(types[3:-3]) == {"response.function_call_arguments.delta"}
+    assert types[-3:] == [
+        "response.function_call_arguments.done",
+        "response.output_item.done",
+        "response.completed",
+    ]
+    added, done = events[2]["item"], events[-2]["item"]
+    assert added["namespace"] == done["namespace"] == "multi_agent_v1"
+    assert added["name"] == done["name"] == events[-3]["name"] == "get_weather"
+    deltas = "".join(e["delta"] for e in events if e["type"].endswith("arguments.delta"))
+    assert deltas == events[-3]["arguments"] == done["arguments"]
+    check_weather_args(deltas)
+
+
+def test_forced_custom_tool_call(server: CorralServer) -> None:
+    body = {**CODEX, "tools": [*CODEX["tools"], ANSWER],
+            "tool_choice": {"type": "custom", "name": "answer"},
+            "max_output_tokens": 30}  # fmt: skip
+    r = server.client.post("/v1/responses", json=body)
+    assert r.status_code == 200, r.text
+    out = r.json()
+    (call,) = out["output"]
+    assert out["status"] == "completed"
+    assert call["type"] == "custom_tool_call" and call["status"] == "completed"
+    assert call["name"] == "answer" and "namespace" not in call
+    assert call["id"].startswith("ctc_") and call["call_id"].startswith("call_")
+    assert call["input"] in ("yes", "no", "maybe")
+    assert out["tool_choice"] == {"type": "custom", "name": "answer"}
+    Response.model_validate(out)
+
+    events = raw_stream(server, body)
+    types = [e["type"] for e in events]
+    assert types[:3] == ["response.created", "response.in_progress", "response.output_item.added"]
+    assert set(types[3:-3]) == {"response.custom_tool_call_input.delta"}
+    assert types[-3:] == [
+        "response.custom_tool_call_input.done",
+        "response.output_item.done",
+        "response.completed",
+    ]
+    added, done = events[2]["item"], events[-2]["item"]
+    assert added["type"] == "custom_tool_call" and added["input"] == ""
+    assert added["status"] == "in_progress" and done["status"] == "completed"
+    deltas = "".join(e["delta"] for e in events if e["type"].endswith("input.delta"))
+    assert deltas == events[-3]["input"] == done["input"]
+    assert re.fullmatch("yes|no|maybe", deltas)
+    assert events[-1]["response"]["output"] == [done]
+    assert {e["item_id"] for e in events[3:-2]} == {added["id"]}
+
+
+def test_later_turn_with_custom_and_namespaced_calls(server: CorralServer) -> None:
+    first = {**CODEX, "max_output_tokens": 60,
+             "tool_choice": {"type": "function", "name": "get_weather"}}  # fmt: skip
+    r = server.client.post("/v1/responses", json=first)
+    (call,) = r.json()["output"]
+    # Codex sends the turn back: the calls as the model wrote them, with their outputs.
+    history = [
+        *CODEX["input"],
+        {**call},
+        {"type": "custom_tool_call", "id": "ctc_1", "status": "completed", "call_id": "call_p",
+         "name": "apply_patch", "input": "*** Begin Patch\n*** End Patch"},
+        {"type": "function_call_output", "id": "fco_1", "call_id": call["call_id"],
+         "output": "Sunny, 24C."},
+        {"type": "custom_tool_call_output", "id": "ctco_1", "call_id": "call_p",
+         "output": [{"type": "input_text", "text": "Success. Updated 0 files."}]},
+    ]  # fmt: skip
+    second = server.client.post("/v1/responses", json={**CODEX, "input": history})
+    assert second.status_code == 200, second.text
+    # The calls and their outputs reached the prompt.
+    assert second.json()["usage"]["input_tokens"] > r.json()["usage"]["input_tokens"] + 20
+    # A custom call forced next comes back as one, after that history.
+    third = server.client.post("/v1/responses", json={
+        **CODEX, "input": history, "tools": [*CODEX["tools"], ANSWER],
+        "tool_choice": {"type": "custom", "name": "answer"}, "max_output_tokens": 30,
+    })  # fmt: skip
+    assert third.status_code == 200, third.text
+    assert [o["type"] for o in third.json()["output"]] == ["custom_tool_call"]
+
+
+def test_forcing_a_hosted_tool_is_400_in_openai_shape(client: openai.OpenAI) -> None:
+    tools: list[Any] = [{"type": "web_search"}, TIME]
+    with pytest.raises(openai.BadRequestError) as e:
+        client.responses.create(
+            model="tools", input="x", tools=tools, tool_choice={"type": "web_search_preview"}
+        )
+    assert "web_search_preview" in e.value.message and "cannot run" in e.value.message
+    assert isinstance(e.value.body, dict)
+    assert (
+        e.value.body["param"] == "tool_choice" and e.value.body["type"] == "invalid_request_error"
+    )
+    # Only hosted tools, and a call required: nothing corral could call.
+    with pytest.raises(openai.BadRequestError) as e:
+        client.responses.create(
+            model="tools", input="x", tools=[{"type": "web_search"}], tool_choice="required"
+        )
+    assert "hosted" in e.value.message
+    # Hosted tools alone, with the model free to choose: accepted, the model answers in text.
+    r = client.responses.create(
+        model="tools", input="x", tools=[{"type": "web_search"}], max_output_tokens=2
+    )
+    assert r.output[0].type == "message"

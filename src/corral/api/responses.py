@@ -7,8 +7,22 @@ as Responses SSE events or returned whole.
 
 corral is stateless: nothing is stored, so `store` is accepted (and echoed as false) while
 `previous_response_id`, `conversation` and item references are refused with a 400 that says to
-send the whole conversation in `input`. Only function tools exist here; OpenAI's hosted tools
-(web search, file search, ...) are refused.
+send the whole conversation in `input`.
+
+Tools, as agents such as the Codex CLI send them (in `tools` and in `additional_tools` input
+items):
+- `function` tools go to the model as they are.
+- `namespace` tools (a named group of function and custom tools) are flattened: the model sees
+  each member under its own name, or `<namespace>__<name>` where that name is taken, and a call
+  comes back as OpenAI returns it, the member's own `name` plus `namespace` (Codex routes a
+  call by both, and refuses the flattened name). Later turns send the call back the same way.
+- `custom` (free-form) tools go to the model as a function of one string, `input` (a regex
+  format becomes that string's pattern; a Lark grammar is shown in its description), and a
+  call comes back as a `custom_tool_call` item whose `input` is that string, streamed with
+  `response.custom_tool_call_input.delta`/`.done`.
+- Hosted tools (web search, file search, code interpreter, ...) run on OpenAI's servers, which
+  corral has not got: they are left out of the prompt (one info log line), and a `tool_choice`
+  that forces one is a 400.
 
 Reasoning: without `reasoning.effort` the model's template decides. Effort "none" or "minimal"
 turns thinking off (enable_thinking false: templates know only on and off, and "minimal" asks
@@ -16,12 +30,18 @@ for as little as possible); any other effort turns it on and passes the effort t
 as `reasoning_effort` (low/medium/high, which templates such as gpt-oss's read).
 
 Logprobs come with the text when `include` has "message.output_text.logprobs" or
-`top_logprobs` is set. Streamed and whole answers go through the same `Builder` (not
-`Generation.collect`), so their items, ids, statuses and reasoning-token counts agree.
+`top_logprobs` is set; other `include` values (e.g. "reasoning.encrypted_content") ask for
+what corral has not got and are ignored, as are `prompt_cache_key`, `client_metadata`,
+`safety_identifier`, `service_tier`, `reasoning.summary` and `text.verbosity`. Streamed and
+whole answers go through the same `Builder` (not `Generation.collect`), so their items, ids,
+statuses and reasoning-token counts agree.
 """
 
 from __future__ import annotations
 
+import json
+import logging
+import re
 import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
@@ -38,8 +58,18 @@ from corral.api.events import Chat, Done, Event, Text, Thinking, ToolCall, Usage
 from corral.api.service import Service, until_disconnect
 from corral.api.stream import json_response
 
+log = logging.getLogger(__name__)
+
 ROLES = {"user": "user", "system": "system", "assistant": "assistant", "developer": "system"}
-EFFORTS = ("none", "minimal", "low", "medium", "high", "xhigh", "max")
+EFFORTS = ("none", "minimal", "low", "medium", "high", "xhigh", "max", "ultra")
+# Tool types that OpenAI runs on its own servers (the SDK's Tool union less function, custom
+# and namespace): corral cannot run them, so the model is not told of them.
+HOSTED_TOOLS = frozenset({
+    "web_search", "web_search_2025_08_26", "web_search_preview",
+    "web_search_preview_2025_03_11", "file_search", "code_interpreter", "image_generation",
+    "computer", "computer_use", "computer_use_preview", "mcp", "local_shell", "shell",
+    "apply_patch", "tool_search", "programmatic_tool_calling",
+})  # fmt: skip
 
 
 @dataclass
@@ -50,6 +80,35 @@ class Parsed:
     stream: bool
     chat: Chat
     echo: dict[str, Any] = field(default_factory=dict)
+    tools: dict[str, ToolRef] = field(default_factory=dict)  # by the name the model sees
+
+
+@dataclass(frozen=True)
+class ToolRef:
+    """A tool as the client knows it, behind the name the model sees."""
+
+    name: str
+    namespace: str | None = None
+    custom: bool = False
+
+
+@dataclass
+class Tools:
+    """The request's tools: as the model sees them, as the response echoes them, and the way
+    back from a name the model sees to the client's tool."""
+
+    chat: list[dict[str, Any]] = field(default_factory=list)
+    echo: list[dict[str, Any]] = field(default_factory=list)
+    refs: dict[str, ToolRef] = field(default_factory=dict)
+    hosted: list[str] = field(default_factory=list)  # the types left out
+
+    def visible(self, name: str, namespace: str | None) -> str:
+        """The name the model sees for a client's tool (one from an earlier turn that is not
+        offered now gets the name it would have had)."""
+        for seen, ref in self.refs.items():
+            if ref.name == name and ref.namespace == namespace:
+                return seen
+        return f"{namespace}__{name}" if namespace else name
 
 
 class Responses:
@@ -63,7 +122,7 @@ class Responses:
         req = parse_request(await read_json(request))
         r = self.svc.resolve(req.model)
         gen = await self.svc.generate(request, r, req.chat, options={}, keep_alive=None)
-        out = Builder(req.model, req.echo)
+        out = Builder(req.model, req.echo, req.tools)
         if req.stream:
             return gen.response(out.sse, "text/event-stream")
         try:
@@ -99,12 +158,12 @@ def parse_request(body: dict[str, Any]) -> Parsed:
         raise ApiError(400, "stored prompts are not supported by corral", "prompt")
 
     instructions = get(body, "instructions", str)
-    messages = input_messages(body.get("input"))
+    tools = parse_tools([("tools", get(body, "tools", list, [])), *additional_tools(body)])
+    messages = input_messages(body.get("input"), tools)
     if instructions:
         messages.insert(0, {"role": "system", "content": instructions})
     messages = merge_leading_system(messages)
-    tools, echo_tools = parse_tools(get(body, "tools", list, []))
-    choice, echo_choice = parse_tool_choice(body.get("tool_choice"), bool(tools))
+    choice, echo_choice = parse_tool_choice(body.get("tool_choice"), tools)
 
     params: dict[str, Any] = {}
     max_out = get(body, "max_output_tokens", int)
@@ -135,7 +194,7 @@ def parse_request(body: dict[str, Any]) -> Parsed:
         # llama.cpp reports nothing for 0 alternatives: ask for one, show none.
         params |= {"logprobs": True, "top_logprobs": max(top or 0, 1)}
     parallel = get(body, "parallel_tool_calls", bool)
-    if parallel is not None and tools:
+    if parallel is not None and tools.chat:
         params["parallel_tool_calls"] = parallel
 
     # Accepted and echoed; corral has nothing to do with them.
@@ -158,7 +217,7 @@ def parse_request(body: dict[str, Any]) -> Parsed:
         "temperature": params.get("temperature"),
         "text": {**text, "format": fmt},
         "tool_choice": echo_choice,
-        "tools": echo_tools,
+        "tools": tools.echo,
         "top_logprobs": top,
         "top_p": params.get("top_p"),
         "truncation": truncation,
@@ -166,11 +225,12 @@ def parse_request(body: dict[str, Any]) -> Parsed:
         "safety_identifier": get(body, "safety_identifier", str),
         "prompt_cache_key": get(body, "prompt_cache_key", str),
     }
-    return Parsed(model, stream, Chat(messages, tools, choice, params), echo)
+    return Parsed(model, stream, Chat(messages, tools.chat, choice, params), echo, tools.refs)
 
 
-def input_messages(value: Any) -> list[dict[str, Any]]:
-    """`input` (a string or a list of items) as OpenAI chat messages."""
+def input_messages(value: Any, tools: Tools | None = None) -> list[dict[str, Any]]:
+    """`input` (a string or a list of items) as OpenAI chat messages; tool calls by the names
+    the model sees (`tools`)."""
     if value is None:
         raise ApiError(400, "'input' is required: a string or an array of input items", "input")
     if isinstance(value, str):
@@ -179,6 +239,7 @@ def input_messages(value: Any) -> list[dict[str, Any]]:
         raise ApiError(400, "invalid type for 'input': expected a string or an array", "input")
     if not value:
         raise ApiError(400, "'input' must not be empty", "input")
+    tools = tools or Tools()
     messages: list[dict[str, Any]] = []
     names: dict[str, str] = {}  # call_id -> function name, for the tool messages
     for i, item in enumerate(value):
@@ -188,14 +249,23 @@ def input_messages(value: Any) -> list[dict[str, Any]]:
         kind = item.get("type", "message" if "role" in item else None)
         if kind == "message":
             messages.append(input_message(item, where))
-        elif kind == "function_call":
+        elif kind in ("function_call", "custom_tool_call"):
             call_id = _str(item, "call_id", where)
-            name = _str(item, "name", where)
+            namespace = item.get("namespace")
+            if namespace is not None and not isinstance(namespace, str):
+                raise ApiError(
+                    400, f"invalid type for '{where}.namespace': expected a string", "input"
+                )
+            name = tools.visible(_str(item, "name", where), namespace or None)
+            if kind == "function_call":
+                arguments = _str(item, "arguments", where)
+            else:  # the model wrote it as the one string argument of a function
+                arguments = orjson.dumps({"input": _str(item, "input", where)}).decode()
             names[call_id] = name
             call = {
                 "id": call_id,
                 "type": "function",
-                "function": {"name": name, "arguments": _str(item, "arguments", where)},
+                "function": {"name": name, "arguments": arguments},
             }
             # Calls of one turn (and the text before them) are one assistant chat message.
             last = messages[-1] if messages else None
@@ -203,7 +273,7 @@ def input_messages(value: Any) -> list[dict[str, Any]]:
                 last.setdefault("tool_calls", []).append(call)
             else:
                 messages.append({"role": "assistant", "content": "", "tool_calls": [call]})
-        elif kind == "function_call_output":
+        elif kind in ("function_call_output", "custom_tool_call_output"):
             call_id = _str(item, "call_id", where)
             out = item.get("output")
             content = out if isinstance(out, str) else text_of(out, f"{where}.output")
@@ -211,8 +281,10 @@ def input_messages(value: Any) -> list[dict[str, Any]]:
             if call_id in names:
                 msg["name"] = names[call_id]
             messages.append(msg)
-        elif kind == "reasoning":
-            continue  # earlier reasoning is not shown to the model again (templates drop it)
+        elif kind in ("reasoning", "additional_tools"):
+            # Earlier reasoning is not shown to the model again (templates drop it); the tools
+            # an additional_tools item brings are among the request's tools already.
+            continue
         elif kind == "item_reference":
             raise ApiError(
                 400,
@@ -223,8 +295,9 @@ def input_messages(value: Any) -> list[dict[str, Any]]:
         else:
             raise ApiError(
                 400,
-                f"'{where}': input items of type '{kind}' are not supported "
-                "(corral takes message, function_call, function_call_output and reasoning)",
+                f"'{where}': input items of type '{kind}' are not supported (corral takes "
+                "message, function_call, function_call_output, custom_tool_call, "
+                "custom_tool_call_output, additional_tools and reasoning)",
                 "input",
             )
     return messages
@@ -301,68 +374,221 @@ def _str(obj: dict[str, Any], name: str, where: str) -> str:
     return value
 
 
-def parse_tools(tools: list[Any]) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
-    """Function tools as chat tools, and as the response echoes them."""
-    chat, echo = [], []
-    for i, t in enumerate(tools):
-        where = f"tools[{i}]"
-        if not isinstance(t, dict):
-            raise ApiError(400, f"invalid type for '{where}': expected an object", "tools")
-        if t.get("type") != "function":
+def additional_tools(body: dict[str, Any]) -> list[tuple[str, list[Any]]]:
+    """The tools of `additional_tools` input items (Codex sends its tools so), each list with
+    where it is."""
+    items = body.get("input")
+    found = []
+    for i, item in enumerate(items if isinstance(items, list) else []):
+        if isinstance(item, dict) and item.get("type") == "additional_tools":
+            tools = item.get("tools")
+            if not isinstance(tools, list):
+                raise ApiError(
+                    400, f"invalid type for 'input[{i}].tools': expected an array", "input"
+                )
+            found.append((f"input[{i}].tools", tools))
+    return found
+
+
+def parse_tools(groups: list[tuple[str, list[Any]]]) -> Tools:
+    """The request's tools (lists named by where they are: "tools", "input[0].tools") as the
+    model sees them and as the response echoes them. A tool given again (a later
+    additional_tools item) replaces the earlier one."""
+    found: dict[tuple[str | None, str], tuple[ToolRef, dict[str, Any]]] = {}
+    out = Tools()
+    for where, tools in groups:
+        param = "tools" if where == "tools" else "input"
+        for i, t in enumerate(tools):
+            at = f"{where}[{i}]"
+            if not isinstance(t, dict):
+                raise ApiError(400, f"invalid type for '{at}': expected an object", param)
+            kind = t.get("type")
+            if kind in HOSTED_TOOLS:
+                out.hosted.append(str(kind))
+                if where == "tools":
+                    out.echo.append(t)
+                continue
+            if kind == "namespace":
+                ns = _name(t, at, param)
+                get(t, "description", str, prefix=f"{at}.")
+                members = t.get("tools")
+                if not isinstance(members, list) or not members:
+                    raise ApiError(
+                        400, f"'{at}.tools' is required: an array of function or custom tools",
+                        param,
+                    )  # fmt: skip
+                for j, m in enumerate(members):
+                    mat = f"{at}.tools[{j}]"
+                    if not isinstance(m, dict) or m.get("type") not in ("function", "custom"):
+                        raise ApiError(
+                            400, f"'{mat}': a namespace holds only function and custom tools",
+                            param,
+                        )  # fmt: skip
+                    ref, fn = _tool(m, mat, param, ns)
+                    found[(ns, ref.name)] = (ref, fn)
+                if where == "tools":
+                    out.echo.append(t)
+            elif kind in ("function", "custom"):
+                ref, fn = _tool(t, at, param, None)
+                found[(None, ref.name)] = (ref, fn)
+                if where == "tools":
+                    out.echo.append(_echo_function(t) if kind == "function" else t)
+            else:
+                raise ApiError(
+                    400,
+                    f"'{at}': tools of type '{kind}' are not supported (corral runs function, "
+                    "custom and namespace tools, and leaves out OpenAI's hosted tools)",
+                    param,
+                )
+    if out.hosted:
+        log.info("responses: leaving out hosted tools corral cannot run: %s", ", ".join(out.hosted))
+    # A namespace's member keeps its own name unless another tool has it: Codex's prompts name
+    # tools by their own names.
+    plain = [ref.name for ref, _ in found.values()]
+    for ref, fn in found.values():
+        seen = ref.name
+        if ref.namespace is not None and (plain.count(ref.name) > 1):
+            seen = f"{ref.namespace}__{ref.name}"
+        if seen in out.refs:
+            raise ApiError(400, f"two tools have the name '{seen}'", "tools")
+        out.refs[seen] = ref
+        out.chat.append({"type": "function", "function": {**fn, "name": seen}})
+    return out
+
+
+def _name(t: dict[str, Any], where: str, param: str) -> str:
+    name = t.get("name")
+    if not isinstance(name, str) or not name:
+        raise ApiError(400, f"'{where}.name' is required: a string", param)
+    return name
+
+
+def _tool(
+    t: dict[str, Any], where: str, param: str, namespace: str | None
+) -> tuple[ToolRef, dict[str, Any]]:
+    """A function or custom tool as a chat function (less the name the model will see)."""
+    name = _name(t, where, param)
+    desc = get(t, "description", str, prefix=f"{where}.")
+    fn: dict[str, Any] = {"name": name}
+    if desc is not None:
+        fn["description"] = desc
+    if t.get("type") == "custom":
+        fmt = get(t, "format", dict, {"type": "text"}, prefix=f"{where}.")
+        fn["parameters"] = custom_parameters(fmt, f"{where}.format", param)
+        return ToolRef(name, namespace, custom=True), fn
+    params = get(t, "parameters", dict, prefix=f"{where}.")
+    strict = get(t, "strict", bool, prefix=f"{where}.")
+    fn["parameters"] = params if params is not None else {"type": "object", "properties": {}}
+    if strict is not None:
+        fn["strict"] = strict
+    return ToolRef(name, namespace), fn
+
+
+def _echo_function(t: dict[str, Any]) -> dict[str, Any]:
+    return {
+        "type": "function",
+        "name": t["name"],
+        "description": t.get("description"),
+        "parameters": t.get("parameters"),
+        "strict": t.get("strict"),
+    }
+
+
+def custom_parameters(fmt: dict[str, Any], where: str, param: str) -> dict[str, Any]:
+    """A custom tool's input as the one string argument, `input`, of a function. A regex
+    format becomes the string's pattern (so a forced call matches it); a Lark grammar cannot
+    be turned into a JSON schema, so the model is shown it."""
+    text: dict[str, Any] = {"type": "string"}
+    kind = fmt.get("type")
+    if kind == "grammar":
+        syntax = fmt.get("syntax")
+        definition = fmt.get("definition")
+        if syntax not in ("lark", "regex") or not isinstance(definition, str):
             raise ApiError(
                 400,
-                f"'{where}': tools of type '{t.get('type')}' are not supported "
-                "(corral supports only function tools)",
-                "tools",
+                f"'{where}' must have a 'syntax' (lark or regex) and a 'definition' string",
+                param,
             )
-        name = t.get("name")
-        if not isinstance(name, str) or not name:
-            raise ApiError(400, f"'{where}.name' is required: a string", "tools")
-        desc = get(t, "description", str, prefix=f"{where}.")
-        params = get(t, "parameters", dict, prefix=f"{where}.")
-        strict = get(t, "strict", bool, prefix=f"{where}.")
-        fn: dict[str, Any] = {"name": name}
-        if desc is not None:
-            fn["description"] = desc
-        fn["parameters"] = params if params is not None else {"type": "object", "properties": {}}
-        if strict is not None:
-            fn["strict"] = strict
-        chat.append({"type": "function", "function": fn})
-        echo.append(
-            {
-                "type": "function",
-                "name": name,
-                "description": desc,
-                "parameters": params,
-                "strict": strict,
-            }
-        )
-    return chat, echo
+        if syntax == "regex":
+            text["pattern"] = _anchored(definition)
+        text["description"] = f"The input, which must match this {syntax} grammar:\n{definition}"
+    elif kind == "text":
+        text["description"] = "The input, as free-form text."
+    else:
+        raise ApiError(400, f"'{where}.type' must be text or grammar", param)
+    return {
+        "type": "object",
+        "properties": {"input": text},
+        "required": ["input"],
+        "additionalProperties": False,
+    }
 
 
-def parse_tool_choice(value: Any, has_tools: bool) -> tuple[str, Any]:
-    """tool_choice as Chat takes it ("auto", "none", "required" or a name), and as echoed."""
+def _anchored(regex: str) -> str:
+    """A regex that must match the whole input, as OpenAI applies one (llama.cpp's schema
+    converter takes only patterns anchored at both ends)."""
+    core = regex.removeprefix("^")
+    if core.endswith("$") and not core.endswith("\\$"):
+        core = core[:-1]
+    return f"^({core})$"
+
+
+def parse_tool_choice(value: Any, tools: Tools) -> tuple[str, Any]:
+    """tool_choice as Chat takes it ("auto", "none", "required" or the name the model sees),
+    and as echoed."""
     if value is None:
         return "auto", "auto"
     if value in ("auto", "none", "required"):
         choice, echo = value, value
-    elif isinstance(value, dict) and value.get("type") == "function":
+    elif isinstance(value, dict) and value.get("type") in ("function", "custom"):
         name = value.get("name")
         if not isinstance(name, str) or not name:
             raise ApiError(400, "'tool_choice.name' is required: a string", "tool_choice")
-        choice, echo = name, {"type": "function", "name": name}
+        namespace = value.get("namespace")
+        choice = choose_tool(tools, name, namespace if isinstance(namespace, str) else None)
+        echo = value
+    elif isinstance(value, dict) and value.get("type") in HOSTED_TOOLS:
+        raise ApiError(
+            400,
+            f"'tool_choice' forces the hosted tool '{value['type']}', which runs on OpenAI's "
+            "servers: corral cannot run it (it runs function, custom and namespace tools)",
+            "tool_choice",
+        )
     else:
         raise ApiError(
             400,
-            '\'tool_choice\' must be "auto", "none", "required" or '
-            '{"type": "function", "name": ...} (corral supports only function tools)',
+            '\'tool_choice\' must be "auto", "none", "required", {"type": "function", '
+            '"name": ...} or {"type": "custom", "name": ...}',
             "tool_choice",
         )
-    if choice not in ("auto", "none") and not has_tools:
+    if choice not in ("auto", "none") and not tools.chat:
+        why = "only hosted tools, which corral cannot run," if tools.hosted else "no tools"
         raise ApiError(
-            400, "'tool_choice' asks for a tool call but no tools were given", "tool_choice"
+            400, f"'tool_choice' asks for a tool call but {why} were given", "tool_choice"
         )
     return choice, echo
+
+
+def choose_tool(tools: Tools, name: str, namespace: str | None) -> str:
+    """The name the model sees for the tool a tool_choice names: by its own name (one in no
+    namespace first), in `namespace` if given, or by the name the model sees."""
+    matches = [
+        seen
+        for seen, ref in tools.refs.items()
+        if ref.name == name and (namespace is None or ref.namespace == namespace)
+    ]
+    if len(matches) > 1:
+        top = [seen for seen in matches if tools.refs[seen].namespace is None]
+        if not top:
+            raise ApiError(
+                400,
+                f"'tool_choice' names '{name}', which more than one namespace has: "
+                "give its 'namespace' too",
+                "tool_choice",
+            )
+        matches = top
+    # Not found: the service answers that it is not among the tools.
+    return matches[0] if matches else name
 
 
 def format_params(fmt: dict[str, Any]) -> dict[str, Any]:
@@ -407,17 +633,25 @@ def thinking_kwargs(effort: str) -> dict[str, Any]:
 
 class Builder:
     """Turns a generation's events into Responses output items, and the stream events that
-    build them, one item per run of one kind (reasoning, text, each function call). The same
-    code serves both streamed and whole answers, so they cannot disagree."""
+    build them, one item per run of one kind (reasoning, text, each tool call). The same
+    code serves both streamed and whole answers, so they cannot disagree.
 
-    def __init__(self, model: str, echo: dict[str, Any]) -> None:
+    `tools` maps the names the model sees to the client's tools: a call to a namespace's
+    member comes back under its own name with its `namespace`, one to a custom tool as a
+    `custom_tool_call`."""
+
+    def __init__(
+        self, model: str, echo: dict[str, Any], tools: dict[str, ToolRef] | None = None
+    ) -> None:
         self.id = new_id("resp_")
         self.created_at = int(time.time())
         self.model = model
         self.echo = echo
+        self.tools = tools or {}
         self.items: list[dict[str, Any]] = []
         self.open: dict[str, Any] | None = None  # the item still being written
         self.calls: dict[int, dict[str, Any]] = {}  # ToolCall.index -> its item
+        self.inputs: dict[str, CustomInput] = {}  # custom tool call's item id -> its input
         self.seq = 0
         self.thinking_deltas = 0  # one token each: the count of reasoning tokens
         self.done: Done | None = None
@@ -504,28 +738,39 @@ class Builder:
         item = self.calls.get(ev.index)
         if item is None:
             out += self._close()
+            # llama.cpp sends a call's name whole, in its first event: the kind of item it
+            # makes is known from there.
+            ref = self.tools.get(ev.name) or ToolRef(ev.name)
+            call_id = ev.id if ev.id.startswith("call_") else new_id("call_")
             item = {
-                "id": new_id("fc_"),
-                "type": "function_call",
+                "id": new_id("ctc_" if ref.custom else "fc_"),
+                "type": "custom_tool_call" if ref.custom else "function_call",
                 "status": "in_progress",
-                "call_id": ev.id if ev.id.startswith("call_") else new_id("call_"),
-                "name": ev.name,
-                "arguments": "",
+                "call_id": call_id,
+                "name": ref.name,
             }
+            if ref.namespace is not None:
+                item["namespace"] = ref.namespace
+            if ref.custom:
+                item["input"] = ""
+                self.inputs[item["id"]] = CustomInput()
+            else:
+                item["arguments"] = ""
             self.calls[ev.index] = item
             out += self._add(item)
-        else:
+        elif ev.name and item["type"] == "function_call":
             item["name"] += ev.name  # a name streamed in pieces (llama.cpp sends it whole)
-        if ev.arguments:
-            item["arguments"] += ev.arguments
-            out.append(
-                self._ev(
-                    "response.function_call_arguments.delta",
-                    item_id=item["id"],
-                    output_index=self.items.index(item),
-                    delta=ev.arguments,
-                )
-            )
+        if not ev.arguments:
+            return out
+        at = {"item_id": item["id"], "output_index": self.items.index(item)}
+        if item["type"] == "custom_tool_call":
+            text = self.inputs[item["id"]].feed(ev.arguments)
+            if text:
+                item["input"] += text
+                out.append(self._ev("response.custom_tool_call_input.delta", **at, delta=text))
+            return out
+        item["arguments"] += ev.arguments
+        out.append(self._ev("response.function_call_arguments.delta", **at, delta=ev.arguments))
         return out
 
     def finish(self, done: Done) -> list[dict[str, Any]]:
@@ -613,6 +858,13 @@ class Builder:
                 self._ev("response.reasoning_text.done", **at, content_index=0, text=part["text"]),
                 self._ev("response.content_part.done", **at, content_index=0, part=_copy(part)),
             ]
+        elif item["type"] == "custom_tool_call":
+            text = self.inputs.pop(item["id"]).final()
+            if text.startswith(item["input"]) and len(text) > len(item["input"]):
+                rest = text[len(item["input"]) :]
+                out.append(self._ev("response.custom_tool_call_input.delta", **at, delta=rest))
+            item["input"] = text
+            out.append(self._ev("response.custom_tool_call_input.done", **at, input=text))
         else:
             out.append(
                 self._ev(
@@ -692,6 +944,87 @@ class Builder:
         if self.done is None:
             for e in self.finish(Done("stop", Usage())):
                 yield _sse(e)
+
+
+class CustomInput:
+    """A custom tool call's input: the string the model writes as the function argument
+    `{"input": "..."}`, decoded as the JSON arrives so that it streams. Escapes are decoded
+    whole (a piece ending inside one waits for the rest), so the pieces add up to the string."""
+
+    HEAD = '{"input":"'
+
+    def __init__(self) -> None:
+        self.raw = ""  # the arguments' JSON as written
+        self.pos = -1  # where the undecoded rest of the string starts; -1: not yet found
+        self.done = False  # the string's closing quote was seen, or the JSON has another shape
+
+    def feed(self, piece: str) -> str:
+        """The input text that `piece` of the arguments completes."""
+        self.raw += piece
+        if self.done:
+            return ""
+        if self.pos < 0:
+            head = _STRING_HEAD.match(self.raw)
+            if head is None:
+                # Another shape than {"input": "..."}: the whole input comes at the end.
+                self.done = not self.HEAD.startswith("".join(self.raw.split()))
+                return ""
+            self.pos = head.end()
+        end = self.pos
+        while end < len(self.raw):
+            c = self.raw[end]
+            if c == '"':
+                self.done = True
+                break
+            if c != "\\":
+                end += 1
+                continue
+            # \uD83D\uDE00: a surrogate pair is decoded together
+            size = 2 if self.raw[end + 1 : end + 2] != "u" else 6
+            if size == 6 and 0xD8 <= _hex_byte(self.raw[end + 2 : end + 4]) <= 0xDB:
+                size = 12
+            if end + size > len(self.raw):
+                break
+            end += size
+        text = self.raw[self.pos : end]
+        self.pos = end
+        try:
+            return str(json.loads(f'"{text}"', strict=False))
+        except ValueError:  # not JSON after all
+            self.done = True
+            return ""
+
+    def final(self) -> str:
+        """The whole input: the string value of the arguments' one key (`input` as asked,
+        or another name a model chose), else the arguments as they were written."""
+        try:
+            args = json.loads(self.raw)
+        except ValueError:  # cut short (max_output_tokens): what the string had so far
+            return self._prefix() if self.pos >= 0 else self.raw
+        if isinstance(args, str):
+            return args
+        if isinstance(args, dict):
+            if isinstance(args.get("input"), str):
+                return str(args["input"])
+            strings = [v for v in args.values() if isinstance(v, str)]
+            if len(args) == 1 and strings:
+                return strings[0]
+        return self.raw
+
+    def _prefix(self) -> str:
+        head = _STRING_HEAD.match(self.raw)
+        assert head is not None
+        return str(json.loads(f'"{self.raw[head.end() : self.pos]}"', strict=False))
+
+
+_STRING_HEAD = re.compile(r'\s*\{\s*"input"\s*:\s*"')
+
+
+def _hex_byte(digits: str) -> int:
+    try:
+        return int(digits, 16)
+    except ValueError:
+        return -1
 
 
 def _sse(ev: dict[str, Any]) -> bytes:
