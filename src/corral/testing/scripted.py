@@ -8,22 +8,23 @@ with the parser it picked for that template, exactly as it would a real model's 
 
 How it works (llama architecture, one layer, SmolLM2's tokenizer as ``synth`` uses it):
 
-* Attention and feed-forward weights are all zero, so the hidden state at the output is the
-  current token's embedding: the model is a bigram table, the next token decided by the current
-  one alone.
+* The feed-forward weights are zero and attention only copies the prompt's marker (below), so
+  the model is a bigram table: the next token is decided by the current one (and the branch).
 * Every chunk of the scripted output is a token of its own, added to the vocabulary (a token's
-  text may be long: ``{"name": "Bash", "arguments": {...}}``), so no token repeats within a chain
-  and each has one successor. Each chain token gets its own standard basis vector as embedding,
-  and the output row of a token is a large multiple of the embedding of the token before it
-  (``_LOGIT``: sampling at any usual temperature is greedy). The last token of a chain is followed
-  by the family's end-of-generation token.
-* The family's real chat template (``templates/families/``) is followed by a suffix that, when
-  ``add_generation_prompt`` is set, writes one marker token (``<|corral_reply|>``,
-  ``<|corral_call|>``, ``<|corral_answer|>``, control tokens) chosen by the script's rule. It is
-  the prompt's last token, so it starts its chain. Every token outside the chains embeds as the
-  reply marker, so a raw completion of any prompt writes the reply.
-* The family's special tokens are in the vocabulary (as llama.cpp sees them in a real model of the
-  family) and its end-of-generation tokens in the metadata, so llama.cpp stops there.
+  text may be long: ``{"name": "Bash", "arguments": {...}}``; a reply or answer is one token),
+  so no token repeats within a chain and each has one successor. Each chain token gets its own
+  standard basis vector as embedding, and the output row of a token is a large multiple of the
+  embedding of the token before it (``_LOGIT``: sampling at any usual temperature is greedy).
+  The last token of a chain is followed by the family's end-of-generation token.
+* The chat template is a prefix, then the family's real chat template (``templates/families/``,
+  as llama.cpp ships them, so llama.cpp picks the family's parser from it). The prefix writes
+  one marker token (``<|corral_reply|>``, ``<|corral_call|>``, ``<|corral_answer|>``, control
+  tokens) chosen by the script's rule. One attention head (a constant query, a key only on
+  markers, in a RoPE pair that barely turns) carries the marker's branch to every later
+  position, so the prompt's last token (the family's generation prompt) starts that branch's
+  chain. A prompt without a marker (a raw completion) gets the reply.
+* The family's special tokens are in the vocabulary (as llama.cpp sees them in a real model of
+  the family) and its end-of-generation tokens in the metadata, so llama.cpp stops there.
 
 The file is ~2 MB (SmolLM2's vocabulary cut to 8192 tokens plus the added ones) and written in
 well under a second.
@@ -117,11 +118,6 @@ class _Family:
     text_end: str = "<|im_end|>"
     call_end: str = "<|im_end|>"
     tools: bool = True
-    # Where the marker goes: after the generation prompt (the prompt's last token), or before
-    # the whole prompt, for families whose llama.cpp parser reads the generation prompt and would
-    # trip on a marker in it (attention carries the marker to the prompt's end).
-    marker_first: bool = False
-    extra: dict[str, Any] = field(default_factory=dict)
 
 
 def _dumps(value: Any) -> str:
@@ -166,7 +162,9 @@ def _harmony_call(name: str, args: dict[str, Any]) -> _Chunks:
 
 
 def _glm_text(text: str) -> _Chunks:
-    return ["\n", "<think>", "</think>", "\n" + text]
+    # No "<think></think>": GLM 4.5 writes it unless the prompt has (enable_thinking false), and
+    # llama.cpp takes the answer with or without it.
+    return ["\n" + text]
 
 
 def _glm_call(name: str, args: dict[str, Any]) -> _Chunks:
@@ -174,7 +172,7 @@ def _glm_call(name: str, args: dict[str, Any]) -> _Chunks:
     for key, value in args.items():
         text = value if isinstance(value, str) else _dumps(value)
         body += f"\n<arg_key>{key}</arg_key>\n<arg_value>{text}</arg_value>"
-    return ["\n<think></think>\n", "<tool_call>", body, "</tool_call>"]
+    return ["\n", "<tool_call>", body, "</tool_call>"]
 
 
 _QWEN_TOKENS = ("<tool_call>", "</tool_call>", "<tool_response>", "</tool_response>")
@@ -193,7 +191,6 @@ _FAMILIES: dict[str, _Family] = {
         "qwen3-coder.jinja",
         user_defined=_QWEN_TOKENS,
         call=_qwen3_coder_call,
-        marker_first=True,
     ),
     "hermes": _Family(
         "hermes.jinja",
@@ -240,7 +237,6 @@ _FAMILIES: dict[str, _Family] = {
         call=_mistral_call,
         text_end="</s>",
         call_end="</s>",
-        marker_first=True,
     ),
     "gpt-oss": _Family(
         "gpt-oss.jinja",
@@ -259,7 +255,6 @@ _FAMILIES: dict[str, _Family] = {
         call=_harmony_call,
         text_end="<|return|>",
         call_end="<|call|>",
-        marker_first=True,
     ),
     "glm": _Family(
         "glm.jinja",
@@ -298,11 +293,14 @@ def _family(family: str) -> _Family:
         raise ValueError(f"unknown family {family!r}; use one of {', '.join(FAMILIES)}") from None
 
 
-def _marker(call: bool, first: bool) -> str:
-    """Jinja that writes the marker of the script's branch: after the generation prompt, or
-    (``first``) before everything, whether or not there is a generation prompt."""
+def _marker(call: bool) -> str:
+    """Jinja that writes the marker of the script's branch. It goes before the whole prompt,
+    the same with or without a generation prompt: llama.cpp parses a generation prompt
+    together with the output (the difference a generation prompt makes to the rendered text),
+    and a marker there would end up in the content, or trip parsers that expect the
+    family's own generation prompt (gpt-oss, Qwen3-Coder; Qwen 3 and GLM with thinking off)."""
     tools_marker = MARKERS["call"] if call else MARKERS["reply"]
-    choose = (
+    return (
         "{%- set corral_ns = namespace(tool_result=false) -%}"
         "{%- for corral_m in messages -%}"
         "{%- if corral_m.role == 'tool' -%}{%- set corral_ns.tool_result = true -%}{%- endif -%}"
@@ -312,18 +310,13 @@ def _marker(call: bool, first: bool) -> str:
         f"{{%- else -%}}{{{{- '{MARKERS['reply']}' -}}}}"
         "{%- endif -%}"
     )
-    if first:
-        return choose
-    return "{%- if add_generation_prompt -%}" + choose + "{%- endif -%}"
 
 
 def chat_template(family: str, script: Script = Script()) -> str:
-    """The chat template a scripted model of ``family`` carries: the family's with the marker."""
+    """The chat template a scripted model of ``family`` carries: the marker, then the family's."""
     fam = _family(family)
     call = script.call is not None and fam.tools and fam.call is not None
-    if fam.marker_first:
-        return _marker(call, first=True) + family_template(family)
-    return family_template(family).rstrip("\n") + "\n" + _marker(call, first=False)
+    return _marker(call) + family_template(family)
 
 
 # --------------------------------------------------------------------------- writer
