@@ -29,6 +29,22 @@ SCHEMA: dict[str, Any] = {
     "required": ["command"],
 }
 DESCRIPTION = "Run a shell command and return its output."
+# Arguments of several JSON types, a quoted and a multi-line string, an optional one left out.
+TYPED_CALL = (
+    "Edit",
+    {"path": 'src/a "b".py', "text": "line 1\nline 2", "count": 3, "opts": {"dry": True}},
+)
+TYPED_SCHEMA: dict[str, Any] = {
+    "type": "object",
+    "properties": {
+        "path": {"type": "string"},
+        "text": {"type": "string"},
+        "count": {"type": "integer"},
+        "opts": {"type": "object", "properties": {"dry": {"type": "boolean"}}},
+        "backup": {"type": "boolean"},
+    },
+    "required": ["path", "text"],
+}
 # Families with tool calls: all but plain ChatML (SmolLM2's own template has no tools).
 TOOL_FAMILIES = [f for f in FAMILIES if f != "chatml"]
 APIS = ["ollama", "openai", "anthropic", "responses"]
@@ -106,8 +122,7 @@ def test_writer_chains(tmp_path: Path, family: str) -> None:
 def test_writer_rejects() -> None:
     with pytest.raises(ValueError, match="unknown family"):
         write_scripted_model(Path("/nonexistent/m.gguf"), "gpt-5")
-    # gpt-oss's reply and call would both need "<|message|>" followed by different tokens only
-    # if the texts collide; a reply equal to a call chunk is refused.
+    # A reply whose text is a token of the call would need two successors: refused.
     with pytest.raises(ValueError, match="repeats the token"):
         write_scripted_model(
             Path("/nonexistent/m.gguf"), "qwen2.5", Script(reply="<tool_call>", call=CALL)
@@ -138,6 +153,8 @@ def families_server(start_server: Any, tmp_path_factory: pytest.TempPathFactory)
     models = tmp_path_factory.mktemp("scripted")
     for family in FAMILIES:
         write_scripted_model(models / f"{family}.gguf", family, SCRIPT)
+        write_scripted_model(models / f"{family}-typed.gguf", family, Script(call=TYPED_CALL))
+    write_scripted_model(models / "nocall.gguf", "qwen2.5", Script(reply="No tools needed."))
     # Devstral's default system prompt alone is ~1,600 tokens of SmolLM2's cut vocabulary.
     return start_server(models, CORRAL_CONTEXT_LENGTH="4096")
 
@@ -405,3 +422,20 @@ def test_answer_after_tool_result(http: httpx.Client, family: str, api: str, str
     tools = family != "chatml"
     answer = CLIENTS[api](http, family, _after_tool(api), tools, stream)
     assert (answer.text, answer.calls, answer.stop) == (SCRIPT.answer, [], TEXT_STOP[api])
+
+
+@pytest.mark.parametrize("family", TOOL_FAMILIES)
+def test_typed_arguments(http: httpx.Client, family: str) -> None:
+    tools = [{"type": "function", "function": {"name": "Edit", "parameters": TYPED_SCHEMA}}]
+    body = {"model": f"{family}-typed", "messages": [{"role": "user", "content": USER}]}
+    r = http.post("/v1/chat/completions", json={**body, "tools": tools})
+    assert r.status_code == 200, r.text
+    (call,) = r.json()["choices"][0]["message"]["tool_calls"]
+    assert (call["function"]["name"], json.loads(call["function"]["arguments"])) == TYPED_CALL
+
+
+def test_no_call_scripted_replies_with_tools(http: httpx.Client) -> None:
+    # A script without a call replies even when tools are offered.
+    messages = [{"role": "user", "content": USER}]
+    answer = _openai(http, "nocall", messages, tools=True, stream=False)
+    assert (answer.text, answer.calls, answer.stop) == ("No tools needed.", [], "stop")
