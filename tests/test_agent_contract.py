@@ -83,6 +83,9 @@ def test_which_templates_render_a_later_system_message() -> None:
     assert renders_later_system(None)  # llama.cpp's ChatML fallback
     assert not renders_later_system(ALTERNATING)
     assert not renders_later_system(FIRST_ONLY)
+    # Hermes 3's tool-use template iterates `tools` unguarded: jinja2 raises TypeError on the
+    # probe, which must mean "fold", not a 500.
+    assert not renders_later_system("{% for t in tools %}{{ t }}{% endfor %}" + CHATML)
 
 
 def test_place_system_keeps_or_folds() -> None:
@@ -281,3 +284,32 @@ def test_raw_with_system_template_or_context(http: httpx.Client, extra: dict[str
     r = http.post("/api/generate", json={"model": SMOL, "prompt": "Hi", "raw": True, **extra})
     assert r.status_code == 400
     assert r.json() == {"error": "raw mode does not support template, system, or context"}
+
+
+# ---- the prompt cache across an agent's turns ---------------------------------------------------
+def test_claude_code_session_evaluates_only_new_tokens(client: anthropic.Anthropic) -> None:
+    """20 turns of a Claude Code-shaped conversation: a billing header that changes every
+    request, a growing history with system reminders inside it. After the first turn, every
+    turn reuses all of the previous turn's prompt from the runner's cache and evaluates only
+    what is new."""
+    history: list[dict[str, Any]] = []
+    previous = 0
+    for turn in range(20):
+        history.append({"role": "user", "content": f"Step {turn}: go on."})
+        if turn % 5 == 0:
+            reminder = f"<system-reminder>{turn}</system-reminder>"
+            history.append({"role": "system", "content": reminder})
+        body = claude_code_body(cch=f"{turn:05x}", turns=history)
+        r = client.messages.create(
+            model=SMOL, max_tokens=4, system=body["system"], messages=history,
+            tools=body["tools"], extra_body={"temperature": 0},
+        )  # fmt: skip
+        u = r.usage
+        reused = u.cache_read_input_tokens or 0
+        prompt = u.input_tokens + reused
+        if turn:
+            assert reused >= previous, (turn, u)  # the whole previous prompt came from the cache
+            assert 0 < u.input_tokens <= prompt - previous, (turn, u)  # only the new tokens
+        text = "".join(b.text for b in r.content if b.type == "text")
+        history.append({"role": "assistant", "content": text or "ok"})
+        previous = prompt

@@ -19,7 +19,7 @@ if TYPE_CHECKING:
 
 SECTIONS = ("proxy", "cold", "swap", "estimates")  # what `all` runs
 # Run only when named: the soak is a stress test of a minute or more, with chaos.
-EXTRA = ("soak", "prefetch", "resume")
+EXTRA = ("soak", "prefetch", "resume", "agent")
 TITLES = {
     "proxy": "Proxy overhead",
     "cold": "Cold start",
@@ -28,6 +28,7 @@ TITLES = {
     "soak": "Soak under a memory limit, with chaos",
     "prefetch": "Prefetch while a load waits for an eviction",
     "resume": "Resumed conversations after an eviction",
+    "agent": "An agent session: prompt cache across turns",
 }
 
 
@@ -115,6 +116,10 @@ def run_section(name: str, scale: Scale, work: Path, say: Say) -> Section:
         from corral.bench import resume
 
         runners[name] = resume.run
+    elif name == "agent":
+        from corral.bench import agent
+
+        runners[name] = agent.run
     t0 = time.monotonic()
     try:
         sec = runners[name](scale, work, say)

@@ -14,8 +14,8 @@ from typing import Any
 
 from corral.bench.common import Section, machine_line
 
-ORDER = ("proxy", "cold", "swap", "estimates", "soak", "resume")
-OPTIONAL = ("soak", "resume")  # on the page once measured (`all` does not run them)
+ORDER = ("proxy", "cold", "swap", "estimates", "soak", "resume", "agent")
+OPTIONAL = ("soak", "resume", "agent")  # on the page once measured (`all` does not run them)
 # Hand-written blocks (`<!-- bench:notes:NAME -->`) a run keeps as they are, after the goals.
 NOTES = {
     "misses": "What the misses mean",
@@ -29,6 +29,7 @@ TITLES = {
     "estimates": "4. Estimate accuracy",
     "soak": "5. Soak under a memory limit, with chaos",
     "resume": "6. Resumed conversations after an eviction",
+    "agent": "7. An agent session: prompt cache across turns",
 }
 
 INTRO = """\
@@ -135,6 +136,14 @@ count), and llama.cpp's `prompt_n` / `prompt_ms` for the prompt it did evaluate;
 restore times, the wait before the request (rendering, tokenizing, restore) and what corral
 logged as reused from corral's log. The same on a synthetic gemma3 whose layers see a
 512-token sliding window (5 of its 6 layers).""",
+    "agent": """\
+Two Claude Code-shaped sessions at once on SmolLM2-135M (two slots), 20 turns each
+(`corral bench agent --write-docs`): a ~2,000-token system prompt whose first block is Claude
+Code's `x-anthropic-billing-header` (different on every request), ten tools, the growing
+history with a system message inside `messages` every fifth turn. Usage per turn: prompt
+tokens, what llama.cpp evaluated (`input_tokens`) and read from the slot's cache
+(`cache_read_input_tokens`). Beside it, interleaved, the same sessions with the first block
+renamed so that corral keeps it: what a per-request text at the prompt's start costs.""",
     "estimates": """\
 corral's memory estimate (`corral.core.estimate`) against what llama.cpp reports it allocated, for
 synthetic and real models at several contexts, slots and KV cache types

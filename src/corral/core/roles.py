@@ -32,7 +32,9 @@ def renders_later_system(template: str | None) -> bool:
     ]
     try:
         out = render(template, probe)
-    except TemplateError:
+    except (TemplateError, TypeError, ValueError, LookupError, AttributeError):
+        # Rendered by jinja2, not llama.cpp's engine: a template that reads what the probe
+        # does not give (tools, say) fails here and is folded for, which every template takes.
         return False
     return -1 < out.find(_A1) < out.find(_S2) < out.find(_U2)
 
