@@ -834,6 +834,31 @@ def test_later_turn_items_become_chat_messages() -> None:
     ]  # fmt: skip
 
 
+def test_images_in_tool_outputs_follow_the_tool_messages() -> None:
+    # Codex's view_image answers with an image; a chat tool message holds only text, so the
+    # image goes to the model in a user message after the turn's tool results.
+    image = {"type": "input_image", "image_url": "data:image/png;base64,AAAA"}
+    req = parse_request({"model": "m", "input": [
+        {"role": "user", "content": "Look."},
+        {"type": "function_call", "call_id": "c1", "name": "view_image", "arguments": "{}"},
+        {"type": "function_call", "call_id": "c2", "name": "get_time", "arguments": "{}"},
+        {"type": "function_call_output", "call_id": "c1", "output": [image]},
+        {"type": "function_call_output", "call_id": "c2",
+         "output": [{"type": "input_text", "text": "noon"}, image]},
+        {"role": "user", "content": "Well?"},
+    ]})  # fmt: skip
+    url = {"type": "image_url", "image_url": {"url": image["image_url"]}}
+    assert req.chat.messages[2:] == [
+        {"role": "tool", "tool_call_id": "c1", "content": "(an image: it follows)",
+         "name": "view_image"},
+        {"role": "tool", "tool_call_id": "c2", "content": "noon", "name": "get_time"},
+        {"role": "user", "content": [
+            {"type": "text", "text": "The images the tool calls above returned:"}, url, url,
+        ]},
+        {"role": "user", "content": "Well?"},
+    ]  # fmt: skip
+
+
 def test_custom_input_streams_as_it_is_decoded() -> None:
     text = 'line 1\n"quoted" \\ tab\t \u00e9 \U0001f600 end'
     raw = json.dumps({"input": text})  # \uXXXX escapes, a surrogate pair among them

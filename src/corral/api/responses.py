@@ -60,6 +60,7 @@ from corral.api.stream import json_response
 
 log = logging.getLogger(__name__)
 
+OUTPUTS = ("function_call_output", "custom_tool_call_output")
 ROLES = {"user": "user", "system": "system", "assistant": "assistant", "developer": "system"}
 EFFORTS = ("none", "minimal", "low", "medium", "high", "xhigh", "max", "ultra")
 # Tool types that OpenAI runs on its own servers (the SDK's Tool union less function, custom
@@ -242,11 +243,15 @@ def input_messages(value: Any, tools: Tools | None = None) -> list[dict[str, Any
     tools = tools or Tools()
     messages: list[dict[str, Any]] = []
     names: dict[str, str] = {}  # call_id -> function name, for the tool messages
+    images: list[dict[str, Any]] = []  # from tool outputs, for a user message after them
     for i, item in enumerate(value):
         where = f"input[{i}]"
         if not isinstance(item, dict):
             raise ApiError(400, f"invalid type for '{where}': expected an object", "input")
         kind = item.get("type", "message" if "role" in item else None)
+        if images and kind not in OUTPUTS:
+            messages.append(images_message(images))
+            images = []
         if kind == "message":
             messages.append(input_message(item, where))
         elif kind in ("function_call", "custom_tool_call"):
@@ -273,10 +278,14 @@ def input_messages(value: Any, tools: Tools | None = None) -> list[dict[str, Any
                 last.setdefault("tool_calls", []).append(call)
             else:
                 messages.append({"role": "assistant", "content": "", "tool_calls": [call]})
-        elif kind in ("function_call_output", "custom_tool_call_output"):
+        elif kind in OUTPUTS:
             call_id = _str(item, "call_id", where)
             out = item.get("output")
-            content = out if isinstance(out, str) else text_of(out, f"{where}.output")
+            if isinstance(out, str):
+                content = out
+            else:
+                content, pictures = tool_output(out, f"{where}.output")
+                images += pictures
             msg = {"role": "tool", "tool_call_id": call_id, "content": content}
             if call_id in names:
                 msg["name"] = names[call_id]
@@ -300,6 +309,8 @@ def input_messages(value: Any, tools: Tools | None = None) -> list[dict[str, Any
                 "custom_tool_call_output, additional_tools and reasoning)",
                 "input",
             )
+    if images:
+        messages.append(images_message(images))
     return messages
 
 
@@ -357,14 +368,24 @@ def content_part(part: Any, where: str) -> dict[str, Any]:
     raise ApiError(400, f"'{where}': content of type '{kind}' is not supported", "input")
 
 
-def text_of(value: Any, where: str) -> str:
-    """A function call's output given as content parts: only text can go to the model."""
+def tool_output(value: Any, where: str) -> tuple[str, list[dict[str, Any]]]:
+    """A tool call's output given as content parts: its text, and its images (Codex's
+    view_image returns one), which a chat tool message cannot hold."""
     if not isinstance(value, list):
         raise ApiError(400, f"invalid type for '{where}': expected a string or an array", "input")
     parts = [content_part(p, f"{where}[{j}]") for j, p in enumerate(value)]
-    if any(p["type"] != "text" for p in parts):
-        raise ApiError(400, f"'{where}': only text function call outputs are supported", "input")
-    return "\n".join(p["text"] for p in parts)
+    images = [p for p in parts if p["type"] == "image_url"]
+    text = "\n".join(p["text"] for p in parts if p["type"] == "text")
+    if images and not text:
+        text = "(an image: it follows)"
+    return text, images
+
+
+def images_message(images: list[dict[str, Any]]) -> dict[str, Any]:
+    """The images of the tool outputs before it, as a user message: after all of a turn's
+    tool messages, which templates want together right after the calls."""
+    intro = {"type": "text", "text": "The images the tool calls above returned:"}
+    return {"role": "user", "content": [intro, *images]}
 
 
 def _str(obj: dict[str, Any], name: str, where: str) -> str:
@@ -441,7 +462,7 @@ def parse_tools(groups: list[tuple[str, list[Any]]]) -> Tools:
                     param,
                 )
     if out.hosted:
-        log.info("responses: leaving out hosted tools corral cannot run: %s", ", ".join(out.hosted))
+        log.info("leaving out hosted tools corral cannot run: %s", ", ".join(out.hosted))
     # A namespace's member keeps its own name unless another tool has it: Codex's prompts name
     # tools by their own names.
     plain = [ref.name for ref, _ in found.values()]
@@ -570,8 +591,9 @@ def parse_tool_choice(value: Any, tools: Tools) -> tuple[str, Any]:
 
 
 def choose_tool(tools: Tools, name: str, namespace: str | None) -> str:
-    """The name the model sees for the tool a tool_choice names: by its own name (one in no
-    namespace first), in `namespace` if given, or by the name the model sees."""
+    """The name the model sees for the tool a tool_choice names by its own name (in
+    `namespace` if given; else one in no namespace first). Another name is passed on as it
+    is: it may be one the model sees."""
     matches = [
         seen
         for seen, ref in tools.refs.items()
