@@ -465,8 +465,12 @@ def _weights(plan: _Plan) -> _Weights:
     return _Weights(n, arrays)
 
 
-def write_scripted_model(path: Path, family: str = "qwen2.5", script: Script = Script()) -> Path:
-    """Write a scripted model of ``family`` (one of ``FAMILIES``) to ``path``; see ``Script``."""
+def write_scripted_model(
+    path: Path, family: str = "qwen2.5", script: Script = Script(), context_length: int = _CONTEXT
+) -> Path:
+    """Write a scripted model of ``family`` (one of ``FAMILIES``) to ``path``; see ``Script``.
+    `context_length`: the trained context it declares (agents' prompts need tens of thousands
+    of tokens; the one-layer cache costs ~256 bytes a token)."""
     plan, base, fam = _plan(family, script, synth.DEFAULT_N_VOCAB)
     weights = _weights(plan)
     n_embd = weights.n_embd
@@ -483,7 +487,7 @@ def write_scripted_model(path: Path, family: str = "qwen2.5", script: Script = S
     writer.add_name(f"corral-scripted-{family}")
     writer.add_file_type(gguf.LlamaFileType.MOSTLY_F16)
     writer.add_vocab_size(len(plan.tokens))
-    writer.add_context_length(_CONTEXT)
+    writer.add_context_length(context_length)
     writer.add_embedding_length(n_embd)
     writer.add_block_count(1)
     writer.add_feed_forward_length(32)
