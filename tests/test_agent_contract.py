@@ -313,3 +313,14 @@ def test_claude_code_session_evaluates_only_new_tokens(client: anthropic.Anthrop
         text = "".join(b.text for b in r.content if b.type == "text")
         history.append({"role": "assistant", "content": text or "ok"})
         previous = prompt
+
+
+def test_show_keeps_arrays_for_verbose(server) -> None:
+    client = ollama.Client(host=server.url)
+    plain = client.show(SMOL).modelinfo or {}
+    assert plain["tokenizer.ggml.tokens"] is None  # as Ollama: no array elements read
+    full = server.client.post("/api/show", json={"model": SMOL, "verbose": True}).json()
+    tokens = full["model_info"]["tokenizer.ggml.tokens"]
+    assert len(tokens) == 49152 and tokens[:3] == ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
+    assert full["model_info"]["tokenizer.ggml.token_type"][:3] == [3, 3, 3]
+    assert len(full["model_info"]["tokenizer.ggml.merges"]) > 40000

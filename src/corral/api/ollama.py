@@ -39,6 +39,7 @@ from corral.api.guard import entry_paths, hide_paths
 from corral.api.service import Resolved, Service, until_disconnect
 from corral.api.stream import json_response
 from corral.config import ConfigError, parse_duration
+from corral.core.gguf import read_arrays
 from corral.core.gotemplate import TemplateError
 from corral.core.gotemplate import render as render_template
 
@@ -364,6 +365,7 @@ class Ollama:
         name = field(body, "model", str) or field(body, "name", str)
         if not name:
             raise ApiError(400, "'model' is required", "model")
+        verbose = field(body, "verbose", bool, False)
         r = self.svc.resolve(name)
         # A created model's own template, system prompt, parameters and messages come first.
         params = {**r.entry.options, **r.entry.parameters}
@@ -376,6 +378,9 @@ class Ollama:
             "model_info": r.info.model_info(), "capabilities": list(r.info.capabilities),
             "modified_at": rfc3339(r.entry.modified_at),
         }  # fmt: skip
+        if verbose:  # the arrays (tokens, merges, ...) Ollama leaves null unless asked
+            arrays = [k for k, n in r.info.array_lengths.items() if n]
+            out["model_info"] |= await asyncio.to_thread(read_arrays, r.entry.path, arrays)
         if r.entry.system is not None:
             out["system"] = r.entry.system
         if r.entry.messages:

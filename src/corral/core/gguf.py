@@ -210,6 +210,13 @@ _TOOLS_IN_TEMPLATE = re.compile(r"\{[{%][^}]*\btools\b")
 _THINKING_IN_TEMPLATE = re.compile(r"<think>|enable_thinking|reasoning_content")
 
 
+def read_arrays(path: str | Path, keys: Iterable[str]) -> dict[str, list[Any]]:
+    """The elements of the metadata arrays `keys` (the tokenizer's, for /api/show verbose):
+    ModelInfo keeps only their lengths, since they are large and rarely wanted."""
+    fields = GGUFReader(path).fields
+    return {k: list(fields[k].contents()) for k in keys if k in fields}
+
+
 def read_model_info(path: str | Path) -> ModelInfo:
     """Read a GGUF file's metadata and tensor table.
 
