@@ -424,6 +424,8 @@ def parse_tools(groups: list[tuple[str, list[Any]]]) -> Tools:
             if not isinstance(t, dict):
                 raise ApiError(400, f"invalid type for '{at}': expected an object", param)
             kind = t.get("type")
+            if not isinstance(kind, str):
+                raise ApiError(400, f"invalid type for '{at}.type': expected a string", param)
             if kind in HOSTED_TOOLS:
                 out.hosted.append(str(kind))
                 if where == "tools":
@@ -568,7 +570,8 @@ def parse_tool_choice(value: Any, tools: Tools) -> tuple[str, Any]:
         namespace = value.get("namespace")
         choice = choose_tool(tools, name, namespace if isinstance(namespace, str) else None)
         echo = value
-    elif isinstance(value, dict) and value.get("type") in HOSTED_TOOLS:
+    elif isinstance(value, dict) and isinstance(value.get("type"), str) \
+            and value["type"] in HOSTED_TOOLS:
         raise ApiError(
             400,
             f"'tool_choice' forces the hosted tool '{value['type']}', which runs on OpenAI's "
