@@ -11,6 +11,11 @@ template being one llama.cpp knows how to constrain: the prompt is rendered with
 the runner's own template (/apply-template) and the completion is constrained by a JSON schema
 to `{"name": ..., "arguments": {...}}` for one of the allowed tools, so any model answers with
 a well-formed call.
+
+A model whose template knows no tools gets them from corral (`corral.api.toolprompt`): the
+tools rendered into its system prompt in Hermes' words, the completion constrained by a lazy
+grammar from the `<tool_call>` trigger on, and the calls parsed out of the text as it streams
+(mode "fallback"), so every chat model takes tools in every API family.
 """
 
 from __future__ import annotations
@@ -28,6 +33,7 @@ from starlette.responses import Response
 
 from corral.api.common import ApiError, runner_error_message
 from corral.api.stream import UPSTREAM_ERRORS, RelayResponse, RunnerStream
+from corral.api.toolprompt import Call, CallScanner
 from corral.runtime.scheduler import Lease
 
 # ---- the neutral request -------------------------------------------------------------------
@@ -137,12 +143,15 @@ class Generation:
         mode: str,
         stop: list[str],
         explain: Callable[[], Awaitable[str]],
+        tools: frozenset[str] | None = None,
     ) -> None:
         self.lease = lease
         self.upstream = upstream
         # "chat": a /v1/chat/completions stream; "completion": a /completion (or /infill)
-        # stream of raw text; "tool": a /completion constrained to one tool call.
+        # stream of raw text; "tool": a /completion constrained to one tool call;
+        # "fallback": a /completion whose text may hold `<tool_call>` blocks calling `tools`.
         self.mode = mode
+        self.tools = tools
         self.stop = stop
         self.explain = explain
         self.started = time.monotonic()
@@ -177,7 +186,11 @@ class Generation:
         literal is what orjson writes for its text (`PLAIN_TEXT`) and no stop sequence needs
         the text, so a renderer can put it in its own JSON as it is."""
         if self.mode != "chat":
-            source = self._tool_events() if self.mode == "tool" else self._completion_events()
+            source = (
+                self._tool_events() if self.mode == "tool"
+                else self._fallback_events() if self.mode == "fallback"
+                else self._completion_events()
+            )  # fmt: skip
             async for ev in source:
                 yield [ev]
             return
@@ -241,6 +254,37 @@ class Generation:
                     yield Text(rest)
                 reason = "length" if data.get("stop_type") == "limit" else "stop"
                 yield Done(reason, _usage(data))
+                return
+
+    async def _fallback_events(self) -> AsyncIterator[Event]:
+        """A completion's text with the `<tool_call>` blocks in it as calls: text before a
+        call streams as it comes; a call goes out whole once its block is closed (its name,
+        then its arguments); a block that is not a call stays text. Logprobs go with the next
+        text that goes out (a call's own are dropped)."""
+        scan = CallScanner(self.tools)
+        index = 0
+        logprobs: list[dict[str, Any]] = []
+        async for ev in self._completion_events():
+            if isinstance(ev, Done):
+                pieces = scan.finish()
+            elif isinstance(ev, Text):
+                pieces = scan.feed(ev.text)
+                logprobs.extend(ev.logprobs)
+            else:
+                continue
+            for p in pieces:
+                if isinstance(p, Call):
+                    yield ToolCall(index, new_id("call_"), p.name, "")
+                    yield ToolCall(index, arguments=p.arguments)
+                    index += 1
+                    logprobs.clear()
+                else:
+                    yield Text(p, tuple(logprobs))
+                    logprobs.clear()
+            if isinstance(ev, Done):
+                if index and ev.reason == "stop":
+                    ev = Done("tool_calls", ev.usage, ev.stop_sequence)
+                yield ev
                 return
 
     async def _tool_events(self) -> AsyncIterator[Event]:

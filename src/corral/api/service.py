@@ -25,9 +25,10 @@ from starlette.responses import Response
 
 from corral.api import defaults
 from corral.api.common import ApiError, runner_error
-from corral.api.events import Chat, Generation, forced_schema
+from corral.api.events import Chat, Generation, forced_schema, tool_name
 from corral.api.metrics import note_model
 from corral.api.stream import LeasedStream, RunnerStream, open_stream
+from corral.api.toolprompt import TRIGGER, call_grammar, fallback_messages
 from corral.config import Settings
 from corral.core.books import Fit, Placer
 from corral.core.devices import GPU_CONTEXT_BYTES, Device
@@ -44,6 +45,7 @@ from corral.core.gguf import (
     read_adapter_info,
     read_model_info,
     read_projector_info,
+    template_has_tools,
 )
 from corral.core.gotemplate import TemplateError, is_jinja, to_jinja
 from corral.core.placement import Placement, model_need, place
@@ -164,6 +166,12 @@ class Service:
         if model is None:
             model = self.entry(name).name
         return self.scheduler.unload(model)
+
+    def native_tools(self, r: Resolved) -> bool:
+        """Whether the model's chat template (a created model's own, else the GGUF's) renders
+        tools, so that llama.cpp's chat endpoint shows them to the model and parses its calls.
+        Other models get tools from corral (`corral.api.toolprompt`)."""
+        return template_has_tools(r.entry.template or r.info.chat_template)
 
     def require(self, r: Resolved, capability: str, what: str) -> None:
         if capability not in r.info.capabilities:
@@ -457,31 +465,40 @@ class Service:
                 400, f"tool_choice names '{chat.tool_choice}', which is not among the tools",
                 "tool_choice",
             )  # fmt: skip
+        # A template without tools: corral shows the model the tools and finds its calls.
+        fallback = bool(chat.tools) and chat.tool_choice != "none" and not self.native_tools(r)
         lease = await self.lease(request, r, options, keep_alive)
         try:
-            if forced is None and not prefix:
+            if forced is None and not prefix and not fallback:
                 payload = {"messages": chat.messages, **chat.params,
                            "stream_options": {"include_usage": True}}  # fmt: skip
                 if chat.tools and chat.tool_choice != "none":
                     payload["tools"] = chat.tools
                 return await self._start(lease, "/v1/chat/completions", payload, "chat", stop)
             # Rendered here, then completed as raw text: a forced call is constrained by a
-            # schema, which llama.cpp refuses alongside tools on its chat endpoint.
+            # schema, which llama.cpp refuses alongside tools on its chat endpoint, and a
+            # fallback call by a lazy grammar, which its chat endpoint does not take.
             kwargs = chat.params.get("chat_template_kwargs") or {}
             if forced is not None:
                 kwargs = {**kwargs, "enable_thinking": False}
-            tmpl = await self.post_json(lease, "/apply-template", {
-                "messages": chat.messages, "tools": chat.tools, "chat_template_kwargs": kwargs,
-            })  # fmt: skip
+            tmpl = await self.post_json(
+                lease, "/apply-template", {**template_body(chat, fallback, forced),
+                                           "chat_template_kwargs": kwargs},
+            )  # fmt: skip
             payload = {k: v for k, v in chat.params.items() if k in COMPLETION_PARAMS}
             payload["prompt"] = [*(prefix or []), tmpl["prompt"]]
+            mode = "completion"
             if forced is not None:
                 payload["json_schema"] = forced_schema(forced)
+                mode = "tool"
             elif (fmt := chat.params.get("response_format") or {}).get("type") in JSON_FORMATS:
                 payload["json_schema"] = response_schema(fmt)
-            return await self._start(
-                lease, "/completion", payload, "completion" if forced is None else "tool", stop
-            )
+            if fallback and forced is None:
+                mode = "fallback"
+                if "json_schema" not in payload:  # a JSON answer was asked for: no calls then
+                    payload |= fallback_grammar(chat.tools)
+            names = frozenset(tool_name(t) for t in chat.tools) if fallback else None
+            return await self._start(lease, "/completion", payload, mode, stop, names)
         except BaseException:
             lease.release()
             raise
@@ -490,9 +507,11 @@ class Service:
         """The token ids of `chat`'s prompt as the runner renders it: its own chat template
         (with the tools, as generate sends them), then its tokenizer, as for generation.
         Image tokens are not counted."""
-        payload: dict[str, Any] = {"messages": chat.messages}
-        if chat.tools and chat.tool_choice != "none":
-            payload["tools"] = chat.tools
+        spec = lease.runner.spec
+        template = spec.chat_template or read_model_info(spec.path).chat_template
+        fallback = bool(chat.tools) and chat.tool_choice != "none"
+        payload = template_body(chat, fallback and not template_has_tools(template),
+                                chat.forced_tools)  # fmt: skip
         if "chat_template_kwargs" in chat.params:
             payload["chat_template_kwargs"] = chat.params["chat_template_kwargs"]
         tmpl = await self.post_json(lease, "/apply-template", payload)
@@ -526,10 +545,17 @@ class Service:
             raise
 
     async def _start(
-        self, lease: Lease, path: str, payload: dict[str, Any], mode: str, stop: list[str] | None
+        self,
+        lease: Lease,
+        path: str,
+        payload: dict[str, Any],
+        mode: str,
+        stop: list[str] | None,
+        tools: frozenset[str] | None = None,
     ) -> Generation:
         resp = await self.stream(lease, path, payload)
-        return Generation(lease, resp, mode, stop or [], partial(explain_failure, lease.runner))
+        explain = partial(explain_failure, lease.runner)
+        return Generation(lease, resp, mode, stop or [], explain, tools)
 
 
 # The smallest context a runner gets: below it a chat template alone can fill the context.
@@ -583,6 +609,31 @@ COMPLETION_PARAMS = frozenset({
 
 
 JSON_FORMATS = ("json_object", "json_schema")
+
+
+def template_body(
+    chat: Chat, fallback: bool, forced: list[dict[str, Any]] | None
+) -> dict[str, Any]:
+    """What /apply-template renders `chat` from: its messages and tools as they are, or, for a
+    template without tools (`fallback`), the messages with the tools (the forced ones, when the
+    call is forced) shown by corral and earlier calls and results as text."""
+    if fallback:
+        return {"messages": fallback_messages(chat.messages, forced or chat.tools)}
+    body: dict[str, Any] = {"messages": chat.messages}
+    if chat.tools and chat.tool_choice != "none":
+        body["tools"] = chat.tools
+    return body
+
+
+def fallback_grammar(tools: list[dict[str, Any]]) -> dict[str, Any]:
+    """/completion's fields for a call that a template without tools may start: free text
+    until the model writes the trigger, then one call to one of `tools` (a lazy grammar)."""
+    return {
+        "grammar": call_grammar(tools),
+        "grammar_lazy": True,
+        # llama.cpp's COMMON_GRAMMAR_TRIGGER_TYPE_WORD: the trigger anywhere in the text
+        "grammar_triggers": [{"type": 1, "value": TRIGGER}],
+    }
 
 
 def response_schema(fmt: dict[str, Any]) -> dict[str, Any]:

@@ -48,6 +48,7 @@ __all__ = [
     "read_adapter_info",
     "read_model_info",
     "read_projector_info",
+    "template_has_tools",
 ]
 
 _MAGIC = b"GGUF"
@@ -183,10 +184,11 @@ def model_capabilities(
     file that sets {arch}.pooling_type without declaring causal attention (Ollama's own rule
     is "has a pooling_type"; the causal check keeps a generative model whose converter wrote a
     pooling type a completion model, while causal embedding models such as Qwen3-Embedding
-    count as embedding models). Otherwise "completion", plus "tools" when the chat template
-    renders a tools list, "thinking" when it knows reasoning (a <think> tag or the
-    enable_thinking / reasoning_content variables), and "insert" when the vocabulary names
-    fill-in-the-middle tokens. ("vision" comes from a projector, not from this file.)
+    count as embedding models). Otherwise "completion" and "tools" (a template that renders no
+    tools gets them from corral: `template_has_tools` tells which way), "thinking" when the
+    template knows reasoning (a <think> tag or the enable_thinking / reasoning_content
+    variables), and "insert" when the vocabulary names fill-in-the-middle tokens. ("vision"
+    comes from a projector, not from this file.)
     """
     if pooling_type == RANK_POOLING:
         return ("rerank",)
@@ -194,14 +196,18 @@ def model_capabilities(
         return ("embedding",)
     if pooling_type is not None and causal_attention is not True:
         return ("embedding",)
-    caps = ["completion"]
-    if chat_template and _TOOLS_IN_TEMPLATE.search(chat_template):
-        caps.append("tools")
+    caps = ["completion", "tools"]
     if chat_template and _THINKING_IN_TEMPLATE.search(chat_template):
         caps.append("thinking")
     if fim:
         caps.append("insert")
     return tuple(caps)
+
+
+def template_has_tools(chat_template: str | None) -> bool:
+    """Whether a chat template renders a tools list itself (llama.cpp then shows the model
+    the tools and parses its calls; otherwise corral does both)."""
+    return bool(chat_template) and _TOOLS_IN_TEMPLATE.search(chat_template or "") is not None
 
 
 RANK_POOLING = 4  # llama.cpp's LLAMA_POOLING_TYPE_RANK (gguf.PoolingType.RANK)
