@@ -24,6 +24,7 @@ from corral.core.gguf import (
     clear_cache,
     model_capabilities,
     read_model_info,
+    template_has_tools,
 )
 from corral.runtime.registry import smollm2_path
 
@@ -126,7 +127,9 @@ def test_smollm2_size_and_quantization(smollm2: ModelInfo) -> None:
 
 @needs_smollm2
 def test_smollm2_is_a_chat_model(smollm2: ModelInfo) -> None:
-    assert smollm2.capabilities == ("completion",)
+    # Its template renders no tools: corral shows them to it (corral.api.toolprompt).
+    assert smollm2.capabilities == ("completion", "tools")
+    assert not template_has_tools(smollm2.chat_template)
     assert smollm2.chat_template is not None
     assert "<|im_start|>" in smollm2.chat_template
 
@@ -401,8 +404,8 @@ def test_bert_embedding_model(tmp_path: Path) -> None:
         ("nomic-bert", None, None, ("embedding",)),
         ("qwen3", gguf.PoolingType.LAST, None, ("embedding",)),  # e.g. Qwen3-Embedding
         ("qwen3", gguf.PoolingType.LAST, False, ("embedding",)),
-        ("qwen3", gguf.PoolingType.LAST, True, ("completion",)),
-        ("qwen3", None, None, ("completion",)),
+        ("qwen3", gguf.PoolingType.LAST, True, ("completion", "tools")),
+        ("qwen3", None, None, ("completion", "tools")),
     ],
 )
 def test_capabilities_from_file(
@@ -539,13 +542,14 @@ def test_model_info_is_hashable_and_frozen(tmp_path: Path) -> None:
 @pytest.mark.parametrize(
     ("template", "fim", "pooling", "expected"),
     [
-        ("{{ messages }}", False, None, ("completion",)),
+        ("{{ messages }}", False, None, ("completion", "tools")),
         ("{%- if tools %}{{ tools | tojson }}{% endif %}", False, None, ("completion", "tools")),
-        ("Use the tools wisely: {{ messages }}", False, None, ("completion",)),  # text only
-        ("{% if enable_thinking %}<think>{% endif %}", False, None, ("completion", "thinking")),
+        ("Use the tools wisely: {{ messages }}", False, None, ("completion", "tools")),
+        ("{% if enable_thinking %}<think>{% endif %}", False, None,
+         ("completion", "tools", "thinking")),
         ("{{ m.reasoning_content }}{% for t in tools %}{% endfor %}", True, None,
          ("completion", "tools", "thinking", "insert")),
-        (None, True, None, ("completion", "insert")),
+        (None, True, None, ("completion", "tools", "insert")),
         (None, False, gguf.PoolingType.RANK, ("rerank",)),
     ],
 )  # fmt: skip
@@ -567,3 +571,18 @@ def test_capabilities_from_template_vocab_and_pooling(
 
     info = read_model_info(write_gguf(tmp_path / "m.gguf", "qwen2", extra=extra))
     assert info.capabilities == expected
+
+
+@pytest.mark.parametrize(
+    ("template", "native"),
+    [
+        ("{{ messages }}", False),
+        ("{%- if tools %}{{ tools | tojson }}{% endif %}", True),
+        ("Use the tools wisely: {{ messages }}", False),  # text only
+        ("{{ m.reasoning_content }}{% for t in tools %}{% endfor %}", True),
+        (None, False),
+    ],
+)
+def test_templates_that_render_tools_themselves(template: str | None, native: bool) -> None:
+    # Every chat model has "tools"; only these keep llama.cpp's own tool handling.
+    assert template_has_tools(template) is native

@@ -62,10 +62,13 @@ def test_think_on_a_model_without_reasoning_is_a_400(client: ollama.Client) -> N
     assert e.value.status_code == 400 and "does not support thinking" in e.value.error
 
 
-def test_tools_need_a_tool_template(client: ollama.Client) -> None:
-    with pytest.raises(ollama.ResponseError) as e:
-        client.chat(model="tiny", messages=[{"role": "user", "content": "hi"}], tools=[WEATHER])
-    assert e.value.status_code == 400 and "does not support tools" in e.value.error
+def test_tools_without_a_tool_template(client: ollama.Client) -> None:
+    # corral shows the tools to a model whose template has none (tests/test_tools_fallback.py).
+    r = client.chat(
+        model="tiny", messages=[{"role": "user", "content": "hi"}], tools=[WEATHER],
+        options={"num_predict": 4},
+    )  # fmt: skip
+    assert r.done
 
 
 def test_tool_history_goes_through_the_template(client: ollama.Client) -> None:
