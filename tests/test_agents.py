@@ -34,7 +34,6 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-import gguf
 import pytest
 
 from corral.testing.scripted import Script, write_scripted_model
@@ -136,19 +135,11 @@ MODELS: dict[str, Model] = {
 }
 
 
-def _widen_context(path: Path, n_ctx: int) -> None:
-    """Raise the GGUF's training context in place (corral clamps num_ctx to it)."""
-    reader = gguf.GGUFReader(path, "r+")
-    field = reader.fields["llama.context_length"]
-    field.parts[field.data[0]][0] = n_ctx
-
-
 @pytest.fixture(scope="module")
 def corral(start_server: StartServer, tmp_path_factory: pytest.TempPathFactory) -> CorralServer:
     models = tmp_path_factory.mktemp("agent-models")
     for name, model in MODELS.items():
-        path = write_scripted_model(models / f"{name}.gguf", model.family, model.script)
-        _widen_context(path, CONTEXT)
+        write_scripted_model(models / f"{name}.gguf", model.family, model.script, CONTEXT)
     return start_server(
         models,
         CORRAL_CONTEXT_LENGTH=str(CONTEXT),
