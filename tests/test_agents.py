@@ -15,9 +15,11 @@ tool's result sent back to corral (the model answers only once the conversation 
 result); the final answer printed. For aider the "tool" is its edit format: the reply is a
 SEARCH/REPLACE block aider applies to a file.
 
-Every agent runs with a scratch HOME and working directory, its telemetry, update checks and
-other outside traffic off, and proxy variables pointing at a closed loopback port, so anything
-it tried to fetch from outside fails instead of leaving the machine.
+Every agent runs with a scratch HOME and working directory, with its telemetry, update checks
+and other outside traffic switched off, and with its HTTP(S) proxy set to a trap on loopback
+(`Trap`, corral's 127.0.0.1 excepted): whatever an agent still asks of another host fails at once
+without leaving the machine, and fails the test, so a new version that phones home is noticed.
+(qwen-code ignores NO_PROXY, so it runs without the trap.)
 """
 
 from __future__ import annotations
