@@ -171,6 +171,7 @@ def test_fallback_grammar_is_lazy_on_the_trigger() -> None:
     fields = fallback_grammar([WEATHER])
     assert fields["grammar_lazy"] is True
     assert fields["grammar_triggers"] == [{"type": 1, "value": TRIGGER}]
+    assert fields["preserved_tokens"] == [TRIGGER, CLOSE]  # needed where they are one token
 
 
 # ---- the parser ----------------------------------------------------------------------------

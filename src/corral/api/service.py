@@ -28,7 +28,7 @@ from corral.api.common import ApiError, runner_error
 from corral.api.events import Chat, Generation, forced_schema, tool_name
 from corral.api.metrics import note_model
 from corral.api.stream import LeasedStream, RunnerStream, open_stream
-from corral.api.toolprompt import TRIGGER, call_grammar, fallback_messages
+from corral.api.toolprompt import CLOSE, TRIGGER, call_grammar, fallback_messages
 from corral.config import Settings
 from corral.core.books import Fit, Placer
 from corral.core.devices import GPU_CONTEXT_BYTES, Device
@@ -171,7 +171,7 @@ class Service:
         """Whether the model's chat template (a created model's own, else the GGUF's) renders
         tools, so that llama.cpp's chat endpoint shows them to the model and parses its calls.
         Other models get tools from corral (`corral.api.toolprompt`)."""
-        return template_has_tools(r.entry.template or r.info.chat_template)
+        return template_has_tools(chat_template(r) or r.info.chat_template)
 
     def require(self, r: Resolved, capability: str, what: str) -> None:
         if capability not in r.info.capabilities:
@@ -633,6 +633,9 @@ def fallback_grammar(tools: list[dict[str, Any]]) -> dict[str, Any]:
         "grammar_lazy": True,
         # llama.cpp's COMMON_GRAMMAR_TRIGGER_TYPE_WORD: the trigger anywhere in the text
         "grammar_triggers": [{"type": 1, "value": TRIGGER}],
+        # Where the tags are special tokens of the vocabulary, llama.cpp wants a trigger among
+        # these, and then writes them as text (a tag of several tokens is ignored here).
+        "preserved_tokens": [TRIGGER, CLOSE],
     }
 
 
