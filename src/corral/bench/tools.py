@@ -242,6 +242,15 @@ def report(res: Results) -> list[str]:
             f"{median([s.client_rate for s in ss]):>7.1f} "
             f"{median([s.server_rate for s in ss]):>9.1f} {vs:>24} {ratio:>9} {spread:>13}"
         )
+    # corral's own path with tools: against the runner given the same prompt and fields
+    same = "direct chat, tools" if res.native else "direct completion, tools prompt + lazy grammar"
+    pairs = zip(res.samples["corral /api/chat, tools"], res.samples[same], strict=True)
+    paired = [a.client_rate / b.client_rate for a, b in pairs if b.client_rate > 0]
+    if paired:
+        lines.append(
+            f"corral /api/chat, tools against {same} (the same prompt): paired p50 "
+            f"{median(paired):.2f}, min-max {min(paired):.2f}-{max(paired):.2f}"
+        )
     return lines
 
 
