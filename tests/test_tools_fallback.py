@@ -439,22 +439,27 @@ def test_responses_auto_call(fserver: CorralServer) -> None:
     ]
 
 
-@pytest.mark.xfail(
-    reason="api/openai.py passes chat completions with tools through to "
-    "llama.cpp, which renders a template without tools; it must send them "
-    "through Service.generate when not Service.native_tools(r)",
-    strict=False,
-)
-def test_openai_auto_call(fserver: CorralServer) -> None:  # fmt: skip
-    r = fserver.client.post(
-        "/v1/chat/completions",
-        json={"model": SMOL, "messages": FEW_SHOT, "tools": [WEATHER], "max_tokens": 60, **GREEDY},
-    )
-    assert r.status_code == 200, r.text
-    choice = r.json()["choices"][0]
-    assert choice["finish_reason"] == "tool_calls"
-    fn = choice["message"]["tool_calls"][0]["function"]
-    assert fn["name"] == "get_weather" and json.loads(fn["arguments"]) == {"city": "Paris"}
+@pytest.mark.parametrize("stream", [False, True], ids=["whole", "stream"])
+def test_openai_auto_call(fserver: CorralServer, stream: bool) -> None:
+    body = {"model": SMOL, "messages": FEW_SHOT, "tools": [WEATHER], "max_tokens": 60, **GREEDY}
+    if not stream:
+        r = fserver.client.post("/v1/chat/completions", json=body)
+        assert r.status_code == 200, r.text
+        choice = r.json()["choices"][0]
+        assert choice["finish_reason"] == "tool_calls"
+        fn = choice["message"]["tool_calls"][0]["function"]
+        name, args = fn["name"], fn["arguments"]
+    else:
+        r = fserver.client.post("/v1/chat/completions", json={**body, "stream": True})
+        assert r.status_code == 200, r.text
+        chunks = [json.loads(line[6:]) for line in r.text.splitlines()
+                  if line.startswith("data: {")]  # fmt: skip
+        deltas = [c["choices"][0] for c in chunks if c["choices"]]
+        assert deltas[-1]["finish_reason"] == "tool_calls"
+        calls = [t for d in deltas for t in d["delta"].get("tool_calls") or []]
+        name = "".join(c["function"].get("name") or "" for c in calls)
+        args = "".join(c["function"].get("arguments") or "" for c in calls)
+    assert name == "get_weather" and json.loads(args) == {"city": "Paris"}
 
 
 def test_llama_cpp_takes_the_grammar(fserver: CorralServer) -> None:

@@ -103,10 +103,13 @@ class OpenAI:
         self.svc.check_chat(r, messages)
         body = defaults.openai_body(r.entry, body, chat=True)  # a created model's defaults
         forced = choice not in ("auto", "none")
-        if n == 1 and not forced:
+        # A model whose template knows no tools gets them from corral (api/toolprompt), on
+        # the events path that forced calls take; llama.cpp's chat endpoint would drop them.
+        own_tools = bool(tools) and choice != "none" and not self.svc.native_tools(r)
+        if n == 1 and not forced and not own_tools:
             return await self.svc.pass_through(request, r, "/v1/chat/completions", body, stream)
 
-        if forced:
+        if forced or own_tools:
             params = {k: v for k, v in body.items() if k not in CHAT_OWN}
             # /completion (where forced calls go) knows max_tokens, not OpenAI's newer name.
             if params.get("max_tokens") is None and "max_completion_tokens" in params:

@@ -193,7 +193,7 @@ class _Grammar:
         t = s.get("type")
         if isinstance(t, list):
             alts = [self.schema({**s, "type": x}, f"{hint}-{x}", root, depth + 1)
-                    for x in t if x in _TYPES]  # fmt: skip
+                    for x in t if isinstance(x, str) and x in _TYPES]  # fmt: skip
             return "( " + " | ".join(alts) + " )" if alts else "value"
         if t is None and isinstance(s.get("properties"), dict):
             t = "object"
@@ -202,8 +202,8 @@ class _Grammar:
         if t == "array":
             item = self.schema(s.get("items"), f"{hint}-item", root, depth + 1)
             return self.rule(hint, f'"[" ws ( {item} ( ws "," ws {item} )* )? ws "]"')
-        if t in _TYPES:
-            return str(t)
+        if isinstance(t, str) and t in _TYPES:
+            return t
         return "value"
 
     def _object(self, s: dict[str, Any], hint: str, root: dict[str, Any], depth: int) -> str:
