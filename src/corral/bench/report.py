@@ -21,6 +21,7 @@ NOTES = {
     "misses": "What the misses mean",
     "cluster": "Cluster mode (Ray): the hop, a swap trace on three nodes, scale",
     "resume": "What the resumed-conversation figures mean",
+    "tools": "Generation with tools: where the time goes (python -m corral.bench.tools)",
 }
 TITLES = {
     "proxy": "1. Proxy overhead",
