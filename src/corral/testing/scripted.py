@@ -35,7 +35,6 @@ from __future__ import annotations
 import functools
 import itertools
 import json
-import os
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, replace
 from pathlib import Path
@@ -505,20 +504,15 @@ def write_scripted_model(
         writer.add_eom_token_id(plan.ids[fam.eom])
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    partial = path.with_name(f".{path.name}.{os.getpid()}.partial")
-    try:
+
+    def body(partial: Path) -> None:
         for name, array in weights.arrays:
             writer.add_tensor(name, array)
         writer.write_header_to_file(partial)
         writer.write_kv_data_to_file()
         writer.write_tensors_to_file()
-        writer.close()
-        partial.replace(path)
-    except BaseException:
-        writer.close()
-        partial.unlink(missing_ok=True)
-        raise
-    return path
+
+    return synth.write_atomically(writer, path, body)
 
 
 __all__ = [

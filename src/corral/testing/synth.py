@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import functools
 import os
+from collections.abc import Callable
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
@@ -223,11 +224,9 @@ def _write(writer: gguf.GGUFWriter, path: Path, tensors: list[_Tensor], seed: in
     path.parent.mkdir(parents=True, exist_ok=True)
     if writer.split_max_tensors:
         return _write_split(writer, path, tensors, seed)
-    # Write to a hidden, per-process name next to the destination and rename, so neither model
-    # scanners nor concurrent writers ever see a half-written *.gguf.
-    partial = path.with_name(f".{path.name}.{os.getpid()}.partial")
     rng = np.random.default_rng(seed)
-    try:
+
+    def body(partial: Path) -> None:
         for t in tensors:
             writer.add_tensor_info(t.name, t.shape, t.dtype, t.nbytes)
         writer.write_header_to_file(partial)
@@ -235,6 +234,19 @@ def _write(writer: gguf.GGUFWriter, path: Path, tensors: list[_Tensor], seed: in
         writer.write_ti_data_to_file()
         for t in tensors:
             writer.write_tensor_data(_tensor_data(rng, t))
+
+    return write_atomically(writer, path, body)
+
+
+def write_atomically(
+    writer: gguf.GGUFWriter, path: Path, body: Callable[[Path], None]
+) -> Path:
+    """`body(partial)` writes the file through `writer` to a hidden, per-process name next to
+    `path`, which is then renamed to it, so neither model scanners nor concurrent writers ever
+    see a half-written *.gguf."""
+    partial = path.with_name(f".{path.name}.{os.getpid()}.partial")
+    try:
+        body(partial)
         writer.close()
         partial.replace(path)
     except BaseException:
