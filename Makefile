@@ -42,7 +42,7 @@ lint: setup-test
 	$(BIN)/mypy
 
 test: lint
-	$(BIN)/pytest -q
+	$(BIN)/pytest -q --durations=25
 
 # Every figure in docs/benchmarks.md, rewritten in place (see `corral bench --help`);
 # e.g. `make bench BENCH_ARGS="proxy --quick"` for one section, printed only.

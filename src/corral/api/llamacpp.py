@@ -111,6 +111,6 @@ class NativeStream(LeasedStream):
             finished = finished or b'"stop":true' in held
             yield held.replace(*rename) if rename is not None else held
         if not finished:
-            err: dict[str, Any] = {"code": 500, "message": await self._explain(),
+            err: dict[str, Any] = {"code": 500, "message": await self.lease.runner.why_failed(),
                                    "type": "server_error"}  # fmt: skip
             yield b"data: " + orjson.dumps({"error": err}) + b"\n\n"

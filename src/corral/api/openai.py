@@ -20,7 +20,6 @@ import codecs
 import sys
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
-from functools import partial
 from typing import Any, TypeVar
 
 import numpy as np
@@ -46,7 +45,6 @@ from corral.api.guard import shown_path
 from corral.api.service import (
     Resolved,
     Service,
-    explain_failure,
     until_disconnect,
 )
 from corral.api.stream import json_response
@@ -301,7 +299,7 @@ class OpenAI:
                 if legacy is not None:
                     for c in legacy.head():
                         yield c
-                async for data in sse_events(resp, partial(explain_failure, lease.runner)):
+                async for data in sse_events(resp, lease.runner.why_failed):
                     if not isinstance(data, dict):  # llama.cpp's `data: null` (several prompts)
                         continue
                     if legacy is not None:

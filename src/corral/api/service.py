@@ -15,7 +15,6 @@ import logging
 import os
 from collections.abc import Awaitable, Mapping
 from dataclasses import dataclass
-from functools import partial
 from typing import Any, TypeVar
 
 import aiohttp
@@ -329,12 +328,12 @@ class Service:
         try:
             resp = await runner.session.post(path, data=orjson.dumps(payload), headers=headers)
         except (aiohttp.ClientError, OSError):
-            raise ApiError(500, await explain_failure(runner)) from None
+            raise ApiError(500, await runner.why_failed()) from None
         if resp.status != 200:
             try:
                 body = await resp.read()
             except (aiohttp.ClientError, OSError):
-                raise ApiError(500, await explain_failure(runner)) from None
+                raise ApiError(500, await runner.why_failed()) from None
             finally:
                 resp.release()
             raise runner_error(body, resp.status)
@@ -387,12 +386,12 @@ class Service:
         try:
             resp = await open_stream(runner.base_url, path, orjson.dumps(payload))
         except OSError:
-            raise ApiError(500, await explain_failure(runner)) from None
+            raise ApiError(500, await runner.why_failed()) from None
         if resp.status != 200:
             try:
                 body = await resp.read_all()
             except OSError:
-                raise ApiError(500, await explain_failure(runner)) from None
+                raise ApiError(500, await runner.why_failed()) from None
             finally:
                 resp.close()
             raise runner_error(body, resp.status)
@@ -403,7 +402,7 @@ class Service:
         try:
             return orjson.loads(await resp.read())
         except (aiohttp.ClientError, OSError):
-            raise ApiError(500, await explain_failure(lease.runner)) from None
+            raise ApiError(500, await lease.runner.why_failed()) from None
         finally:
             resp.release()
 
@@ -554,7 +553,7 @@ class Service:
         tools: frozenset[str] | None = None,
     ) -> Generation:
         resp = await self.stream(lease, path, payload)
-        explain = partial(explain_failure, lease.runner)
+        explain = lease.runner.why_failed
         return Generation(lease, resp, mode, stop or [], explain, tools)
 
 
@@ -675,14 +674,6 @@ def launch_layout(p: Placement, devices: list[Device]) -> Layout:
     if p.main_gpu is not None:
         main = next((i for i, d in enumerate(used) if d.index == p.main_gpu), 0)
     return Layout(p.n_gpu_layers, split, main, tuple(env))
-
-
-async def explain_failure(runner: Runner, wait: float = 2.0) -> str:
-    """Why a runner stopped answering: give its process a moment to exit so we can quote it."""
-    if runner.proc is not None:
-        with contextlib.suppress(asyncio.TimeoutError):
-            await asyncio.wait_for(asyncio.shield(runner.wait_exit()), wait)
-    return runner.failure_message()
 
 
 async def until_disconnect(request: Request, work: Awaitable[T]) -> T:

@@ -513,15 +513,10 @@ class LeasedStream(RelayResponse):
         last = tail.rstrip().rsplit(b"\n", 1)[-1].strip()  # the last line with any text
         if not failed and last == SSE_DONE:
             return
-        message = (error if not failed else None) or await self._explain()
+        message = (error if not failed else None) or await self.lease.runner.why_failed()
         # A cut event was never passed on (unless huge), so this one starts on its own.
         err = {"message": message, "type": "server_error", "param": None, "code": None}
         yield (b"" if between else b"\n\n") + b"data: " + orjson.dumps({"error": err}) + b"\n\n"
-
-    async def _explain(self) -> str:
-        from corral.api.service import explain_failure  # service imports this module's users
-
-        return await explain_failure(self.lease.runner)
 
     async def close(self) -> None:
         # Closing the upstream connection makes llama.cpp stop generating for this slot.

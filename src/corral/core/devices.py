@@ -11,7 +11,7 @@ import re
 from collections.abc import Iterable
 from dataclasses import dataclass
 
-from corral.config import ConfigError, parse_size
+from corral.core.units import ConfigError, parse_size
 
 LIBRARIES = ("cpu", "cuda", "rocm")
 

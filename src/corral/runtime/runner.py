@@ -102,6 +102,14 @@ class Runner:
         lines = [ln for ln in self._tail if ln.strip()]
         return "\n".join(lines[-n:])
 
+    async def why_failed(self, wait: float = 2.0) -> str:
+        """Why the runner stopped answering: its process gets a moment to exit, so that its
+        exit and last log lines can be quoted."""
+        if self.proc is not None:
+            with contextlib.suppress(asyncio.TimeoutError):
+                await asyncio.wait_for(asyncio.shield(self.wait_exit()), wait)
+        return self.failure_message()
+
     def failure_message(self) -> str:
         if self.stalled is not None:
             return (
