@@ -21,7 +21,6 @@ messages, license), which the registry turns into the model's defaults.
 from __future__ import annotations
 
 import contextlib
-import hashlib
 import json
 import logging
 import os
@@ -62,14 +61,6 @@ def norm_digest(digest: str) -> str:
     return f"sha256:{parse_digest(digest)}"
 
 
-def sha256_file(path: Path, chunk: int = 1 << 20) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        while block := f.read(chunk):
-            h.update(block)
-    return h.hexdigest()
-
-
 @dataclass(frozen=True)
 class FileRef:
     """One file a model uses: a blob of the store (`digest`) or a file corral does not own
@@ -79,10 +70,6 @@ class FileRef:
     path: str | None = None
     name: str = ""
     size: int = 0
-
-    @property
-    def owned(self) -> bool:
-        return self.digest is not None
 
     def to_json(self) -> dict[str, Any]:
         return {k: v for k, v in asdict(self).items() if v not in (None, "", 0)}
