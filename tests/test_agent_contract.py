@@ -134,6 +134,10 @@ def test_claude_code_body_to_chat() -> None:
         {"role": "system", "content": [{"type": "text", "text": "a"},
                                        {"type": "text", "text": "b"}]},
     ], "system": "x-anthropic-billing-header: cch=1;\nBe brief."})  # fmt: skip
+    # Only a header the prompt starts with is one; the same words inside a prompt stay.
+    kept = "Quote this: x-anthropic-billing-header: cch=1;"
+    assert to_chat({"messages": [{"role": "user", "content": "hi"}], "system": kept}
+                   ).messages[0]["content"] == kept  # fmt: skip
     assert blocks.messages == [{"role": "system", "content": "Be brief."},
                                {"role": "user", "content": "hi"},
                                {"role": "system", "content": "a\nb"}]  # fmt: skip

@@ -220,7 +220,9 @@ _HEADER_BLOCK = re.compile(r"x-anthropic-[a-z-]+:[^\n]*\n?")
 def system_text(system: Any, where: str = "system") -> str:
     """A system prompt (a string or text blocks) as one string, without x-anthropic-* blocks."""
     if system is None or isinstance(system, str):
-        return _HEADER_BLOCK.sub("", system or "", count=1) if system else ""
+        text = system or ""
+        header = _HEADER_BLOCK.match(text)  # only a header line the prompt starts with
+        return text[header.end():] if header else text
     if not isinstance(system, list):
         raise ApiError(400, f"{where}: expected a string or an array of text blocks", where)
     parts = []
