@@ -103,3 +103,24 @@ def test_settings_defaults_env_and_overrides() -> None:
 def test_bad_settings_name_the_variable(env: dict[str, str], message: str) -> None:
     with pytest.raises(ConfigError, match=message):
         Settings.load(environ=env)
+
+
+def test_the_readme_lists_every_setting_as_the_table_has_it() -> None:
+    """README's settings table, row by row, against config.SETTINGS: the same variables, each
+    with its `corral serve` flag and its default ("unset" for an empty one)."""
+    import re
+    from pathlib import Path
+
+    from corral.config import SETTINGS
+
+    readme = (Path(__file__).parents[1] / "README.md").read_text()
+    table = readme.split("### Settings", 1)[1].split("\n\n", 2)[1]
+    rows = {}
+    for line in table.splitlines():
+        m = re.match(r"\| `(CORRAL_\w+)` \| (`(--[\w-]+)`)? ?\| (.+?) \|", line)
+        if m:
+            rows[m.group(1)] = (m.group(3), m.group(4))
+    expected = {
+        s.variable: (s.flag, f"`{s.default}`" if s.default else "unset") for s in SETTINGS
+    }
+    assert rows == expected

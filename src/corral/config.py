@@ -8,9 +8,10 @@ from __future__ import annotations
 
 import os
 import re
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 # The parsers are pure and shared with core/ (which imports nothing above it); re-exported here.
 from corral.core.units import FOREVER, ConfigError, parse_duration, parse_size
@@ -71,22 +72,25 @@ def _kv_type(text: str) -> str:
     return name
 
 
-def _stall_timeout(text: str) -> float:
-    seconds = parse_duration(text, "CORRAL_RUNNER_STALL_TIMEOUT")
+def _stall_timeout(text: str, name: str) -> float:
+    seconds = parse_duration(text, name)
     return FOREVER if seconds == 0 else seconds  # 0, like a negative value, turns it off
 
 
-def _int(name: str, text: str, minimum: int = 0) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise ConfigError(f"{name}: expected an integer, got {text!r}") from None
-    if value < minimum:
-        raise ConfigError(f"{name}: must be at least {minimum}, got {value}")
-    return value
+def _int(minimum: int = 0) -> Callable[[str, str], int]:
+    def parse(text: str, name: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            raise ConfigError(f"{name}: expected an integer, got {text!r}") from None
+        if value < minimum:
+            raise ConfigError(f"{name}: must be at least {minimum}, got {value}")
+        return value
+
+    return parse
 
 
-def _list(text: str) -> tuple[str, ...]:
+def _list(text: str, name: str) -> tuple[str, ...]:
     return tuple(p.strip() for p in text.strip().strip("\"'").split(",") if p.strip())
 
 
@@ -97,43 +101,94 @@ def _positive(text: str, name: str) -> float:
     return seconds
 
 
-# Environment variable -> default; `corral serve` flags map onto the same names.
-DEFAULTS: dict[str, str] = {
-    "CORRAL_HOST": "127.0.0.1:11434",
-    "CORRAL_MODELS": "~/.corral/models",
-    "CORRAL_KEEP_ALIVE": "5m",
-    "CORRAL_KEEP_ALIVE_MAX": "",
-    "CORRAL_CONTEXT_LENGTH": "4096",
-    "CORRAL_NUM_PARALLEL": "1",
-    "CORRAL_LOAD_TIMEOUT": "5m",
-    "CORRAL_MAX_LOADED_MODELS": "0",
-    "CORRAL_MAX_QUEUE": "512",
+def _optional(parse: Callable[[str, str], Any]) -> Callable[[str, str], Any]:
+    """`parse`, or None for an empty value (the setting is off)."""
+    return lambda text, name: parse(text.strip(), name) if text.strip() else None
+
+
+def _path(default: str) -> Callable[[str, str], Path]:
+    return lambda text, name: Path(text.strip() or default).expanduser()
+
+
+@dataclass(frozen=True)
+class Setting:
+    """One setting: its variable and default, how its text is parsed into which `Settings`
+    field, and its `corral serve` flag (with the flag's metavar and help), if it has one."""
+
+    variable: str
+    default: str
+    field: str
+    parse: Callable[[str, str], Any]  # (text, variable) -> value; ConfigError names it
+    flag: str | None = None
+    metavar: str = ""
+    help: str = ""
+
+
+# The one table of settings: Settings.load, DEFAULTS, `corral serve`'s flags and its --help are
+# derived from it, and tests/test_config.py checks the README's table against it.
+SETTINGS: tuple[Setting, ...] = (
+    Setting("CORRAL_HOST", "127.0.0.1:11434", "address", lambda t, n: parse_host(t),
+            "--host", "HOST", "address to listen on, host:port"),
+    Setting("CORRAL_MODELS", "~/.corral/models", "models_dir", _path("~/.corral/models"),
+            "--models", "DIR", "directory of GGUF models"),
+    Setting("CORRAL_KEEP_ALIVE", "5m", "keep_alive", parse_duration,
+            "--keep-alive", "DURATION", "how long an idle model stays loaded"),
+    Setting("CORRAL_KEEP_ALIVE_MAX", "", "keep_alive_max", _optional(parse_duration)),
+    Setting("CORRAL_CONTEXT_LENGTH", "4096", "context_length", _int(0),
+            "--context-length", "N", "default context length"),
+    Setting("CORRAL_NUM_PARALLEL", "1", "num_parallel", _int(1),
+            "--num-parallel", "N", "requests each model serves at once"),
+    Setting("CORRAL_LOAD_TIMEOUT", "5m", "load_timeout", parse_duration,
+            "--load-timeout", "DURATION", "give up loading a model after this"),
+    Setting("CORRAL_MAX_LOADED_MODELS", "0", "max_loaded_models", _int(0),
+            "--max-loaded-models", "N", "most models loaded (0: by memory)"),
+    Setting("CORRAL_MAX_QUEUE", "512", "max_queue", _int(1),
+            "--max-queue", "N", "most requests waiting for a model"),
     # Below the 5 min in which Node's fetch (ollama-js) gives up waiting for response headers,
     # and the 10 min of the OpenAI and Anthropic SDKs: corral answers before a client gives up.
-    "CORRAL_QUEUE_TIMEOUT": "4m",
-    "CORRAL_RUNNER_STALL_TIMEOUT": "30s",
-    "CORRAL_MEMORY_MARGIN": "1GiB",
-    "CORRAL_MEMORY_LIMIT": "",
-    "CORRAL_LLAMA_SERVER": "",
-    "CORRAL_LOG_LEVEL": "info",
-    "CORRAL_LOG_FORMAT": "text",
-    "CORRAL_BUILTIN_MODELS": "1",
-    "CORRAL_EVICTION_POLICY": "cost",
-    "CORRAL_KV_CACHE_TYPE": "f16",
+    Setting("CORRAL_QUEUE_TIMEOUT", "4m", "queue_timeout", parse_duration),
+    Setting("CORRAL_RUNNER_STALL_TIMEOUT", "30s", "runner_stall_timeout", _stall_timeout,
+            "--stall-timeout", "DURATION", "kill a hung runner after this"),
+    Setting("CORRAL_MEMORY_MARGIN", "1GiB", "memory_margin", parse_size,
+            "--memory-margin", "SIZE", "memory to leave free, e.g. 1GiB"),
+    Setting("CORRAL_MEMORY_LIMIT", "", "memory_limit", _optional(parse_size),
+            "--memory-limit", "SIZE", "most memory for loaded models"),
+    Setting("CORRAL_LLAMA_SERVER", "", "llama_server", _optional(lambda t, n: t),
+            "--llama-server", "PATH", "run models with this llama-server binary"),
+    Setting("CORRAL_LOG_LEVEL", "info", "log_level", lambda t, n: t.strip().lower() or "info",
+            "--log-level", "LEVEL", "debug, info, warning or error"),
+    Setting("CORRAL_LOG_FORMAT", "text", "log_format",
+            lambda t, n: _choice(n, t, LOG_FORMATS)),
+    Setting("CORRAL_BUILTIN_MODELS", "1", "builtin_models",
+            lambda t, n: t.strip().lower() not in ("0", "false", "no")),
+    Setting("CORRAL_EVICTION_POLICY", "cost", "eviction_policy", lambda t, n: _policy(t)),
+    Setting("CORRAL_KV_CACHE_TYPE", "f16", "kv_cache_type", lambda t, n: _kv_type(t)),
     # conversations' KV caches saved before their runner stops (0 size: never saved)
-    "CORRAL_KV_CACHE_DIR": "~/.corral/kvcache",
-    "CORRAL_KV_CACHE_SIZE": "10GiB",
-    "CORRAL_API_KEY": "",  # comma-separated keys; set: every route but a few needs one
-    "CORRAL_ORIGINS": "",  # comma-separated web origins (`*` wildcards) allowed besides loopback
-    "CORRAL_SHUTDOWN_GRACE": "30s",  # on SIGTERM, how long requests in flight may take to finish
-    "CORRAL_READ_TIMEOUT": "10s",  # a connection's request headers must arrive within this
+    Setting("CORRAL_KV_CACHE_DIR", "~/.corral/kvcache", "kv_cache_dir",
+            _path("~/.corral/kvcache")),
+    Setting("CORRAL_KV_CACHE_SIZE", "10GiB", "kv_cache_size", parse_size),
+    # comma-separated keys; set: every route but a few needs one. No flag: a key on the
+    # command line is visible to every local user.
+    Setting("CORRAL_API_KEY", "", "api_keys", _list),
+    Setting("CORRAL_ORIGINS", "", "origins", _list,
+            "--origins", "LIST", "web origins allowed to call, e.g. https://*.my.org"),
+    Setting("CORRAL_SHUTDOWN_GRACE", "30s", "shutdown_grace", parse_duration,
+            "--shutdown-grace", "DURATION", "on SIGTERM, time to finish"),
+    Setting("CORRAL_READ_TIMEOUT", "10s", "read_timeout", _positive,
+            "--read-timeout", "DURATION", "close connections slow to send"),
     # a kept-alive connection may wait this long for its next request: longer than clients keep
     # theirs (aiohttp 15 s, Go 90 s), so a client never sends into a connection being closed
-    "CORRAL_IDLE_TIMEOUT": "2m",
-    "CORRAL_MAX_CONNECTIONS": "4096",
+    Setting("CORRAL_IDLE_TIMEOUT", "2m", "idle_timeout", _positive,
+            "--idle-timeout", "DURATION", "close kept-alive connections idle this long"),
+    Setting("CORRAL_MAX_CONNECTIONS", "4096", "max_connections", _int(16),
+            "--max-connections", "N", "most open connections"),
     # a Ray cluster to serve as one endpoint ("auto", or the head's address); empty: this machine
-    "CORRAL_RAY_ADDRESS": "",
-}
+    Setting("CORRAL_RAY_ADDRESS", "", "ray_address", _optional(lambda t, n: t),
+            "--ray", "ADDRESS", "serve a Ray cluster: 'auto' or the head's address"),
+)  # fmt: skip
+
+# Environment variable -> default.
+DEFAULTS: dict[str, str] = {s.variable: s.default for s in SETTINGS}
 
 
 @dataclass(frozen=True)
@@ -179,42 +234,9 @@ class Settings:
         if unknown:
             raise ConfigError(f"unknown settings: {', '.join(sorted(unknown))}")
         raw.update(overrides or {})
-        host, port = parse_host(raw["CORRAL_HOST"])
-        limit = raw["CORRAL_MEMORY_LIMIT"].strip()
-        ka_max = raw["CORRAL_KEEP_ALIVE_MAX"].strip()
-        return cls(
-            host=host,
-            port=port,
-            models_dir=Path(raw["CORRAL_MODELS"]).expanduser(),
-            keep_alive=min(
-                parse_duration(raw["CORRAL_KEEP_ALIVE"], "CORRAL_KEEP_ALIVE"),
-                parse_duration(ka_max, "CORRAL_KEEP_ALIVE_MAX") if ka_max else FOREVER,
-            ),
-            keep_alive_max=parse_duration(ka_max, "CORRAL_KEEP_ALIVE_MAX") if ka_max else None,
-            context_length=_int("CORRAL_CONTEXT_LENGTH", raw["CORRAL_CONTEXT_LENGTH"], 0),
-            num_parallel=_int("CORRAL_NUM_PARALLEL", raw["CORRAL_NUM_PARALLEL"], 1),
-            load_timeout=parse_duration(raw["CORRAL_LOAD_TIMEOUT"], "CORRAL_LOAD_TIMEOUT"),
-            max_loaded_models=_int("CORRAL_MAX_LOADED_MODELS", raw["CORRAL_MAX_LOADED_MODELS"]),
-            max_queue=_int("CORRAL_MAX_QUEUE", raw["CORRAL_MAX_QUEUE"], 1),
-            queue_timeout=parse_duration(raw["CORRAL_QUEUE_TIMEOUT"], "CORRAL_QUEUE_TIMEOUT"),
-            runner_stall_timeout=_stall_timeout(raw["CORRAL_RUNNER_STALL_TIMEOUT"]),
-            memory_margin=parse_size(raw["CORRAL_MEMORY_MARGIN"], "CORRAL_MEMORY_MARGIN"),
-            memory_limit=parse_size(limit, "CORRAL_MEMORY_LIMIT") if limit else None,
-            llama_server=raw["CORRAL_LLAMA_SERVER"].strip() or None,
-            log_level=raw["CORRAL_LOG_LEVEL"].strip().lower() or "info",
-            log_format=_choice("CORRAL_LOG_FORMAT", raw["CORRAL_LOG_FORMAT"], LOG_FORMATS),
-            builtin_models=raw["CORRAL_BUILTIN_MODELS"].strip().lower() not in ("0", "false", "no"),
-            eviction_policy=_policy(raw["CORRAL_EVICTION_POLICY"]),
-            kv_cache_type=_kv_type(raw["CORRAL_KV_CACHE_TYPE"]),
-            kv_cache_dir=Path(
-                raw["CORRAL_KV_CACHE_DIR"].strip() or DEFAULTS["CORRAL_KV_CACHE_DIR"]
-            ).expanduser(),
-            kv_cache_size=parse_size(raw["CORRAL_KV_CACHE_SIZE"], "CORRAL_KV_CACHE_SIZE"),
-            api_keys=_list(raw["CORRAL_API_KEY"]),
-            origins=_list(raw["CORRAL_ORIGINS"]),
-            shutdown_grace=parse_duration(raw["CORRAL_SHUTDOWN_GRACE"], "CORRAL_SHUTDOWN_GRACE"),
-            read_timeout=_positive(raw["CORRAL_READ_TIMEOUT"], "CORRAL_READ_TIMEOUT"),
-            idle_timeout=_positive(raw["CORRAL_IDLE_TIMEOUT"], "CORRAL_IDLE_TIMEOUT"),
-            max_connections=_int("CORRAL_MAX_CONNECTIONS", raw["CORRAL_MAX_CONNECTIONS"], 16),
-            ray_address=raw["CORRAL_RAY_ADDRESS"].strip() or None,
-        )
+        values = {st.field: st.parse(raw[st.variable], st.variable) for st in SETTINGS}
+        values["host"], values["port"] = values.pop("address")
+        # a keep-alive never longer than the longest a request may ask for
+        most = values["keep_alive_max"]
+        values["keep_alive"] = min(values["keep_alive"], FOREVER if most is None else most)
+        return cls(**values)

@@ -8,35 +8,12 @@ import os
 import sys
 
 from corral.cli.client import CLIError
-from corral.config import ConfigError
+from corral.config import SETTINGS, ConfigError
 
-# `corral serve` flag -> (environment variable, metavar, help). The server reads settings from
-# these variables, so a flag is only an override of its variable; this is the one table of them.
+# `corral serve` flag -> (environment variable, metavar, help), from the one table of settings.
+# The server reads settings from these variables, so a flag is only an override of its variable.
 SERVE_FLAGS: dict[str, tuple[str, str, str]] = {
-    "--host": ("CORRAL_HOST", "HOST", "address to listen on, host:port"),
-    "--models": ("CORRAL_MODELS", "DIR", "directory of GGUF models"),
-    "--keep-alive": ("CORRAL_KEEP_ALIVE", "DURATION", "how long an idle model stays loaded"),
-    "--context-length": ("CORRAL_CONTEXT_LENGTH", "N", "default context length"),
-    "--num-parallel": ("CORRAL_NUM_PARALLEL", "N", "requests each model serves at once"),
-    "--load-timeout": ("CORRAL_LOAD_TIMEOUT", "DURATION", "give up loading a model after this"),
-    "--max-loaded-models": ("CORRAL_MAX_LOADED_MODELS", "N", "most models loaded (0: by memory)"),
-    "--max-queue": ("CORRAL_MAX_QUEUE", "N", "most requests waiting for a model"),
-    "--stall-timeout": ("CORRAL_RUNNER_STALL_TIMEOUT", "DURATION", "kill a hung runner after this"),
-    "--memory-margin": ("CORRAL_MEMORY_MARGIN", "SIZE", "memory to leave free, e.g. 1GiB"),
-    "--memory-limit": ("CORRAL_MEMORY_LIMIT", "SIZE", "most memory for loaded models"),
-    "--llama-server": ("CORRAL_LLAMA_SERVER", "PATH", "run models with this llama-server binary"),
-    "--log-level": ("CORRAL_LOG_LEVEL", "LEVEL", "debug, info, warning or error"),
-    # CORRAL_API_KEY has no flag: a key on the command line is visible to every local user
-    "--origins": ("CORRAL_ORIGINS", "LIST", "web origins allowed to call, e.g. https://*.my.org"),
-    "--shutdown-grace": ("CORRAL_SHUTDOWN_GRACE", "DURATION", "on SIGTERM, time to finish"),
-    "--read-timeout": ("CORRAL_READ_TIMEOUT", "DURATION", "close connections slow to send"),
-    "--idle-timeout": (
-        "CORRAL_IDLE_TIMEOUT",
-        "DURATION",
-        "close kept-alive connections idle this long",
-    ),
-    "--max-connections": ("CORRAL_MAX_CONNECTIONS", "N", "most open connections"),
-    "--ray": ("CORRAL_RAY_ADDRESS", "ADDRESS", "serve a Ray cluster: 'auto' or the head's address"),
+    s.flag: (s.variable, s.metavar, s.help) for s in SETTINGS if s.flag
 }
 
 
