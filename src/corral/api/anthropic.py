@@ -102,11 +102,8 @@ class Anthropic:
         r = self.svc.resolve(name)
         placed(r, chat)
         self.svc.check_chat(r, chat.messages)
-        lease = await self.svc.lease(request, r, {}, None)
-        try:
+        async with await self.svc.lease(request, r, {}, None) as lease:
             n = await until_disconnect(request, self._count(lease, chat))
-        finally:
-            lease.release()
         return json_response({"input_tokens": n})
 
     async def _count(self, lease: Lease, chat: Chat) -> int:

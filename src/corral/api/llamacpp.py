@@ -74,15 +74,12 @@ class Native:
         if not name:
             raise ApiError(400, "'model' is required (?model=...)", "model")
         r = self.svc.resolve(name)
-        lease = await self.svc.lease(request, r, {}, None)
-        try:
+        async with await self.svc.lease(request, r, {}, None) as lease:
             runner = lease.runner
             assert runner.session is not None
             async with runner.session.get("/props") as resp:
                 data = await resp.read()
                 status = resp.status
-        finally:
-            lease.release()
         return Response(data, status, media_type="application/json")
 
 

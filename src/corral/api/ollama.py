@@ -222,9 +222,8 @@ class Ollama:
             reason = "unload"
         else:
             r = self.svc.resolve(name)
-            lease = await self.svc.lease(request, r, options, keep_alive)
-            lease.release()
-            reason = "load"
+            async with await self.svc.lease(request, r, options, keep_alive):
+                reason = "load"
         return json_response({
             "model": name, "created_at": now_rfc3339(), **empty, "done": True,
             "done_reason": reason, "total_duration": ns(time.monotonic() - start),
@@ -252,8 +251,7 @@ class Ollama:
         r = self.svc.resolve(name)
         self.svc.require(r, "embedding", "embeddings")
         start = time.monotonic()
-        lease = await self.svc.lease(request, r, options, keep_alive)
-        try:
+        async with await self.svc.lease(request, r, options, keep_alive) as lease:
             if not inputs:
                 vectors: list[list[float]] = []
                 tokens = 0
@@ -265,8 +263,6 @@ class Ollama:
                 items = sorted(data["data"], key=lambda d: d["index"])
                 vectors = [truncate(d["embedding"], dims) for d in items]
                 tokens = data.get("usage", {}).get("prompt_tokens", 0)
-        finally:
-            lease.release()
         return json_response({
             "model": r.requested, "embeddings": vectors,
             "total_duration": ns(time.monotonic() - start),
@@ -282,8 +278,7 @@ class Ollama:
         keep_alive = keep_alive_field(body)
         r = self.svc.resolve(name)
         self.svc.require(r, "embedding", "embeddings")
-        lease = await self.svc.lease(request, r, options, keep_alive)
-        try:
+        async with await self.svc.lease(request, r, options, keep_alive) as lease:
             if not prompt:
                 return json_response({"embedding": []})
             # Cut to what the runner embeds at once, as /api/embed does by default.
@@ -291,8 +286,6 @@ class Ollama:
             data = await until_disconnect(
                 request, self.svc.post_json(lease, "/v1/embeddings", {"input": fitted})
             )
-        finally:
-            lease.release()
         return json_response({"embedding": data["data"][0]["embedding"]})
 
     # ---- model listing ---------------------------------------------------------------------

@@ -270,13 +270,10 @@ class OpenAI:
         payload: dict[str, Any],
         legacy: _Legacy | None = None,
     ) -> dict[str, Any]:
-        lease = await self.svc.lease(request, r, {}, None)
-        try:
+        async with await self.svc.lease(request, r, {}, None) as lease:
             if legacy is not None:
                 await legacy.prepare(self.svc, lease)
             data: dict[str, Any] = await self.svc.post_json(lease, path, payload)
-        finally:
-            lease.release()
         if legacy is not None:
             legacy.whole(data)
         return data
@@ -289,8 +286,7 @@ class OpenAI:
         payload: dict[str, Any],
         legacy: _Legacy | None = None,
     ) -> AsyncIterator[dict[str, Any]]:
-        lease = await self.svc.lease(request, r, {}, None)
-        try:
+        async with await self.svc.lease(request, r, {}, None) as lease:
             if legacy is not None:
                 await legacy.prepare(self.svc, lease)
             payload = {**payload, "stream_options": {"include_usage": True}}
@@ -307,8 +303,6 @@ class OpenAI:
                     yield data
             finally:
                 resp.close()  # makes llama.cpp stop generating if we stop early
-        finally:
-            lease.release()
 
     # ---- n choices -------------------------------------------------------------------------
     async def _merge(
@@ -907,8 +901,8 @@ class Router:
         body = await read_json(request)
         r = self.svc.resolve(model_field(body))
         start = time.monotonic()
-        lease = await self.svc.lease(request, r, {}, None)
-        lease.release()
+        async with await self.svc.lease(request, r, {}, None):
+            pass  # loaded: that is all a load asks for
         return json_response({"success": True, "load_ms": int((time.monotonic() - start) * 1e3)})
 
     async def unload(self, request: Request) -> Response:

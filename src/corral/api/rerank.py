@@ -43,14 +43,11 @@ class Rerank:
         with_docs = field(body, "return_documents", bool, False)
         r = self.svc.resolve(name)
         self.svc.require(r, "rerank", "reranking")
-        lease = await self.svc.lease(request, r, {}, None)
-        try:
+        async with await self.svc.lease(request, r, {}, None) as lease:
             data = await until_disconnect(
                 request,
                 self.svc.post_json(lease, "/v1/rerank", {"query": query, "documents": docs}),
             )
-        finally:
-            lease.release()
         ranked = sorted(data["results"], key=lambda x: -x["relevance_score"])[:top_n]
         results: list[dict[str, Any]] = []
         for item in ranked:

@@ -100,6 +100,13 @@ class Lease:
             self.released = True
             self.scheduler._release(self.request_id)
 
+    # `async with await service.lease(...) as lease:` returns it however the block ends.
+    async def __aenter__(self) -> Lease:
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        self.release()
+
 
 class Scheduler:
     def __init__(
