@@ -328,3 +328,45 @@ def test_show_keeps_arrays_for_verbose(server) -> None:
     assert len(tokens) == 49152 and tokens[:3] == ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
     assert full["model_info"]["tokenizer.ggml.token_type"][:3] == [3, 3, 3]
     assert len(full["model_info"]["tokenizer.ggml.merges"]) > 40000
+
+
+# A chat template that, as Mistral's and Gemma's do, refuses a system message anywhere but first.
+STRICT = (
+    "{% if messages[0]['role'] == 'system' %}{% set rest = messages[1:] %}"
+    "{% else %}{% set rest = messages %}{% endif %}"
+    "{% for m in rest %}{% if (m['role'] == 'user') != (loop.index0 % 2 == 0) %}"
+    "{{ raise_exception('Conversation roles must alternate user/assistant/user/assistant') }}"
+    "{% endif %}{{ '[' + m['role'] + '] ' + m['content'] + '\\n' }}{% endfor %}"
+    "{% if add_generation_prompt %}{{ '[assistant] ' }}{% endif %}"
+)
+
+
+@pytest.fixture(scope="module")
+def strict(start_server, tmp_path_factory: pytest.TempPathFactory):
+    from corral.testing import synth
+
+    d = tmp_path_factory.mktemp("strict")
+    synth.write_llama_model(d / "strict.gguf", n_layer=1, context_length=1024,
+                            chat_template=STRICT)  # fmt: skip
+    return start_server(d, CORRAL_BUILTIN_MODELS="0")
+
+
+def test_later_system_messages_on_every_api(strict) -> None:
+    """A template that refuses a later system message gets it folded into the next user turn
+    on every generating route, not llama.cpp's template error (Codex's developer messages,
+    Claude Code's reminders)."""
+    assert not renders_later_system(STRICT)
+    turns: list[dict[str, Any]] = [
+        {"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Hello"},
+        {"role": "system", "content": "Be brief."}, {"role": "user", "content": "Bye"},
+    ]  # fmt: skip
+    http = strict.client
+    r = http.post("/api/chat", json={"model": "strict", "messages": turns, "stream": False,
+                                     "options": {"num_predict": 2}})  # fmt: skip
+    assert r.status_code == 200, r.text
+    r = http.post("/v1/responses", json={"model": "strict", "max_output_tokens": 2, "input": [
+        {"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Hello"},
+        {"role": "developer", "content": "Be brief."}, {"role": "user", "content": "Bye"}]})
+    assert r.status_code == 200, r.text
+    r = http.post("/v1/messages", json={"model": "strict", "max_tokens": 2, "messages": turns})
+    assert r.status_code == 200, r.text

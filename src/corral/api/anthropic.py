@@ -25,7 +25,7 @@ from starlette.routing import Route
 
 from corral.api.common import ApiError, field, model_field, read_json, rfc3339
 from corral.api.events import Chat, Done, Event, Result, Text, Thinking, ToolCall, Usage, new_id
-from corral.api.service import Resolved, Service, chat_template, until_disconnect
+from corral.api.service import Resolved, Service, effective_template, until_disconnect
 from corral.api.stream import json_response
 from corral.core.roles import place_system, renders_later_system
 from corral.runtime.registry import ModelEntry
@@ -146,8 +146,7 @@ def model_list(entries: list[ModelEntry], query: Mapping[str, str]) -> dict[str,
 # ---- request -> Chat ------------------------------------------------------------------------
 def placed(r: Resolved, chat: Chat) -> None:
     """The chat's system messages where the model's template takes them (core/roles.py)."""
-    template = chat_template(r) or r.info.chat_template
-    chat.messages = place_system(chat.messages, renders_later_system(template))
+    chat.messages = place_system(chat.messages, renders_later_system(effective_template(r)))
 
 
 def stop_sequences(body: dict[str, Any]) -> list[str]:

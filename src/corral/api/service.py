@@ -48,6 +48,7 @@ from corral.core.gguf import (
 )
 from corral.core.gotemplate import TemplateError, is_jinja, to_jinja
 from corral.core.placement import Placement, model_need, place
+from corral.core.roles import has_later_system, place_system, renders_later_system
 from corral.core.spec import Layout, RunnerSpec
 from corral.runtime.kvcache import GENERATION_PATHS, KVCache
 from corral.runtime.registry import ModelEntry, Registry, canonical_name
@@ -170,7 +171,7 @@ class Service:
         """Whether the model's chat template (a created model's own, else the GGUF's) renders
         tools, so that llama.cpp's chat endpoint shows them to the model and parses its calls.
         Other models get tools from corral (`corral.api.toolprompt`)."""
-        return template_has_tools(chat_template(r) or r.info.chat_template)
+        return template_has_tools(effective_template(r))
 
     def require(self, r: Resolved, capability: str, what: str) -> None:
         if capability not in r.info.capabilities:
@@ -458,6 +459,10 @@ class Service:
         prompt. Every check the client can fail comes before the lease."""
         self.check_chat(r, chat.messages)
         chat, stop = defaults.chat(r.entry, chat, stop)  # a created model's system, parameters
+        if has_later_system(chat.messages):  # e.g. Codex's developer messages, Claude Code's
+            template = effective_template(r)
+            placed = place_system(chat.messages, renders_later_system(template))
+            chat = dataclasses.replace(chat, messages=placed)
         forced = chat.forced_tools
         if forced is not None and not forced:
             raise ApiError(
@@ -566,6 +571,12 @@ def jinja_template(template: str) -> str:
     """A created model's TEMPLATE as the runner's Jinja chat template: Ollama's Go syntax
     translated, a Jinja template as it is."""
     return template if is_jinja(template) else to_jinja(template)
+
+
+def effective_template(r: Resolved) -> str | None:
+    """The chat template a runner of this model renders with: a created model's own, else the
+    GGUF's (None: llama.cpp's ChatML fallback)."""
+    return chat_template(r) or r.info.chat_template
 
 
 def chat_template(r: Resolved) -> str | None:

@@ -39,6 +39,17 @@ def renders_later_system(template: str | None) -> bool:
     return -1 < out.find(_A1) < out.find(_S2) < out.find(_U2)
 
 
+def has_later_system(messages: list[dict[str, Any]]) -> bool:
+    """Whether a system message follows the conversation's first other message."""
+    begun = False
+    for m in messages:
+        if m.get("role") != "system":
+            begun = True
+        elif begun:
+            return True
+    return False
+
+
 def _text(content: Any) -> str:
     if isinstance(content, str):
         return content
