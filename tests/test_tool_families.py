@@ -29,6 +29,11 @@ SCHEMA: dict[str, Any] = {
     "required": ["command"],
 }
 DESCRIPTION = "Run a shell command and return its output."
+# The tool as Ollama's and OpenAI's chat APIs take it.
+CHAT_TOOL = {
+    "type": "function",
+    "function": {"name": "Bash", "description": DESCRIPTION, "parameters": SCHEMA},
+}
 # Arguments of several JSON types, a quoted and a multi-line string, an optional one left out.
 TYPED_CALL = (
     "Edit",
@@ -184,12 +189,7 @@ def _ollama(
 ) -> Answer:
     body: dict[str, Any] = {"model": model, "messages": messages, "stream": stream}
     if tools:
-        body["tools"] = [
-            {
-                "type": "function",
-                "function": {"name": "Bash", "description": DESCRIPTION, "parameters": SCHEMA},
-            }
-        ]
+        body["tools"] = [CHAT_TOOL]
     answer = Answer()
     with http.stream("POST", "/api/chat", json=body) as r:
         assert r.status_code == 200, r.read()
@@ -213,12 +213,7 @@ def _openai(
 ) -> Answer:
     body: dict[str, Any] = {"model": model, "messages": messages, "stream": stream}
     if tools:
-        body["tools"] = [
-            {
-                "type": "function",
-                "function": {"name": "Bash", "description": DESCRIPTION, "parameters": SCHEMA},
-            }
-        ]
+        body["tools"] = [CHAT_TOOL]
     answer = Answer()
     if not stream:
         r = http.post("/v1/chat/completions", json=body)
