@@ -1,4 +1,4 @@
-"""Cluster-mode figures: `python -m corral.cluster.bench [--quick] [--json FILE]`.
+"""Cluster-mode figures: `python -m corral.bench.cluster [--quick] [--json FILE]`.
 
 1. Start-up: a three-node Ray cluster on this machine (ray.cluster_utils), then the entry and
    its three agents.
