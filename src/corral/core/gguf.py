@@ -204,9 +204,11 @@ def model_capabilities(
     return tuple(caps)
 
 
+@functools.lru_cache(maxsize=256)
 def template_has_tools(chat_template: str | None) -> bool:
     """Whether a chat template renders a tools list itself (llama.cpp then shows the model
-    the tools and parses its calls; otherwise corral does both)."""
+    the tools and parses its calls; otherwise corral does both). Cached: asked on every
+    request with tools, of templates up to tens of kilobytes."""
     return bool(chat_template) and _TOOLS_IN_TEMPLATE.search(chat_template or "") is not None
 
 
