@@ -39,9 +39,10 @@ pytest.importorskip("ray")
 
 from ray.cluster_utils import Cluster
 
-from corral.cluster.agent import model_needs, node_service
+from corral.cluster.agent import model_needs
 from corral.config import Settings
 from corral.core.estimate import RUNNER_CODE_BYTES
+from corral.runtime.registry import Registry
 from corral.runtime.runner import free_port
 from corral.testing import synth
 
@@ -167,9 +168,8 @@ def rig(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Rig]:
     for name in ("b", "c"):
         (root / name / "models.toml").write_text(toml)
     # what each node's scheduler will book for each model, as the agents compute it
-    needs, _ = model_needs(
-        node_service(Settings.load(environ={**BASE, "CORRAL_MODELS": str(files)}))
-    )
+    settings = Settings.load(environ={**BASE, "CORRAL_MODELS": str(files)})
+    needs, _ = model_needs(settings, Registry(settings.models_dir, settings.builtin_models))
     needs = {k.removesuffix(":latest"): v for k, v in needs.items()}
     big = [needs[m] for m in BIG]
     # one big model fits (its real allocation may replace the estimate), two never do

@@ -2,9 +2,8 @@
 
 from __future__ import annotations
 
-from corral.api.service import launch_layout
 from corral.core.devices import fake_devices
-from corral.core.placement import ModelNeed, Placement, place
+from corral.core.placement import ModelNeed, Placement, launch_layout, place
 
 MiB = 2**20
 NEED = ModelNeed(

@@ -9,11 +9,13 @@ from typing import Any
 
 import pytest
 
-from corral.api.service import NUM_BATCH_RANGE, Resolved, Service, cpu_cores
+from corral.api.service import Resolved, Service
 from corral.config import Settings
 from corral.core.gguf import read_model_info
+from corral.core.options import CLAMPED
 from corral.core.spec import Adapter, Layout, RunnerSpec
 from corral.runtime import runner_child
+from corral.runtime.devices import cpu_cores
 from corral.runtime.registry import ModelEntry, Registry
 from corral.runtime.runner import GOMP_SPINCOUNT, Runner, runner_env
 from corral.testing import synth
@@ -115,7 +117,7 @@ def test_spec_takes_model_defaults_then_request_options(opt_dir: Path) -> None:
 
 def test_values_that_would_harm_other_clients_are_bounded(opt_dir: Path) -> None:
     r = resolved(opt_dir / "base.gguf", options={"n_cpu_moe": 1})
-    lo, hi = NUM_BATCH_RANGE
+    lo, hi = CLAMPED["n_batch"]
     assert service().runner_spec(r, {"num_batch": 1})[0].n_batch == lo
     assert service().runner_spec(r, {"num_batch": 65536})[0].n_batch == hi
     assert service().runner_spec(r, {"num_thread": 1024})[0].threads == cpu_cores()

@@ -10,6 +10,8 @@ from typing import Any
 import orjson
 from starlette.requests import Request
 
+from corral.core.options import REQUEST_OPTIONS
+
 MAX_BODY = 64 * 2**20  # a request body larger than this is refused before parsing
 # JSON nested deeper than this is refused: no API nests nearly as deep (a tool's schema with
 # 25 levels of objects is ~55), and orjson cannot write back values nested past 254 levels.
@@ -122,35 +124,18 @@ def model_field(body: dict[str, Any]) -> str:
     return name
 
 
-# Ollama's options: name -> JSON type. Unknown options are ignored, as Ollama does.
-OPTION_TYPES: dict[str, type | tuple[type, ...]] = {
-    "num_ctx": int, "num_batch": int, "num_gpu": int, "main_gpu": int, "num_thread": int,
-    "num_keep": int, "num_predict": int, "seed": int, "top_k": int, "top_p": float,
-    "min_p": float, "typical_p": float, "temperature": float, "repeat_penalty": float,
-    "repeat_last_n": int, "presence_penalty": float, "frequency_penalty": float,
-    "mirostat": int, "mirostat_tau": float, "mirostat_eta": float, "stop": (list, str),
-    "penalize_newline": bool, "use_mmap": bool, "use_mlock": bool, "numa": bool,
-    "low_vram": bool, "tfs_z": float,
-}  # fmt: skip
-# Absurd values are refused up front rather than handed to llama.cpp.
-OPTION_RANGES: dict[str, tuple[float, float]] = {
-    "num_ctx": (1, 2**21), "num_batch": (1, 2**16), "num_gpu": (-1, 4096),
-    "main_gpu": (0, 255), "num_thread": (0, 1024), "num_predict": (-2, 2**24),
-    "top_k": (0, 2**20), "repeat_last_n": (-1, 2**21), "temperature": (0, 1000),
-}  # fmt: skip
-
-
 def check_options(options: Any) -> dict[str, Any]:
+    """A request's Ollama options with their types and ranges checked (core/options.py)."""
     if options is None:
         return {}
     if not isinstance(options, dict):
         raise ApiError(400, "invalid type for 'options': expected an object", "options")
     out: dict[str, Any] = {}
-    for name, typ in OPTION_TYPES.items():
-        value = field(options, name, typ, prefix="options.")
+    for name, opt in REQUEST_OPTIONS.items():
+        value = field(options, name, opt.type, prefix="options.")
         if value is None:
             continue
-        lo, hi = OPTION_RANGES.get(name, (-math.inf, math.inf))
+        lo, hi = opt.range
         if isinstance(value, int | float) and not lo <= value <= hi:
             raise ApiError(
                 400, f"'options.{name}' must be between {lo:g} and {hi:g}", f"options.{name}"

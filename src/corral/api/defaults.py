@@ -18,16 +18,9 @@ from dataclasses import replace
 from typing import Any
 
 from corral.api.events import Chat
+from corral.core.options import SAMPLING
 from corral.runtime.registry import ModelEntry
 
-# Ollama parameter -> llama.cpp sampling parameter (both of its endpoints take these names).
-SAMPLING = {
-    "temperature": "temperature", "top_k": "top_k", "top_p": "top_p", "min_p": "min_p",
-    "typical_p": "typical_p", "seed": "seed", "repeat_penalty": "repeat_penalty",
-    "repeat_last_n": "repeat_last_n", "presence_penalty": "presence_penalty",
-    "frequency_penalty": "frequency_penalty", "mirostat": "mirostat",
-    "mirostat_tau": "mirostat_tau", "mirostat_eta": "mirostat_eta", "num_keep": "n_keep",
-}  # fmt: skip
 LENGTH_KEYS = ("n_predict", "max_tokens", "max_completion_tokens")
 SYSTEM_ROLES = ("system", "developer")
 
@@ -54,7 +47,9 @@ def sampling(entry: ModelEntry, params: Mapping[str, Any], length_key: str) -> d
     length limit (Ollama's num_predict) under `length_key` unless one is already set."""
     if not entry.parameters:
         return dict(params)
-    out = {SAMPLING[k]: v for k, v in entry.parameters.items() if k in SAMPLING}
+    # num_predict, the length limit, goes under `length_key` (below)
+    out = {SAMPLING[k]: v for k, v in entry.parameters.items()
+           if k in SAMPLING and k != "num_predict"}  # fmt: skip
     predict = entry.parameters.get("num_predict")
     if predict is not None and not any(params.get(k) is not None for k in LENGTH_KEYS):
         out[length_key] = -1 if predict == -2 else predict

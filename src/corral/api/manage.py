@@ -14,7 +14,6 @@ import asyncio
 import contextlib
 import hashlib
 import logging
-import math
 import os
 from collections.abc import AsyncIterator, Iterable
 from dataclasses import replace
@@ -26,11 +25,13 @@ from starlette.requests import Request
 from starlette.responses import Response, StreamingResponse
 from starlette.routing import Route
 
-from corral.api.common import OPTION_RANGES, OPTION_TYPES, ApiError, field, read_json
-from corral.api.service import Service, jinja_template, until_disconnect
+from corral.api.common import ApiError, field, read_json
+from corral.api.service import Service, until_disconnect
 from corral.api.stream import json_response
 from corral.core.gguf import GGUFError, read_model_info
 from corral.core.gotemplate import TemplateError
+from corral.core.options import REQUEST_OPTIONS
+from corral.core.spec import jinja_template
 from corral.runtime import hub
 from corral.runtime.registry import ModelEntry, canonical_name
 from corral.runtime.store import Adapter, FileRef, Manifest, StoreError, norm_digest
@@ -434,12 +435,13 @@ def check_parameters(params: Any) -> dict[str, Any]:
         raise ApiError(400, "invalid type for 'parameters': expected an object", "parameters")
     out: dict[str, Any] = {}
     for key in params:
-        if key not in OPTION_TYPES:
+        opt = REQUEST_OPTIONS.get(key)
+        if opt is None:
             raise ApiError(400, f"unknown parameter '{key}'", "parameters")
-        value = field(params, key, OPTION_TYPES[key], prefix="parameters.")
+        value = field(params, key, opt.type, prefix="parameters.")
         if value is None:
             continue
-        lo, hi = OPTION_RANGES.get(key, (-math.inf, math.inf))
+        lo, hi = opt.range
         if isinstance(value, int | float) and not isinstance(value, bool) and not lo <= value <= hi:
             raise ApiError(400, f"'parameters.{key}' must be between {lo:g} and {hi:g}",
                            "parameters")  # fmt: skip

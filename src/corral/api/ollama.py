@@ -42,18 +42,9 @@ from corral.config import ConfigError, parse_duration
 from corral.core.gguf import read_arrays
 from corral.core.gotemplate import TemplateError
 from corral.core.gotemplate import render as render_template
+from corral.core.options import SAMPLING
 
 T = TypeVar("T")
-
-# Ollama option -> llama.cpp sampling parameter (both endpoints accept llama.cpp's names).
-SAMPLING = {
-    "temperature": "temperature", "top_k": "top_k", "top_p": "top_p", "min_p": "min_p",
-    "typical_p": "typical_p", "seed": "seed", "repeat_penalty": "repeat_penalty",
-    "repeat_last_n": "repeat_last_n", "presence_penalty": "presence_penalty",
-    "frequency_penalty": "frequency_penalty", "mirostat": "mirostat",
-    "mirostat_tau": "mirostat_tau", "mirostat_eta": "mirostat_eta",
-    "num_keep": "n_keep", "num_predict": "n_predict",
-}  # fmt: skip
 
 
 def keep_alive_field(body: dict[str, Any]) -> float | None:
@@ -67,6 +58,7 @@ def keep_alive_field(body: dict[str, Any]) -> float | None:
 
 
 def sampling(options: dict[str, Any]) -> dict[str, Any]:
+    """A request's Ollama options as llama.cpp's sampling parameters."""
     out = {SAMPLING[k]: v for k, v in options.items() if k in SAMPLING}
     if out.get("n_predict") == -2:  # Ollama's "fill the context": llama.cpp's -1 does that
         out["n_predict"] = -1

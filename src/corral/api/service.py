@@ -9,11 +9,9 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import dataclasses
-import functools
 import hashlib
 import logging
-import os
-from collections.abc import Awaitable, Mapping
+from collections.abc import Awaitable
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
@@ -29,27 +27,22 @@ from corral.api.metrics import note_model
 from corral.api.stream import LeasedStream, RunnerStream, open_stream
 from corral.api.toolprompt import CLOSE, TRIGGER, call_grammar, fallback_messages
 from corral.config import Settings
-from corral.core.books import Fit, Placer
-from corral.core.devices import GPU_CONTEXT_BYTES, Device
-from corral.core.estimate import (
-    KV_CACHE_TYPES,
-    Estimate,
-    check_kv_cache_type,
-    estimate,
-)
+from corral.core.devices import Device
+from corral.core.estimate import KV_CACHE_TYPES, check_kv_cache_type
 from corral.core.gguf import (
+    AdapterInfo,
     GGUFError,
     ModelInfo,
-    check_adapter,
-    read_adapter_info,
+    ProjectorInfo,
     read_model_info,
-    read_projector_info,
+    read_parts,
     template_has_tools,
 )
-from corral.core.gotemplate import TemplateError, is_jinja, to_jinja
-from corral.core.placement import Placement, model_need, place
+from corral.core.gotemplate import TemplateError
+from corral.core.placement import placer
 from corral.core.roles import has_later_system, place_system, renders_later_system
-from corral.core.spec import Layout, RunnerSpec
+from corral.core.spec import Estimates, RunnerSpec, jinja_template, runner_spec
+from corral.runtime.devices import cpu_cores
 from corral.runtime.kvcache import GENERATION_PATHS, KVCache
 from corral.runtime.registry import ModelEntry, Registry, canonical_name
 from corral.runtime.runner import Runner
@@ -57,16 +50,6 @@ from corral.runtime.scheduler import Lease, Scheduler, SchedulerError
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
-
-# Ollama option -> RunnerSpec field: options that shape the runner process (a change reloads).
-# models.toml may set each of them as a model's default, and flash_attn and n_cpu_moe besides.
-SHAPING = {"num_ctx": "n_ctx", "num_gpu": "n_gpu_layers", "main_gpu": "main_gpu",
-           "num_thread": "threads", "num_batch": "n_batch", "use_mmap": "use_mmap",
-           "use_mlock": "use_mlock", "flash_attn": "flash_attn",
-           "n_cpu_moe": "n_cpu_moe"}  # fmt: skip
-# A batch below this slows every client's prompts on a shared runner; above it, the compute
-# buffer grows for little gain (llama.cpp's default is 2048 / micro-batch 512).
-NUM_BATCH_RANGE = (32, 4096)
 
 
 @dataclass(frozen=True)
@@ -96,8 +79,7 @@ class Service:
         self.registry = registry
         self.scheduler = scheduler
         self.devices = devices
-        # runner spec -> (the ModelInfo and parts it was computed from, its estimate)
-        self._estimates: dict[RunnerSpec, tuple[ModelInfo, tuple[Any, ...], Estimate]] = {}
+        self._estimates = Estimates()
         self._vision: dict[Any, tuple[ModelInfo, ModelInfo]] = {}
         # Saved conversations restored into a reloaded runner's slots (server.kv_cache).
         self.kvcache: KVCache | None = None
@@ -137,26 +119,13 @@ class Service:
         self._vision[info.path] = (info, out)
         return out
 
-    def parts(self, r: Resolved) -> tuple[Any, tuple[Any, ...]]:
-        """The model's projector and adapters as read from their files (ProjectorInfo or None,
-        AdapterInfos); 500 with the reason if one is missing or unusable."""
-        what = "projector"
+    def parts(self, r: Resolved) -> tuple[ProjectorInfo | None, tuple[AdapterInfo, ...]]:
+        """The model's projector and adapters as read from their files; 500 with the reason
+        if one is missing or unusable."""
         try:
-            proj = read_projector_info(r.entry.projector) if r.entry.projector else None
-            adapters = []
-            for a in r.entry.adapters:
-                what = f"adapter {a.path}"
-                adapters.append(read_adapter_info(a.path))
-                check_adapter(r.info, adapters[-1])
-        except OSError as e:
-            raise ApiError(
-                500, f"model '{r.requested}' cannot be loaded: its {what} is missing ({e})"
-            ) from None
+            return read_parts(r.info, r.entry.projector, r.entry.adapters)
         except GGUFError as e:
-            raise ApiError(
-                500, f"model '{r.requested}' cannot be loaded: its {what}: {e}"
-            ) from None
-        return proj, tuple(adapters)
+            raise ApiError(500, f"model '{r.requested}' cannot be loaded: {e}") from None
 
     def unload(self, name: str) -> bool:
         """Unload a model by name: a model on disk, or a loaded one whose file is gone (the
@@ -181,47 +150,10 @@ class Service:
         self, r: Resolved, options: dict[str, Any]
     ) -> tuple[RunnerSpec, frozenset[str]]:
         """The runner to load for these options, and which spec fields the request pinned."""
-        defaults = r.entry.options
-        embedding = "embedding" in r.info.capabilities or "rerank" in r.info.capabilities
-        n_ctx = defaults.get("num_ctx") or self.settings.context_length or r.info.context_length
-        spec = {
-            "path": str(r.entry.path),
-            "n_ctx": clamp_ctx(n_ctx, r.info.context_length),
-            "num_parallel": defaults.get("num_parallel") or self.settings.num_parallel,
-            "n_gpu_layers": defaults.get("num_gpu", 0),
-            "main_gpu": defaults.get("main_gpu"),
-            "embedding": embedding,
-            "pooling_type": r.info.pooling_type if embedding else None,
-            "threads": defaults.get("num_thread"),
-            "kv_cache_type": defaults.get("kv_cache_type") or self.settings.kv_cache_type,
-            "projector": str(r.entry.projector) if r.entry.projector else None,
-            "adapters": tuple(r.entry.adapters),
-            "n_batch": defaults.get("num_batch"),
-            "use_mmap": defaults.get("use_mmap"),
-            "use_mlock": defaults.get("use_mlock"),
-            "flash_attn": defaults.get("flash_attn") or "auto",
-            "n_cpu_moe": defaults.get("n_cpu_moe") or 0,
-            "chat_template": chat_template(r),
-        }
-        # The model's parts are what the model is: a runner with other ones never serves it.
-        explicit = {"projector", "adapters"}
-        for opt, fld in SHAPING.items():
-            if options.get(opt) is not None:
-                spec[fld] = options[opt]
-                explicit.add(fld)
-        # A runner is shared by every client of the model: values that would starve the others
-        # are clamped (threads beyond the cores, a batch too small or too large), as are
-        # contexts llama.cpp itself would cap.
-        spec["n_ctx"] = clamp_ctx(spec["n_ctx"], r.info.context_length)
-        if spec["threads"] is not None:
-            spec["threads"] = min(spec["threads"], cpu_cores()) or None  # 0: llama.cpp decides
-        if spec["n_batch"] is not None:
-            lo, hi = NUM_BATCH_RANGE
-            spec["n_batch"] = max(lo, min(spec["n_batch"], hi))
-        # Only a model with experts has any to keep in system memory (no reload for nothing).
-        moe_layers = r.info.n_layer if r.info.expert_bytes else 0
-        spec["n_cpu_moe"] = max(0, min(spec["n_cpu_moe"], moe_layers))
-        return RunnerSpec(**spec), frozenset(explicit)
+        try:
+            return runner_spec(r.entry, r.info, options, self.settings, cpu_cores())
+        except TemplateError as e:  # /api/create refuses these: a manifest from elsewhere
+            raise unusable_template(r, e) from None
 
     # ---- leases ----------------------------------------------------------------------------
     def keep_alive(self, entry: ModelEntry, asked: float | None) -> float | None:
@@ -254,13 +186,15 @@ class Service:
                 400, f"model '{r.requested}': a quantized KV cache ({spec.kv_cache_type}) "
                 "needs flash attention; set flash_attn to on or auto",
             )  # fmt: skip
-        est = self.estimate(r.info, spec, r)
+        est = self._estimates.get(r.info, spec, *self.parts(r))
+        model = {**r.entry.options, **options}
         try:
             ticket = self.scheduler.submit(
                 r.name, spec, explicit=explicit, size=est.total + est.process,
                 keep_alive=self.keep_alive(r.entry, keep_alive),
                 pinned=r.entry.pinned, priority=r.entry.priority,
-                place=self.placer(est, {**r.entry.options, **options}, r.entry.devices),
+                place=placer(est, self.devices, model.get("num_gpu"), model.get("main_gpu"),
+                             r.entry.devices),
                 process=est.process,
             )  # fmt: skip
             if ticket.fut.done():  # a warm runner had a free slot: no need to watch the client
@@ -268,48 +202,6 @@ class Service:
             return await until_disconnect(request, self.scheduler.wait(ticket))
         except SchedulerError as e:
             raise ApiError(e.status, e.message, retry_after=e.retry_after) from None
-
-    def estimate(self, info: ModelInfo, spec: RunnerSpec, r: Resolved | None = None) -> Estimate:
-        """The runner's memory estimate, computed once per model file and runner shape (it
-        walks every layer, and every request asks for it), with the model's projector and
-        adapters (`r`'s entry)."""
-        proj, adapters = self.parts(r) if r is not None else (None, ())
-        parts = (proj, *adapters)
-        hit = self._estimates.get(spec)
-        # read_model_info (and the parts' readers) return a new object when a file changed
-        if (
-            hit is not None
-            and hit[0] is info
-            and len(hit[1]) == len(parts)
-            and all(a is b for a, b in zip(hit[1], parts, strict=True))
-        ):
-            return hit[2]
-        if len(self._estimates) > 1024:
-            self._estimates.clear()
-        est = estimate(
-            info, spec.n_ctx, spec.num_parallel, spec.kv_cache_type,
-            flash_attn=spec.flash_attn != "off", n_batch=spec.n_batch, projector=proj,
-            adapters=adapters, n_cpu_moe=spec.n_cpu_moe,
-        )  # fmt: skip
-        self._estimates[spec] = (info, parts, est)
-        return est
-
-    def placer(
-        self, est: Estimate, options: Mapping[str, Any], allowed: tuple[str, ...] | None = None
-    ) -> Placer:
-        """The pure function the scheduler asks where this runner would fit (`options`: the
-        model's and the request's; `allowed`: the model's devices)."""
-        # The runner process itself is booked with every model (as once it loads), and its
-        # CUDA context on every GPU it uses.
-        need = model_need(est, GPU_CONTEXT_BYTES)
-        num_gpu, main_gpu = options.get("num_gpu"), options.get("main_gpu")
-        devices = self.devices
-
-        def fit(free: Mapping[str, int]) -> Fit | None:
-            p = place(need, devices, free, num_gpu=num_gpu, main_gpu=main_gpu, allowed=allowed)
-            return Fit(p.devices, launch_layout(p, devices)) if isinstance(p, Placement) else None
-
-        return fit
 
     # ---- talking to a runner -----------------------------------------------------------------
     async def post(
@@ -562,17 +454,6 @@ class Service:
         return Generation(lease, resp, mode, stop or [], explain, tools)
 
 
-# The smallest context a runner gets: below it a chat template alone can fill the context.
-MIN_CTX = 256
-
-
-@functools.lru_cache(maxsize=256)
-def jinja_template(template: str) -> str:
-    """A created model's TEMPLATE as the runner's Jinja chat template: Ollama's Go syntax
-    translated, a Jinja template as it is."""
-    return template if is_jinja(template) else to_jinja(template)
-
-
 def effective_template(r: Resolved) -> str | None:
     """The chat template a runner of this model renders with: a created model's own, else the
     GGUF's (None: llama.cpp's ChatML fallback)."""
@@ -586,25 +467,11 @@ def chat_template(r: Resolved) -> str | None:
     try:
         return jinja_template(r.entry.template)
     except TemplateError as e:  # /api/create refuses these: a manifest from elsewhere
-        raise ApiError(
-            500, f"model '{r.requested}' has a template corral cannot use: {e}"
-        ) from None
+        raise unusable_template(r, e) from None
 
 
-def clamp_ctx(n_ctx: int, trained: int) -> int:
-    """A context between MIN_CTX and the model's training context (llama.cpp caps it there
-    anyway, so booking more would book memory it never allocates)."""
-    if trained > 0:
-        return max(min(n_ctx, trained), min(MIN_CTX, trained))
-    return max(n_ctx, MIN_CTX)
-
-
-def cpu_cores() -> int:
-    """The cores this process may run on (its affinity mask, not the machine's count)."""
-    try:
-        return len(os.sched_getaffinity(0)) or 1
-    except AttributeError:  # not on Linux
-        return os.cpu_count() or 1
+def unusable_template(r: Resolved, e: TemplateError) -> ApiError:
+    return ApiError(500, f"model '{r.requested}' has a template corral cannot use: {e}")
 
 
 # llama.cpp's default physical batch (n_ubatch): the most tokens one embedding input may have.
@@ -663,28 +530,6 @@ def has_images(messages: list[dict[str, Any]]) -> bool:
         for m in messages if isinstance(m.get("content"), list)
         for part in m["content"]
     )  # fmt: skip
-
-
-def launch_layout(p: Placement, devices: list[Device]) -> Layout:
-    """How to start a runner so that it uses exactly the devices placement booked: only those
-    GPUs visible (llama.cpp would otherwise open a context, and for large batches compute, on
-    every GPU it sees), the split and main GPU renumbered among them."""
-    by_id = {d.id: d for d in devices}
-    used = [by_id[g] for g in p.gpus if g in by_id]
-    has_gpus = any(d.library != "cpu" for d in devices)
-    env: list[tuple[str, str]] = []
-    if has_gpus:
-        cuda = [d.uuid or str(d.index) for d in used if d.library == "cuda"]
-        rocm = [str(d.index) for d in used if d.library == "rocm"]
-        env = [("CUDA_DEVICE_ORDER", "PCI_BUS_ID"), ("CUDA_VISIBLE_DEVICES", ",".join(cuda)),
-               ("HIP_VISIBLE_DEVICES", ",".join(rocm))]  # fmt: skip
-    split = None
-    if p.tensor_split and len(used) > 1:
-        split = tuple(p.tensor_split[d.index] for d in used)
-    main = None
-    if p.main_gpu is not None:
-        main = next((i for i, d in enumerate(used) if d.index == p.main_gpu), 0)
-    return Layout(p.n_gpu_layers, split, main, tuple(env))
 
 
 async def until_disconnect(request: Request, work: Awaitable[T]) -> T:

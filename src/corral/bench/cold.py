@@ -20,7 +20,7 @@ import sys
 import time
 from dataclasses import asdict
 from pathlib import Path
-from typing import IO, Any, cast
+from typing import IO
 
 import orjson
 
@@ -51,15 +51,17 @@ ENV = {"CORRAL_CONTEXT_LENGTH": "2048", "CORRAL_KEEP_ALIVE": "5m", "CORRAL_NUM_P
 
 def runner_spec(models_dir: Path, name: str, env: dict[str, str]) -> RunnerSpec:
     """The RunnerSpec corral builds for `name` with these settings (its own code path)."""
-    from corral.api.service import Service
     from corral.config import Settings
+    from corral.core import spec
+    from corral.core.gguf import read_model_info
+    from corral.runtime.devices import cpu_cores
     from corral.runtime.registry import Registry
 
     settings = Settings.load(environ={**os.environ, "CORRAL_MODELS": str(models_dir), **env})
-    registry = Registry(settings.models_dir, builtin=settings.builtin_models)
-    svc = Service(settings, registry, cast(Any, None), [])  # needs no scheduler, no devices
-    spec, _ = svc.runner_spec(svc.resolve(name), {})
-    return spec
+    entry = Registry(settings.models_dir, builtin=settings.builtin_models).get(name)
+    assert entry is not None, name
+    built, _ = spec.runner_spec(entry, read_model_info(entry.path), {}, settings, cpu_cores())
+    return built
 
 
 def _read_line(stream: IO[bytes], deadline: float) -> bytes:

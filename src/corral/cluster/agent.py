@@ -26,12 +26,15 @@ import sys
 import tempfile
 import time
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import aiohttp
 import httpx
 
 from corral.config import Settings
+
+if TYPE_CHECKING:
+    from corral.runtime.registry import ModelEntry, Registry
 
 log = logging.getLogger("corral.cluster")
 
@@ -99,7 +102,7 @@ class NodeAgent:
                 stderr=subprocess.STDOUT,
             )
         self._wait_ready()
-        self._service: Any = None
+        self._registry: Registry | None = None
         self._needs: dict[tuple[str, str, int, float], int] = {}
         self._pins: tuple[float, dict[str, list[str]]] = (-1.0, {})
         self._session: aiohttp.ClientSession | None = None
@@ -191,9 +194,11 @@ class NodeAgent:
 
     # ---- the node's models -------------------------------------------------------------------
     def _models(self) -> tuple[dict[str, int], dict[str, str]]:
-        if self._service is None:
-            self._service = node_service(self.settings)
-        return model_needs(self._service, self._needs)
+        if self._registry is None:
+            from corral.runtime.registry import Registry
+
+            self._registry = Registry(self.settings.models_dir, self.settings.builtin_models)
+        return model_needs(self.settings, self._registry, self._needs)
 
     def _read_pins(self) -> dict[str, list[str]]:
         """models.toml `nodes = [...]` per model (the registry ignores the key)."""
@@ -223,40 +228,43 @@ class NodeAgent:
         return pins
 
 
-def node_service(settings: Settings) -> Any:
-    """A Service over the node's models, only to resolve them and estimate their runners."""
-    from corral.api.service import Service
-    from corral.runtime.registry import Registry
-
-    registry = Registry(settings.models_dir, builtin=settings.builtin_models)
-    return Service(settings, registry, None, [])  # type: ignore[arg-type]
-
-
 def model_needs(
-    svc: Any, cache: dict[tuple[str, str, int, float], int] | None = None
+    settings: Settings,
+    registry: Registry,
+    cache: dict[tuple[str, str, int, float], int] | None = None,
 ) -> tuple[dict[str, int], dict[str, str]]:
     """Every model on the node -> the bytes its runner books at default options, as the node's
     scheduler books it (0 where the file cannot be read: the node's corral says why when asked
     for it); and the aliases."""
-    from corral.api.common import ApiError
+    from corral.core.gguf import GGUFError
 
     cache = {} if cache is None else cache
     models: dict[str, int] = {}
     aliases: dict[str, str] = {}
-    for entry in svc.registry.all():
+    for entry in registry.all():
         for a in entry.aliases:
             aliases[a] = entry.name
         key = (entry.name, str(entry.path), entry.size, entry.modified_at)
         need = cache.get(key)
         if need is None:
             try:
-                r = svc.resolve(entry.name)
-                spec, _ = svc.runner_spec(r, {})
-                est = svc.estimate(r.info, spec, r)
-                need = int(est.total + est.process)
-            except (ApiError, OSError, ValueError) as e:
+                need = runner_need(settings, entry)
+            except (GGUFError, OSError, ValueError) as e:  # a TemplateError is a ValueError
                 log.warning("model %s: %s", entry.name, e)
                 need = 0
             cache[key] = need
         models[entry.name] = need
     return models, aliases
+
+
+def runner_need(settings: Settings, entry: ModelEntry) -> int:
+    """The bytes a runner of `entry` books at default options (as Service.lease books it)."""
+    from corral.core.gguf import read_model_info, read_parts
+    from corral.core.spec import runner_spec, spec_estimate
+    from corral.runtime.devices import cpu_cores
+
+    info = read_model_info(entry.path)
+    projector, adapters = read_parts(info, entry.projector, entry.adapters)
+    spec, _ = runner_spec(entry, info, {}, settings, cpu_cores())
+    est = spec_estimate(info, spec, projector, adapters)
+    return int(est.total + est.process)

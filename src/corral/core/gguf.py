@@ -360,6 +360,27 @@ def check_adapter(info: ModelInfo, adapter: AdapterInfo) -> None:
         )
 
 
+def read_parts(
+    info: ModelInfo, projector: str | Path | None, adapters: Iterable[Any]
+) -> tuple[ProjectorInfo | None, tuple[AdapterInfo, ...]]:
+    """A model's projector and LoRA adapters (each with a `path`) as read from their files,
+    each adapter checked against the model; GGUFError naming the part that is missing or
+    unusable."""
+    what = "projector"
+    try:
+        proj = read_projector_info(projector) if projector else None
+        out = []
+        for a in adapters:
+            what = f"adapter {a.path}"
+            out.append(read_adapter_info(a.path))
+            check_adapter(info, out[-1])
+    except OSError as e:
+        raise GGUFError(f"its {what} is missing ({e})") from None
+    except GGUFError as e:
+        raise GGUFError(f"its {what}: {e}") from None
+    return proj, tuple(out)
+
+
 def _stat(path: str | Path) -> tuple[Path, Any]:
     p = Path(path).absolute()
     st = p.stat()

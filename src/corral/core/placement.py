@@ -43,8 +43,10 @@ from __future__ import annotations
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 
-from corral.core.devices import CPU, Device
+from corral.core.books import Fit, Placer
+from corral.core.devices import CPU, GPU_CONTEXT_BYTES, Device
 from corral.core.estimate import Estimate
+from corral.core.spec import Layout
 
 
 @dataclass(frozen=True)
@@ -187,6 +189,49 @@ def place(
             f"the model does not fit on its devices {', '.join(allowed or ())} ({p.summary()})"
         )
     return p.offload(slots) or p.partial() or p.cpu_only()
+
+
+def placer(
+    est: Estimate,
+    devices: list[Device],
+    num_gpu: int | None = None,
+    main_gpu: int | None = None,
+    allowed: tuple[str, ...] | None = None,
+) -> Placer:
+    """The pure function the scheduler asks where a runner of `est` would fit (`num_gpu`,
+    `main_gpu`: Ollama's options, the model's or the request's; `allowed`: the model's
+    devices), with the layout to start it with."""
+    # The runner process itself is booked with every model (as once it loads), and its
+    # CUDA context on every GPU it uses.
+    need = model_need(est, GPU_CONTEXT_BYTES)
+
+    def fit(free: Mapping[str, int]) -> Fit | None:
+        p = place(need, devices, free, num_gpu=num_gpu, main_gpu=main_gpu, allowed=allowed)
+        return Fit(p.devices, launch_layout(p, devices)) if isinstance(p, Placement) else None
+
+    return fit
+
+
+def launch_layout(p: Placement, devices: list[Device]) -> Layout:
+    """How to start a runner so that it uses exactly the devices placement booked: only those
+    GPUs visible (llama.cpp would otherwise open a context, and for large batches compute, on
+    every GPU it sees), the split and main GPU renumbered among them."""
+    by_id = {d.id: d for d in devices}
+    used = [by_id[g] for g in p.gpus if g in by_id]
+    has_gpus = any(d.library != "cpu" for d in devices)
+    env: list[tuple[str, str]] = []
+    if has_gpus:
+        cuda = [d.uuid or str(d.index) for d in used if d.library == "cuda"]
+        rocm = [str(d.index) for d in used if d.library == "rocm"]
+        env = [("CUDA_DEVICE_ORDER", "PCI_BUS_ID"), ("CUDA_VISIBLE_DEVICES", ",".join(cuda)),
+               ("HIP_VISIBLE_DEVICES", ",".join(rocm))]  # fmt: skip
+    split = None
+    if p.tensor_split and len(used) > 1:
+        split = tuple(p.tensor_split[d.index] for d in used)
+    main = None
+    if p.main_gpu is not None:
+        main = next((i for i, d in enumerate(used) if d.index == p.main_gpu), 0)
+    return Layout(p.n_gpu_layers, split, main, tuple(env))
 
 
 class _Planner:

@@ -1,11 +1,26 @@
 """What shapes a runner process, as plain data: the scheduler core compares specs, the shell
-starts runners from them."""
+starts runners from them. How a request's options and a model's defaults make one
+(`runner_spec`), and what a runner of a spec will hold (`spec_estimate`, cached by `Estimates`).
+"""
 
 from __future__ import annotations
 
+import functools
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, Protocol
 
-FLASH_ATTN = ("auto", "on", "off")  # llama.cpp's -fa values
+from corral.core.estimate import Estimate, estimate
+from corral.core.gotemplate import is_jinja, to_jinja
+from corral.core.options import CLAMPED, OPTIONS, SHAPING
+
+if TYPE_CHECKING:  # runner_child imports this package and must not pay for the GGUF reader
+    from pathlib import Path
+
+    from corral.core.gguf import AdapterInfo, ModelInfo, ProjectorInfo
+
+# The smallest context a runner gets: below it a chat template alone can fill the context.
+MIN_CTX = 256
 
 
 @dataclass(frozen=True)
@@ -35,7 +50,7 @@ class RunnerSpec:
     n_batch: int | None = None  # Ollama's num_batch: llama.cpp's n_batch and n_ubatch
     use_mmap: bool | None = None  # None: llama.cpp decides (mmap where it can)
     use_mlock: bool | None = None
-    flash_attn: str = "auto"  # one of FLASH_ATTN
+    flash_attn: str = "auto"  # one of core.options.FLASH_ATTN
     n_cpu_moe: int = 0  # keep the experts of the first N layers in system memory
     # The chat template the runner renders with instead of the GGUF's (Jinja): a created
     # model's TEMPLATE, translated from Ollama's Go syntax (core.gotemplate)
@@ -50,3 +65,139 @@ class Layout:
     tensor_split: tuple[float, ...] | None = None  # per visible GPU
     main_gpu: int | None = None  # index among the visible GPUs
     env: tuple[tuple[str, str], ...] = ()  # e.g. CUDA_VISIBLE_DEVICES: only the GPUs booked
+
+
+class Model(Protocol):
+    """A model as the registry lists it (runtime.registry.ModelEntry): what of it shapes its
+    runner."""
+
+    @property
+    def path(self) -> Path: ...
+    @property
+    def options(self) -> Mapping[str, Any]: ...  # its own: models.toml's, a created model's
+    @property
+    def projector(self) -> Path | None: ...
+    @property
+    def adapters(self) -> tuple[Adapter, ...]: ...
+    @property
+    def template(self) -> str | None: ...  # a created model's TEMPLATE (Ollama's Go syntax)
+
+
+class ServerDefaults(Protocol):
+    """What the server's settings give a runner where neither the request nor the model sets
+    it (corral.config.Settings)."""
+
+    @property
+    def context_length(self) -> int: ...
+    @property
+    def num_parallel(self) -> int: ...
+    @property
+    def kv_cache_type(self) -> str: ...
+
+
+def runner_spec(
+    model: Model, info: ModelInfo, options: Mapping[str, Any], server: ServerDefaults, cores: int
+) -> tuple[RunnerSpec, frozenset[str]]:
+    """The runner to load for a request's checked `options` on `model` (its file read into
+    `info`), and which spec fields the request pinned; TemplateError if the model's own
+    template cannot be translated. `cores`: the CPU cores corral may run on."""
+    embedding = "embedding" in info.capabilities or "rerank" in info.capabilities
+    own = model.options
+    spec: dict[str, Any] = {
+        o.runner: own[o.name] for o in OPTIONS if o.runner is not None and o.name in own
+    }
+    spec |= {
+        "path": str(model.path),
+        "n_ctx": spec.get("n_ctx") or server.context_length or info.context_length,
+        "num_parallel": spec.get("num_parallel") or server.num_parallel,
+        "kv_cache_type": spec.get("kv_cache_type") or server.kv_cache_type,
+        "flash_attn": spec.get("flash_attn") or "auto",
+        "n_cpu_moe": spec.get("n_cpu_moe") or 0,
+        "embedding": embedding,
+        "pooling_type": info.pooling_type if embedding else None,
+        "projector": str(model.projector) if model.projector else None,
+        "adapters": tuple(model.adapters),
+        "chat_template": jinja_template(model.template) if model.template else None,
+    }
+    # The model's parts are what the model is: a runner with other ones never serves it.
+    explicit = {"projector", "adapters"}
+    for name, fld in SHAPING.items():
+        if options.get(name) is not None:
+            spec[fld] = options[name]
+            explicit.add(fld)
+    # A runner is shared by every client of the model: values that would starve the others
+    # are clamped (threads beyond the cores, a batch too small or too large), as are
+    # contexts llama.cpp itself would cap.
+    spec["n_ctx"] = clamp_ctx(spec["n_ctx"], info.context_length)
+    if spec.get("threads") is not None:
+        spec["threads"] = min(spec["threads"], cores) or None  # 0: llama.cpp decides
+    for fld, (lo, hi) in CLAMPED.items():
+        if spec.get(fld) is not None:
+            spec[fld] = max(lo, min(spec[fld], hi))
+    # Only a model with experts has any to keep in system memory (no reload for nothing).
+    moe_layers = info.n_layer if info.expert_bytes else 0
+    spec["n_cpu_moe"] = max(0, min(spec["n_cpu_moe"], moe_layers))
+    return RunnerSpec(**spec), frozenset(explicit)
+
+
+@functools.lru_cache(maxsize=256)
+def jinja_template(template: str) -> str:
+    """A created model's TEMPLATE as the runner's Jinja chat template: Ollama's Go syntax
+    translated (TemplateError if it cannot be), a Jinja template as it is."""
+    return template if is_jinja(template) else to_jinja(template)
+
+
+def clamp_ctx(n_ctx: int, trained: int) -> int:
+    """A context between MIN_CTX and the model's training context (llama.cpp caps it there
+    anyway, so booking more would book memory it never allocates)."""
+    if trained > 0:
+        return max(min(n_ctx, trained), min(MIN_CTX, trained))
+    return max(n_ctx, MIN_CTX)
+
+
+def spec_estimate(
+    info: ModelInfo,
+    spec: RunnerSpec,
+    projector: ProjectorInfo | None = None,
+    adapters: Sequence[AdapterInfo] = (),
+) -> Estimate:
+    """What a runner of `spec` will hold, with the model's projector and adapters."""
+    return estimate(
+        info, spec.n_ctx, spec.num_parallel, spec.kv_cache_type,
+        flash_attn=spec.flash_attn != "off", n_batch=spec.n_batch, projector=projector,
+        adapters=adapters, n_cpu_moe=spec.n_cpu_moe,
+    )  # fmt: skip
+
+
+class Estimates:
+    """Runner estimates computed once per model file and runner shape: an estimate walks every
+    layer, and every request asks for one."""
+
+    LIMIT = 1024  # specs remembered; then the memo starts afresh
+
+    def __init__(self) -> None:
+        # spec -> (the ModelInfo and parts it was computed from, its estimate)
+        self._memo: dict[RunnerSpec, tuple[ModelInfo, tuple[Any, ...], Estimate]] = {}
+
+    def get(
+        self,
+        info: ModelInfo,
+        spec: RunnerSpec,
+        projector: ProjectorInfo | None = None,
+        adapters: Sequence[AdapterInfo] = (),
+    ) -> Estimate:
+        parts = (projector, *adapters)
+        hit = self._memo.get(spec)
+        # read_model_info (and the parts' readers) return a new object when a file changed
+        if (
+            hit is not None
+            and hit[0] is info
+            and len(hit[1]) == len(parts)
+            and all(a is b for a, b in zip(hit[1], parts, strict=True))
+        ):
+            return hit[2]
+        if len(self._memo) > self.LIMIT:
+            self._memo.clear()
+        est = spec_estimate(info, spec, projector, adapters)
+        self._memo[spec] = (info, parts, est)
+        return est

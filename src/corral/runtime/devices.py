@@ -74,6 +74,14 @@ def refresh(devices: Iterable[Device]) -> list[Device]:
 _CGROUP_UNLIMITED = 1 << 60  # v1 reports "no limit" as a huge page-aligned number
 
 
+def cpu_cores() -> int:
+    """The cores this process may run on (its affinity mask, not the machine's count)."""
+    try:
+        return len(os.sched_getaffinity(0)) or 1
+    except AttributeError:  # not on Linux
+        return os.cpu_count() or 1
+
+
 def _cpu_device() -> Device:
     vm = psutil.virtual_memory()
     total, free = int(vm.total), int(vm.available)

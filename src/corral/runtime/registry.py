@@ -20,7 +20,8 @@ from typing import Any
 
 from corral.config import ConfigError, parse_duration
 from corral.core.gguf import SPLIT_RE, is_later_split_part, split_parts
-from corral.core.spec import FLASH_ATTN, Adapter
+from corral.core.options import MODEL_OPTIONS
+from corral.core.spec import Adapter
 from corral.runtime.store import Manifest, Store
 
 if sys.version_info >= (3, 11):
@@ -33,22 +34,6 @@ log = logging.getLogger(__name__)
 BUILTIN_NAME = "smollm2:135m"
 SMOLLM2_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 
-# Options a models.toml entry may set, with their types; they act as per-model defaults.
-# Runner options (each passed to llama.cpp; see api/service.py SHAPING) as Ollama names them,
-# plus flash_attn ("on", "off", "auto") and n_cpu_moe (llama.cpp's --n-cpu-moe).
-_OPTION_TYPES: dict[str, type] = {
-    "num_ctx": int,
-    "num_parallel": int,
-    "num_gpu": int,
-    "main_gpu": int,
-    "num_batch": int,
-    "num_thread": int,
-    "use_mmap": bool,
-    "use_mlock": bool,
-    "flash_attn": str,
-    "n_cpu_moe": int,
-    "kv_cache_type": str,
-}
 # A projector file in the models directory or one of its folders (llama.cpp's router layout):
 # never a model of its own.
 PROJECTOR_PREFIX = "mmproj"
@@ -226,18 +211,20 @@ class Registry:
         if not path.is_absolute():
             path = self.models_dir / path
         options: dict[str, Any] = {}
-        for key, typ in _OPTION_TYPES.items():
+        for key, opt in MODEL_OPTIONS.items():
             if key in spec:
                 value = spec[key]
-                if key == "flash_attn" and isinstance(value, bool):
+                if key == "flash_attn" and isinstance(value, bool):  # flash_attn = true
                     value = "on" if value else "off"
+                typ = opt.type
+                assert isinstance(typ, type)  # a model's options have one type each
                 if not isinstance(value, typ) or (typ is not bool and isinstance(value, bool)):
                     raise ConfigError(f"models.{raw_name}.{key}: expected {typ.__name__}")
-                if key == "flash_attn" and value not in FLASH_ATTN:
+                if opt.choices and value not in opt.choices:
                     raise ConfigError(
-                        f"models.{raw_name}.flash_attn: expected one of {', '.join(FLASH_ATTN)}"
+                        f"models.{raw_name}.{key}: expected one of {', '.join(opt.choices)}"
                     )
-                if isinstance(value, int) and value < 0 and key not in ("num_gpu", "main_gpu"):
+                if isinstance(value, int) and value < 0 and not opt.negative:
                     raise ConfigError(f"models.{raw_name}.{key}: must not be negative")
                 options[key] = value
         ka = spec.get("keep_alive")
@@ -304,14 +291,14 @@ class Registry:
     def _entry_from_manifest(self, m: Manifest) -> ModelEntry:
         """A pulled or created model: its files from the store, its parameters split into
         runner options (as models.toml gives them) and sampling defaults."""
-        options = {k: v for k, v in m.parameters.items() if k in _OPTION_TYPES}
+        options = {k: v for k, v in m.parameters.items() if k in MODEL_OPTIONS}
         return ModelEntry(
             name=m.name,
             path=self.store.model_path(m),
             options=options,
             system=m.system,
             template=m.template,
-            parameters={k: v for k, v in m.parameters.items() if k not in _OPTION_TYPES},
+            parameters={k: v for k, v in m.parameters.items() if k not in MODEL_OPTIONS},
             messages=m.messages,
             license=m.license,
             manifest=self.store.manifest_path(m.name),

@@ -22,7 +22,7 @@ from typing import Any
 
 from corral.core.estimate import KV_CACHE_TYPES, check_kv_cache_type
 from corral.core.memreport import LOADED_MARKER
-from corral.core.spec import FLASH_ATTN
+from corral.core.options import FLASH_ATTN
 
 PR_SET_PDEATHSIG = 1
 LOAD_VERBOSITY = 4  # LLAMA_LOG_INFO maps to verbosity 4 ("trace") in llama.cpp's common log

@@ -1,0 +1,90 @@
+"""The one table of model options (Ollama's names): what a request's `options` may carry, what
+a model's own defaults may set (models.toml, a created model's parameters), which of them shape
+the runner process and which are llama.cpp sampling parameters.
+
+Every check, mapping and runner parameter of an option is derived from its row here: the
+request check (api/common.check_options, /api/create's parameters), the models.toml check and
+the split of a created model's parameters (runtime/registry), the runner spec
+(core/spec.runner_spec, then runtime/runner_child) and the sampling names (api/ollama,
+api/defaults). Adding an option is one row, plus a RunnerSpec field and its llama.cpp parameter
+in runner_child when it shapes the runner.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+FLASH_ATTN = ("auto", "on", "off")  # llama.cpp's -fa values
+JsonType = type | tuple[type, ...]
+
+
+@dataclass(frozen=True)
+class Option:
+    """One option: its JSON type, the values refused, where it goes."""
+
+    name: str  # as Ollama (and models.toml) names it
+    type: JsonType  # its JSON type(s); an int is a number too
+    range: tuple[float, float] = (-math.inf, math.inf)  # absurd values are refused up front
+    request: bool = True  # a request's `options` may carry it
+    model: bool = False  # a model's own default: models.toml may set it, a created model keeps it
+    runner: str | None = None  # the RunnerSpec field it sets: a change reloads the runner
+    # Values a shared runner takes, others clamped to them (not refused): a value that suits one
+    # client would slow every other client of the runner.
+    clamp: tuple[int, int] | None = None
+    sampling: str | None = None  # llama.cpp's sampling parameter (both of its endpoints)
+    negative: bool = False  # models.toml may give a negative value (num_gpu -1: every layer)
+    choices: tuple[str, ...] = ()  # the strings models.toml may give, if only some
+
+
+# The one table of options. A request's options are checked in this order (the first wrong one
+# is reported); options no row names are ignored, as Ollama does.
+OPTIONS: tuple[Option, ...] = (
+    Option("num_ctx", int, (1, 2**21), model=True, runner="n_ctx"),
+    # A batch below 32 slows every client's prompts on a shared runner; above 4096 the compute
+    # buffer grows for little gain (llama.cpp's default is 2048 / micro-batch 512).
+    Option("num_batch", int, (1, 2**16), model=True, runner="n_batch", clamp=(32, 4096)),
+    Option("num_gpu", int, (-1, 4096), model=True, runner="n_gpu_layers", negative=True),
+    Option("main_gpu", int, (0, 255), model=True, runner="main_gpu", negative=True),
+    Option("num_thread", int, (0, 1024), model=True, runner="threads"),
+    Option("num_keep", int, sampling="n_keep"),
+    Option("num_predict", int, (-2, 2**24), sampling="n_predict"),
+    Option("seed", int, sampling="seed"),
+    Option("top_k", int, (0, 2**20), sampling="top_k"),
+    Option("top_p", float, sampling="top_p"),
+    Option("min_p", float, sampling="min_p"),
+    Option("typical_p", float, sampling="typical_p"),
+    Option("temperature", float, (0, 1000), sampling="temperature"),
+    Option("repeat_penalty", float, sampling="repeat_penalty"),
+    Option("repeat_last_n", int, (-1, 2**21), sampling="repeat_last_n"),
+    Option("presence_penalty", float, sampling="presence_penalty"),
+    Option("frequency_penalty", float, sampling="frequency_penalty"),
+    Option("mirostat", int, sampling="mirostat"),
+    Option("mirostat_tau", float, sampling="mirostat_tau"),
+    Option("mirostat_eta", float, sampling="mirostat_eta"),
+    Option("stop", (list, str)),  # stop sequences: found by corral, not llama.cpp
+    # Accepted for Ollama's clients, with no effect on llama.cpp.
+    Option("penalize_newline", bool),
+    Option("use_mmap", bool, model=True, runner="use_mmap"),
+    Option("use_mlock", bool, model=True, runner="use_mlock"),
+    Option("numa", bool),
+    Option("low_vram", bool),
+    Option("tfs_z", float),
+    # A model's own only (models.toml): the server's settings give their defaults.
+    Option("num_parallel", int, request=False, model=True, runner="num_parallel"),
+    Option("flash_attn", str, request=False, model=True, runner="flash_attn", choices=FLASH_ATTN),
+    Option("n_cpu_moe", int, request=False, model=True, runner="n_cpu_moe"),
+    Option("kv_cache_type", str, request=False, model=True, runner="kv_cache_type"),
+)  # fmt: skip
+
+# Derived views, by name.
+REQUEST_OPTIONS: dict[str, Option] = {o.name: o for o in OPTIONS if o.request}
+MODEL_OPTIONS: dict[str, Option] = {o.name: o for o in OPTIONS if o.model}
+# A request's options that shape the runner -> their RunnerSpec fields (the others a model's
+# defaults and the server's settings set).
+SHAPING: dict[str, str] = {o.name: o.runner for o in OPTIONS if o.request and o.runner}
+# RunnerSpec field -> the values a shared runner takes (others are clamped to them).
+CLAMPED: dict[str, tuple[int, int]] = {
+    o.runner: o.clamp for o in OPTIONS if o.runner is not None and o.clamp is not None
+}
+SAMPLING: dict[str, str] = {o.name: o.sampling for o in OPTIONS if o.sampling}
