@@ -1,5 +1,6 @@
-"""The streaming relay's pieces (corral.api.stream): RunnerStream against a local server that
-writes what a test says when it says, and RelayResponse driven as an ASGI app."""
+"""The streaming relay's pieces: RunnerStream (corral.runtime.client) against a local server that
+writes what a test says when it says, and RelayResponse (corral.api.stream) driven as an ASGI
+app."""
 
 from __future__ import annotations
 
@@ -13,8 +14,9 @@ from typing import Any
 
 import pytest
 
-from corral.api import stream as relay
-from corral.api.stream import RelayResponse, RunnerStream, open_stream
+from corral.api.stream import RelayResponse
+from corral.runtime import client as relay
+from corral.runtime.client import RunnerStream, open_stream
 
 Writer = Callable[[socket.socket], None]
 

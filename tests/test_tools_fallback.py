@@ -19,7 +19,6 @@ import pytest
 
 from corral.api.events import Done, Generation, Text, ToolCall
 from corral.api.service import fallback_grammar, template_body
-from corral.api.stream import RunnerStream
 from corral.api.toolprompt import (
     CLOSE,
     TRIGGER,
@@ -32,6 +31,7 @@ from corral.api.toolprompt import (
     parse_call,
 )
 from corral.core.gguf import model_capabilities, template_has_tools
+from corral.runtime.client import RunnerStream
 from corral.runtime.scheduler import Lease
 from corral.testing import synth
 from corral.testing.server import CorralServer

@@ -140,7 +140,7 @@ def create_app(settings: Settings, devices: list[Device] | None = None) -> Starl
         margin=settings.memory_margin,
     )
     service = Service(settings, registry, scheduler, devices)
-    service.kvcache = kv_cache(settings, scheduler)
+    service.client.kvcache = kv_cache(settings, scheduler)
     metrics = Metrics(scheduler)
     gate = Gate()  # shared by the guard and the graceful shutdown
     atexit.register(scheduler.kill_all)  # last resort if the loop dies without a clean stop

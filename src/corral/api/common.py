@@ -4,35 +4,18 @@ from __future__ import annotations
 
 import datetime as dt
 import math
-import re
 from typing import Any
 
 import orjson
 from starlette.requests import Request
 
 from corral.core.options import REQUEST_OPTIONS
+from corral.errors import ApiError  # every adapter imports it from here
 
 MAX_BODY = 64 * 2**20  # a request body larger than this is refused before parsing
 # JSON nested deeper than this is refused: no API nests nearly as deep (a tool's schema with
 # 25 levels of objects is ~55), and orjson cannot write back values nested past 254 levels.
 MAX_DEPTH = 64
-
-
-class ApiError(Exception):
-    """An error the client caused or must hear about; never a traceback."""
-
-    def __init__(
-        self,
-        status: int,
-        message: str,
-        param: str | None = None,
-        retry_after: float | None = None,
-    ) -> None:
-        super().__init__(message)
-        self.status = status
-        self.message = message
-        self.param = param
-        self.retry_after = retry_after  # seconds: sent as Retry-After (503 when busy)
 
 
 async def read_json(request: Request) -> dict[str, Any]:
@@ -158,51 +141,3 @@ def rfc3339(ts: float) -> str:
     if not math.isfinite(ts) or ts > 253402300799:  # year 9999: Go clients' "forever"
         ts = 253402300799 if ts > 0 else 0
     return dt.datetime.fromtimestamp(ts, dt.timezone.utc).isoformat().replace("+00:00", "Z")
-
-
-def runner_error_message(body: bytes, status: int) -> str:
-    return _runner_error(body, status)[0]
-
-
-def _runner_error(body: bytes, status: int) -> tuple[str, str]:
-    """llama.cpp's error message and type (invalid_request_error, server_error, ...)."""
-    try:
-        data = orjson.loads(body)
-        err = data.get("error", data) if isinstance(data, dict) else data
-        msg = err.get("message") if isinstance(err, dict) else err
-        kind = err.get("type") if isinstance(err, dict) else None
-        if msg:
-            return str(msg), str(kind or "")
-    except orjson.JSONDecodeError:
-        pass
-    return body.decode(errors="replace").strip() or f"runner answered HTTP {status}", ""
-
-
-# llama.cpp's error types that blame the request, whatever HTTP status came with them.
-_CLIENT_ERROR_TYPES = {
-    "invalid_request_error": 400, "exceed_context_size_error": 400, "not_supported_error": 400,
-    "not_found_error": 404, "unavailable_error": 503,
-}  # fmt: skip
-# llama.cpp answers some of a client's own mistakes with 500 (an exception thrown while it
-# parses the request): these words in the message say the request was at fault.
-_CLIENT_FAULT = re.compile(
-    r"failed to parse|json\.exception|too large to process|exceeds the available context"
-    r"|context size has been exceeded|grammar|schema|invalid|unsupported|not supported"
-    r"|missing|expected|must be|cannot use|unknown|field '",
-    re.IGNORECASE,
-)
-
-
-def runner_error(body: bytes, status: int) -> ApiError:
-    """A runner's non-200 answer as the client's error: llama.cpp's refusals of the request
-    itself are 4xx (never 500), with llama.cpp's message."""
-    msg, kind = _runner_error(body, status)
-    code = _CLIENT_ERROR_TYPES.get(kind)
-    if code is None:
-        if 400 <= status < 500 or status == 503:
-            code = status
-        elif _CLIENT_FAULT.search(msg):
-            code = 400
-        else:
-            code = 500
-    return ApiError(code, msg)

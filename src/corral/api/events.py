@@ -31,9 +31,10 @@ from typing import Any
 import orjson
 from starlette.responses import Response
 
-from corral.api.common import ApiError, runner_error_message
-from corral.api.stream import UPSTREAM_ERRORS, RelayResponse, RunnerStream
+from corral.api.common import ApiError
+from corral.api.stream import RelayResponse
 from corral.api.toolprompt import Call, CallScanner
+from corral.runtime.client import UPSTREAM_ERRORS, RunnerStream, runner_error_message
 from corral.runtime.scheduler import Lease
 
 # ---- the neutral request -------------------------------------------------------------------

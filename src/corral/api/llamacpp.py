@@ -19,7 +19,8 @@ from starlette.routing import Route
 
 from corral.api.common import ApiError, model_field, read_json
 from corral.api.service import Service
-from corral.api.stream import UPSTREAM_ERRORS, LeasedStream, json_response
+from corral.api.stream import LeasedStream, json_response
+from corral.runtime.client import UPSTREAM_ERRORS
 
 # path -> (the runner's path, the capability it needs or None)
 POST_ROUTES = {

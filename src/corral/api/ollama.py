@@ -249,9 +249,8 @@ class Ollama:
                 tokens = 0
             else:
                 fitted = await self.svc.fit_embedding_inputs(lease, inputs, cut)
-                data = await until_disconnect(
-                    request, self.svc.post_json(lease, "/v1/embeddings", {"input": fitted})
-                )
+                embed = self.svc.client.post_json(lease.runner, "/v1/embeddings", {"input": fitted})
+                data = await until_disconnect(request, embed)
                 items = sorted(data["data"], key=lambda d: d["index"])
                 vectors = [truncate(d["embedding"], dims) for d in items]
                 tokens = data.get("usage", {}).get("prompt_tokens", 0)
@@ -275,9 +274,8 @@ class Ollama:
                 return json_response({"embedding": []})
             # Cut to what the runner embeds at once, as /api/embed does by default.
             fitted = await self.svc.fit_embedding_inputs(lease, [prompt], True)
-            data = await until_disconnect(
-                request, self.svc.post_json(lease, "/v1/embeddings", {"input": fitted})
-            )
+            embed = self.svc.client.post_json(lease.runner, "/v1/embeddings", {"input": fitted})
+            data = await until_disconnect(request, embed)
         return json_response({"embedding": data["data"][0]["embedding"]})
 
     # ---- model listing ---------------------------------------------------------------------

@@ -273,7 +273,7 @@ class OpenAI:
         async with await self.svc.lease(request, r, {}, None) as lease:
             if legacy is not None:
                 await legacy.prepare(self.svc, lease)
-            data: dict[str, Any] = await self.svc.post_json(lease, path, payload)
+            data: dict[str, Any] = await self.svc.client.post_json(lease.runner, path, payload)
         if legacy is not None:
             legacy.whole(data)
         return data
@@ -290,7 +290,7 @@ class OpenAI:
             if legacy is not None:
                 await legacy.prepare(self.svc, lease)
             payload = {**payload, "stream_options": {"include_usage": True}}
-            resp = await self.svc.stream(lease, path, payload)
+            resp = await self.svc.client.stream(lease.runner, path, payload)
             try:
                 if legacy is not None:
                     for c in legacy.head():
@@ -709,11 +709,12 @@ class _Legacy:
             if isinstance(p, str):
                 text = p
             else:
-                text = (await svc.post_json(lease, "/detokenize", {"tokens": p}))["content"]
+                detok = await svc.client.post_json(lease.runner, "/detokenize", {"tokens": p})
+                text = detok["content"]
             lp = None
             if self.k is not None:
-                toks = await svc.post_json(
-                    lease, "/tokenize", {"content": text, "with_pieces": True}
+                toks = await svc.client.post_json(
+                    lease.runner, "/tokenize", {"content": text, "with_pieces": True}
                 )
                 pieces = [_token_bytes(t.get("piece", "")) for t in toks.get("tokens") or ()]
                 cursor = _Cursor()

@@ -15,16 +15,15 @@ from collections.abc import Awaitable
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
-import aiohttp
 import orjson
 from starlette.requests import Request
 from starlette.responses import Response
 
 from corral.api import defaults
-from corral.api.common import ApiError, runner_error
+from corral.api.common import ApiError
 from corral.api.events import Chat, Generation, forced_schema, tool_name
 from corral.api.metrics import note_model
-from corral.api.stream import LeasedStream, RunnerStream, open_stream
+from corral.api.stream import LeasedStream
 from corral.api.toolprompt import CLOSE, TRIGGER, call_grammar, fallback_messages
 from corral.config import Settings
 from corral.core.devices import Device
@@ -42,10 +41,9 @@ from corral.core.gotemplate import TemplateError
 from corral.core.placement import placer
 from corral.core.roles import has_later_system, place_system, renders_later_system
 from corral.core.spec import Estimates, RunnerSpec, jinja_template, runner_spec
+from corral.runtime.client import RunnerClient, RunnerStream
 from corral.runtime.devices import cpu_cores
-from corral.runtime.kvcache import GENERATION_PATHS, KVCache
 from corral.runtime.registry import ModelEntry, Registry, canonical_name
-from corral.runtime.runner import Runner
 from corral.runtime.scheduler import Lease, Scheduler, SchedulerError
 
 log = logging.getLogger(__name__)
@@ -81,8 +79,8 @@ class Service:
         self.devices = devices
         self._estimates = Estimates()
         self._vision: dict[Any, tuple[ModelInfo, ModelInfo]] = {}
-        # Saved conversations restored into a reloaded runner's slots (server.kv_cache).
-        self.kvcache: KVCache | None = None
+        # The hop to the runners (server.py gives it the KV cache of saved conversations).
+        self.client = RunnerClient()
 
     # ---- models ----------------------------------------------------------------------------
     def entry(self, name: str) -> ModelEntry:
@@ -204,34 +202,6 @@ class Service:
             raise ApiError(e.status, e.message, retry_after=e.retry_after) from None
 
     # ---- talking to a runner -----------------------------------------------------------------
-    async def post(
-        self, lease: Lease, path: str, payload: dict[str, Any]
-    ) -> aiohttp.ClientResponse | RunnerStream:
-        """POST to the runner; a non-200 answer becomes an ApiError with llama.cpp's message.
-        A streamed request (`"stream": true`) gets a RunnerStream (see `stream`)."""
-        runner = lease.runner
-        assert runner.session is not None
-        if self.kvcache is not None and path in GENERATION_PATHS and self.kvcache.wants(runner):
-            # Among a runner's first requests: restore the saved conversation this prompt
-            # continues, if any, and pin the request to its slot.
-            payload = await self.kvcache.prepare(runner, path, payload)
-        if payload.get("stream"):
-            return await self._open_stream(runner, path, payload)
-        headers = {"Content-Type": "application/json"}
-        try:
-            resp = await runner.session.post(path, data=orjson.dumps(payload), headers=headers)
-        except (aiohttp.ClientError, OSError):
-            raise ApiError(500, await runner.why_failed()) from None
-        if resp.status != 200:
-            try:
-                body = await resp.read()
-            except (aiohttp.ClientError, OSError):
-                raise ApiError(500, await runner.why_failed()) from None
-            finally:
-                resp.release()
-            raise runner_error(body, resp.status)
-        return resp
-
     async def pass_through(
         self,
         request: Request,
@@ -245,7 +215,7 @@ class Service:
         model renamed to the one the client asked for."""
         lease = await self.lease(request, r, {}, None)
         try:
-            resp = await self.post(lease, path, body)
+            resp = await self.client.post(lease.runner, path, body)
         except BaseException:
             lease.release()
             raise
@@ -265,40 +235,6 @@ class Service:
             lease.release()
         return Response(data.replace(old, new), media_type="application/json")
 
-    async def stream(self, lease: Lease, path: str, payload: dict[str, Any]) -> RunnerStream:
-        """POST a streamed request to the runner: its answer comes on a connection of its own
-        (llama.cpp closes it after a streamed answer), read by corral's RunnerStream, which
-        relays a fast runner's tokens a few at a time."""
-        resp = await self.post(lease, path, {**payload, "stream": True})
-        assert isinstance(resp, RunnerStream)
-        return resp
-
-    async def _open_stream(
-        self, runner: Runner, path: str, payload: dict[str, Any]
-    ) -> RunnerStream:
-        try:
-            resp = await open_stream(runner.base_url, path, orjson.dumps(payload))
-        except OSError:
-            raise ApiError(500, await runner.why_failed()) from None
-        if resp.status != 200:
-            try:
-                body = await resp.read_all()
-            except OSError:
-                raise ApiError(500, await runner.why_failed()) from None
-            finally:
-                resp.close()
-            raise runner_error(body, resp.status)
-        return resp
-
-    async def post_json(self, lease: Lease, path: str, payload: dict[str, Any]) -> Any:
-        resp = await self.post(lease, path, payload)
-        try:
-            return orjson.loads(await resp.read())
-        except (aiohttp.ClientError, OSError):
-            raise ApiError(500, await lease.runner.why_failed()) from None
-        finally:
-            resp.release()
-
     async def fit_embedding_inputs(
         self, lease: Lease, inputs: list[str], truncate: bool
     ) -> list[str | list[int]]:
@@ -312,8 +248,8 @@ class Service:
             if len(text.encode()) + 2 <= limit:  # + the specials the model adds ([CLS], [SEP])
                 out.append(text)
                 continue
-            toks = (await self.post_json(
-                lease, "/tokenize", {"content": text, "add_special": True}
+            toks = (await self.client.post_json(
+                lease.runner, "/tokenize", {"content": text, "add_special": True}
             ))["tokens"]  # fmt: skip
             if len(toks) <= limit:
                 out.append(text)
@@ -377,9 +313,9 @@ class Service:
             kwargs = chat.params.get("chat_template_kwargs") or {}
             if forced is not None:
                 kwargs = {**kwargs, "enable_thinking": False}
-            tmpl = await self.post_json(
-                lease, "/apply-template", {**template_body(chat, fallback, forced),
-                                           "chat_template_kwargs": kwargs},
+            tmpl = await self.client.post_json(
+                lease.runner, "/apply-template", {**template_body(chat, fallback, forced),
+                                                  "chat_template_kwargs": kwargs},
             )  # fmt: skip
             payload = {k: v for k, v in chat.params.items() if k in COMPLETION_PARAMS}
             payload["prompt"] = [*(prefix or []), tmpl["prompt"]]
@@ -410,11 +346,11 @@ class Service:
                                 chat.forced_tools)  # fmt: skip
         if "chat_template_kwargs" in chat.params:
             payload["chat_template_kwargs"] = chat.params["chat_template_kwargs"]
-        tmpl = await self.post_json(lease, "/apply-template", payload)
+        tmpl = await self.client.post_json(lease.runner, "/apply-template", payload)
         return await self.tokenize(lease, tmpl["prompt"], special=True)
 
     async def tokenize(self, lease: Lease, text: str, special: bool = False) -> list[int]:
-        toks = await self.post_json(lease, "/tokenize", {
+        toks = await self.client.post_json(lease.runner, "/tokenize", {
             "content": text, "add_special": special, "parse_special": special,
         })  # fmt: skip
         return list(toks["tokens"])
@@ -449,7 +385,7 @@ class Service:
         stop: list[str] | None,
         tools: frozenset[str] | None = None,
     ) -> Generation:
-        resp = await self.stream(lease, path, payload)
+        resp = await self.client.stream(lease.runner, path, payload)
         explain = lease.runner.why_failed
         return Generation(lease, resp, mode, stop or [], explain, tools)
 

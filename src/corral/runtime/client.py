@@ -1,0 +1,475 @@
+"""The HTTP hop to a runner: POST a request, get its answer or its stream, and a runner's
+failure or refusal as the client's error (`ApiError`: llama.cpp's refusals of the request are
+4xx, with llama.cpp's message; a runner that fails says why, `Runner.why_failed`).
+
+A streamed answer comes on a connection of its own, read by `RunnerStream` without an HTTP
+client library: what a relayed token costs is mostly fixed per wake-up, read and write (the
+event loop's turn, a system call each, the ASGI send), not per byte. So it coalesces: a read in
+the first half of a window after the previous one waits out the window (the tokens wait in the
+kernel meanwhile) and takes everything that came, so a fast runner's tokens go out a few at a
+time, while the first tokens, a token after a pause (any at a normal model's pace) and the
+stream's end go out at once. The window is `COALESCE_S` (2 ms), a little longer while many
+streams are relayed at once (`STREAM_SHARE_S` each, at most `MAX_WINDOW_S`, 3 ms): no token
+waits longer than that.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import re
+import socket
+import time
+from typing import Any, cast
+from urllib.parse import urlsplit
+
+import aiohttp
+import orjson
+
+from corral.errors import ApiError
+from corral.runtime.kvcache import GENERATION_PATHS, KVCache
+from corral.runtime.runner import Runner
+
+# A read in the first half of this window after the previous one waits out the rest of it, so
+# that what the runner sends meanwhile goes out with it: at most this much added delay for a
+# token, and only for tokens that come at least two a window (slower ones would cost a wait
+# for less than one more token).
+COALESCE_S = 0.002
+# With many streams relayed at once the window is this times their number, up to MAX_WINDOW_S:
+# a token is never held longer than that (a few ms), so a stream that gets a token every few
+# ms (a batch of many slots) goes out a token a read however many there are.
+STREAM_SHARE_S = 0.0005
+MAX_WINDOW_S = 0.003
+HIGH_WATER = 1 << 20  # received bytes the client has not taken: reading stops until it does
+HOLD_LOWAT = 1 << 16  # the socket's receive low-water mark while a window passes
+# What a runner failing mid-stream raises: RunnerStream raises OSErrors (ConnectionError);
+# aiohttp's errors, and its bare RuntimeError ("Connection closed.") for a session closed under
+# a stream, for a body read some other way.
+UPSTREAM_ERRORS = (aiohttp.ClientError, OSError, asyncio.IncompleteReadError, RuntimeError)
+
+
+class RunnerClient:
+    """Requests to runners. With a KV cache (server.kv_cache), a reloaded runner's first
+    requests get the saved conversation they continue restored first."""
+
+    def __init__(self, kvcache: KVCache | None = None) -> None:
+        self.kvcache = kvcache
+
+    async def post(
+        self, runner: Runner, path: str, payload: dict[str, Any]
+    ) -> aiohttp.ClientResponse | RunnerStream:
+        """POST to the runner; a non-200 answer becomes an ApiError with llama.cpp's message.
+        A streamed request (`"stream": true`) gets a RunnerStream (see `stream`)."""
+        assert runner.session is not None
+        if self.kvcache is not None and path in GENERATION_PATHS and self.kvcache.wants(runner):
+            # Among a runner's first requests: restore the saved conversation this prompt
+            # continues, if any, and pin the request to its slot.
+            payload = await self.kvcache.prepare(runner, path, payload)
+        if payload.get("stream"):
+            return await self._open_stream(runner, path, payload)
+        headers = {"Content-Type": "application/json"}
+        try:
+            resp = await runner.session.post(path, data=orjson.dumps(payload), headers=headers)
+        except (aiohttp.ClientError, OSError):
+            raise ApiError(500, await runner.why_failed()) from None
+        if resp.status != 200:
+            try:
+                body = await resp.read()
+            except (aiohttp.ClientError, OSError):
+                raise ApiError(500, await runner.why_failed()) from None
+            finally:
+                resp.release()
+            raise runner_error(body, resp.status)
+        return resp
+
+    async def stream(self, runner: Runner, path: str, payload: dict[str, Any]) -> RunnerStream:
+        """POST a streamed request to the runner: its answer comes on a connection of its own
+        (llama.cpp closes it after a streamed answer), read by a RunnerStream, which relays a
+        fast runner's tokens a few at a time."""
+        resp = await self.post(runner, path, {**payload, "stream": True})
+        assert isinstance(resp, RunnerStream)
+        return resp
+
+    async def _open_stream(
+        self, runner: Runner, path: str, payload: dict[str, Any]
+    ) -> RunnerStream:
+        try:
+            resp = await open_stream(runner.base_url, path, orjson.dumps(payload))
+        except OSError:
+            raise ApiError(500, await runner.why_failed()) from None
+        if resp.status != 200:
+            try:
+                body = await resp.read_all()
+            except OSError:
+                raise ApiError(500, await runner.why_failed()) from None
+            finally:
+                resp.close()
+            raise runner_error(body, resp.status)
+        return resp
+
+    async def post_json(self, runner: Runner, path: str, payload: dict[str, Any]) -> Any:
+        """POST a request whose answer is one JSON document, parsed."""
+        resp = await self.post(runner, path, payload)
+        try:
+            return orjson.loads(await resp.read())
+        except (aiohttp.ClientError, OSError):
+            raise ApiError(500, await runner.why_failed()) from None
+        finally:
+            resp.release()
+
+
+class RunnerStream(asyncio.Protocol):
+    """A streamed POST to a runner, on a connection of its own (llama.cpp closes it after a
+    streamed answer anyway), read without an HTTP client library in between: what arrives is
+    only appended here, and the reader is woken when it should read.
+
+    `read()` returns the body's bytes that came since the last read (b"" at the end). A read
+    less than half a window after the previous one lets the rest of the window pass and takes
+    everything that came meanwhile, so a fast runner's tokens go out a few at a time (one wake,
+    one write for several), while the first tokens, a token after a pause (any at a normal
+    model's pace) and the stream's end go out at once. While the window passes, the socket's
+    receive low-water mark (SO_RCVLOWAT) is raised, so the tokens wait in the kernel and wake
+    nobody, yet the connection's end (llama.cpp closes it right after `[DONE]`) or failure
+    still does at once; at the window's end, one read takes them all.
+
+    `status`, `read_all()` (a whole non-streamed answer, e.g. an error) and `close()` (which
+    makes llama.cpp stop generating) stand for what aiohttp's response offered."""
+
+    def __init__(self, window: float = COALESCE_S) -> None:
+        self.window = window
+        self.transport: asyncio.Transport | None = None
+        self.raw: list[bytes] = []  # received, not yet parsed
+        self.size = 0  # bytes in raw
+        self.buf = b""  # parsed up to here: a head or chunk header not yet complete
+        self.status = 0
+        self.headers: dict[str, str] = {}
+        self.chunked = False
+        self.left = -1  # body bytes left: of the current chunk (chunked) or of the body
+        self.crlf = False  # a chunk's data is in; its CRLF is not yet
+        self.done = False  # the whole body is in
+        self.eof = False  # the connection is closed
+        self.exc: BaseException | None = None
+        self.paused = False
+        self.waiter: asyncio.Future[None] | None = None
+        self.holding = False  # the reader lets a window pass: only the end wakes it early
+        self.ending = False  # the stream's last events came: nothing waits from now on
+        self.reads = 0
+        self.last = -window  # when the last read returned
+        self.loop = asyncio.get_running_loop()
+        # The connection's socket, on a file descriptor of our own (a dup), to set its
+        # low-water mark and ask what waits in it with one system call each (uvloop's stand-in
+        # makes a socket object for every call); closed with the connection.
+        self.sock: socket.socket | None = None
+        self.counted = False  # in _streams
+
+    # ---- the protocol: called by the event loop ----------------------------------------------
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        self.transport = cast(asyncio.Transport, transport)  # uvloop's is not a subclass
+        try:
+            self.sock = socket.socket(fileno=os.dup(transport.get_extra_info("socket").fileno()))
+            self.sock.setblocking(False)  # as the loop's is (the flag is the socket's)
+        except (OSError, AttributeError):  # no socket to be had: wake as data comes
+            self.sock = None
+
+    def data_received(self, data: bytes) -> None:
+        self.raw.append(data)
+        self.size += len(data)
+        # The stream is ending (a finish reason, /completion's last event, [DONE], llama.cpp's
+        # error line): from now on nothing waits, so the end is never late. Generated text
+        # cannot hold the quoted ones (JSON escapes quotes) nor start a line; a false match
+        # would only cost the coalescing.
+        if not self.ending and (b'"finish_reason":"' in data or b'"stop":true' in data
+                                or b"data: [DONE]" in data or b"\nerror: " in data
+                                or data.startswith(b"error: ")):  # fmt: skip
+            self.ending = True
+        if self.size > HIGH_WATER and self.transport is not None and not self.paused:
+            self.paused = True  # the client reads slower than the runner writes
+            self.transport.pause_reading()
+        if self.waiter is not None and (not self.holding or self.ending or self.paused):
+            self._wake()
+
+    def eof_received(self) -> bool | None:
+        return None  # close the connection: connection_lost follows
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self.eof = True
+        self._gone()
+        self._drop_sock()
+        if exc is not None and self.exc is None:
+            self.exc = exc
+        self._wake()
+
+    def _wake(self) -> None:
+        # The waiter may be done already and its reader not yet resumed: woken by the window's
+        # timer, or cancelled (the client left) while data still comes.
+        waiter = self.waiter
+        if waiter is not None:
+            self.waiter = None
+            if not waiter.done():
+                waiter.set_result(None)
+
+    async def _wait(self, timeout: float | None = None) -> None:
+        waiter = self.waiter = self.loop.create_future()
+        timer = None
+        if timeout is not None:
+            timer = self.loop.call_later(timeout, self._wake)
+        try:
+            await waiter
+        finally:
+            self.waiter = None
+            if timer is not None:
+                timer.cancel()
+
+    # ---- parsing -----------------------------------------------------------------------------
+    def _input(self) -> bytes:
+        data = b"".join(self.raw) if len(self.raw) != 1 else self.raw[0]
+        self.raw.clear()
+        self.size = 0
+        if self.paused and self.transport is not None:
+            self.paused = False
+            self.transport.resume_reading()
+        return self.buf + data if self.buf else data
+
+    def _head(self) -> bool:
+        """Parse the status line and headers, once they are all in."""
+        data = self._input()
+        end = data.find(b"\r\n\r\n")
+        if end < 0:
+            self.buf = data
+            return False
+        lines = data[:end].decode("latin-1").split("\r\n")
+        parts = lines[0].split(" ", 2)
+        if len(parts) < 2 or not parts[0].startswith("HTTP/") or not parts[1].isdigit():
+            raise ConnectionError(f"the runner answered {lines[0]!r}")
+        self.status = int(parts[1])
+        for line in lines[1:]:
+            key, _, value = line.partition(":")
+            self.headers[key.strip().lower()] = value.strip()
+        self.chunked = "chunked" in self.headers.get("transfer-encoding", "").lower()
+        length = self.headers.get("content-length", "")
+        self.left = 0 if self.chunked else int(length) if length.isdigit() else -1
+        self.done = not self.chunked and self.left == 0
+        self.buf = data[end + 4 :]
+        return True
+
+    def _take(self) -> bytes:
+        """The body bytes received and not taken yet, less the chunked encoding's framing."""
+        if not self.raw and not self.buf:
+            return b""
+        data = self._input()
+        self.buf = b""
+        if not self.chunked:
+            if self.left >= 0:  # Content-Length (what follows it is not ours)
+                data = data[: self.left]
+                self.left -= len(data)
+                self.done = self.left == 0
+            return data
+        out: list[bytes] = []
+        pos, n = 0, len(data)
+        while pos < n and not self.done:
+            if self.left > 0:  # inside a chunk
+                piece = data[pos : pos + self.left]
+                out.append(piece)
+                pos += len(piece)
+                self.left -= len(piece)
+                self.crlf = self.left == 0
+                continue
+            if self.crlf:  # the CRLF after a chunk's data
+                if n - pos < 2:
+                    break
+                pos += 2
+                self.crlf = False
+                continue
+            nl = data.find(b"\r\n", pos)
+            if nl < 0:
+                break
+            try:
+                size = int(data[pos:nl].split(b";", 1)[0], 16)
+            except ValueError:
+                raise ConnectionError("the runner's answer is not valid HTTP") from None
+            pos = nl + 2
+            if size == 0:  # the last chunk (trailers, if any, are not read)
+                self.done = True
+                break
+            self.left = size
+        self.buf = data[pos:] if pos < n and not self.done else b""
+        return out[0] if len(out) == 1 else b"".join(out)
+
+    # ---- what the response offers --------------------------------------------------------------
+    async def start(self, request: bytes) -> None:
+        assert self.transport is not None
+        self.transport.write(request)
+        while not self._head():
+            if self.eof:
+                raise self.exc or ConnectionResetError("the runner closed the connection")
+            await self._wait()
+
+    async def read(self) -> bytes:
+        while True:
+            data = self._take()
+            if data:
+                break
+            if self.done or (self.eof and not self.chunked and self.left < 0):
+                self._gone()
+                return b""  # all of it (a body without a length ends with the connection)
+            if self.eof:
+                raise self.exc or ConnectionResetError("the runner closed the stream")
+            await self._wait()
+        self.reads += 1
+        window = max(self.window, min(_streams[0] * STREAM_SHARE_S, MAX_WINDOW_S))
+        wait = self.last + window - time.monotonic()
+        # The first reads (the role event, then the first token) never wait, nor the end, nor a
+        # read in the second half of its window.
+        if wait > window / 2 and self.reads > 2 and not (self.ending or self.done or self.eof):
+            await self._hold(wait)
+            data += self._take()
+        self.last = time.monotonic()
+        return data
+
+    async def _hold(self, seconds: float) -> None:
+        """Let `seconds` pass, woken early only by the stream's end or failure, then take what
+        came meanwhile."""
+        self.holding = True
+        held = self._lowat(HOLD_LOWAT)
+        try:
+            await self._wait(seconds)
+        finally:
+            self.holding = False
+            if held:
+                self._lowat(1)  # the kernel now says the socket is readable, if anything came
+        if held and not self.eof and not self.paused:
+            self._recv()
+
+    def _lowat(self, n: int) -> bool:
+        if self.sock is None:
+            return False
+        try:
+            self.sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVLOWAT, n)
+            return True
+        except OSError:  # closed, or no such option here: wake as data comes
+            return False
+
+    def _recv(self) -> None:
+        """Take what waits in the socket now, without a turn of the event loop: everything the
+        loop read before is in `raw` already (it reads in this thread), and what it reads after
+        comes after this. The end of the connection, or its failure, is left to the loop."""
+        assert self.sock is not None
+        try:
+            data = self.sock.recv(1 << 20)
+        except OSError:  # nothing yet (EAGAIN), or a failure the loop reports
+            return
+        if data:
+            self.data_received(data)
+
+    async def read_all(self) -> bytes:
+        parts = []
+        while chunk := await self.read():
+            parts.append(chunk)
+        return b"".join(parts)
+
+    def __aiter__(self) -> RunnerStream:
+        return self
+
+    async def __anext__(self) -> bytes:
+        data = await self.read()
+        if not data:
+            raise StopAsyncIteration
+        return data
+
+    def close(self) -> None:
+        self._drop_sock()  # first: while our descriptor is open, the connection stays open
+        if self.transport is not None:
+            self.transport.close()
+        self._gone()
+
+    def _drop_sock(self) -> None:
+        if self.sock is not None:
+            self.sock.close()
+            self.sock = None
+
+    release = close
+
+    def _gone(self) -> None:
+        if self.counted:
+            self.counted = False
+            _streams[0] -= 1
+
+
+_streams = [0]  # RunnerStreams open (counted from their head to their end or close)
+
+
+async def open_stream(
+    base_url: str, path: str, body: bytes, window: float = COALESCE_S, connect_timeout: float = 10
+) -> RunnerStream:
+    """POST `body` (JSON) to the runner at `base_url` and return once its answer's head is in;
+    OSError (ConnectionError) if the runner cannot be reached or closes the connection."""
+    url = urlsplit(base_url)
+    host, port = url.hostname or "127.0.0.1", url.port or 80
+    loop = asyncio.get_running_loop()
+    stream = RunnerStream(window)
+    async with asyncio.timeout(connect_timeout):
+        await loop.create_connection(lambda: stream, host, port)
+    try:
+        if stream.sock is not None:
+            stream.sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        await stream.start(
+            b"POST %s HTTP/1.1\r\nHost: %s:%d\r\nContent-Type: application/json\r\n"
+            b"Content-Length: %d\r\nConnection: close\r\n\r\n"
+            % (path.encode(), host.encode(), port, len(body))
+            + body
+        )
+    except BaseException:
+        stream.close()
+        raise
+    if not stream.eof:
+        stream.counted = True
+        _streams[0] += 1
+    return stream
+
+
+def runner_error_message(body: bytes, status: int) -> str:
+    return _runner_error(body, status)[0]
+
+
+def _runner_error(body: bytes, status: int) -> tuple[str, str]:
+    """llama.cpp's error message and type (invalid_request_error, server_error, ...)."""
+    try:
+        data = orjson.loads(body)
+        err = data.get("error", data) if isinstance(data, dict) else data
+        msg = err.get("message") if isinstance(err, dict) else err
+        kind = err.get("type") if isinstance(err, dict) else None
+        if msg:
+            return str(msg), str(kind or "")
+    except orjson.JSONDecodeError:
+        pass
+    return body.decode(errors="replace").strip() or f"runner answered HTTP {status}", ""
+
+
+# llama.cpp's error types that blame the request, whatever HTTP status came with them.
+_CLIENT_ERROR_TYPES = {
+    "invalid_request_error": 400, "exceed_context_size_error": 400, "not_supported_error": 400,
+    "not_found_error": 404, "unavailable_error": 503,
+}  # fmt: skip
+# llama.cpp answers some of a client's own mistakes with 500 (an exception thrown while it
+# parses the request): these words in the message say the request was at fault.
+_CLIENT_FAULT = re.compile(
+    r"failed to parse|json\.exception|too large to process|exceeds the available context"
+    r"|context size has been exceeded|grammar|schema|invalid|unsupported|not supported"
+    r"|missing|expected|must be|cannot use|unknown|field '",
+    re.IGNORECASE,
+)
+
+
+def runner_error(body: bytes, status: int) -> ApiError:
+    """A runner's non-200 answer as the client's error: llama.cpp's refusals of the request
+    itself are 4xx (never 500), with llama.cpp's message."""
+    msg, kind = _runner_error(body, status)
+    code = _CLIENT_ERROR_TYPES.get(kind)
+    if code is None:
+        if 400 <= status < 500 or status == 503:
+            code = status
+        elif _CLIENT_FAULT.search(msg):
+            code = 400
+        else:
+            code = 500
+    return ApiError(code, msg)
