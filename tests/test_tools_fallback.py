@@ -18,17 +18,18 @@ import orjson
 import pytest
 
 from corral.api.events import Done, Generation, Text, ToolCall
-from corral.api.service import fallback_grammar, template_body
 from corral.api.toolprompt import (
     CLOSE,
     TRIGGER,
     Call,
     CallScanner,
     call_grammar,
+    fallback_grammar,
     fallback_messages,
     instructions,
     lit,
     parse_call,
+    template_body,
 )
 from corral.core.gguf import model_capabilities, template_has_tools
 from corral.runtime.client import RunnerStream

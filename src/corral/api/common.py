@@ -2,15 +2,20 @@
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import datetime as dt
 import math
-from typing import Any
+from collections.abc import Awaitable
+from typing import Any, TypeVar
 
 import orjson
 from starlette.requests import Request
 
 from corral.core.options import REQUEST_OPTIONS
 from corral.errors import ApiError  # every adapter imports it from here
+
+T = TypeVar("T")
 
 MAX_BODY = 64 * 2**20  # a request body larger than this is refused before parsing
 # JSON nested deeper than this is refused: no API nests nearly as deep (a tool's schema with
@@ -131,6 +136,29 @@ def check_options(options: Any) -> dict[str, Any]:
                 )
         out[name] = value
     return out
+
+
+async def until_disconnect(request: Request, work: Awaitable[T]) -> T:
+    """Run `work`, cancelling it if the client goes away first (frees the runner slot at once)."""
+    task = asyncio.ensure_future(work)
+
+    async def watch() -> None:
+        while True:
+            message = await request.receive()
+            if message["type"] == "http.disconnect":
+                return
+
+    watcher = asyncio.ensure_future(watch())
+    try:
+        await asyncio.wait({task, watcher}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        watcher.cancel()
+    if not task.done():
+        task.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await task
+        raise ApiError(499, "client disconnected")
+    return task.result()
 
 
 def now_rfc3339() -> str:

@@ -25,8 +25,8 @@ from starlette.requests import Request
 from starlette.responses import Response, StreamingResponse
 from starlette.routing import Route
 
-from corral.api.common import ApiError, field, read_json
-from corral.api.service import Service, until_disconnect
+from corral.api.common import ApiError, field, read_json, until_disconnect
+from corral.api.service import Service
 from corral.api.stream import json_response
 from corral.core.gguf import GGUFError, read_model_info
 from corral.core.gotemplate import TemplateError

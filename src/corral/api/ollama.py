@@ -33,10 +33,11 @@ from corral.api.common import (
     now_rfc3339,
     read_json,
     rfc3339,
+    until_disconnect,
 )
 from corral.api.events import Chat, Done, Event, Generation, Text, Thinking, ToolCall
 from corral.api.guard import entry_paths, hide_paths
-from corral.api.service import Resolved, Service, until_disconnect
+from corral.api.service import Resolved, Service
 from corral.api.stream import json_response
 from corral.config import ConfigError, parse_duration
 from corral.core.gguf import read_arrays

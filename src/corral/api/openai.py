@@ -30,7 +30,7 @@ from starlette.routing import Route
 from starlette.types import Receive, Scope, Send
 
 from corral.api import anthropic, defaults
-from corral.api.common import ApiError, field, model_field, read_json
+from corral.api.common import ApiError, field, model_field, read_json, until_disconnect
 from corral.api.events import (
     Chat,
     Done,
@@ -42,11 +42,7 @@ from corral.api.events import (
     sse_events,
 )
 from corral.api.guard import shown_path
-from corral.api.service import (
-    Resolved,
-    Service,
-    until_disconnect,
-)
+from corral.api.service import Resolved, Service
 from corral.api.stream import json_response
 from corral.runtime.scheduler import Lease
 

@@ -9,8 +9,8 @@ from starlette.requests import Request
 from starlette.responses import Response
 from starlette.routing import Route
 
-from corral.api.common import ApiError, field, model_field, read_json
-from corral.api.service import Service, until_disconnect
+from corral.api.common import ApiError, field, model_field, read_json, until_disconnect
+from corral.api.service import Service
 from corral.api.stream import json_response
 
 MAX_DOCUMENTS = 10_000

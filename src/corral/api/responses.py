@@ -52,10 +52,10 @@ from starlette.requests import Request
 from starlette.responses import Response
 from starlette.routing import Route
 
-from corral.api.common import ApiError, model_field, read_json
+from corral.api.common import ApiError, model_field, read_json, until_disconnect
 from corral.api.common import field as get
 from corral.api.events import Chat, Done, Event, Text, Thinking, ToolCall, Usage, new_id
-from corral.api.service import Service, until_disconnect
+from corral.api.service import Service
 from corral.api.stream import json_response
 
 log = logging.getLogger(__name__)

@@ -6,25 +6,21 @@ shape, how much memory and what a runner's failure means lives here.
 
 from __future__ import annotations
 
-import asyncio
-import contextlib
 import dataclasses
 import hashlib
-import logging
-from collections.abc import Awaitable
 from dataclasses import dataclass
-from typing import Any, TypeVar
+from typing import Any
 
 import orjson
 from starlette.requests import Request
 from starlette.responses import Response
 
 from corral.api import defaults
-from corral.api.common import ApiError
+from corral.api.common import ApiError, until_disconnect
 from corral.api.events import Chat, Generation, forced_schema, tool_name
 from corral.api.metrics import note_model
 from corral.api.stream import LeasedStream
-from corral.api.toolprompt import CLOSE, TRIGGER, call_grammar, fallback_messages
+from corral.api.toolprompt import fallback_grammar, template_body
 from corral.config import Settings
 from corral.core.devices import Device
 from corral.core.estimate import KV_CACHE_TYPES, check_kv_cache_type
@@ -45,9 +41,6 @@ from corral.runtime.client import RunnerClient, RunnerStream
 from corral.runtime.devices import cpu_cores
 from corral.runtime.registry import ModelEntry, Registry, canonical_name
 from corral.runtime.scheduler import Lease, Scheduler, SchedulerError
-
-log = logging.getLogger(__name__)
-T = TypeVar("T")
 
 
 @dataclass(frozen=True)
@@ -424,34 +417,6 @@ COMPLETION_PARAMS = frozenset({
 JSON_FORMATS = ("json_object", "json_schema")
 
 
-def template_body(
-    chat: Chat, fallback: bool, forced: list[dict[str, Any]] | None
-) -> dict[str, Any]:
-    """What /apply-template renders `chat` from: its messages and tools as they are, or, for a
-    template without tools (`fallback`), the messages with the tools (the forced ones, when the
-    call is forced) shown by corral and earlier calls and results as text."""
-    if fallback:
-        return {"messages": fallback_messages(chat.messages, forced or chat.tools)}
-    body: dict[str, Any] = {"messages": chat.messages}
-    if chat.tools and chat.tool_choice != "none":
-        body["tools"] = chat.tools
-    return body
-
-
-def fallback_grammar(tools: list[dict[str, Any]]) -> dict[str, Any]:
-    """/completion's fields for a call that a template without tools may start: free text
-    until the model writes the trigger, then one call to one of `tools` (a lazy grammar)."""
-    return {
-        "grammar": call_grammar(tools),
-        "grammar_lazy": True,
-        # llama.cpp's COMMON_GRAMMAR_TRIGGER_TYPE_WORD: the trigger anywhere in the text
-        "grammar_triggers": [{"type": 1, "value": TRIGGER}],
-        # Where the tags are special tokens of the vocabulary, llama.cpp wants a trigger among
-        # these, and then writes them as text (a tag of several tokens is ignored here).
-        "preserved_tokens": [TRIGGER, CLOSE],
-    }
-
-
 def response_schema(fmt: dict[str, Any]) -> dict[str, Any]:
     """An OpenAI JSON response_format as the JSON schema llama.cpp's /completion takes ({}:
     any JSON)."""
@@ -466,26 +431,3 @@ def has_images(messages: list[dict[str, Any]]) -> bool:
         for m in messages if isinstance(m.get("content"), list)
         for part in m["content"]
     )  # fmt: skip
-
-
-async def until_disconnect(request: Request, work: Awaitable[T]) -> T:
-    """Run `work`, cancelling it if the client goes away first (frees the runner slot at once)."""
-    task = asyncio.ensure_future(work)
-
-    async def watch() -> None:
-        while True:
-            message = await request.receive()
-            if message["type"] == "http.disconnect":
-                return
-
-    watcher = asyncio.ensure_future(watch())
-    try:
-        await asyncio.wait({task, watcher}, return_when=asyncio.FIRST_COMPLETED)
-    finally:
-        watcher.cancel()
-    if not task.done():
-        task.cancel()
-        with contextlib.suppress(asyncio.CancelledError):
-            await task
-        raise ApiError(499, "client disconnected")
-    return task.result()

@@ -7,10 +7,12 @@ does it itself, in Hermes' words (the format most small instruction models have 
   call one: `<tool_call>{"name": ..., "arguments": {...}}</tool_call>`; `fallback_messages`
   puts it in the conversation and turns earlier calls and tool results into plain text the
   template can render (an assistant turn with the call, a user turn with `<tool_response>`).
+- `template_body` is what llama.cpp's /apply-template renders a chat from: as it is for a
+  template that knows tools, with `fallback_messages` for one that does not.
 - `call_grammar` is a GBNF grammar of one call to one of the tools (its arguments shaped by the
   tool's JSON schema), sent to llama.cpp's /completion as a lazy grammar triggered by
   `TRIGGER`: the model writes freely until it starts a call, and from the trigger on the call
-  is constrained.
+  is constrained (`fallback_grammar`: /completion's fields for it).
 - `CallScanner` finds the calls in the generated text as it streams: text before a trigger
   passes on at once (less a possible start of the trigger), a call is held until its closing
   tag and then parsed; one that does not parse stays text.
@@ -21,9 +23,12 @@ Everything here is pure (no I/O), so it is tested on its own.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import orjson
+
+if TYPE_CHECKING:
+    from corral.api.events import Chat
 
 TRIGGER = "<tool_call>"
 CLOSE = "</tool_call>"
@@ -82,6 +87,20 @@ def fallback_messages(
         else:
             out.insert(0, {"role": "system", "content": section})
     return out
+
+
+def template_body(
+    chat: Chat, fallback: bool, forced: list[dict[str, Any]] | None
+) -> dict[str, Any]:
+    """What /apply-template renders `chat` from: its messages and tools as they are, or, for a
+    template without tools (`fallback`), the messages with the tools (the forced ones, when the
+    call is forced) shown by corral and earlier calls and results as text."""
+    if fallback:
+        return {"messages": fallback_messages(chat.messages, forced or chat.tools)}
+    body: dict[str, Any] = {"messages": chat.messages}
+    if chat.tools and chat.tool_choice != "none":
+        body["tools"] = chat.tools
+    return body
 
 
 def _text(content: Any) -> str:
@@ -280,6 +299,20 @@ def call_grammar(tools: list[dict[str, Any]]) -> str:
 
 
 # ---- finding calls in the text -------------------------------------------------------------
+
+
+def fallback_grammar(tools: list[dict[str, Any]]) -> dict[str, Any]:
+    """/completion's fields for a call that a template without tools may start: free text
+    until the model writes the trigger, then one call to one of `tools` (a lazy grammar)."""
+    return {
+        "grammar": call_grammar(tools),
+        "grammar_lazy": True,
+        # llama.cpp's COMMON_GRAMMAR_TRIGGER_TYPE_WORD: the trigger anywhere in the text
+        "grammar_triggers": [{"type": 1, "value": TRIGGER}],
+        # Where the tags are special tokens of the vocabulary, llama.cpp wants a trigger among
+        # these, and then writes them as text (a tag of several tokens is ignored here).
+        "preserved_tokens": [TRIGGER, CLOSE],
+    }
 
 
 @dataclass(frozen=True)
