@@ -1,4 +1,5 @@
-"""What every API adapter shares: errors with an HTTP status, body parsing, option checks."""
+"""What every API adapter shares: errors with an HTTP status (corral.errors), body parsing, field
+and option checks, work cancelled when the client leaves (`until_disconnect`), timestamps."""
 
 from __future__ import annotations
 

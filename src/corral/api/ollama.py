@@ -167,7 +167,8 @@ class Ollama:
                 prompt_ids = background(self.svc.prompt_tokens(gen.lease, chat))
 
                 async def context_of(answer: str) -> list[int]:
-                    answer_ids = await self.svc.tokenize(gen.lease, answer) if answer else []
+                    client, runner = self.svc.client, gen.lease.runner
+                    answer_ids = await client.tokenize(runner, answer) if answer else []
                     return [*context, *await prompt_ids, *answer_ids]
 
         return await respond(request, stream, gen, r.requested, "response", start, top, context_of)

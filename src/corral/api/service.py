@@ -1,7 +1,8 @@
-"""The one object the API adapters talk to: resolve a model, lease a runner, call it.
+"""The one object the API adapters talk to: resolve a model, lease a runner, generate.
 
-Adapters stay thin: they translate wire formats; everything about which file, which runner
-shape, how much memory and what a runner's failure means lives here.
+Adapters stay thin: they translate wire formats; which file, which runner shape and how much
+memory are decided here (with the pure core: core/spec, core/placement), and the runner is
+called through the runner client (runtime/client, `Service.client`).
 """
 
 from __future__ import annotations
@@ -178,13 +179,13 @@ class Service:
                 "needs flash attention; set flash_attn to on or auto",
             )  # fmt: skip
         est = self._estimates.get(r.info, spec, *self.parts(r))
-        model = {**r.entry.options, **options}
+        chosen = {**r.entry.options, **options}  # the request's options over the model's
         try:
             ticket = self.scheduler.submit(
                 r.name, spec, explicit=explicit, size=est.total + est.process,
                 keep_alive=self.keep_alive(r.entry, keep_alive),
                 pinned=r.entry.pinned, priority=r.entry.priority,
-                place=placer(est, self.devices, model.get("num_gpu"), model.get("main_gpu"),
+                place=placer(est, self.devices, chosen.get("num_gpu"), chosen.get("main_gpu"),
                              r.entry.devices),
                 process=est.process,
             )  # fmt: skip
@@ -340,13 +341,7 @@ class Service:
         if "chat_template_kwargs" in chat.params:
             payload["chat_template_kwargs"] = chat.params["chat_template_kwargs"]
         tmpl = await self.client.post_json(lease.runner, "/apply-template", payload)
-        return await self.tokenize(lease, tmpl["prompt"], special=True)
-
-    async def tokenize(self, lease: Lease, text: str, special: bool = False) -> list[int]:
-        toks = await self.client.post_json(lease.runner, "/tokenize", {
-            "content": text, "add_special": special, "parse_special": special,
-        })  # fmt: skip
-        return list(toks["tokens"])
+        return await self.client.tokenize(lease.runner, tmpl["prompt"], special=True)
 
     async def complete(
         self,

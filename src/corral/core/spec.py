@@ -14,7 +14,7 @@ from corral.core.estimate import Estimate, estimate
 from corral.core.gotemplate import is_jinja, to_jinja
 from corral.core.options import CLAMPED, OPTIONS, SHAPING
 
-if TYPE_CHECKING:  # runner_child imports this package and must not pay for the GGUF reader
+if TYPE_CHECKING:  # for annotations only: the GGUF reader is not needed to build a spec
     from pathlib import Path
 
     from corral.core.gguf import AdapterInfo, ModelInfo, ProjectorInfo

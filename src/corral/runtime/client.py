@@ -117,6 +117,14 @@ class RunnerClient:
         finally:
             resp.release()
 
+    async def tokenize(self, runner: Runner, text: str, special: bool = False) -> list[int]:
+        """`text` as the model's token ids (`special`: with its BOS, and special tokens written
+        in the text parsed as such)."""
+        toks = await self.post_json(runner, "/tokenize", {
+            "content": text, "add_special": special, "parse_special": special,
+        })  # fmt: skip
+        return list(toks["tokens"])
+
 
 class RunnerStream(asyncio.Protocol):
     """A streamed POST to a runner, on a connection of its own (llama.cpp closes it after a
