@@ -5,9 +5,10 @@ the runner process and which are llama.cpp sampling parameters.
 Every check, mapping and runner parameter of an option is derived from its row here: the
 request check (api/common.check_options, /api/create's parameters), the models.toml check and
 the split of a created model's parameters (runtime/registry), the runner spec
-(core/spec.runner_spec, then runtime/runner_child) and the sampling names (api/ollama,
-api/defaults). Adding an option is one row, plus a RunnerSpec field and its llama.cpp parameter
-in runner_child when it shapes the runner.
+(core/spec.runner_spec) and the sampling names (api/ollama, api/defaults). Adding an option is
+one row, plus, when it shapes the runner, a RunnerSpec field and its llama.cpp parameter
+(runtime/runner_child; llama-server's flag in runtime/runner), which tests/test_options.py
+checks every runner option reaches.
 """
 
 from __future__ import annotations
@@ -27,7 +28,9 @@ class Option:
     type: JsonType  # its JSON type(s); an int is a number too
     range: tuple[float, float] = (-math.inf, math.inf)  # absurd values are refused up front
     request: bool = True  # a request's `options` may carry it
-    model: bool = False  # a model's own default: models.toml may set it, a created model keeps it
+    # A model's own default for its runner: models.toml may set it, and a created model's
+    # parameters carry it to the runner (its other parameters are request defaults).
+    model: bool = False
     runner: str | None = None  # the RunnerSpec field it sets: a change reloads the runner
     # Values a shared runner takes, others clamped to them (not refused): a value that suits one
     # client would slow every other client of the runner.
