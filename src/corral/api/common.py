@@ -13,7 +13,7 @@ from typing import Any, TypeVar
 import orjson
 from starlette.requests import Request
 
-from corral.core.options import REQUEST_OPTIONS
+from corral.core.options import REQUEST_OPTIONS, Option
 from corral.errors import ApiError  # every adapter imports it from here
 
 T = TypeVar("T")
@@ -121,22 +121,28 @@ def check_options(options: Any) -> dict[str, Any]:
         raise ApiError(400, "invalid type for 'options': expected an object", "options")
     out: dict[str, Any] = {}
     for name, opt in REQUEST_OPTIONS.items():
-        value = field(options, name, opt.type, prefix="options.")
-        if value is None:
-            continue
-        lo, hi = opt.range
-        if isinstance(value, int | float) and not lo <= value <= hi:
-            raise ApiError(
-                400, f"'options.{name}' must be between {lo:g} and {hi:g}", f"options.{name}"
-            )
-        if name == "stop":
-            value = [value] if isinstance(value, str) else value
-            if not all(isinstance(s, str) for s in value):
-                raise ApiError(
-                    400, "invalid type for 'options.stop': expected strings", "options.stop"
-                )
-        out[name] = value
+        value = option_value(options, opt, "options.")
+        if value is not None:
+            out[name] = value
     return out
+
+
+def option_value(values: dict[str, Any], opt: Option, prefix: str, param: str | None = None) -> Any:
+    """`values[opt.name]` checked against the option's type and range (None if absent; a lone
+    stop string as a list); 400 naming `prefix` + the option (`param`: the error's field for a
+    value out of range, that name by default)."""
+    where = f"{prefix}{opt.name}"
+    value = field(values, opt.name, opt.type, prefix=prefix)
+    if value is None:
+        return None
+    lo, hi = opt.range
+    if isinstance(value, int | float) and not lo <= value <= hi:
+        raise ApiError(400, f"'{where}' must be between {lo:g} and {hi:g}", param or where)
+    if opt.name == "stop":
+        value = [value] if isinstance(value, str) else value
+        if not all(isinstance(s, str) for s in value):
+            raise ApiError(400, f"invalid type for '{where}': expected strings", param or where)
+    return value
 
 
 async def until_disconnect(request: Request, work: Awaitable[T]) -> T:

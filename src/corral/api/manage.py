@@ -25,7 +25,7 @@ from starlette.requests import Request
 from starlette.responses import Response, StreamingResponse
 from starlette.routing import Route
 
-from corral.api.common import ApiError, field, read_json, until_disconnect
+from corral.api.common import ApiError, field, option_value, read_json, until_disconnect
 from corral.api.service import Service
 from corral.api.stream import json_response
 from corral.core.gguf import GGUFError, read_model_info
@@ -438,19 +438,9 @@ def check_parameters(params: Any) -> dict[str, Any]:
         opt = REQUEST_OPTIONS.get(key)
         if opt is None:
             raise ApiError(400, f"unknown parameter '{key}'", "parameters")
-        value = field(params, key, opt.type, prefix="parameters.")
-        if value is None:
-            continue
-        lo, hi = opt.range
-        if isinstance(value, int | float) and not isinstance(value, bool) and not lo <= value <= hi:
-            raise ApiError(400, f"'parameters.{key}' must be between {lo:g} and {hi:g}",
-                           "parameters")  # fmt: skip
-        if key == "stop":
-            value = [value] if isinstance(value, str) else value
-            if not all(isinstance(s, str) for s in value):
-                raise ApiError(400, "invalid type for 'parameters.stop': expected strings",
-                               "parameters")  # fmt: skip
-        out[key] = value
+        value = option_value(params, opt, "parameters.", "parameters")
+        if value is not None:
+            out[key] = value
     return out
 
 
