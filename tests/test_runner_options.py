@@ -4,6 +4,7 @@ xllamacpp parameters and llama-server's flags), and shaping the runner (a change
 
 from __future__ import annotations
 
+import dataclasses
 from pathlib import Path
 from typing import Any
 
@@ -13,7 +14,7 @@ from corral.api.service import Resolved, Service
 from corral.config import Settings
 from corral.core.gguf import read_model_info
 from corral.core.options import CLAMPED
-from corral.core.spec import Adapter, Layout, RunnerSpec
+from corral.core.spec import Adapter, Estimates, Layout, RunnerSpec, spec_estimate
 from corral.runtime import runner_child
 from corral.runtime.devices import cpu_cores
 from corral.runtime.registry import ModelEntry, Registry
@@ -132,6 +133,18 @@ def test_parts_go_into_the_spec(opt_dir: Path, tmp_path: Path) -> None:
     r = resolved(opt_dir / "base.gguf", projector=proj, adapters=(Adapter(str(lora), 0.5),))
     spec, _ = service().runner_spec(r, {})
     assert spec.projector == str(proj) and spec.adapters == (Adapter(str(lora), 0.5),)
+
+
+def test_an_estimate_is_computed_once_per_model_file_and_shape(opt_dir: Path) -> None:
+    info = read_model_info(opt_dir / "base.gguf")
+    spec = RunnerSpec(str(opt_dir / "base.gguf"), 512, 1)
+    estimates = Estimates()
+    first = estimates.get(info, spec)
+    assert first == spec_estimate(info, spec)
+    assert estimates.get(info, spec) is first
+    # A file read again (a new ModelInfo) or another shape is estimated afresh.
+    assert estimates.get(dataclasses.replace(info), spec) is not first
+    assert estimates.get(info, dataclasses.replace(spec, n_ctx=1024)).total > first.total
 
 
 # ---- what llama.cpp is given --------------------------------------------------------------------
