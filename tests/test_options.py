@@ -113,6 +113,10 @@ def test_every_model_option_is_checked_in_models_toml(tmp_path: Path, name: str)
     (tmp_path / "models.toml").write_text(f'[models.m]\nfile = "m.gguf"\n{name} = {wrong}\n')
     reg = Registry(tmp_path, builtin=False)
     assert reg.get("m") is None and f"models.m.{name}: expected" in reg.errors[0]
+    if opt.choices:
+        (tmp_path / "models.toml").write_text(f'[models.m]\nfile = "m.gguf"\n{name} = "?"\n')
+        reg = Registry(tmp_path, builtin=False)
+        assert reg.get("m") is None and "expected one of" in reg.errors[0]
     if opt.type is int:
         (tmp_path / "models.toml").write_text(f'[models.m]\nfile = "m.gguf"\n{name} = -1\n')
         reg = Registry(tmp_path, builtin=False)
