@@ -9,7 +9,7 @@ import logging
 import math
 import signal
 import socket
-from collections.abc import AsyncIterator, Mapping
+from collections.abc import AsyncIterator, Callable, Mapping
 from types import FrameType
 
 import uvicorn
@@ -24,9 +24,10 @@ from uvicorn.protocols.http.auto import AutoHTTPProtocol
 
 import corral
 from corral import logs
-from corral.api.anthropic import Anthropic, anthropic_error
+from corral.api.anthropic import Anthropic
 from corral.api.common import ApiError
 from corral.api.dashboard import Dashboard, wants_html
+from corral.api.family import Families
 from corral.api.guard import (
     Gate,
     Guard,
@@ -35,11 +36,11 @@ from corral.api.guard import (
     loopback_bind,
     raise_open_files_limit,
 )
-from corral.api.llamacpp import NATIVE_PATHS, Native, llamacpp_error
+from corral.api.llamacpp import Native
 from corral.api.manage import Manage
 from corral.api.metrics import MeasureRequests, Metrics
 from corral.api.ollama import Ollama
-from corral.api.openai import OpenAI, Router, openai_error
+from corral.api.openai import OpenAI, Router
 from corral.api.rerank import Rerank
 from corral.api.responses import Responses
 from corral.api.service import Service
@@ -58,29 +59,15 @@ log = logging.getLogger("corral")
 ROOT_HEADERS = {"x-corral-version": corral.__version__}
 
 
-def error_response(request: Request, e: ApiError) -> Response:
-    """The error in the shape of the API family the client spoke."""
-    if request.url.path.startswith("/v1/messages"):
-        response = anthropic_error(e)
-    elif request.url.path in NATIVE_PATHS:
-        response = llamacpp_error(e)
-    elif request.url.path.startswith("/v1/"):
-        response = openai_error(e)
-    else:
-        response = json_response({"error": e.message}, e.status)
-    if e.retry_after is not None:  # the OpenAI and Anthropic SDKs wait this long to retry
-        response.headers["Retry-After"] = str(max(1, math.ceil(e.retry_after)))
-    return response
-
-
 class Unhandled:
     """The last line of defence: an exception no handler expected becomes a 500 in the
     family's shape and the connection stays open for the client's next request. (Starlette's
     handler for Exception answers and then re-raises, and uvicorn then closes the keep-alive
     connection under the client.)"""
 
-    def __init__(self, app: ASGIApp) -> None:
+    def __init__(self, app: ASGIApp, render: Callable[[Request, ApiError], Response]) -> None:
         self.app = app
+        self.render = render
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
@@ -101,7 +88,7 @@ class Unhandled:
             request = Request(scope)
             log.exception("unexpected error on %s %s", request.method, request.url.path)
             err = ApiError(500, f"internal error: {type(exc).__name__}")
-            await error_response(request, err)(scope, receive, send)
+            await self.render(request, err)(scope, receive, send)
 
 
 def kv_cache(settings: Settings, scheduler: Scheduler) -> KVCache | None:
@@ -149,12 +136,12 @@ def create_app(settings: Settings, devices: list[Device] | None = None) -> Starl
         assert isinstance(exc, ApiError)
         if exc.status == 499:  # the client is gone; nobody reads this
             return Response(status_code=499)
-        return error_response(request, exc)
+        return families.response(request, exc)
 
     async def http_error(request: Request, exc: Exception) -> Response:
         assert isinstance(exc, HTTPException)
         msg = "not found" if exc.status_code == 404 else str(exc.detail)
-        return error_response(request, ApiError(exc.status_code, msg))
+        return families.response(request, ApiError(exc.status_code, msg))
 
     async def root(request: Request) -> Response:
         if request.method == "GET" and wants_html(request):  # a browser: the dashboard
@@ -191,6 +178,7 @@ def create_app(settings: Settings, devices: list[Device] | None = None) -> Starl
         *Manage(service).routes(),
         *Dashboard(service).routes(),
     ]
+    families = Families(routes)
     app = Starlette(
         routes=routes,
         lifespan=lifespan,
@@ -199,14 +187,14 @@ def create_app(settings: Settings, devices: list[Device] | None = None) -> Starl
             Middleware(MeasureRequests, metrics=metrics),
             Middleware(
                 Guard,
-                render=error_response,
+                render=families.response,
                 gate=gate,
                 keys=settings.api_keys,
                 origins=settings.origins,
                 check_host=loopback_bind(settings.host),
                 read_timeout=settings.read_timeout,
             ),
-            Middleware(Unhandled),
+            Middleware(Unhandled, render=families.response),
         ],
     )
     app.state.service = service

@@ -27,6 +27,7 @@ from starlette.responses import Response, StreamingResponse
 from starlette.routing import Route
 
 from corral.api.common import OPTION_RANGES, OPTION_TYPES, ApiError, field, read_json
+from corral.api.family import OLLAMA, FamilyRoute
 from corral.api.service import Service, jinja_template, until_disconnect
 from corral.api.stream import json_response
 from corral.core.gguf import GGUFError, read_model_info
@@ -59,9 +60,9 @@ async def ndjson(items: AsyncIterator[dict[str, Any]]) -> AsyncIterator[bytes]:
         async for item in items:
             yield orjson.dumps(item) + b"\n"
     except StoreError as e:
-        yield orjson.dumps({"error": e.message}) + b"\n"
+        yield OLLAMA.event(store_error(e))
     except ApiError as e:
-        yield orjson.dumps({"error": e.message}) + b"\n"
+        yield OLLAMA.event(e)
 
 
 async def _statuses(lines: Iterable[dict[str, Any]]) -> AsyncIterator[dict[str, Any]]:
@@ -76,15 +77,15 @@ class Manage:
 
     def routes(self) -> list[Route]:
         return [
-            Route("/api/pull", self.pull, methods=["POST"]),
-            Route("/api/push", self.push, methods=["POST"]),
-            Route("/api/create", self.create, methods=["POST"]),
-            Route("/api/blobs/{digest}", self.blob, methods=["HEAD", "POST"]),
-            Route("/api/copy", self.copy, methods=["POST"]),
-            Route("/api/delete", self.delete, methods=["DELETE"]),
+            FamilyRoute(OLLAMA, "/api/pull", self.pull, ["POST"]),
+            FamilyRoute(OLLAMA, "/api/push", self.push, ["POST"]),
+            FamilyRoute(OLLAMA, "/api/create", self.create, ["POST"]),
+            FamilyRoute(OLLAMA, "/api/blobs/{digest}", self.blob, ["HEAD", "POST"]),
+            FamilyRoute(OLLAMA, "/api/copy", self.copy, ["POST"]),
+            FamilyRoute(OLLAMA, "/api/delete", self.delete, ["DELETE"]),
             # llama.cpp router style (corral's addition there): download, delete
-            Route("/models", self.router_download, methods=["POST"]),
-            Route("/models", self.router_delete, methods=["DELETE"]),
+            FamilyRoute(OLLAMA, "/models", self.router_download, ["POST"]),
+            FamilyRoute(OLLAMA, "/models", self.router_delete, ["DELETE"]),
         ]
 
     # ---- pull ------------------------------------------------------------------------------

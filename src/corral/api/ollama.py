@@ -35,6 +35,7 @@ from corral.api.common import (
     rfc3339,
 )
 from corral.api.events import Chat, Done, Event, Generation, Text, Thinking, ToolCall
+from corral.api.family import OLLAMA, FamilyRoute
 from corral.api.guard import entry_paths, hide_paths
 from corral.api.service import Resolved, Service, until_disconnect
 from corral.api.stream import json_response
@@ -96,14 +97,14 @@ class Ollama:
 
     def routes(self) -> list[Route]:
         return [
-            Route("/api/generate", self.generate, methods=["POST"]),
-            Route("/api/chat", self.chat, methods=["POST"]),
-            Route("/api/embed", self.embed, methods=["POST"]),
-            Route("/api/embeddings", self.embeddings, methods=["POST"]),
-            Route("/api/tags", self.tags, methods=["GET"]),
-            Route("/api/ps", self.ps, methods=["GET"]),
-            Route("/api/show", self.show, methods=["POST"]),
-            Route("/api/version", self.version, methods=["GET"]),
+            FamilyRoute(OLLAMA, "/api/generate", self.generate, ["POST"]),
+            FamilyRoute(OLLAMA, "/api/chat", self.chat, ["POST"]),
+            FamilyRoute(OLLAMA, "/api/embed", self.embed, ["POST"]),
+            FamilyRoute(OLLAMA, "/api/embeddings", self.embeddings, ["POST"]),
+            FamilyRoute(OLLAMA, "/api/tags", self.tags, ["GET"]),
+            FamilyRoute(OLLAMA, "/api/ps", self.ps, ["GET"]),
+            FamilyRoute(OLLAMA, "/api/show", self.show, ["POST"]),
+            FamilyRoute(OLLAMA, "/api/version", self.version, ["GET"]),
         ]
 
     # ---- generation ------------------------------------------------------------------------
@@ -630,7 +631,7 @@ async def ollama_ndjson(render: OllamaChunks) -> AsyncIterator[bytes]:
             if out:
                 yield b"".join(out)
     except ApiError as e:  # mid-stream failure: Ollama reports it as a final error line
-        yield orjson.dumps({"error": e.message}) + b"\n"
+        yield OLLAMA.event(e)
 
 
 _second: list[Any] = [None, ""]  # the last whole second formatted, and its text

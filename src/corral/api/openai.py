@@ -41,6 +41,7 @@ from corral.api.events import (
     new_id,
     sse_events,
 )
+from corral.api.family import OPENAI, FamilyRoute
 from corral.api.guard import shown_path
 from corral.api.service import (
     Resolved,
@@ -62,27 +63,17 @@ CHAT_OWN = frozenset({
 })  # fmt: skip
 
 
-def openai_error(e: ApiError) -> Response:
-    return json_response({"error": _error_body(e)}, e.status)
-
-
-def _error_body(e: ApiError) -> dict[str, Any]:
-    kind = "invalid_request_error" if e.status < 500 else "server_error"
-    code = "model_not_found" if e.status == 404 and e.param == "model" else None
-    return {"message": e.message, "type": kind, "param": e.param, "code": code}
-
-
 class OpenAI:
     def __init__(self, service: Service) -> None:
         self.svc = service
 
     def routes(self) -> list[Route]:
         return [
-            Route("/v1/chat/completions", self.chat, methods=["POST"]),
-            Route("/v1/completions", self.completions, methods=["POST"]),
-            Route("/v1/embeddings", self.embeddings, methods=["POST"]),
-            Route("/v1/models", self.models, methods=["GET"]),
-            Route("/v1/models/{model:path}", self.model, methods=["GET"]),
+            FamilyRoute(OPENAI, "/v1/chat/completions", self.chat, ["POST"]),
+            FamilyRoute(OPENAI, "/v1/completions", self.completions, ["POST"]),
+            FamilyRoute(OPENAI, "/v1/embeddings", self.embeddings, ["POST"]),
+            FamilyRoute(OPENAI, "/v1/models", self.models, ["GET"]),
+            FamilyRoute(OPENAI, "/v1/models/{model:path}", self.model, ["GET"]),
         ]
 
     # ---- chat ------------------------------------------------------------------------------
@@ -835,7 +826,7 @@ async def _render(
     except ApiError as e:
         if not sent:
             raise
-        yield b"data: " + orjson.dumps({"error": _error_body(e)}) + b"\n\n"
+        yield OPENAI.event(e)
         return
     if include_usage:
         last = {"id": ident, "object": obj, "created": created, "model": model,

@@ -55,6 +55,7 @@ from starlette.routing import Route
 from corral.api.common import ApiError, model_field, read_json
 from corral.api.common import field as get
 from corral.api.events import Chat, Done, Event, Text, Thinking, ToolCall, Usage, new_id
+from corral.api.family import RESPONSES, FamilyRoute, sse
 from corral.api.service import Service, until_disconnect
 from corral.api.stream import json_response
 
@@ -117,7 +118,7 @@ class Responses:
         self.svc = service
 
     def routes(self) -> list[Route]:
-        return [Route("/v1/responses", self.create, methods=["POST"])]
+        return [FamilyRoute(RESPONSES, "/v1/responses", self.create, ["POST"])]
 
     async def create(self, request: Request) -> Response:
         req = parse_request(await read_json(request))
@@ -957,18 +958,18 @@ class Builder:
     async def sse(self, events: AsyncIterator[Event]) -> AsyncIterator[bytes]:
         """The streamed answer, as OpenAI's server-sent events."""
         for e in self.start():
-            yield _sse(e)
+            yield sse(e["type"], e)
         try:
             async for ev in events:
                 for e in self.feed(ev):
-                    yield _sse(e)
+                    yield sse(e["type"], e)
         except ApiError as err:  # the runner failed mid-stream: the headers are long gone
             for e in self.fail(err.message):
-                yield _sse(e)
+                yield sse(e["type"], e)
             return
         if self.done is None:
             for e in self.finish(Done("stop", Usage())):
-                yield _sse(e)
+                yield sse(e["type"], e)
 
 
 class CustomInput:
@@ -1050,10 +1051,6 @@ def _hex_byte(digits: str) -> int:
         return int(digits, 16)
     except ValueError:
         return -1
-
-
-def _sse(ev: dict[str, Any]) -> bytes:
-    return b"event: " + ev["type"].encode() + b"\ndata: " + orjson.dumps(ev) + b"\n\n"
 
 
 def _copy(item: dict[str, Any]) -> dict[str, Any]:

@@ -31,7 +31,8 @@ import orjson
 from starlette.responses import Response
 from starlette.types import Message, Receive, Scope, Send
 
-from corral.api.common import runner_error_message
+from corral.api.common import ApiError, runner_error_message
+from corral.api.family import OPENAI
 from corral.runtime.scheduler import Lease
 
 SSE_DONE = b"data: [DONE]"
@@ -515,8 +516,7 @@ class LeasedStream(RelayResponse):
             return
         message = (error if not failed else None) or await self.lease.runner.why_failed()
         # A cut event was never passed on (unless huge), so this one starts on its own.
-        err = {"message": message, "type": "server_error", "param": None, "code": None}
-        yield (b"" if between else b"\n\n") + b"data: " + orjson.dumps({"error": err}) + b"\n\n"
+        yield (b"" if between else b"\n\n") + OPENAI.event(ApiError(500, message))
 
     async def close(self) -> None:
         # Closing the upstream connection makes llama.cpp stop generating for this slot.

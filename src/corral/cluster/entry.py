@@ -41,6 +41,8 @@ from starlette.types import Message, Receive, Scope, Send
 import corral
 from corral.api import ollama
 from corral.api.common import ApiError
+from corral.api.family import LLAMACPP, NDJSON, OLLAMA, OPENAI, SSE, Families
+from corral.api.llamacpp import NATIVE_PATHS
 from corral.cluster.placement import Choice, NodeView, RunnerView, choose
 from corral.cluster.relay import Broken, Pool, Unreachable, exchange
 from corral.config import Settings
@@ -530,26 +532,25 @@ class Cluster:
 
 
 # ---- the HTTP side ---------------------------------------------------------------------------
+# The entry has no routes: a path's family is the one whose namespace holds it, llama.cpp's
+# server API told apart by its paths.
+FAMILIES = Families(paths=dict.fromkeys(NATIVE_PATHS, LLAMACPP))
+
+
 def error_tail(path: str, content_type: str, message: str, last: bytes) -> bytes | None:
     """The end of a stream cut short, in its API's shape (None: not a stream)."""
     ct = content_type.split(";")[0].strip().lower()
-    if ct == "application/x-ndjson":
+    if ct == NDJSON:
         sep = b"" if not last or last.endswith(b"\n") else b"\n"
-        return sep + orjson.dumps({"error": message}) + b"\n"
-    if ct != "text/event-stream":
+    elif ct == SSE:
+        sep = (b"" if not last or last.endswith(b"\n\n")
+               else (b"\n" if last.endswith(b"\n") else b"\n\n"))  # fmt: skip
+    else:
         return None
-    sep = (
-        b"" if not last or last.endswith(b"\n\n") else (b"\n" if last.endswith(b"\n") else b"\n\n")
-    )
-    if path.startswith("/v1/messages"):
-        body = {"type": "error", "error": {"type": "api_error", "message": message}}
-        return sep + b"event: error\ndata: " + orjson.dumps(body) + b"\n\n"
-    if path.startswith("/v1/responses"):
-        fail = {"status": "failed", "error": {"code": "server_error", "message": message}}
-        body = {"type": "response.failed", "response": fail}
-        return sep + b"event: response.failed\ndata: " + orjson.dumps(body) + b"\n\n"
-    err = {"message": message, "type": "server_error", "param": None, "code": None}
-    return sep + b"data: " + orjson.dumps({"error": err}) + b"\n\n"
+    family = FAMILIES.at(path)
+    if family.media_type != ct:  # corral's own event streams (the dashboard's, the router's)
+        family = OLLAMA if ct == NDJSON else OPENAI
+    return sep + family.event(ApiError(500, message))
 
 
 class Entry:
@@ -581,9 +582,7 @@ class Entry:
                 return
 
     async def _error(self, scope: Scope, receive: Receive, send: Send, e: ApiError) -> None:
-        from corral.server import error_response
-
-        await error_response(Request(scope), e)(scope, receive, send)
+        await FAMILIES.response(Request(scope), e)(scope, receive, send)
 
     async def _http(self, scope: Scope, receive: Receive, send: Send) -> None:
         method, path = scope["method"], scope["path"]
@@ -988,7 +987,7 @@ def serve_cluster(settings: Settings) -> None:
         loopback_bind,
         raise_open_files_limit,
     )
-    from corral.server import Unhandled, error_response
+    from corral.server import Unhandled
 
     logging.basicConfig(
         level=settings.log_level.upper(),
@@ -1003,8 +1002,8 @@ def serve_cluster(settings: Settings) -> None:
     # The same guard as a single corral's: API keys, origins and CORS, the Host check on a
     # loopback bind, body limits; the nodes check keys again (the entry passes them on).
     app = Guard(
-        Unhandled(Entry(cluster)),  # an unexpected error: a 500 in the family's shape
-        render=error_response,
+        Unhandled(Entry(cluster), FAMILIES.response),  # an unexpected error: a 500 in its shape
+        render=FAMILIES.response,
         gate=Gate(),
         keys=settings.api_keys,
         origins=settings.origins,
