@@ -9,7 +9,7 @@ import logging
 import math
 import signal
 import socket
-from collections.abc import AsyncIterator, Callable, Mapping
+from collections.abc import AsyncIterator, Mapping
 from types import FrameType
 
 import uvicorn
@@ -40,9 +40,10 @@ from corral.api.llamacpp import Native
 from corral.api.manage import Manage
 from corral.api.metrics import MeasureRequests, Metrics
 from corral.api.ollama import Ollama
-from corral.api.openai import OpenAI, Router
+from corral.api.openai import OpenAI
 from corral.api.rerank import Rerank
 from corral.api.responses import Responses
+from corral.api.router import Router
 from corral.api.service import Service
 from corral.api.stream import json_response
 from corral.config import ConfigError, Settings
@@ -65,9 +66,9 @@ class Unhandled:
     handler for Exception answers and then re-raises, and uvicorn then closes the keep-alive
     connection under the client.)"""
 
-    def __init__(self, app: ASGIApp, render: Callable[[Request, ApiError], Response]) -> None:
+    def __init__(self, app: ASGIApp, families: Families | None = None) -> None:
         self.app = app
-        self.render = render
+        self.families = families or Families()  # by default, by the paths' namespaces
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
@@ -88,7 +89,7 @@ class Unhandled:
             request = Request(scope)
             log.exception("unexpected error on %s %s", request.method, request.url.path)
             err = ApiError(500, f"internal error: {type(exc).__name__}")
-            await self.render(request, err)(scope, receive, send)
+            await self.families.response(request, err)(scope, receive, send)
 
 
 def kv_cache(settings: Settings, scheduler: Scheduler) -> KVCache | None:
@@ -164,6 +165,7 @@ def create_app(settings: Settings, devices: list[Device] | None = None) -> Starl
         yield
         await scheduler.shutdown()
 
+    manage = Manage(service)
     routes = [
         Route("/", root, methods=["GET", "HEAD"]),
         Route("/health", health, methods=["GET"]),
@@ -173,9 +175,9 @@ def create_app(settings: Settings, devices: list[Device] | None = None) -> Starl
         *Anthropic(service).routes(),
         *Responses(service).routes(),
         *Rerank(service).routes(),
-        *Router(service).routes(),
+        *Router(service, manage).routes(),
         *Native(service).routes(),
-        *Manage(service).routes(),
+        *manage.routes(),
         *Dashboard(service).routes(),
     ]
     families = Families(routes)
@@ -194,7 +196,7 @@ def create_app(settings: Settings, devices: list[Device] | None = None) -> Starl
                 check_host=loopback_bind(settings.host),
                 read_timeout=settings.read_timeout,
             ),
-            Middleware(Unhandled, render=families.response),
+            Middleware(Unhandled, families=families),
         ],
     )
     app.state.service = service

@@ -1,6 +1,6 @@
 """Getting and managing models, as Ollama's API does it: /api/pull (from Hugging Face),
-/api/create, /api/blobs/:digest, /api/copy, /api/delete, /api/push (501); and llama.cpp
-router-style POST /models (download) and DELETE /models.
+/api/create, /api/blobs/:digest, /api/copy, /api/delete, /api/push (501). (llama.cpp
+router-style POST /models and DELETE /models use `plan` and `remove`: api/router.py.)
 
 corral keeps what these make in its store (runtime/store.py, `<models_dir>/.corral/`). Files it
 did not make (a `*.gguf` the user put in the models directory, models.toml's files, the
@@ -47,7 +47,7 @@ def store_error(e: StoreError) -> ApiError:
     return ApiError(e.status, e.message)
 
 
-def _name(body: dict[str, Any], key: str = "model") -> str:
+def model_name(body: dict[str, Any], key: str = "model") -> str:
     name = field(body, key, str) or (field(body, "name", str) if key == "model" else None)
     if not name or not name.strip():
         raise ApiError(400, f"'{key}' is required", key)
@@ -83,13 +83,10 @@ class Manage:
             FamilyRoute(OLLAMA, "/api/blobs/{digest}", self.blob, ["HEAD", "POST"]),
             FamilyRoute(OLLAMA, "/api/copy", self.copy, ["POST"]),
             FamilyRoute(OLLAMA, "/api/delete", self.delete, ["DELETE"]),
-            # llama.cpp router style (corral's addition there): download, delete
-            FamilyRoute(OLLAMA, "/models", self.router_download, ["POST"]),
-            FamilyRoute(OLLAMA, "/models", self.router_delete, ["DELETE"]),
         ]
 
     # ---- pull ------------------------------------------------------------------------------
-    async def _plan(self, request: Request, name: str) -> hub.Plan:
+    async def plan(self, request: Request, name: str) -> hub.Plan:
         """What a pull needs: an unknown repo or quantization fails here, before the stream."""
         try:
             parsed = hub.parse_name(name)
@@ -99,7 +96,7 @@ class Manage:
 
     async def pull(self, request: Request) -> Response:
         body = await read_json(request)
-        name = _name(body)
+        name = model_name(body)
         stream = field(body, "stream", bool, True)
         field(body, "insecure", bool)
         if self.svc.registry.get(name) is not None and not hub.is_hub_name(name):
@@ -110,7 +107,7 @@ class Manage:
                 return json_response({"status": "success"})
             lines = [{"status": "pulling manifest"}, {"status": "success"}]
             return StreamingResponse(ndjson(_statuses(lines)), media_type="application/x-ndjson")
-        plan = await self._plan(request, name)
+        plan = await self.plan(request, name)
         progress = hub.pull(self.store, plan)
         if stream:
             return StreamingResponse(ndjson(progress), media_type="application/x-ndjson")
@@ -160,7 +157,7 @@ class Manage:
     # ---- create ----------------------------------------------------------------------------
     async def create(self, request: Request) -> Response:
         body = await read_json(request)
-        name = canonical_name(_name(body))
+        name = canonical_name(model_name(body))
         stream = field(body, "stream", bool, True)
         if body.get("quantize"):
             raise ApiError(
@@ -348,8 +345,8 @@ class Manage:
     # ---- copy and delete -------------------------------------------------------------------
     async def copy(self, request: Request) -> Response:
         body = await read_json(request)
-        source = _name(body, "source")
-        dest = canonical_name(_name(body, "destination"))
+        source = model_name(body, "source")
+        dest = canonical_name(model_name(body, "destination"))
         src = self.svc.registry.get(source)
         if src is None:
             raise ApiError(404, f"model '{source}' not found", "source")
@@ -362,9 +359,9 @@ class Manage:
 
     async def delete(self, request: Request) -> Response:
         body = await read_json(request)
-        return json_response(await self._delete(_name(body)))
+        return json_response(await self.remove(model_name(body)))
 
-    async def _delete(self, name: str) -> dict[str, Any]:
+    async def remove(self, name: str) -> dict[str, Any]:
         entry = self.svc.registry.get(name)
         if entry is None:
             raise ApiError(404, f"model '{name}' not found", "model")
@@ -401,29 +398,6 @@ class Manage:
                 break
             await asyncio.sleep(0.05)
         return True
-
-    # ---- llama.cpp router style -------------------------------------------------------------
-    async def router_download(self, request: Request) -> Response:
-        """POST /models {"model": "hf.co/owner/repo:quant"} (or "owner/repo:quant", as
-        llama-server -hf takes it): pull, then answer once it is done."""
-        body = await read_json(request)
-        name = _name(body)
-        if name.count("/") == 1 and not name.lower().startswith(hub.HUB_HOSTS):
-            name = f"hf.co/{name}"
-        plan = await self._plan(request, name)
-        progress = hub.pull(self.store, plan)
-        try:
-            await until_disconnect(request, hub.collect(progress))
-        except StoreError as e:
-            raise store_error(e) from None
-        finally:
-            await progress.aclose()
-        return json_response({"success": True, "model": plan.name.model_name})
-
-    async def router_delete(self, request: Request) -> Response:
-        body = await read_json(request)
-        out = await self._delete(_name(body))
-        return json_response({"success": True, "removed": out["removed"]})
 
 
 # ---- field checks ----------------------------------------------------------------------------

@@ -42,7 +42,6 @@ from corral.api.events import (
     sse_events,
 )
 from corral.api.family import OPENAI, FamilyRoute
-from corral.api.guard import shown_path
 from corral.api.service import (
     Resolved,
     Service,
@@ -863,46 +862,3 @@ async def _gather(aws: list[Awaitable[T]]) -> list[T]:
     finally:
         for t in tasks:
             t.cancel()
-
-
-class Router:
-    """llama.cpp's router-mode API, so its clients and web UI can drive corral."""
-
-    def __init__(self, service: Service) -> None:
-        self.svc = service
-
-    def routes(self) -> list[Route]:
-        return [
-            Route("/models", self.models, methods=["GET"]),
-            Route("/models/load", self.load, methods=["POST"]),
-            Route("/models/unload", self.unload, methods=["POST"]),
-        ]
-
-    async def models(self, request: Request) -> Response:
-        states = {b.model: b.state for b, _ in self.svc.scheduler.snapshot()}
-        data = [
-            {"id": e.name, "object": "model", "owned_by": "corral", "created": int(e.modified_at),
-             "path": shown_path(request, e.path, self.svc.registry.models_dir),
-             "status": {"value": _router_state(states.get(e.name))}}
-            for e in self.svc.registry.all()
-        ]  # fmt: skip
-        return json_response({"object": "list", "data": data})
-
-    async def load(self, request: Request) -> Response:
-        body = await read_json(request)
-        r = self.svc.resolve(model_field(body))
-        start = time.monotonic()
-        async with await self.svc.lease(request, r, {}, None):
-            pass  # loaded: that is all a load asks for
-        return json_response({"success": True, "load_ms": int((time.monotonic() - start) * 1e3)})
-
-    async def unload(self, request: Request) -> Response:
-        body = await read_json(request)
-        name = model_field(body)
-        if not self.svc.unload(name):
-            raise ApiError(400, f"model '{name}' is not loaded", "model")
-        return json_response({"success": True})
-
-
-def _router_state(state: str | None) -> str:
-    return {"loading": "loading", "ready": "loaded"}.get(state or "", "unloaded")

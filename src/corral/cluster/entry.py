@@ -1002,7 +1002,7 @@ def serve_cluster(settings: Settings) -> None:
     # The same guard as a single corral's: API keys, origins and CORS, the Host check on a
     # loopback bind, body limits; the nodes check keys again (the entry passes them on).
     app = Guard(
-        Unhandled(Entry(cluster), FAMILIES.response),  # an unexpected error: a 500 in its shape
+        Unhandled(Entry(cluster), FAMILIES),  # an unexpected error: a 500 in its shape
         render=FAMILIES.response,
         gate=Gate(),
         keys=settings.api_keys,
