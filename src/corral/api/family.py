@@ -80,7 +80,8 @@ OPENAI = Family(
 # ---- OpenAI Responses: OpenAI's error bodies; a stream ends with response.failed -------------
 def _response_failed(e: ApiError) -> bytes:
     """A stream cut short where nothing of the response is known (the cluster entry); a
-    stream that has a response renders it failed with what it had (responses.Builder.fail)."""
+    stream that has a response renders it failed with what it had
+    (responses_output.Builder.fail)."""
     fail = {"status": "failed", "error": {"code": "server_error", "message": e.message}}
     return sse("response.failed", {"type": "response.failed", "response": fail})
 
