@@ -18,7 +18,6 @@ from starlette.exceptions import HTTPException
 from starlette.middleware import Middleware
 from starlette.requests import Request
 from starlette.responses import RedirectResponse, Response
-from starlette.routing import Route
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 from uvicorn.protocols.http.auto import AutoHTTPProtocol
 
@@ -27,7 +26,7 @@ from corral import logs
 from corral.api.anthropic import Anthropic
 from corral.api.common import ApiError
 from corral.api.dashboard import Dashboard, wants_html
-from corral.api.family import Families
+from corral.api.family import OLLAMA, Families, FamilyRoute
 from corral.api.guard import (
     Gate,
     Guard,
@@ -167,9 +166,9 @@ def create_app(settings: Settings, devices: list[Device] | None = None) -> Starl
 
     manage = Manage(service)
     routes = [
-        Route("/", root, methods=["GET", "HEAD"]),
-        Route("/health", health, methods=["GET"]),
-        Route("/metrics", metrics.endpoint, methods=["GET"]),
+        FamilyRoute(OLLAMA, "/", root, ["GET", "HEAD"]),
+        FamilyRoute(OLLAMA, "/health", health, ["GET"]),
+        FamilyRoute(OLLAMA, "/metrics", metrics.endpoint, ["GET"]),
         *Ollama(service).routes(),
         *OpenAI(service).routes(),
         *Anthropic(service).routes(),

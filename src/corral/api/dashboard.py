@@ -25,10 +25,11 @@ from typing import Any
 import orjson
 from starlette.requests import Request
 from starlette.responses import Response, StreamingResponse
-from starlette.routing import BaseRoute, Route
+from starlette.routing import BaseRoute
 
 import corral
 from corral.api.common import ApiError
+from corral.api.family import OLLAMA, FamilyRoute
 from corral.api.service import Service
 from corral.api.stream import json_response
 from corral.runtime.journal import Event
@@ -91,12 +92,12 @@ class Dashboard:
 
     def routes(self) -> list[BaseRoute]:
         return [
-            Route("/ui", self.page, methods=["GET", "HEAD"]),
-            Route("/ui/", self.page, methods=["GET", "HEAD"]),
-            Route("/ui/{name}", self.asset, methods=["GET", "HEAD"]),
-            Route("/api/corral/state", self.state_endpoint, methods=["GET"]),
-            Route("/api/corral/books", self.books_endpoint, methods=["GET"]),
-            Route("/api/corral/events", self.events_endpoint, methods=["GET"]),
+            FamilyRoute(OLLAMA, "/ui", self.page, ["GET", "HEAD"]),
+            FamilyRoute(OLLAMA, "/ui/", self.page, ["GET", "HEAD"]),
+            FamilyRoute(OLLAMA, "/ui/{name}", self.asset, ["GET", "HEAD"]),
+            FamilyRoute(OLLAMA, "/api/corral/state", self.state_endpoint, ["GET"]),
+            FamilyRoute(OLLAMA, "/api/corral/books", self.books_endpoint, ["GET"]),
+            FamilyRoute(OLLAMA, "/api/corral/events", self.events_endpoint, ["GET"]),
         ]
 
     # ---- the page -----------------------------------------------------------------------------
