@@ -1,4 +1,5 @@
-"""The HTTP server: one Starlette app with the Ollama, OpenAI and llama.cpp-router routes."""
+"""The HTTP server: one Starlette app with every API family's routes; each error takes the shape of
+the family of the route it came from (api/family.py)."""
 
 from __future__ import annotations
 
