@@ -23,13 +23,13 @@ from typing import Any
 
 import orjson
 from starlette.requests import Request
-from starlette.responses import Response, StreamingResponse
+from starlette.responses import Response
 from starlette.routing import Route
 
 from corral.api.common import OPTION_RANGES, OPTION_TYPES, ApiError, field, read_json
-from corral.api.family import OLLAMA, FamilyRoute
+from corral.api.family import NDJSON, OLLAMA, FamilyRoute
 from corral.api.service import Service, jinja_template, until_disconnect
-from corral.api.stream import json_response
+from corral.api.stream import RelayResponse, json_response
 from corral.core.gguf import GGUFError, read_model_info
 from corral.core.gotemplate import TemplateError
 from corral.runtime import hub
@@ -106,11 +106,11 @@ class Manage:
             if not stream:
                 return json_response({"status": "success"})
             lines = [{"status": "pulling manifest"}, {"status": "success"}]
-            return StreamingResponse(ndjson(_statuses(lines)), media_type="application/x-ndjson")
+            return RelayResponse(ndjson(_statuses(lines)), NDJSON)
         plan = await self.plan(request, name)
         progress = hub.pull(self.store, plan)
         if stream:
-            return StreamingResponse(ndjson(progress), media_type="application/x-ndjson")
+            return RelayResponse(ndjson(progress), NDJSON)
         try:
             return json_response(await until_disconnect(request, hub.collect(progress)))
         except StoreError as e:
@@ -178,7 +178,7 @@ class Manage:
         lines.append({"status": "success"})
         if not stream:
             return json_response(lines[-1])
-        return StreamingResponse(ndjson(_statuses(lines)), media_type="application/x-ndjson")
+        return RelayResponse(ndjson(_statuses(lines)), NDJSON)
 
     def _check_name_free(self, name: str) -> None:
         """A name corral may write a manifest for: new, or one of its own models."""

@@ -21,16 +21,16 @@ from typing import Any
 
 import orjson
 from starlette.requests import Request
-from starlette.responses import Response, StreamingResponse
+from starlette.responses import Response
 from starlette.routing import Route
 
 from corral.api.common import ApiError, model_field, read_json
 from corral.api.dashboard import SSE_HEADERS, journal_events, stopping
-from corral.api.family import OLLAMA, FamilyRoute
+from corral.api.family import OLLAMA, SSE, FamilyRoute
 from corral.api.guard import shown_path
 from corral.api.manage import Manage, model_name, store_error
 from corral.api.service import Service, until_disconnect
-from corral.api.stream import json_response
+from corral.api.stream import RelayResponse, json_response
 from corral.runtime import hub
 from corral.runtime.store import StoreError
 
@@ -168,7 +168,7 @@ class Router:
                         pinged = time.monotonic()
                         yield b": ping\n\n"
 
-        return StreamingResponse(stream(), media_type="text/event-stream", headers=SSE_HEADERS)
+        return RelayResponse(stream(), SSE, headers=SSE_HEADERS)
 
 
 def _router_state(state: str | None) -> str:

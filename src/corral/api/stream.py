@@ -22,7 +22,7 @@ import asyncio
 import os
 import socket
 import time
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable, Mapping
 from typing import Any, cast
 from urllib.parse import urlsplit
 
@@ -387,12 +387,13 @@ class RelayResponse(Response):
         body: AsyncIterator[bytes],
         media_type: str,
         more: Callable[[], bool] | None = None,
+        headers: Mapping[str, str] | None = None,
     ) -> None:
         self.body_iterator = body
         self.status_code = 200
         self.media_type = media_type
         self.background = None
-        self.init_headers(None)
+        self.init_headers(headers)
         self.more = more
 
     async def close(self) -> None:
