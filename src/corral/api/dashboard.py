@@ -24,14 +24,14 @@ from typing import Any
 
 import orjson
 from starlette.requests import Request
-from starlette.responses import Response, StreamingResponse
+from starlette.responses import Response
 from starlette.routing import BaseRoute
 
 import corral
 from corral.api.common import ApiError
-from corral.api.family import OLLAMA, FamilyRoute
+from corral.api.family import OLLAMA, SSE, FamilyRoute
 from corral.api.service import Service
-from corral.api.stream import json_response
+from corral.api.stream import RelayResponse, json_response
 from corral.runtime.journal import Event
 from corral.runtime.registry import canonical_name
 from corral.runtime.scheduler import Scheduler
@@ -276,7 +276,7 @@ class Dashboard:
                     for e in evs:
                         yield b"event: journal\ndata: " + orjson.dumps(e.as_dict()) + b"\n\n"
 
-        return StreamingResponse(stream(), media_type="text/event-stream", headers=SSE_HEADERS)
+        return RelayResponse(stream(), SSE, headers=SSE_HEADERS)
 
 
 def wants_html(request: Request) -> bool:
