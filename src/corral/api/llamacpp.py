@@ -75,6 +75,8 @@ class NativeStream(LeasedStream):
     """A /completion stream relayed as llama.cpp sends it: it ends with an event holding
     `"stop":true` (no `[DONE]`); a runner that dies before that adds an error event."""
 
+    family = LLAMACPP
+
     async def _ended(
         self, body: AsyncIterator[bytes], rename: tuple[bytes, bytes] | None
     ) -> AsyncIterator[bytes]:
@@ -96,4 +98,4 @@ class NativeStream(LeasedStream):
             finished = finished or b'"stop":true' in held
             yield held.replace(*rename) if rename is not None else held
         if not finished:
-            yield LLAMACPP.event(ApiError(500, await self.lease.runner.why_failed()))
+            yield self.family.event(ApiError(500, await self.lease.runner.why_failed()))

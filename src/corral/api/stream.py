@@ -32,7 +32,7 @@ from starlette.responses import Response
 from starlette.types import Message, Receive, Scope, Send
 
 from corral.api.common import ApiError, runner_error_message
-from corral.api.family import OPENAI
+from corral.api.family import OPENAI, Family
 from corral.runtime.scheduler import Lease
 
 SSE_DONE = b"data: [DONE]"
@@ -461,6 +461,8 @@ class LeasedStream(RelayResponse):
     never a bare close. `rename` replaces the runner's `"model":...` pair by the client's
     (applied to whole events, so a pair is never split)."""
 
+    family: Family = OPENAI  # whose error event ends a stream the runner cut short
+
     def __init__(
         self,
         body: AsyncIterator[bytes],
@@ -517,7 +519,7 @@ class LeasedStream(RelayResponse):
             return
         message = (error if not failed else None) or await self.lease.runner.why_failed()
         # A cut event was never passed on (unless huge), so this one starts on its own.
-        yield (b"" if between else b"\n\n") + OPENAI.event(ApiError(500, message))
+        yield (b"" if between else b"\n\n") + self.family.event(ApiError(500, message))
 
     async def close(self) -> None:
         # Closing the upstream connection makes llama.cpp stop generating for this slot.
