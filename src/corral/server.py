@@ -1,4 +1,5 @@
-"""The HTTP server: one Starlette app with the Ollama, OpenAI and llama.cpp-router routes."""
+"""The HTTP server: one Starlette app with every API family's routes; each error takes the shape of
+the family of the route it came from (api/family.py)."""
 
 from __future__ import annotations
 
@@ -18,15 +19,15 @@ from starlette.exceptions import HTTPException
 from starlette.middleware import Middleware
 from starlette.requests import Request
 from starlette.responses import RedirectResponse, Response
-from starlette.routing import Route
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 from uvicorn.protocols.http.auto import AutoHTTPProtocol
 
 import corral
 from corral import logs
-from corral.api.anthropic import Anthropic, anthropic_error
+from corral.api.anthropic import Anthropic
 from corral.api.common import ApiError
 from corral.api.dashboard import Dashboard, wants_html
+from corral.api.family import OLLAMA, Families, FamilyRoute
 from corral.api.guard import (
     Gate,
     Guard,
@@ -35,13 +36,14 @@ from corral.api.guard import (
     loopback_bind,
     raise_open_files_limit,
 )
-from corral.api.llamacpp import NATIVE_PATHS, Native, llamacpp_error
+from corral.api.llamacpp import Native
 from corral.api.manage import Manage
 from corral.api.metrics import MeasureRequests, Metrics
 from corral.api.ollama import Ollama
-from corral.api.openai import OpenAI, Router, openai_error
+from corral.api.openai import OpenAI
 from corral.api.rerank import Rerank
 from corral.api.responses import Responses
+from corral.api.router import Router
 from corral.api.service import Service
 from corral.api.stream import json_response
 from corral.config import ConfigError, Settings
@@ -58,29 +60,15 @@ log = logging.getLogger("corral")
 ROOT_HEADERS = {"x-corral-version": corral.__version__}
 
 
-def error_response(request: Request, e: ApiError) -> Response:
-    """The error in the shape of the API family the client spoke."""
-    if request.url.path.startswith("/v1/messages"):
-        response = anthropic_error(e)
-    elif request.url.path in NATIVE_PATHS:
-        response = llamacpp_error(e)
-    elif request.url.path.startswith("/v1/"):
-        response = openai_error(e)
-    else:
-        response = json_response({"error": e.message}, e.status)
-    if e.retry_after is not None:  # the OpenAI and Anthropic SDKs wait this long to retry
-        response.headers["Retry-After"] = str(max(1, math.ceil(e.retry_after)))
-    return response
-
-
 class Unhandled:
     """The last line of defence: an exception no handler expected becomes a 500 in the
     family's shape and the connection stays open for the client's next request. (Starlette's
     handler for Exception answers and then re-raises, and uvicorn then closes the keep-alive
     connection under the client.)"""
 
-    def __init__(self, app: ASGIApp) -> None:
+    def __init__(self, app: ASGIApp, families: Families | None = None) -> None:
         self.app = app
+        self.families = families or Families()  # by default, by the paths' namespaces
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
@@ -101,7 +89,7 @@ class Unhandled:
             request = Request(scope)
             log.exception("unexpected error on %s %s", request.method, request.url.path)
             err = ApiError(500, f"internal error: {type(exc).__name__}")
-            await error_response(request, err)(scope, receive, send)
+            await self.families.response(request, err)(scope, receive, send)
 
 
 def kv_cache(settings: Settings, scheduler: Scheduler) -> KVCache | None:
@@ -149,12 +137,12 @@ def create_app(settings: Settings, devices: list[Device] | None = None) -> Starl
         assert isinstance(exc, ApiError)
         if exc.status == 499:  # the client is gone; nobody reads this
             return Response(status_code=499)
-        return error_response(request, exc)
+        return families.response(request, exc)
 
     async def http_error(request: Request, exc: Exception) -> Response:
         assert isinstance(exc, HTTPException)
         msg = "not found" if exc.status_code == 404 else str(exc.detail)
-        return error_response(request, ApiError(exc.status_code, msg))
+        return families.response(request, ApiError(exc.status_code, msg))
 
     async def root(request: Request) -> Response:
         if request.method == "GET" and wants_html(request):  # a browser: the dashboard
@@ -177,20 +165,22 @@ def create_app(settings: Settings, devices: list[Device] | None = None) -> Starl
         yield
         await scheduler.shutdown()
 
+    manage = Manage(service)
     routes = [
-        Route("/", root, methods=["GET", "HEAD"]),
-        Route("/health", health, methods=["GET"]),
-        Route("/metrics", metrics.endpoint, methods=["GET"]),
+        FamilyRoute(OLLAMA, "/", root, ["GET", "HEAD"]),
+        FamilyRoute(OLLAMA, "/health", health, ["GET"]),
+        FamilyRoute(OLLAMA, "/metrics", metrics.endpoint, ["GET"]),
         *Ollama(service).routes(),
         *OpenAI(service).routes(),
         *Anthropic(service).routes(),
         *Responses(service).routes(),
         *Rerank(service).routes(),
-        *Router(service).routes(),
+        *Router(service, manage).routes(),
         *Native(service).routes(),
-        *Manage(service).routes(),
+        *manage.routes(),
         *Dashboard(service).routes(),
     ]
+    families = Families(routes)
     app = Starlette(
         routes=routes,
         lifespan=lifespan,
@@ -199,14 +189,14 @@ def create_app(settings: Settings, devices: list[Device] | None = None) -> Starl
             Middleware(MeasureRequests, metrics=metrics),
             Middleware(
                 Guard,
-                render=error_response,
+                render=families.response,
                 gate=gate,
                 keys=settings.api_keys,
                 origins=settings.origins,
                 check_host=loopback_bind(settings.host),
                 read_timeout=settings.read_timeout,
             ),
-            Middleware(Unhandled),
+            Middleware(Unhandled, families=families),
         ],
     )
     app.state.service = service

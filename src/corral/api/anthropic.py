@@ -3,7 +3,7 @@
 A thin renderer over the shared generation layer (`api/events.py`): the Anthropic request
 becomes a neutral `Chat` (OpenAI chat messages, function tools), and the neutral events become
 Anthropic's message object or its SSE events. `x-api-key` and `anthropic-version` are accepted
-and ignored (no authentication).
+and ignored (no authentication). Errors take Anthropic's shape (`family.ANTHROPIC`).
 
 Token usage: a streamed answer's `message_start` carries the prompt's token count, rendered by
 the runner's own template and tokenizer before the first event; the `message_delta` at the end
@@ -32,6 +32,7 @@ from corral.api.common import (
     until_disconnect,
 )
 from corral.api.events import Chat, Done, Event, Result, Text, Thinking, ToolCall, Usage, new_id
+from corral.api.family import ANTHROPIC, FamilyRoute, sse
 from corral.api.service import Resolved, Service, effective_template
 from corral.api.stream import json_response
 from corral.core.roles import place_system, renders_later_system
@@ -40,31 +41,14 @@ from corral.runtime.scheduler import Lease
 
 log = logging.getLogger("corral.anthropic")
 
-# HTTP status -> Anthropic's error type (https://docs.anthropic.com/en/api/errors)
-ERROR_TYPES = {
-    400: "invalid_request_error", 401: "authentication_error", 403: "permission_error",
-    404: "not_found_error", 413: "request_too_large", 429: "rate_limit_error",
-    500: "api_error", 503: "overloaded_error", 529: "overloaded_error",
-}  # fmt: skip
-
-
-def error_body(e: ApiError) -> dict[str, Any]:
-    kind = ERROR_TYPES.get(e.status, "invalid_request_error" if e.status < 500 else "api_error")
-    return {"type": "error", "error": {"type": kind, "message": e.message}}
-
-
-def anthropic_error(e: ApiError) -> Response:
-    return json_response(error_body(e), e.status)
-
-
 class Anthropic:
     def __init__(self, service: Service) -> None:
         self.svc = service
 
     def routes(self) -> list[Route]:
         return [
-            Route("/v1/messages", self.messages, methods=["POST"]),
-            Route("/v1/messages/count_tokens", self.count_tokens, methods=["POST"]),
+            FamilyRoute(ANTHROPIC, "/v1/messages", self.messages, ["POST"]),
+            FamilyRoute(ANTHROPIC, "/v1/messages/count_tokens", self.count_tokens, ["POST"]),
         ]
 
     async def messages(self, request: Request) -> Response:
@@ -522,10 +506,6 @@ def message(model: str, result: Result, shown: bool = True) -> dict[str, Any]:
     }  # fmt: skip
 
 
-def sse(event: str, data: dict[str, Any]) -> bytes:
-    return b"event: " + event.encode() + b"\ndata: " + orjson.dumps(data) + b"\n\n"
-
-
 class _Blocks:
     """The content blocks of a streamed message: one is open at a time; an event of another
     kind (or another tool call) closes it and opens the next at the next index."""
@@ -602,7 +582,7 @@ async def sse_stream(
             for chunk in blocks.feed(ev):
                 yield chunk
     except ApiError as e:
-        yield sse("error", error_body(e))
+        yield ANTHROPIC.event(e)
         return
     for chunk in blocks.close():
         yield chunk

@@ -1,5 +1,5 @@
 """The live dashboard (`GET /ui`), its state (`GET /api/corral/state`, and as a stream
-`GET /api/corral/events`), and llama.cpp's router event stream (`GET /models/sse`).
+`GET /api/corral/events`).
 
 The page is plain HTML, CSS and JS shipped in `corral/ui` (package data: no build step, no
 CDN, works offline). It reads one JSON document, built here from the scheduler's books on each
@@ -9,11 +9,6 @@ tokens per second; a bar per device (budget, booked by corral, in use as the dev
 it); the journal's recent decisions. The events stream pushes that document every second and
 at once after each journal event (load, ready, eviction, crash, refusal), so the page updates
 without a reload and without polling.
-
-`/models/sse` is llama.cpp's router stream for router clients: `data: {"model", "event",
-"data"}` lines, `model_status` when a load starts, `status_change` with `{"status": "loading",
-"progress": {"stages", "current", "value"}}` while it loads, then `loaded` or `unloaded` (with
-`exit_code`). The progress is `Runner.progress` (see runtime/loadwatch).
 """
 
 from __future__ import annotations
@@ -29,15 +24,17 @@ from typing import Any
 
 import orjson
 from starlette.requests import Request
-from starlette.responses import Response, StreamingResponse
-from starlette.routing import BaseRoute, Route
+from starlette.responses import Response
+from starlette.routing import BaseRoute
 
 import corral
 from corral.api.common import ApiError
+from corral.api.family import OLLAMA, SSE, FamilyRoute
 from corral.api.service import Service
-from corral.api.stream import json_response
+from corral.api.stream import RelayResponse, json_response
 from corral.runtime.journal import Event
 from corral.runtime.registry import canonical_name
+from corral.runtime.scheduler import Scheduler
 
 ASSETS = {"app.js": "text/javascript", "style.css": "text/css"}
 # The page and its files come from corral itself and nothing else.
@@ -49,12 +46,10 @@ UI_HEADERS = {
     "X-Content-Type-Options": "nosniff",
 }
 STATE_INTERVAL = 1.0  # seconds between state pushes on /api/corral/events
-PROGRESS_INTERVAL = 0.2  # seconds between looks at loading runners on /models/sse
 PING_INTERVAL = 15.0  # an SSE comment this often, so a dead connection is noticed
 RATE_WINDOW = 10.0  # seconds of token counts a tokens/s figure spans
 EVENTS_SHOWN = 60  # journal events in the state document
 SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
-UNLOADED: tuple[str, float | None] = ("unloaded", None)
 
 
 def ui_file(name: str) -> bytes:
@@ -97,13 +92,12 @@ class Dashboard:
 
     def routes(self) -> list[BaseRoute]:
         return [
-            Route("/ui", self.page, methods=["GET", "HEAD"]),
-            Route("/ui/", self.page, methods=["GET", "HEAD"]),
-            Route("/ui/{name}", self.asset, methods=["GET", "HEAD"]),
-            Route("/api/corral/state", self.state_endpoint, methods=["GET"]),
-            Route("/api/corral/books", self.books_endpoint, methods=["GET"]),
-            Route("/api/corral/events", self.events_endpoint, methods=["GET"]),
-            Route("/models/sse", self.router_sse, methods=["GET"]),
+            FamilyRoute(OLLAMA, "/ui", self.page, ["GET", "HEAD"]),
+            FamilyRoute(OLLAMA, "/ui/", self.page, ["GET", "HEAD"]),
+            FamilyRoute(OLLAMA, "/ui/{name}", self.asset, ["GET", "HEAD"]),
+            FamilyRoute(OLLAMA, "/api/corral/state", self.state_endpoint, ["GET"]),
+            FamilyRoute(OLLAMA, "/api/corral/books", self.books_endpoint, ["GET"]),
+            FamilyRoute(OLLAMA, "/api/corral/events", self.events_endpoint, ["GET"]),
         ]
 
     # ---- the page -----------------------------------------------------------------------------
@@ -261,33 +255,14 @@ class Dashboard:
         return json_response({"budgets": core.budgets, "reserved": core.reserved})
 
     # ---- streams ------------------------------------------------------------------------------
-    def _stopping(self, request: Request) -> bool:
-        gate = getattr(request.app.state, "gate", None)
-        return bool(getattr(self.scheduler, "_closing", False) or getattr(gate, "draining", False))
-
-    @contextlib.asynccontextmanager
-    async def _journal(self) -> AsyncIterator[asyncio.Queue[Event]]:
-        """Journal events from now on, in a queue (listeners must not block)."""
-        q: asyncio.Queue[Event] = asyncio.Queue(maxsize=1000)
-
-        def put(ev: Event) -> None:
-            with contextlib.suppress(asyncio.QueueFull):
-                q.put_nowait(ev)
-
-        stop: Callable[[], Any] = self.scheduler.journal.listen(put)
-        try:
-            yield q
-        finally:
-            stop()
-
     async def events_endpoint(self, request: Request) -> Response:
         """The state document as server-sent events: now, every second, and right after each
         journal event (`event: state`); each journal event itself too (`event: journal`)."""
 
         async def stream() -> AsyncIterator[bytes]:
-            async with self._journal() as q:
+            async with journal_events(self.scheduler) as q:
                 yield b"retry: 2000\n\n"
-                while not self._stopping(request):
+                while not stopping(request, self.scheduler):
                     state = orjson.dumps(self.state(), option=orjson.OPT_NON_STR_KEYS)
                     yield b"event: state\ndata: " + state + b"\n\n"
                     try:
@@ -301,75 +276,31 @@ class Dashboard:
                     for e in evs:
                         yield b"event: journal\ndata: " + orjson.dumps(e.as_dict()) + b"\n\n"
 
-        return StreamingResponse(stream(), media_type="text/event-stream", headers=SSE_HEADERS)
-
-    def _router_states(self) -> dict[str, tuple[str, float | None]]:
-        """model -> (llama.cpp router status, load progress) for every model with a runner.
-        A runner on its way out is still "loaded" until its process is gone (as in llama.cpp's
-        router), so that the "unloaded" event can tell a crash (exit_code 1) from a stop."""
-        out: dict[str, tuple[str, float | None]] = {}
-        for rid, b in self.scheduler.core.runners.items():
-            if b.state == "unloading":
-                out.setdefault(b.model, ("loaded", None))
-                continue
-            r = self.scheduler.runners.get(rid)
-            if b.state == "loading":
-                out[b.model] = ("loading", r.progress if r else None)
-            else:
-                out[b.model] = ("loaded", None)
-        return out
-
-    async def router_sse(self, request: Request) -> Response:
-        """llama.cpp router's `GET /models/sse`: status changes and load progress."""
-
-        def line(model: str, event: str, data: dict[str, Any]) -> bytes:
-            msg = {"model": model, "event": event, "data": data}
-            return b"data: " + orjson.dumps(msg) + b"\n\n"
-
-        async def stream() -> AsyncIterator[bytes]:
-            async with self._journal() as q:
-                seen = self._router_states()
-                failed: set[str] = set()
-                pinged = time.monotonic()
-                while not self._stopping(request):
-                    started: set[str] = set()  # loads begun since the last look
-                    with contextlib.suppress(asyncio.TimeoutError):
-                        evs = [await asyncio.wait_for(q.get(), PROGRESS_INTERVAL)]
-                        while not q.empty():
-                            evs.append(q.get_nowait())
-                        for ev in evs:
-                            if ev.kind in ("load_failed", "crash"):
-                                failed.add(ev.model)
-                            elif ev.kind == "load":
-                                started.add(ev.model)
-                    now = self._router_states()
-                    for model in sorted(set(seen) | set(now) | started):
-                        old, new = seen.get(model, UNLOADED), now.get(model, UNLOADED)
-                        if old == new and model not in started:
-                            continue
-                        status, progress = new
-                        if old[0] != "loading" and (status == "loading" or model in started):
-                            yield line(model, "model_status", {"status": "loading"})
-                        if status == "loading" and progress is not None:
-                            yield line(model, "status_change", {"status": "loading", "progress": {
-                                "stages": ["text_model"], "current": "text_model",
-                                "value": round(progress, 4),
-                            }})  # fmt: skip
-                        elif status == "loaded" and old[0] != "loaded":
-                            yield line(model, "status_change", {"status": "loaded"})
-                        elif status == "unloaded" and (old[0] != "unloaded" or model in failed):
-                            code = 1 if model in failed else 0
-                            failed.discard(model)
-                            yield line(model, "status_change",
-                                       {"status": "unloaded", "exit_code": code})  # fmt: skip
-                    seen = now
-                    if time.monotonic() - pinged >= PING_INTERVAL:
-                        pinged = time.monotonic()
-                        yield b": ping\n\n"
-
-        return StreamingResponse(stream(), media_type="text/event-stream", headers=SSE_HEADERS)
+        return RelayResponse(stream(), SSE, headers=SSE_HEADERS)
 
 
 def wants_html(request: Request) -> bool:
     """A browser asking for a page (not a client probing `GET /`)."""
     return "text/html" in request.headers.get("accept", "")
+
+
+def stopping(request: Request, scheduler: Scheduler) -> bool:
+    """Whether the server is on its way down: an endless stream ends."""
+    gate = getattr(request.app.state, "gate", None)
+    return bool(getattr(scheduler, "_closing", False) or getattr(gate, "draining", False))
+
+
+@contextlib.asynccontextmanager
+async def journal_events(scheduler: Scheduler) -> AsyncIterator[asyncio.Queue[Event]]:
+    """Journal events from now on, in a queue (listeners must not block)."""
+    q: asyncio.Queue[Event] = asyncio.Queue(maxsize=1000)
+
+    def put(ev: Event) -> None:
+        with contextlib.suppress(asyncio.QueueFull):
+            q.put_nowait(ev)
+
+    stop: Callable[[], Any] = scheduler.journal.listen(put)
+    try:
+        yield q
+    finally:
+        stop()

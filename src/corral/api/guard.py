@@ -32,11 +32,13 @@ from pathlib import Path
 from typing import Any
 from urllib.parse import urlsplit
 
+import orjson
 from starlette.requests import Request
 from starlette.responses import Response
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from corral.api.common import MAX_BODY, ApiError
+from corral.api.family import OLLAMA
 
 log = logging.getLogger("corral")
 
@@ -396,7 +398,8 @@ def connection_cap(wanted: int, open_files: int) -> int:
     return max(16, min(wanted, open_files - FD_RESERVE))
 
 
-_BUSY = b'{"error":"server busy: too many connections"}'
+# Written before a request is read, so with no route to name a family: the default's shape.
+_BUSY = orjson.dumps(OLLAMA.body(ApiError(503, "server busy: too many connections")))
 _BUSY_RESPONSE = (
     b"HTTP/1.1 503 Service Unavailable\r\ncontent-type: application/json\r\n"
     b"retry-after: 1\r\nconnection: close\r\ncontent-length: %d\r\n\r\n%s" % (len(_BUSY), _BUSY)

@@ -1,7 +1,7 @@
 """llama.cpp's own server API, routed by the `model` field as llama.cpp's router mode does:
 /completion (/completions), /infill, /tokenize, /detokenize, /apply-template, /embedding
 (/embeddings) and GET /props?model=. The runner's answer is relayed as it is, with the model
-renamed to the one the client asked for; errors in llama.cpp's shape.
+renamed to the one the client asked for; errors in llama.cpp's shape (`family.LLAMACPP`).
 
 Not relayed (they would change a runner every client shares, or corral's own state): POST
 /props, POST /slots (save/restore/erase: corral keeps conversations' caches there), POST
@@ -10,16 +10,15 @@ Not relayed (they would change a runner every client shares, or corral's own sta
 from __future__ import annotations
 
 from collections.abc import AsyncIterator
-from typing import Any
 
-import orjson
 from starlette.requests import Request
 from starlette.responses import Response
 from starlette.routing import Route
 
 from corral.api.common import ApiError, model_field, read_json
+from corral.api.family import LLAMACPP, FamilyRoute
 from corral.api.service import Service
-from corral.api.stream import LeasedStream, json_response
+from corral.api.stream import LeasedStream
 from corral.runtime.client import UPSTREAM_ERRORS
 
 # path -> (the runner's path, the capability it needs or None)
@@ -34,17 +33,6 @@ POST_ROUTES = {
     "/embeddings": ("/embeddings", "embedding"),
 }
 NATIVE_PATHS = frozenset({*POST_ROUTES, "/props"})
-ERROR_TYPES = {
-    400: "invalid_request_error", 401: "authentication_error", 403: "permission_error",
-    404: "not_found_error", 501: "not_supported_error", 503: "unavailable_error",
-}  # fmt: skip
-
-
-def llamacpp_error(e: ApiError) -> Response:
-    """llama.cpp's error body: {"error": {"code", "message", "type"}}."""
-    kind = ERROR_TYPES.get(e.status, "server_error" if e.status >= 500 else "invalid_request_error")
-    return json_response({"error": {"code": e.status, "message": e.message, "type": kind}},
-                         e.status)  # fmt: skip
 
 
 class Native:
@@ -53,8 +41,8 @@ class Native:
 
     def routes(self) -> list[Route]:
         return [
-            *(Route(p, self.post, methods=["POST"]) for p in POST_ROUTES),
-            Route("/props", self.props, methods=["GET"]),
+            *(FamilyRoute(LLAMACPP, p, self.post, ["POST"]) for p in POST_ROUTES),
+            FamilyRoute(LLAMACPP, "/props", self.props, ["GET"]),
         ]
 
     async def post(self, request: Request) -> Response:
@@ -88,6 +76,8 @@ class NativeStream(LeasedStream):
     """A /completion stream relayed as llama.cpp sends it: it ends with an event holding
     `"stop":true` (no `[DONE]`); a runner that dies before that adds an error event."""
 
+    family = LLAMACPP
+
     async def _ended(
         self, body: AsyncIterator[bytes], rename: tuple[bytes, bytes] | None
     ) -> AsyncIterator[bytes]:
@@ -109,6 +99,4 @@ class NativeStream(LeasedStream):
             finished = finished or b'"stop":true' in held
             yield held.replace(*rename) if rename is not None else held
         if not finished:
-            err: dict[str, Any] = {"code": 500, "message": await self.lease.runner.why_failed(),
-                                   "type": "server_error"}  # fmt: skip
-            yield b"data: " + orjson.dumps({"error": err}) + b"\n\n"
+            yield self.family.event(ApiError(500, await self.lease.runner.why_failed()))

@@ -1,6 +1,6 @@
 """Getting and managing models, as Ollama's API does it: /api/pull (from Hugging Face),
-/api/create, /api/blobs/:digest, /api/copy, /api/delete, /api/push (501); and llama.cpp
-router-style POST /models (download) and DELETE /models.
+/api/create, /api/blobs/:digest, /api/copy, /api/delete, /api/push (501). (llama.cpp
+router-style POST /models and DELETE /models use `plan` and `remove`: api/router.py.)
 
 corral keeps what these make in its store (runtime/store.py, `<models_dir>/.corral/`). Files it
 did not make (a `*.gguf` the user put in the models directory, models.toml's files, the
@@ -22,12 +22,19 @@ from typing import Any
 
 import orjson
 from starlette.requests import Request
-from starlette.responses import Response, StreamingResponse
+from starlette.responses import Response
 from starlette.routing import Route
 
-from corral.api.common import ApiError, field, option_value, read_json, until_disconnect
+from corral.api.common import (
+    ApiError,
+    field,
+    option_value,
+    read_json,
+    until_disconnect,
+)
+from corral.api.family import NDJSON, OLLAMA, FamilyRoute
 from corral.api.service import Service
-from corral.api.stream import json_response
+from corral.api.stream import RelayResponse, json_response
 from corral.core.gguf import GGUFError, read_model_info
 from corral.core.gotemplate import TemplateError
 from corral.core.options import REQUEST_OPTIONS
@@ -47,7 +54,7 @@ def store_error(e: StoreError) -> ApiError:
     return ApiError(e.status, e.message)
 
 
-def _name(body: dict[str, Any], key: str = "model") -> str:
+def model_name(body: dict[str, Any], key: str = "model") -> str:
     name = field(body, key, str) or (field(body, "name", str) if key == "model" else None)
     if not name or not name.strip():
         raise ApiError(400, f"'{key}' is required", key)
@@ -60,9 +67,9 @@ async def ndjson(items: AsyncIterator[dict[str, Any]]) -> AsyncIterator[bytes]:
         async for item in items:
             yield orjson.dumps(item) + b"\n"
     except StoreError as e:
-        yield orjson.dumps({"error": e.message}) + b"\n"
+        yield OLLAMA.event(store_error(e))
     except ApiError as e:
-        yield orjson.dumps({"error": e.message}) + b"\n"
+        yield OLLAMA.event(e)
 
 
 async def _statuses(lines: Iterable[dict[str, Any]]) -> AsyncIterator[dict[str, Any]]:
@@ -77,19 +84,16 @@ class Manage:
 
     def routes(self) -> list[Route]:
         return [
-            Route("/api/pull", self.pull, methods=["POST"]),
-            Route("/api/push", self.push, methods=["POST"]),
-            Route("/api/create", self.create, methods=["POST"]),
-            Route("/api/blobs/{digest}", self.blob, methods=["HEAD", "POST"]),
-            Route("/api/copy", self.copy, methods=["POST"]),
-            Route("/api/delete", self.delete, methods=["DELETE"]),
-            # llama.cpp router style (corral's addition there): download, delete
-            Route("/models", self.router_download, methods=["POST"]),
-            Route("/models", self.router_delete, methods=["DELETE"]),
+            FamilyRoute(OLLAMA, "/api/pull", self.pull, ["POST"]),
+            FamilyRoute(OLLAMA, "/api/push", self.push, ["POST"]),
+            FamilyRoute(OLLAMA, "/api/create", self.create, ["POST"]),
+            FamilyRoute(OLLAMA, "/api/blobs/{digest}", self.blob, ["HEAD", "POST"]),
+            FamilyRoute(OLLAMA, "/api/copy", self.copy, ["POST"]),
+            FamilyRoute(OLLAMA, "/api/delete", self.delete, ["DELETE"]),
         ]
 
     # ---- pull ------------------------------------------------------------------------------
-    async def _plan(self, request: Request, name: str) -> hub.Plan:
+    async def plan(self, request: Request, name: str) -> hub.Plan:
         """What a pull needs: an unknown repo or quantization fails here, before the stream."""
         try:
             parsed = hub.parse_name(name)
@@ -99,7 +103,7 @@ class Manage:
 
     async def pull(self, request: Request) -> Response:
         body = await read_json(request)
-        name = _name(body)
+        name = model_name(body)
         stream = field(body, "stream", bool, True)
         field(body, "insecure", bool)
         if self.svc.registry.get(name) is not None and not hub.is_hub_name(name):
@@ -109,11 +113,11 @@ class Manage:
             if not stream:
                 return json_response({"status": "success"})
             lines = [{"status": "pulling manifest"}, {"status": "success"}]
-            return StreamingResponse(ndjson(_statuses(lines)), media_type="application/x-ndjson")
-        plan = await self._plan(request, name)
+            return RelayResponse(ndjson(_statuses(lines)), NDJSON)
+        plan = await self.plan(request, name)
         progress = hub.pull(self.store, plan)
         if stream:
-            return StreamingResponse(ndjson(progress), media_type="application/x-ndjson")
+            return RelayResponse(ndjson(progress), NDJSON)
         try:
             return json_response(await until_disconnect(request, hub.collect(progress)))
         except StoreError as e:
@@ -160,7 +164,7 @@ class Manage:
     # ---- create ----------------------------------------------------------------------------
     async def create(self, request: Request) -> Response:
         body = await read_json(request)
-        name = canonical_name(_name(body))
+        name = canonical_name(model_name(body))
         stream = field(body, "stream", bool, True)
         if body.get("quantize"):
             raise ApiError(
@@ -181,7 +185,7 @@ class Manage:
         lines.append({"status": "success"})
         if not stream:
             return json_response(lines[-1])
-        return StreamingResponse(ndjson(_statuses(lines)), media_type="application/x-ndjson")
+        return RelayResponse(ndjson(_statuses(lines)), NDJSON)
 
     def _check_name_free(self, name: str) -> None:
         """A name corral may write a manifest for: new, or one of its own models."""
@@ -348,8 +352,8 @@ class Manage:
     # ---- copy and delete -------------------------------------------------------------------
     async def copy(self, request: Request) -> Response:
         body = await read_json(request)
-        source = _name(body, "source")
-        dest = canonical_name(_name(body, "destination"))
+        source = model_name(body, "source")
+        dest = canonical_name(model_name(body, "destination"))
         src = self.svc.registry.get(source)
         if src is None:
             raise ApiError(404, f"model '{source}' not found", "source")
@@ -362,9 +366,9 @@ class Manage:
 
     async def delete(self, request: Request) -> Response:
         body = await read_json(request)
-        return json_response(await self._delete(_name(body)))
+        return json_response(await self.remove(model_name(body)))
 
-    async def _delete(self, name: str) -> dict[str, Any]:
+    async def remove(self, name: str) -> dict[str, Any]:
         entry = self.svc.registry.get(name)
         if entry is None:
             raise ApiError(404, f"model '{name}' not found", "model")
@@ -401,29 +405,6 @@ class Manage:
                 break
             await asyncio.sleep(0.05)
         return True
-
-    # ---- llama.cpp router style -------------------------------------------------------------
-    async def router_download(self, request: Request) -> Response:
-        """POST /models {"model": "hf.co/owner/repo:quant"} (or "owner/repo:quant", as
-        llama-server -hf takes it): pull, then answer once it is done."""
-        body = await read_json(request)
-        name = _name(body)
-        if name.count("/") == 1 and not name.lower().startswith(hub.HUB_HOSTS):
-            name = f"hf.co/{name}"
-        plan = await self._plan(request, name)
-        progress = hub.pull(self.store, plan)
-        try:
-            await until_disconnect(request, hub.collect(progress))
-        except StoreError as e:
-            raise store_error(e) from None
-        finally:
-            await progress.aclose()
-        return json_response({"success": True, "model": plan.name.model_name})
-
-    async def router_delete(self, request: Request) -> Response:
-        body = await read_json(request)
-        out = await self._delete(_name(body))
-        return json_response({"success": True, "removed": out["removed"]})
 
 
 # ---- field checks ----------------------------------------------------------------------------

@@ -10,6 +10,7 @@ from starlette.responses import Response
 from starlette.routing import Route
 
 from corral.api.common import ApiError, field, model_field, read_json, until_disconnect
+from corral.api.family import OLLAMA, OPENAI, FamilyRoute
 from corral.api.service import Service
 from corral.api.stream import json_response
 
@@ -22,8 +23,8 @@ class Rerank:
 
     def routes(self) -> list[Route]:
         return [
-            Route("/v1/rerank", self.rerank, methods=["POST"]),
-            Route("/rerank", self.rerank, methods=["POST"]),
+            FamilyRoute(OPENAI, "/v1/rerank", self.rerank, ["POST"]),
+            FamilyRoute(OLLAMA, "/rerank", self.rerank, ["POST"]),
         ]
 
     async def rerank(self, request: Request) -> Response:

@@ -14,13 +14,15 @@ a system call each, the ASGI send through the middleware), not per byte. So:
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable, Mapping
 from typing import Any
 
 import orjson
 from starlette.responses import Response
 from starlette.types import Message, Receive, Scope, Send
 
+from corral.api.common import ApiError
+from corral.api.family import OPENAI, Family
 from corral.runtime.client import UPSTREAM_ERRORS, RunnerStream, runner_error_message
 from corral.runtime.scheduler import Lease
 
@@ -51,12 +53,13 @@ class RelayResponse(Response):
         body: AsyncIterator[bytes],
         media_type: str,
         more: Callable[[], bool] | None = None,
+        headers: Mapping[str, str] | None = None,
     ) -> None:
         self.body_iterator = body
         self.status_code = 200
         self.media_type = media_type
         self.background = None
-        self.init_headers(None)
+        self.init_headers(headers)
         self.more = more
 
     async def close(self) -> None:
@@ -124,6 +127,8 @@ class LeasedStream(RelayResponse):
     never a bare close. `rename` replaces the runner's `"model":...` pair by the client's
     (applied to whole events, so a pair is never split)."""
 
+    family: Family = OPENAI  # whose error event ends a stream the runner cut short
+
     def __init__(
         self,
         body: AsyncIterator[bytes],
@@ -180,8 +185,7 @@ class LeasedStream(RelayResponse):
             return
         message = (error if not failed else None) or await self.lease.runner.why_failed()
         # A cut event was never passed on (unless huge), so this one starts on its own.
-        err = {"message": message, "type": "server_error", "param": None, "code": None}
-        yield (b"" if between else b"\n\n") + b"data: " + orjson.dumps({"error": err}) + b"\n\n"
+        yield (b"" if between else b"\n\n") + self.family.event(ApiError(500, message))
 
     async def close(self) -> None:
         # Closing the upstream connection makes llama.cpp stop generating for this slot.

@@ -203,7 +203,7 @@ def scale(nodes: int, models: int, runners: int, full: bool = False) -> dict[str
     the cluster for eviction), and the size of one node's books as its agent sends them."""
     import pickle
 
-    from corral.cluster.entry import Cluster, Node
+    from corral.cluster.membership import Cluster, Node
     from corral.config import Settings
 
     names = [f"model-{i:03d}:latest" for i in range(models)]
