@@ -888,7 +888,7 @@ class Router:
         ]
 
     async def models(self, request: Request) -> Response:
-        states = {b.model: b.state for b, _ in self.svc.scheduler.snapshot()}
+        states = {r.model: r.state for r in self.svc.scheduler.view().runners}
         data = [
             {"id": e.name, "object": "model", "owned_by": "corral", "created": int(e.modified_at),
              "path": shown_path(request, e.path, self.svc.registry.models_dir),

@@ -1,6 +1,6 @@
 """Conversations keep their KV cache across eviction and keep-alive expiry.
 
-Before the scheduler stops an idle runner (`Scheduler.before_stop`: eviction, keep-alive
+Before the scheduler stops an idle runner (`Hooks.before_stop`: eviction, keep-alive
 expiry, a reload for new options, an unload), each of its slots that holds a conversation worth
 keeping is saved with llama.cpp's slot save (`POST /slots/{id}?action=save`) into the cache
 directory. When a runner of the same model file and shape serves its first requests, a request
@@ -60,7 +60,6 @@ from typing import Any
 
 import aiohttp
 
-from corral.core.books import Stop
 from corral.runtime.runner import Runner
 
 log = logging.getLogger(__name__)
@@ -234,8 +233,8 @@ class KVCache:
         return str(self.directory)
 
     # ---- saving ----------------------------------------------------------------------------
-    async def before_stop(self, runner: Runner, stop: Stop, waiting: bool) -> None:
-        """Save the runner's conversations before it stops (Scheduler.before_stop). With a
+    async def before_stop(self, runner: Runner, waiting: bool) -> None:
+        """Save the runner's conversations before it stops (scheduler.Hooks.before_stop). With a
         load `waiting` for its memory, only saves that cost it less than they spare later,
         within WAITING_BUDGET seconds in all."""
         st = self._runners.get(runner)
