@@ -16,14 +16,8 @@ from typing import Any
 
 import pytest
 
-from corral.runtime.kvcache import (
-    MAGIC,
-    CorruptEntry,
-    KVCache,
-    common_prefix,
-    read_tokens,
-    token_digest,
-)
+from corral.runtime.kvcache import KVCache
+from corral.runtime.slotfile import MAGIC, CorruptEntry, common_prefix, read_tokens, token_digest
 from corral.testing import synth
 from corral.testing.server import CorralServer
 
