@@ -66,7 +66,7 @@ class Measure:
         refresh: Refresh | None,
         margin: int,
         interval: float,
-        prefetch: bool,
+        read_ahead: bool,
         clock: Callable[[], float],
         apply: Callable[[], None],
         spawn: Callable[[Coroutine[Any, Any, Any]], None],
@@ -78,7 +78,7 @@ class Measure:
         self._refresh = refresh
         self.margin = margin  # bytes to keep free per device (headroom is checked against it)
         self.interval = interval  # seconds between measures; inf: none but at readiness
-        self._prefetch = prefetch
+        self._read_ahead = read_ahead  # a waiting load's file, while its victims exit
         self._clock = clock
         self._apply = apply
         self._spawn = spawn
@@ -320,7 +320,7 @@ class Measure:
         cache meanwhile, within the memory the kernel reports available less a margin (so
         what it pushes out is the coldest cache, not pages in use)."""
         q = next((q for q in self._core.queue if q.model == model), None)
-        if not self._prefetch or q is None or q.spec.path in self._prefetched:
+        if not self._read_ahead or q is None or q.spec.path in self._prefetched:
             return
         self._prefetched.add(q.spec.path)
         try:

@@ -163,7 +163,7 @@ class Scheduler:
         self._runners: dict[int, Record] = {}  # runner id -> its process and measures
         self._measure = Measure(
             self._core, self._runners, self._journal, devices=self._devices, refresh=refresh,
-            margin=margin, interval=measure_interval, prefetch=prefetch, clock=clock,
+            margin=margin, interval=measure_interval, read_ahead=prefetch, clock=clock,
             apply=self._apply, spawn=self._spawn,
         )  # fmt: skip
         self._waiters: dict[int, asyncio.Future[Runner]] = {}
@@ -592,7 +592,7 @@ class Scheduler:
 
 
 async def wait_for_recovery(
-    refresh: Callable[[list[Device]], list[Device]],
+    refresh: Refresh,
     devices: list[Device],
     before: Mapping[str, int],
     booked: Mapping[str, int],
