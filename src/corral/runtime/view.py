@@ -72,11 +72,22 @@ def snapshot(
     closing: bool,
     now: float,
 ) -> SchedulerView:
+    """The view of the books, the runner records and the measures as they are `now` (the
+    scheduler's clock)."""
     runners = []
     for rid, b in core.runners.items():
         rec = records.get(rid)
         runner = rec.runner if rec is not None else None
-        loading = b.state == "loading" and runner is not None
+        progress: float | None = None
+        loading_for: float | None = None
+        load_seconds: float | None = None
+        if runner is not None:
+            if b.state == "loading":
+                progress = runner.progress
+                if runner.started_at > 0:
+                    loading_for = now - runner.started_at
+            if runner.load_duration > 0:
+                load_seconds = runner.load_duration
         runners.append(RunnerView(
             id=b.id, model=b.model, state=b.state, draining=b.draining,
             pid=runner.pid if runner else None, devices=dict(b.devices), size=b.size,
@@ -84,10 +95,7 @@ def snapshot(
             keep_alive=b.keep_alive,
             expires_in=b.expires_at - now if math.isfinite(b.expires_at) else math.inf,
             pinned=b.pinned, priority=b.priority, uses=b.uses, load_cost=b.load_cost,
-            progress=runner.progress if loading and runner else None,
-            loading_for=now - runner.started_at if loading and runner and runner.started_at > 0
-            else None,
-            load_seconds=runner.load_duration if runner and runner.load_duration > 0 else None,
+            progress=progress, loading_for=loading_for, load_seconds=load_seconds,
             measured=rec.own if rec else None,
             measured_devices=dict(rec.devices) if rec else {},
             page_cache=rec.cached if rec else None,
@@ -96,7 +104,7 @@ def snapshot(
     queued: dict[str, int] = {}
     for q in core.queue:
         queued[q.model] = queued.get(q.model, 0) + 1
-    measured = {}
+    measured: dict[str, int] = {}
     for dev in core.budgets:
         n = 0
         for r in runners:
