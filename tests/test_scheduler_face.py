@@ -1,7 +1,8 @@
 """The scheduler shell's narrow face: the rest of corral asks it with `submit`, `wait`,
 `acquire` and `unload`, reads it through `view()` (a plain snapshot) and `listen`, and ends it
 with `begin_shutdown`, `shutdown` and `kill_all`; nothing outside the shell's own modules
-reads its attributes or imports its insides."""
+reads its attributes or imports its insides. What it works with (the runner factory, the clock,
+the hooks) is given at its construction."""
 
 from __future__ import annotations
 
@@ -10,8 +11,12 @@ import math
 from collections.abc import Iterator
 from pathlib import Path
 
+import pytest
+
 import corral
-from corral.runtime.scheduler import Scheduler
+from corral.core.spec import Layout, RunnerSpec
+from corral.runtime.runner import Runner, RunnerError
+from corral.runtime.scheduler import Scheduler, SchedulerError
 
 FACE = {
     "submit", "wait", "acquire", "unload", "view", "listen",
@@ -74,3 +79,32 @@ def test_the_check_sees_a_reader_of_internals() -> None:
     )
     found = [what for _, what in sorted(_misuses(tree))]
     assert found == [".core", "getattr(...)", "_ALLOC_FAILED"]
+
+
+async def test_what_the_shell_works_with_comes_through_its_constructor(tmp_path: Path) -> None:
+    """The runner factory makes every runner and the clock stamps every request; what
+    happened is read back through view()."""
+    made: list[str] = []
+
+    class Failing(Runner):
+        async def start(self, timeout: float) -> None:
+            raise RunnerError("no engine here")
+
+    def runners(name: str, spec: RunnerSpec, *, layout: Layout | None) -> Runner:
+        made.append(name)
+        return Failing(name, spec, layout=layout)
+
+    s = Scheduler(
+        {"cpu": 2**30}, measure_interval=math.inf, runners=runners, clock=lambda: 1000.0
+    )
+    spec = RunnerSpec(path=str(tmp_path / "m.gguf"), n_ctx=512, num_parallel=1)
+    try:
+        ticket = s.submit("m", spec, size=2**20)
+        assert ticket.arrived == 1000.0
+        with pytest.raises(SchedulerError, match="no engine here"):
+            await s.wait(ticket)
+        assert made == ["m"]
+        v = s.view()
+        assert v.runners == () and [e.kind for e in v.events] == ["load", "load_failed"]
+    finally:
+        await s.shutdown()
