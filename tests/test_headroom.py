@@ -15,9 +15,10 @@ import pytest
 
 from corral.core.devices import Device
 from corral.core.spec import RunnerSpec
-from corral.runtime import scheduler
+from corral.runtime import measure
+from corral.runtime.measure import OOM_RAISE
 from corral.runtime.memwatch import oom_kills
-from corral.runtime.scheduler import _ALLOC_FAILED, OOM_RAISE, Scheduler
+from corral.runtime.scheduler import _ALLOC_FAILED, Scheduler
 
 GiB = 2**30
 
@@ -40,12 +41,12 @@ async def test_a_load_waits_for_memory_another_program_took(
     sched = Scheduler(
         {"cpu": 4 * GiB}, devices=[cpu], refresh=refresh, measure_interval=0.05, margin=0
     )
-    caplog.set_level(logging.WARNING, "corral.runtime.scheduler")
+    caplog.set_level(logging.WARNING, "corral.runtime.measure")
     try:
         ticket = sched.submit("tiny", tiny(models_dir), size=64 * 2**20)
         await asyncio.sleep(0.5)
-        assert not ticket.fut.done() and not sched.core.runners  # nothing started
-        assert sched.core.headroom == {"cpu": 10 * 2**20}
+        assert not ticket.fut.done() and not sched.view().runners  # nothing started
+        assert sched.view().headroom == {"cpu": 10 * 2**20}
         assert any("loading model 'tiny' waits" in r.message for r in caplog.records)
         free["now"] = 6 * GiB  # it exited
         lease = await asyncio.wait_for(sched.wait(ticket), 60)
@@ -60,9 +61,9 @@ async def test_a_runner_killed_for_memory_is_booked_higher_next_time(
     """A SIGKILL while the kernel's OOM kill count moved is the OOM killer's: the next load of
     that model books its allocation OOM_RAISE times higher."""
     kills = [7]
-    monkeypatch.setattr(scheduler, "oom_kills", lambda: kills[0])
+    monkeypatch.setattr(measure, "oom_kills", lambda: kills[0])
     sched = Scheduler({"cpu": 8 * GiB}, measure_interval=3600)
-    caplog.set_level(logging.WARNING, "corral.runtime.scheduler")
+    caplog.set_level(logging.WARNING, "corral.runtime.measure")
     try:
         lease = await sched.acquire("tiny", tiny(models_dir), size=64 * 2**20)
         alloc = lease.runner.allocation
@@ -74,13 +75,13 @@ async def test_a_runner_killed_for_memory_is_booked_higher_next_time(
         os.kill(lease.runner.pid, signal.SIGKILL)
         for _ in range(100):
             await asyncio.sleep(0.05)
-            if not sched.core.runners:
+            if not sched.view().runners:
                 break
-        assert not sched.core.runners
-        assert sched.raised == {"tiny": OOM_RAISE}
+        assert not sched.view().runners
+        assert sched.view().raised == {"tiny": OOM_RAISE}
         assert any("'tiny' ran out of memory" in r.message for r in caplog.records)
         lease = await sched.acquire("tiny", tiny(models_dir), size=64 * 2**20)
-        (book,) = sched.core.runners.values()
+        (book,) = sched.view().runners
         assert book.devices["cpu"] >= int(real * OOM_RAISE) - 1
         lease.release()
     finally:
@@ -123,7 +124,7 @@ async def test_a_runner_killed_by_someone_else_is_not_taken_for_out_of_memory(
 ) -> None:
     """`kill -9` by hand (the kernel's OOM kill count stays): the runner's end is a crash, and
     the model's booking stays as it was."""
-    monkeypatch.setattr(scheduler, "oom_kills", lambda: 7)
+    monkeypatch.setattr(measure, "oom_kills", lambda: 7)
     sched = Scheduler({"cpu": 8 * GiB}, measure_interval=3600)
     caplog.set_level(logging.WARNING, "corral.runtime.scheduler")
     try:
@@ -133,9 +134,9 @@ async def test_a_runner_killed_by_someone_else_is_not_taken_for_out_of_memory(
         os.kill(lease.runner.pid, signal.SIGKILL)
         for _ in range(100):
             await asyncio.sleep(0.05)
-            if not sched.core.runners:
+            if not sched.view().runners:
                 break
-        assert not sched.core.runners and sched.raised == {}
+        assert not sched.view().runners and sched.view().raised == {}
         assert any("killed by someone, not for memory" in r.message for r in caplog.records)
     finally:
         await sched.shutdown()

@@ -16,14 +16,8 @@ from typing import Any
 
 import pytest
 
-from corral.runtime.kvcache import (
-    MAGIC,
-    CorruptEntry,
-    KVCache,
-    common_prefix,
-    read_tokens,
-    token_digest,
-)
+from corral.runtime.kvcache import KVCache
+from corral.runtime.slotfile import MAGIC, CorruptEntry, common_prefix, read_tokens, token_digest
 from corral.testing import synth
 from corral.testing.server import CorralServer
 
@@ -351,18 +345,23 @@ async def test_a_load_waiting_for_the_memory_is_not_held_up_by_saving(
     only saves within its budget are made (here none: the budget is 0); a runner stopped
     with nothing waiting saves its conversation."""
     import asyncio
+    import functools
     import logging
 
     from corral.core.spec import RunnerSpec
     from corral.runtime import kvcache
-    from corral.runtime.scheduler import Scheduler
+    from corral.runtime.runner import Runner
+    from corral.runtime.scheduler import Hooks, Scheduler
 
     caplog.set_level(logging.INFO, "corral.runtime.kvcache")
     monkeypatch.setattr(kvcache, "WAITING_BUDGET", 0.0)
     cache = KVCache(tmp_path / "kv", 2**30)
     mib = 2**20
-    sched = Scheduler({"cpu": 400 * mib}, max_loaded=1, measure_interval=3600)
-    sched.before_stop, sched.slot_save_path = cache.before_stop, cache.slot_save_path
+    sched = Scheduler(
+        {"cpu": 400 * mib}, max_loaded=1, measure_interval=3600,
+        runners=functools.partial(Runner, slot_save_path=cache.slot_save_path),
+        hooks=Hooks(before_stop=cache.before_stop),
+    )  # fmt: skip
     prompt = " ".join(f"word{i}" for i in range(200))
 
     async def converse(model: str) -> None:

@@ -44,18 +44,19 @@ async def test_the_books_follow_what_a_runner_really_holds(models_dir: Path) -> 
     spec = RunnerSpec(path=str(models_dir / "tiny.gguf"), n_ctx=512, num_parallel=1)
     lease = await sched.acquire("tiny", spec, size=2**20)
     try:
-        (book,) = sched.core.runners.values()
+        (book,) = sched.view().runners
         alloc = lease.runner.allocation
         assert alloc is not None
         allocated = sum(alloc.booked(["cpu"]).values())
-        real = sched.measured[book.id]  # measured when it became ready, not seconds later
+        real = book.measured  # measured when it became ready, not seconds later
         assert real > allocated  # the interpreter, xllamacpp and its threads are not in it
         assert book.devices["cpu"] >= real
         for _ in range(50):  # and again by the measuring task
             await asyncio.sleep(0.1)
-            if sched.measured[book.id] != real:
+            (book,) = sched.view().runners
+            if book.measured != real:
                 break
-        assert book.devices["cpu"] >= sched.measured[book.id]
+        assert book.devices["cpu"] >= book.measured
     finally:
         lease.release()
         await sched.shutdown()
@@ -117,7 +118,7 @@ async def test_a_busy_smollm2_runner_holds_no_more_than_its_booking() -> None:
     sched = Scheduler({"cpu": 8 * 2**30}, measure_interval=0.1)
     lease = await sched.acquire("smol", spec, size=est.total + est.process, process=est.process)
     try:
-        (book,) = sched.core.runners.values()
+        (book,) = sched.view().runners
         booked = book.devices["cpu"]
         alloc = lease.runner.allocation
         assert alloc is not None
@@ -135,14 +136,14 @@ async def test_a_busy_smollm2_runner_holds_no_more_than_its_booking() -> None:
             work = asyncio.gather(one(), one())
             while not work.done():
                 await asyncio.sleep(0.05)
-                peak = max(peak, sched.measured.get(book.id, 0))
+                peak = max(peak, sched.view().runners[0].measured or 0)
             await work
         print(f"own memory at peak {peak / 2**20:.1f} MiB, booked {booked / 2**20:.1f} MiB, "
               f"of which the process {est.process / 2**20:.1f} MiB; "
-              f"code {sched.code_last / 2**20:.1f} MiB")  # fmt: skip
-        assert sched.code_last > 0
+              f"code {sched.view().code / 2**20:.1f} MiB")  # fmt: skip
+        assert sched.view().code > 0
         assert 0 < peak <= booked, (peak / 2**20, booked / 2**20)
-        assert book.devices["cpu"] == booked  # never grown to a measure
+        assert sched.view().runners[0].devices["cpu"] == booked  # never grown to a measure
     finally:
         lease.release()
         await sched.shutdown()

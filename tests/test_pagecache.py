@@ -12,7 +12,7 @@ import pytest
 from corral.core.estimate import RUNNER_CODE_BYTES
 from corral.core.policy import disk_seconds_per_byte, reload_seconds
 from corral.core.spec import RunnerSpec
-from corral.runtime import pagecache, scheduler
+from corral.runtime import measure, pagecache
 from corral.runtime.scheduler import Scheduler
 
 MiB = 2**20
@@ -74,20 +74,21 @@ async def test_an_idle_runner_whose_file_left_the_cache_costs_more_to_reload(
     lease = await sched.acquire("tiny", spec, size=MiB)
     try:
         lease.release()
-        (book,) = sched.core.runners.values()
+        (book,) = sched.view().runners
         took = lease.runner.load_duration
         assert book.load_cost == pytest.approx(took, abs=0.5)
         # As on a GPU runner whose file pages the OS dropped (llama.cpp unmaps what it
         # uploaded): nothing of the file is cached any more.
-        monkeypatch.setattr(scheduler, "resident", lambda path: 0.0)
+        monkeypatch.setattr(measure, "resident", lambda path: 0.0)
         for _ in range(50):
             await asyncio.sleep(0.1)
-            if sched.residency.get(book.id) == 0.0:
+            (book,) = sched.view().runners
+            if book.page_cache == 0.0:
                 break
         size = os.stat(spec.path).st_size
-        start = sched._load_resident[book.id]
+        start = book.page_cache_at_load
         assert book.load_cost == pytest.approx(
-            reload_seconds(took, start, 0.0, size, sched.disk_spb)
+            reload_seconds(took, start, 0.0, size, sched.view().disk_seconds_per_byte)
         )
         assert book.load_cost > took or start == 0.0
     finally:
@@ -97,7 +98,7 @@ async def test_an_idle_runner_whose_file_left_the_cache_costs_more_to_reload(
 async def test_a_load_waiting_for_an_eviction_reads_its_file_ahead(
     models_dir: Path, caplog: pytest.LogCaptureFixture
 ) -> None:
-    caplog.set_level(logging.INFO, "corral.runtime.scheduler")
+    caplog.set_level(logging.INFO, "corral.runtime.measure")
     # room for one of the two 50 MiB bookings beside the runners' shared code, not for both
     # (40 MiB of each is its process, booked beside llama.cpp's allocation once loaded)
     sched = Scheduler({"cpu": 60 * MiB + RUNNER_CODE_BYTES}, measure_interval=3600)

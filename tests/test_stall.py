@@ -20,6 +20,7 @@ import pytest
 
 from corral.config import ConfigError, Settings
 from corral.core.spec import RunnerSpec
+from corral.runtime.measure import Record
 from corral.runtime.runner import Runner
 from corral.runtime.scheduler import Lease, Scheduler
 from corral.testing import synth
@@ -184,13 +185,13 @@ async def until_broken(lines: AsyncIterator[bytes], timeout: float) -> float:
 def record_exits(sched: Scheduler, pid: int) -> list[bool]:
     """Whether the runner's process still existed each time the books were told it exited."""
     seen: list[bool] = []
-    exited = sched.core.exited
+    exited = sched._core.exited
 
     def spy(rid: int, now: float) -> None:
         seen.append(psutil.pid_exists(pid))
         exited(rid, now)
 
-    sched.core.exited = spy
+    sched._core.exited = spy
     return seen
 
 
@@ -199,7 +200,7 @@ async def test_a_failing_watch_kills_the_runner_and_frees_its_books(
 ) -> None:
     fail = asyncio.Event()
 
-    async def broken(self: Scheduler, rid: int, runner: Runner) -> None:
+    async def broken(self: Scheduler, rid: int, rec: Record) -> None:
         await fail.wait()
         raise RuntimeError("boom")
 
@@ -218,7 +219,7 @@ async def test_a_failing_watch_kills_the_runner_and_frees_its_books(
             break
         await asyncio.sleep(0.05)
     assert exits == [False]  # the books were freed once, after the process was gone
-    assert not sched.core.runners and not sched.runners
+    assert not sched.view().runners and not sched._runners
     await sched.shutdown()
 
 
@@ -239,7 +240,7 @@ async def test_a_failing_watchdog_kills_the_runner(
         if exits:
             break
         await asyncio.sleep(0.05)
-    assert exits == [False] and not sched.core.runners
+    assert exits == [False] and not sched.view().runners
     await sched.shutdown()
 
 
@@ -261,14 +262,14 @@ async def test_a_runner_that_cannot_die_yet_still_fails_its_streams(models_dir: 
         assert runner.failure_message() == (
             "runner for model 'long' stopped responding for 1s and was killed"
         )
-        book = sched.core.runners[next(iter(sched.core.runners))]
+        book = sched.view().runners[0]
         assert book.state == "unloading" and book.size > 0  # booked while the process lives
     finally:
         os.kill(pid, signal.SIGKILL)
     lease.release()
     for _ in range(100):
-        if not sched.core.runners:
+        if not sched.view().runners:
             break
         await asyncio.sleep(0.05)
-    assert not sched.core.runners
+    assert not sched.view().runners
     await sched.shutdown()

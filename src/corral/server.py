@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import atexit
 import contextlib
+import functools
 import logging
 import math
 import signal
@@ -51,7 +52,8 @@ from corral.core.devices import Device, budgets
 from corral.runtime.devices import discover, refresh
 from corral.runtime.kvcache import KVCache
 from corral.runtime.registry import Registry
-from corral.runtime.scheduler import Scheduler
+from corral.runtime.runner import Runner
+from corral.runtime.scheduler import Hooks, Scheduler
 
 log = logging.getLogger("corral")
 
@@ -92,19 +94,16 @@ class Unhandled:
             await self.families.response(request, err)(scope, receive, send)
 
 
-def kv_cache(settings: Settings, scheduler: Scheduler) -> KVCache | None:
+def kv_cache(settings: Settings) -> KVCache | None:
     """Conversations' KV caches saved before runners stop and restored after a reload
     (runtime.kvcache); None when CORRAL_KV_CACHE_SIZE is 0 or the directory is unusable."""
     if settings.kv_cache_size <= 0:
         return None
     try:
-        cache = KVCache(settings.kv_cache_dir, settings.kv_cache_size)
+        return KVCache(settings.kv_cache_dir, settings.kv_cache_size)
     except OSError as e:
         log.warning("conversations' KV caches will not be saved: %s", e)
         return None
-    scheduler.slot_save_path = cache.slot_save_path  # runners started from now on
-    scheduler.before_stop = cache.before_stop
-    return cache
 
 
 def create_app(settings: Settings, devices: list[Device] | None = None) -> Starlette:
@@ -113,6 +112,8 @@ def create_app(settings: Settings, devices: list[Device] | None = None) -> Starl
     registry = Registry(settings.models_dir, builtin=settings.builtin_models)
     if pruned := registry.store.prune():
         log.info("removed %d file(s) no model uses from %s", len(pruned), registry.store.root)
+    cache = kv_cache(settings)
+    metrics = Metrics()
     scheduler = Scheduler(
         budgets(devices, settings.memory_margin, settings.memory_limit),
         max_loaded=settings.max_loaded_models,
@@ -120,16 +121,22 @@ def create_app(settings: Settings, devices: list[Device] | None = None) -> Starl
         default_keep_alive=settings.keep_alive,
         load_timeout=settings.load_timeout,
         queue_timeout=settings.queue_timeout,
-        llama_server=settings.llama_server,
         policy=settings.eviction_policy,
         devices=devices,
         refresh=refresh,
         stall_timeout=settings.runner_stall_timeout,
         margin=settings.memory_margin,
+        # runners save and restore slots in the KV cache's directory
+        runners=functools.partial(
+            Runner,
+            llama_server=settings.llama_server,
+            slot_save_path=cache.slot_save_path if cache else None,
+        ),
+        hooks=Hooks(before_stop=cache.before_stop if cache else None, on_wait=metrics.waited),
     )
+    metrics.follow(scheduler)
     service = Service(settings, registry, scheduler, devices)
-    service.client.kvcache = kv_cache(settings, scheduler)
-    metrics = Metrics(scheduler)
+    service.client.kvcache = cache
     gate = Gate()  # shared by the guard and the graceful shutdown
     atexit.register(scheduler.kill_all)  # last resort if the loop dies without a clean stop
 
@@ -155,7 +162,9 @@ def create_app(settings: Settings, devices: list[Device] | None = None) -> Starl
 
     @contextlib.asynccontextmanager
     async def lifespan(app: Starlette) -> AsyncIterator[None]:
-        books = ", ".join(f"{d} {b / 2**30:.1f} GiB" for d, b in scheduler.core.budgets.items())
+        books = ", ".join(
+            f"{d} {b / 2**30:.1f} GiB" for d, b in scheduler.view().budgets.items()
+        )
         log.info(
             "corral %s serving models from %s (memory budgets: %s)",
             corral.__version__,

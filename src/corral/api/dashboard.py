@@ -2,7 +2,7 @@
 `GET /api/corral/events`).
 
 The page is plain HTML, CSS and JS shipped in `corral/ui` (package data: no build step, no
-CDN, works offline). It reads one JSON document, built here from the scheduler's books on each
+CDN, works offline). It reads one JSON document, built here from the scheduler's view on each
 request: every registered model with its runner's state (loading with its progress, ready,
 draining, unloading), bytes per device booked and measured, slots, queue, keep-alive,
 tokens per second; a bar per device (budget, booked by corral, in use as the device reports
@@ -35,6 +35,7 @@ from corral.api.stream import RelayResponse, json_response
 from corral.runtime.journal import Event
 from corral.runtime.registry import canonical_name
 from corral.runtime.scheduler import Scheduler
+from corral.runtime.view import RunnerView
 
 ASSETS = {"app.js": "text/javascript", "style.css": "text/css"}
 # The page and its files come from corral itself and nothing else.
@@ -67,7 +68,9 @@ class _Rates:
     def __init__(self) -> None:
         self._samples: dict[str, deque[tuple[float, int, int]]] = {}
 
-    def rate(self, model: str, counts: list[int] | None, now: float) -> dict[str, float] | None:
+    def rate(
+        self, model: str, counts: tuple[int, int] | None, now: float
+    ) -> dict[str, float] | None:
         if counts is None:
             return None
         q = self._samples.setdefault(model, deque())
@@ -129,15 +132,14 @@ class Dashboard:
     def state(self, model: str | None = None) -> dict[str, Any]:
         """Everything the page shows, as plain JSON; with `model`, only that model is listed
         (`corral run` follows its load with it)."""
-        s, core = self.scheduler, self.scheduler.core
+        v = self.scheduler.view()
         now_wall, now = time.time(), time.monotonic()
-        measured_dev: dict[int, dict[str, int]] = getattr(s, "measured_devices", {})
         # The runner each model shows: its current one (loading or ready), else one on its way
         # out; every runner's bytes count on the device bars either way.
-        shown: dict[str, int] = {}
-        for rid, b in core.runners.items():
-            if b.model not in shown or b.state != "unloading":
-                shown[b.model] = rid
+        shown: dict[str, RunnerView] = {}
+        for run in v.runners:
+            if run.model not in shown or run.state != "unloading":
+                shown[run.model] = run
         entries = {e.name: e for e in self.svc.registry.all()}
         names = sorted(set(entries) | set(shown))
         if model is not None:
@@ -153,93 +155,75 @@ class Dashboard:
                 "pinned": bool(e and e.pinned),
                 "priority": e.priority if e else 0,
                 "keep_alive_fixed": bool(e and getattr(e, "keep_alive_fixed", False)),
-                "queued": core.queued(name),
+                "queued": v.queued.get(name, 0),
                 "tokens": None,
                 "tokens_per_second": None,
             }
             if e is not None:
                 item |= self._model_details(name, e.modified_at, e.size)
-            counts = s.tokens.get(name)
+            counts = v.tokens.get(name)
             if counts is not None:
                 item["tokens"] = {"prompt": counts[0], "generated": counts[1]}
             item["tokens_per_second"] = self._rates.rate(name, counts, now)
-            shown_id = shown.get(name)
-            book = core.runners.get(shown_id) if shown_id is not None else None
-            if book is None:
+            r = shown.get(name)
+            if r is None:
                 item |= {"state": "not_loaded", "runner": None}
                 models.append(item)
                 continue
-            runner = s.runners.get(book.id)
-            state: str = book.state
-            if state == "ready" and book.draining:
-                state = "draining"
-            if book.state != "ready":
-                expires_in = None
-            elif book.inflight or not math.isfinite(book.expires_at):
+            state = "draining" if r.state == "ready" and r.draining else r.state
+            if r.state != "ready" or r.inflight or not math.isfinite(r.expires_in):
                 expires_in = None
             else:
-                expires_in = max(0.0, book.expires_at - now)
-            loading = runner is not None and book.state == "loading" and runner.started_at > 0
-            ready = runner is not None and runner.load_duration > 0
+                expires_in = max(0.0, r.expires_in)
             item["state"] = state
-            item["pinned"] = item["pinned"] or book.pinned
-            item["priority"] = book.priority or item["priority"]
+            item["pinned"] = item["pinned"] or r.pinned
+            item["priority"] = r.priority or item["priority"]
             item["runner"] = {
-                "id": book.id,
-                "pid": runner.pid if runner else None,
-                "devices": {d: n for d, n in book.devices.items() if n},
-                "booked": book.size,
-                "measured": s.measured.get(book.id),
-                "measured_devices": measured_dev.get(book.id) or {},
-                "slots": book.spec.num_parallel,
-                "in_use": book.inflight,
-                "context_length": book.spec.n_ctx,
-                "keep_alive": _num(book.keep_alive),  # null: forever
+                "id": r.id,
+                "pid": r.pid,
+                "devices": {d: n for d, n in r.devices.items() if n},
+                "booked": r.size,
+                "measured": r.measured,
+                "measured_devices": dict(r.measured_devices),
+                "slots": r.slots,
+                "in_use": r.inflight,
+                "context_length": r.context_length,
+                "keep_alive": _num(r.keep_alive),  # null: forever
                 "expires_in": _num(expires_in) if expires_in is not None else None,
                 "expires_at": _num(now_wall + expires_in) if expires_in is not None else None,
-                "progress": runner.progress if loading and runner else None,
-                "loading_for": round(now - runner.started_at, 1) if loading and runner else None,
-                "load_seconds": round(runner.load_duration, 3) if ready and runner else None,
+                "progress": r.progress if r.loading_for is not None else None,
+                "loading_for": round(r.loading_for, 1) if r.loading_for is not None else None,
+                "load_seconds": round(r.load_seconds, 3) if r.load_seconds else None,
                 # share of the file in the page cache, and the reload the policy predicts
-                "page_cache": s.residency.get(book.id),
-                "reload_seconds": round(book.load_cost, 3) if ready and runner else None,
-                "uses": book.uses,
+                "page_cache": r.page_cache,
+                "reload_seconds": round(r.load_cost, 3) if r.load_seconds else None,
+                "uses": r.uses,
             }
             models.append(item)
-        used = core.used()
-        last = {d.id: d for d in s.last_devices}
+        last = {d.id: d for d in v.devices}
         devices = []
-        for dev, budget in core.budgets.items():
+        for dev, budget in v.budgets.items():
             d = last.get(dev)
-            measured = 0
-            for rid in core.runners:
-                m = measured_dev.get(rid)
-                if m and dev in m:
-                    measured += m[dev]
-                elif dev == "cpu" and rid in s.measured:
-                    measured += s.measured[rid]
-            if dev == "cpu" and measured:  # the runners' code, in memory once for all of them
-                measured += s.code_last
             devices.append({
                 "id": dev,
                 "name": d.name if d else dev,
                 "total": d.total if d else None,
                 "in_use": d.total - d.free if d else None,  # all programs, as reported
                 "budget": budget,
-                "booked": used.get(dev, 0),  # reserved included
-                "reserved": core.reserved.get(dev, 0),  # for all runners: their shared code
-                "measured": measured,  # what corral's runners really hold there
-                "headroom": core.headroom.get(dev) if hasattr(core, "headroom") else None,
+                "booked": v.booked.get(dev, 0),  # reserved included
+                "reserved": v.reserved.get(dev, 0),  # for all runners: their shared code
+                "measured": v.measured[dev],  # what corral's runners really hold there
+                "headroom": v.headroom.get(dev),
             })  # fmt: skip
-        events = [ev.as_dict() for ev in list(s.journal.recent)[-EVENTS_SHOWN:]]
+        events = [ev.as_dict() for ev in v.events[-EVENTS_SHOWN:]]
         return {
             "version": corral.__version__,
             "time": now_wall,
             "devices": devices,
             "models": models,
-            "loaded": sum(1 for b in core.runners.values() if b.state != "unloading"),
-            "in_flight": sum(b.inflight for b in core.runners.values()),
-            "queued": len(core.queue),
+            "loaded": sum(1 for r in v.runners if r.state != "unloading"),
+            "in_flight": sum(r.inflight for r in v.runners),
+            "queued": sum(v.queued.values()),
             "events": events[::-1],  # newest first
         }
 
@@ -251,8 +235,8 @@ class Dashboard:
     async def books_endpoint(self, request: Request) -> Response:
         """The scheduler's budgets and what it holds for all runners at once (their shared
         code), per device: what a cluster's entry needs of a node's books besides /api/ps."""
-        core = self.scheduler.core
-        return json_response({"budgets": core.budgets, "reserved": core.reserved})
+        v = self.scheduler.view()
+        return json_response({"budgets": v.budgets, "reserved": v.reserved})
 
     # ---- streams ------------------------------------------------------------------------------
     async def events_endpoint(self, request: Request) -> Response:
@@ -287,7 +271,7 @@ def wants_html(request: Request) -> bool:
 def stopping(request: Request, scheduler: Scheduler) -> bool:
     """Whether the server is on its way down: an endless stream ends."""
     gate = getattr(request.app.state, "gate", None)
-    return bool(getattr(scheduler, "_closing", False) or getattr(gate, "draining", False))
+    return scheduler.view().closing or bool(getattr(gate, "draining", False))
 
 
 @contextlib.asynccontextmanager
@@ -299,7 +283,7 @@ async def journal_events(scheduler: Scheduler) -> AsyncIterator[asyncio.Queue[Ev
         with contextlib.suppress(asyncio.QueueFull):
             q.put_nowait(ev)
 
-    stop: Callable[[], Any] = scheduler.journal.listen(put)
+    stop: Callable[[], Any] = scheduler.listen(put)
     try:
         yield q
     finally:

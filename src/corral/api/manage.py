@@ -394,7 +394,7 @@ class Manage:
     async def _unload(self, model: str) -> bool:
         """Unload the model if it is loaded; wait (a while) until its runner has gone."""
         def loaded() -> bool:
-            return any(canonical_name(b.model) == model for b, _ in self.svc.scheduler.snapshot())
+            return any(canonical_name(r.model) == model for r in self.svc.scheduler.view().runners)
 
         if not loaded():
             return False

@@ -5,7 +5,7 @@ Three sources, none of which walks anything slow at scrape time:
   the events happen;
 - an ASGI middleware: requests by route and status, their latency, time to the first byte of
   a stream (per model, which the service notes in the request's scope);
-- a collector that reads the scheduler's books when scraped: queue depth, requests in flight,
+- a collector that reads the scheduler's view when scraped: queue depth, requests in flight,
   bytes per device and per model, the runners' measured memory, tokens processed (the
   runners' own counters, read with each memory measure).
 """
@@ -28,6 +28,7 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from corral.runtime.journal import Event
 from corral.runtime.scheduler import Scheduler
+from corral.runtime.view import SchedulerView
 
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 MODEL_KEY = "corral.model"  # scope key the service sets once it knows the request's model
@@ -44,8 +45,9 @@ def note_model(scope: Scope, model: str) -> None:
 
 
 class Metrics:
-    def __init__(self, scheduler: Scheduler) -> None:
-        self.scheduler = scheduler
+    """Made before the scheduler, whose `Hooks.on_wait` is `waited`; then it `follow`s it."""
+
+    def __init__(self) -> None:
         self.registry = CollectorRegistry(auto_describe=True)
         r = self.registry
         self.requests = Counter(
@@ -91,10 +93,17 @@ class Metrics:
             "corral_out_of_memory", "Runners that ran out of memory (their model's booking "
             "was raised)", ["model"], registry=r,
         )  # fmt: skip
-        self.books = _Books(scheduler)
+        self.books = _Books()
         r.register(self.books)
-        scheduler.journal.listen(self.on_event)
-        scheduler.on_wait = lambda model, s: self.queue_wait.labels(model).observe(s)
+
+    def follow(self, scheduler: Scheduler) -> None:
+        """Count the scheduler's decisions, and read its view at each scrape."""
+        self.books.scheduler = scheduler
+        scheduler.listen(self.on_event)
+
+    def waited(self, model: str, seconds: float) -> None:
+        """A request waited `seconds` for a slot of `model` (the scheduler's Hooks.on_wait)."""
+        self.queue_wait.labels(model).observe(seconds)
 
     def on_event(self, ev: Event) -> None:
         m = ev.model
@@ -190,28 +199,25 @@ class MeasureRequests:
 
 
 class _Books(Collector):
-    """Gauges read from the scheduler's state at scrape time: a few dict walks, microseconds
+    """Gauges read from the scheduler's view at scrape time: a few dict walks, microseconds
     per model."""
 
-    def __init__(self, scheduler: Scheduler) -> None:
-        self.s = scheduler
+    def __init__(self) -> None:
+        self.scheduler: Scheduler | None = None
         self._families: list[Metric] = []
 
     def snapshot(self) -> None:
-        self._families = list(self._read())
+        if self.scheduler is not None:
+            self._families = list(self._read(self.scheduler.view()))
 
     def collect(self) -> Iterator[Metric]:
         yield from self._families
 
-    def _read(self) -> Iterator[Metric]:
-        s, core = self.s, self.s.core
+    def _read(self, v: SchedulerView) -> Iterator[Metric]:
         queued = GaugeMetricFamily(
             "corral_queue_depth", "Requests waiting for a runner slot", labels=["model"]
         )
-        depth: dict[str, int] = {}
-        for q in core.queue:
-            depth[q.model] = depth.get(q.model, 0) + 1
-        for m, n in sorted(depth.items()):
+        for m, n in sorted(v.queued.items()):
             queued.add_metric([m], n)
         yield queued
         inflight = GaugeMetricFamily(
@@ -229,13 +235,13 @@ class _Books(Collector):
             "corral_models_loaded", "Runners by state", labels=["state"]
         )
         states = {"loading": 0, "ready": 0, "unloading": 0}
-        for rid, b in core.runners.items():
-            states[b.state] = states.get(b.state, 0) + 1
-            inflight.add_metric([b.model], b.inflight)
-            for dev, n in b.devices.items():
-                booked.add_metric([b.model, dev], n)
-            if (pss := s.measured.get(rid)) is not None:
-                resident.add_metric([b.model], pss)
+        for r in v.runners:
+            states[r.state] = states.get(r.state, 0) + 1
+            inflight.add_metric([r.model], r.inflight)
+            for dev, n in r.devices.items():
+                booked.add_metric([r.model, dev], n)
+            if r.measured is not None:
+                resident.add_metric([r.model], r.measured)
         for state, n in states.items():
             loaded.add_metric([state], n)
         yield inflight
@@ -258,12 +264,12 @@ class _Books(Collector):
             "corral_device_used_bytes", "Bytes in use on a device as the OS or driver reports "
             "it (all processes; last measure)", labels=["device"],
         )  # fmt: skip
-        for dev, n in core.budgets.items():
+        for dev, n in v.budgets.items():
             budget.add_metric([dev], n)
-        for dev, n in core.used().items():
+        for dev, n in v.booked.items():
             used.add_metric([dev], n)
-            reserved.add_metric([dev], core.reserved.get(dev, 0))
-        for d in s.last_devices:
+            reserved.add_metric([dev], v.reserved.get(dev, 0))
+        for d in v.devices:
             real.add_metric([d.id], d.total - d.free)
         yield budget
         yield used
@@ -275,7 +281,7 @@ class _Books(Collector):
         generated = CounterMetricFamily(
             "corral_generated_tokens", "Tokens the runners generated", labels=["model"]
         )
-        for m, (p, g) in sorted(s.tokens.items()):
+        for m, (p, g) in sorted(v.tokens.items()):
             prompt.add_metric([m], p)
             generated.add_metric([m], g)
         yield prompt

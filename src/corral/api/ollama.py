@@ -295,51 +295,50 @@ class Ollama:
         return json_response({"models": models})
 
     async def ps(self, request: Request) -> Response:
-        now_wall, now_mono = time.time(), time.monotonic()
+        now_wall = time.time()
         verbose = request.query_params.get("verbose", "").lower() in ("1", "true", "yes")
-        sched = self.svc.scheduler
+        view = self.svc.scheduler.view()
         models = []
-        for book, runner in self.svc.scheduler.snapshot():
+        for run in view.runners:
             try:
-                r: Resolved | None = self.svc.resolve(book.model)
+                r: Resolved | None = self.svc.resolve(run.model)
             except ApiError:  # its file was removed or broken while loaded: still listed
                 r = None
-            if book.state != "ready":
-                expires = math.inf if book.state == "loading" else now_wall
-            elif book.inflight:
-                expires = now_wall + book.keep_alive
+            if run.state != "ready":
+                expires = math.inf if run.state == "loading" else now_wall
+            elif run.inflight:
+                expires = now_wall + run.keep_alive
             else:
-                expires = now_wall + (book.expires_at - now_mono)
+                expires = now_wall + run.expires_in
             models.append({
-                "name": book.model, "model": book.model, "size": book.size,
+                "name": run.model, "model": run.model, "size": run.size,
                 "digest": r.digest if r else "", "details": r.info.details() if r else {},
                 "expires_at": rfc3339(expires),
-                "size_vram": sum(n for d, n in book.devices.items() if d != "cpu"),
-                "context_length": book.spec.n_ctx,
+                "size_vram": sum(n for d, n in run.devices.items() if d != "cpu"),
+                "context_length": run.context_length,
                 # corral's own additions
-                "state": book.state, "requests_in_flight": book.inflight,
-                "queued": self.svc.scheduler.queued(book.model),
-                "num_parallel": book.spec.num_parallel, "pid": runner.pid,
+                "state": run.state, "requests_in_flight": run.inflight,
+                "queued": view.queued.get(run.model, 0),
+                "num_parallel": run.slots, "pid": run.pid,
                 # the effective keep-alive in seconds (-1: forever), after models.toml and
                 # CORRAL_KEEP_ALIVE_MAX had their say
-                "keep_alive": book.keep_alive if math.isfinite(book.keep_alive) else -1,
-                "devices": [{"id": d, "bytes": n} for d, n in book.devices.items() if n],
+                "keep_alive": run.keep_alive if math.isfinite(run.keep_alive) else -1,
+                "devices": [{"id": d, "bytes": n} for d, n in run.devices.items() if n],
                 # what the runner process really holds in system memory (PSS), last measured
-                "measured_bytes": self.svc.scheduler.measured.get(book.id),
+                "measured_bytes": run.measured,
                 # ... and per device (GPU memory as NVML reports it for the process)
-                "measured": [{"id": d, "bytes": n} for d, n in
-                             self.svc.scheduler.measured_devices.get(book.id, {}).items()],
+                "measured": [{"id": d, "bytes": n} for d, n in run.measured_devices.items()],
             })  # fmt: skip
             if verbose:
                 # What a reload would cost now: the share of the model's file in the OS page
                 # cache (measured every 2 s while loaded) and the seconds the cost-aware
                 # eviction policy predicts from it and the last load.
-                ready = book.state == "ready" and runner.load_duration > 0
+                took = run.load_seconds if run.state == "ready" else None
                 models[-1]["page_cache"] = {
                     "file_bytes": r.info.file_size if r else None,
-                    "resident": sched.residency.get(book.id),
-                    "load_seconds": round(runner.load_duration, 3) if ready else None,
-                    "reload_seconds": round(book.load_cost, 3) if ready else None,
+                    "resident": run.page_cache,
+                    "load_seconds": round(took, 3) if took is not None else None,
+                    "reload_seconds": round(run.load_cost, 3) if took is not None else None,
                 }
         return json_response({"models": models})
 

@@ -56,7 +56,7 @@ class Router:
         ]
 
     async def models(self, request: Request) -> Response:
-        states = {b.model: b.state for b, _ in self.svc.scheduler.snapshot()}
+        states = {r.model: r.state for r in self.svc.scheduler.view().runners}
         data = [
             {"id": e.name, "object": "model", "owned_by": "corral", "created": int(e.modified_at),
              "path": shown_path(request, e.path, self.svc.registry.models_dir),
@@ -109,15 +109,13 @@ class Router:
         A runner on its way out is still "loaded" until its process is gone (as in llama.cpp's
         router), so that the "unloaded" event can tell a crash (exit_code 1) from a stop."""
         out: dict[str, tuple[str, float | None]] = {}
-        for rid, b in self.scheduler.core.runners.items():
-            if b.state == "unloading":
-                out.setdefault(b.model, ("loaded", None))
-                continue
-            r = self.scheduler.runners.get(rid)
-            if b.state == "loading":
-                out[b.model] = ("loading", r.progress if r else None)
+        for r in self.scheduler.view().runners:
+            if r.state == "unloading":
+                out.setdefault(r.model, ("loaded", None))
+            elif r.state == "loading":
+                out[r.model] = ("loading", r.progress)
             else:
-                out[b.model] = ("loaded", None)
+                out[r.model] = ("loaded", None)
         return out
 
     async def events(self, request: Request) -> Response:

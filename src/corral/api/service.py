@@ -122,7 +122,7 @@ class Service:
     def unload(self, name: str) -> bool:
         """Unload a model by name: a model on disk, or a loaded one whose file is gone (the
         scheduler still knows it). False if it was not loaded; 404 if it is neither."""
-        loaded = {canonical_name(b.model): b.model for b, _ in self.scheduler.snapshot()}
+        loaded = {canonical_name(r.model): r.model for r in self.scheduler.view().runners}
         model = loaded.get(canonical_name(name))
         if model is None:
             model = self.entry(name).name

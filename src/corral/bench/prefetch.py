@@ -17,7 +17,7 @@ from typing import Any
 from corral.bench.common import Goal, Say, Scale, Section, Table, median, secs
 from corral.core.spec import RunnerSpec
 from corral.runtime import pagecache
-from corral.runtime.scheduler import Scheduler
+from corral.runtime.scheduler import Hooks, Scheduler
 from corral.testing import synth
 
 TARGET_BYTES = 256 * 10**6
@@ -27,15 +27,13 @@ SLOW_STOP = 2.0
 async def _trial(
     models: Path, prefetch: bool, slow_stop: bool, say: Say
 ) -> tuple[float, float | None]:
-    sched = Scheduler({"cpu": 16 * 2**30}, max_loaded=1, measure_interval=3600)
-    if not prefetch:
-        sched._prefetch_for = lambda model: None  # type: ignore[method-assign]
-    if slow_stop:
+    async def hold(*_: Any) -> None:
+        await asyncio.sleep(SLOW_STOP)
 
-        async def hold(*_: Any) -> None:
-            await asyncio.sleep(SLOW_STOP)
-
-        sched.before_stop = hold
+    sched = Scheduler(
+        {"cpu": 16 * 2**30}, max_loaded=1, measure_interval=3600, prefetch=prefetch,
+        hooks=Hooks(before_stop=hold if slow_stop else None),
+    )  # fmt: skip
     small = RunnerSpec(path=str(models / "victim.gguf"), n_ctx=512, num_parallel=1)
     big = RunnerSpec(path=str(models / "target.gguf"), n_ctx=512, num_parallel=1)
     try:
@@ -46,7 +44,9 @@ async def _trial(
         t0 = loop.time()
         lease = await sched.acquire("target", big, size=2**20)
         took = loop.time() - t0
-        resident = next(iter(sched._load_resident.values()), None)
+        resident = next(
+            (r.page_cache_at_load for r in sched.view().runners if r.model == "target"), None
+        )
         lease.release()
         return took, resident
     finally:

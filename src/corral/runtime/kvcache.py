@@ -1,6 +1,6 @@
 """Conversations keep their KV cache across eviction and keep-alive expiry.
 
-Before the scheduler stops an idle runner (`Scheduler.before_stop`: eviction, keep-alive
+Before the scheduler stops an idle runner (`Hooks.before_stop`: eviction, keep-alive
 expiry, a reload for new options, an unload), each of its slots that holds a conversation worth
 keeping is saved with llama.cpp's slot save (`POST /slots/{id}?action=save`) into the cache
 directory. When a runner of the same model file and shape serves its first requests, a request
@@ -8,10 +8,8 @@ whose prompt starts with a saved conversation's tokens gets that conversation re
 free slot first (`?action=restore`), and is pinned to that slot (`id_slot`), so llama.cpp
 evaluates only the new tokens.
 
-A file is llama.cpp's `llama_state_seq_save_file` output: u32 magic 'ggsq', u32 version, u32
-count, that many i32 (up to version 3 the token ids; in version 4, this build's, a token block
--1, 1, n, the n ids, 0), then the sequence's KV state. The header tells corral which tokens a
-file holds, so nothing is kept beside it. Its name is `<key>-<digest>.slot`:
+A file is llama.cpp's own (runtime/slotfile reads which tokens it holds, so nothing is kept
+beside it). Its name is `<key>-<digest>.slot`:
 `key` hashes the model file's identity (path, size, mtime), the runner's shape (context, slots,
 KV cache type, flash attention, adapters) and the engine's version, so a file is never
 restored into another model or shape; `digest` hashes the tokens. llama.cpp writes under a
@@ -49,7 +47,6 @@ import logging
 import math
 import os
 import secrets
-import struct
 import time
 import weakref
 from array import array
@@ -60,13 +57,11 @@ from typing import Any
 
 import aiohttp
 
-from corral.core.books import Stop
 from corral.runtime.runner import Runner
+from corral.runtime.slotfile import CorruptEntry, common_prefix, read_tokens, token_digest
 
 log = logging.getLogger(__name__)
 
-MAGIC = 0x67677371  # LLAMA_STATE_SEQ_MAGIC ('ggsq')
-HEADER = struct.Struct("<III")  # magic, version, token count
 SUFFIX = ".slot"
 TMP_PREFIX = "tmp-"
 
@@ -91,10 +86,6 @@ PROBE_TIMEOUT = 600.0
 MEASURE_INTERVAL = 0.25  # most seconds between reads of a runner's counters after a restore
 
 
-class CorruptEntry(ValueError):
-    """A cache file that is not what its name says."""
-
-
 @dataclass
 class Entry:
     path: Path
@@ -115,55 +106,6 @@ class _RunnerState:
     # A restore whose request's reuse is still to be read from the runner's counters:
     # (what was restored, the counters before the request)
     measuring: tuple[dict[str, Any], tuple[float, float]] | None = None
-
-
-def read_tokens(path: Path) -> array[int]:
-    """The token ids a slot file holds (its header); CorruptEntry if it is not one."""
-    with open(path, "rb") as f:
-        head = f.read(HEADER.size)
-        if len(head) < HEADER.size:
-            raise CorruptEntry("shorter than its header")
-        magic, version, n = HEADER.unpack(head)
-        if magic != MAGIC:
-            raise CorruptEntry(f"not a llama.cpp sequence state (magic {magic:#010x})")
-        size = os.fstat(f.fileno()).st_size
-        if HEADER.size + 4 * n > size:
-            raise CorruptEntry(f"says {n} tokens but holds {size} bytes")
-        words = array("i")
-        words.frombytes(f.read(4 * n))
-    if words.itemsize != 4:  # pragma: no cover - every platform corral runs on
-        raise CorruptEntry("no 32-bit int array on this platform")
-    if version < 4:
-        return words  # versions 1-3: the token ids themselves
-    return _block_tokens(words)
-
-
-def _block_tokens(words: array[int]) -> array[int]:
-    """The token ids of a version-4 file's token block (llama.cpp's batch_ext tokens, as the
-    files of this build lay them out: -1, 1, n, n ids, 0). Another layout (several runs, the
-    per-token state embeddings of MTP models) is refused rather than guessed."""
-    if len(words) >= 4 and words[0] == -1 and words[1] == 1:
-        n = words[2]
-        if 0 <= n and len(words) == n + 4 and words[n + 3] == 0:
-            return words[3 : 3 + n]
-    head = ", ".join(map(str, words[:4]))
-    raise CorruptEntry(f"a token block this corral does not know ({head}, ...)")
-
-
-def token_digest(tokens: Sequence[int]) -> str:
-    return hashlib.sha256(array("i", tokens).tobytes()).hexdigest()[:24]
-
-
-def common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
-    n = min(len(a), len(b))
-    i = 0
-    # Compare in blocks first: conversations share thousands of tokens.
-    step = 256
-    while i + step <= n and a[i : i + step] == b[i : i + step]:
-        i += step
-    while i < n and a[i] == b[i]:
-        i += 1
-    return i
 
 
 _ENGINE: str | None = None
@@ -234,8 +176,8 @@ class KVCache:
         return str(self.directory)
 
     # ---- saving ----------------------------------------------------------------------------
-    async def before_stop(self, runner: Runner, stop: Stop, waiting: bool) -> None:
-        """Save the runner's conversations before it stops (Scheduler.before_stop). With a
+    async def before_stop(self, runner: Runner, waiting: bool) -> None:
+        """Save the runner's conversations before it stops (scheduler.Hooks.before_stop). With a
         load `waiting` for its memory, only saves that cost it less than they spare later,
         within WAITING_BUDGET seconds in all."""
         st = self._runners.get(runner)

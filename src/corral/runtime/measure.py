@@ -1,0 +1,358 @@
+"""What corral's runners and the devices really hold, measured into the scheduler's books.
+
+At a runner's readiness and then every `interval` seconds: each runner's own memory (resident
+less its code) and GPU memory go to `Core.observed`, what other programs leave free on each
+device to `Core.set_headroom`, the runners' token counters to per-model totals; every few
+measures, each loaded model's share in the page cache, from which the cost-aware policy's
+reload cost is predicted. A model whose runner ran out of memory is booked higher from then on
+(`raised`). The shell (runtime/scheduler.py) owns the runner records and calls in here; what is
+measured is read through its `view()`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import logging
+import math
+import os
+from collections.abc import Callable, Coroutine, Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+import psutil
+
+from corral.core.books import Core
+from corral.core.devices import CPU, Device, live_headroom
+from corral.core.gguf import split_parts
+from corral.core.policy import DEFAULT_DISK_SECONDS_PER_BYTE, disk_seconds_per_byte, reload_seconds
+from corral.runtime.devices import gpu_process_memory
+from corral.runtime.journal import Journal
+from corral.runtime.memwatch import Usage, code_rss, oom_kills, process_usage
+from corral.runtime.pagecache import prefetch, resident
+from corral.runtime.runner import Runner
+
+log = logging.getLogger(__name__)
+
+OOM_RAISE = 1.25  # a model that ran out of memory is booked this much higher next time ...
+OOM_RAISE_MAX = 4.0  # ... up to this factor in all
+RESIDENCY_EVERY = 5  # measures between two reads of every loaded model's page-cache residency
+
+Refresh = Callable[[list[Device]], list[Device]]
+
+
+@dataclass
+class Record:
+    """One runner as the shell knows it: its process and what was measured of it."""
+
+    runner: Runner
+    own: int | None = None  # its own memory at the last measure (resident less its code)
+    devices: dict[str, int] = field(default_factory=dict)  # ... per device (GPU: NVML's figure)
+    code: int | None = None  # its resident code (memwatch.code_rss, measured once)
+    tokens: tuple[int, int] = (0, 0)  # its counters (prompt, generated) at the last read
+    cached_at_load: float | None = None  # share of its file in the page cache as its load began
+    cached: float | None = None  # ... and at the last look
+    free_before: dict[str, int] | None = None  # GPUs' free bytes as it was told to stop
+
+
+class Measure:
+    def __init__(
+        self,
+        core: Core,
+        records: Mapping[int, Record],
+        journal: Journal,
+        *,
+        devices: list[Device],
+        refresh: Refresh | None,
+        margin: int,
+        interval: float,
+        read_ahead: bool,
+        clock: Callable[[], float],
+        apply: Callable[[], None],
+        spawn: Callable[[Coroutine[Any, Any, Any]], None],
+    ) -> None:
+        self._core = core
+        self._records = records
+        self._journal = journal
+        self._devices = devices
+        self._refresh = refresh
+        self.margin = margin  # bytes to keep free per device (headroom is checked against it)
+        self.interval = interval  # seconds between measures; inf: none but at readiness
+        self._read_ahead = read_ahead  # a waiting load's file, while its victims exit
+        self._clock = clock
+        self._apply = apply
+        self._spawn = spawn
+        self._task: asyncio.Task[None] | None = None
+        self._count = 0
+        # The last runner's code measured: for a runner whose own is not yet in.
+        self.code_last = 0
+        self.last_devices: list[Device] = list(devices)  # as last measured
+        # Tokens each model's runners processed (prompt, generated), summed over the runners'
+        # own counters (llama.cpp's /metrics), read with every measure.
+        self.tokens: dict[str, list[int]] = {}
+        self.raised: dict[str, float] = {}  # model -> booking factor after running out of memory
+        # What a byte read from disk costs beyond one in the page cache (learned from two loads
+        # of one file with different residency), and each file's last load (seconds, residency).
+        self.disk_spb = DEFAULT_DISK_SECONDS_PER_BYTE
+        self._file_loads: dict[str, tuple[float, float]] = {}
+        self._prefetched: set[str] = set()  # files read ahead for a load waiting for room
+        self._warned_headroom: set[int] = set()  # requests whose wait for room was logged
+        # The kernel's OOM kill count at the last two measures (the older one is compared).
+        self._oom_seen: collections.deque[int | None] = collections.deque([oom_kills()], maxlen=2)
+        self._set_headroom(devices, [], {})  # as discovered; then at every measure
+
+    def start(self) -> None:
+        """Measure every `interval` seconds from now on (idempotent)."""
+        if self._task is None and math.isfinite(self.interval):
+            self._task = asyncio.ensure_future(self._forever())
+
+    def stop(self) -> None:
+        if self._task is not None:
+            self._task.cancel()
+
+    async def _forever(self) -> None:
+        """Every few seconds: what each runner really holds goes to the books (Core.observed:
+        a booking below the measure grows to it, and idle runners make room if that is over
+        the budget), and what other programs leave free becomes the headroom loads must fit
+        under (Core.headroom)."""
+        while True:
+            try:
+                await self._once()
+            except Exception:  # a measure must never end the measuring
+                log.exception("measuring the runners' memory failed")
+            await asyncio.sleep(self.interval)
+
+    async def _once(self) -> None:
+        self._oom_seen.append(oom_kills())
+        pids = {rid: rec.runner.pid for rid, rec in self._records.items() if rec.runner.pid}
+        # Device refreshes and NVML calls take ~0.1-1 ms each: off the event loop.
+        devices, usages, gpu = await asyncio.to_thread(self._read_machine, list(pids.values()))
+        self.last_devices = devices
+        now = self._clock()
+        for rid, usage in zip(pids, usages, strict=True):
+            if usage is not None:
+                self._observe(rid, now, usage, gpu)
+        self._set_headroom(devices, usages, gpu)
+        self._apply()
+        self._warn_short_of_headroom()
+        await self._count_tokens()
+        # mincore over each model file (~35 ms per GB): every few measures, and at once for a
+        # runner that has no residency yet
+        self._count += 1
+        await self._predict_reloads(every=self._count % RESIDENCY_EVERY == 0)
+
+    def _read_machine(
+        self, pids: list[int]
+    ) -> tuple[list[Device], list[Usage | None], dict[int, dict[str, int]]]:
+        devices = self._refresh(self._devices) if self._refresh is not None else self._devices
+        gpus = [d for d in devices if d.library != "cpu"]
+        return devices, [process_usage(p) for p in pids], gpu_process_memory(gpus) if gpus else {}
+
+    # ---- a runner's memory -------------------------------------------------------------------
+    def ready(self, rid: int, rec: Record, now: float) -> None:
+        """A runner just became ready: measured at once too, for the books must hold what it
+        holds from the start, not from the next measure (/proc/PID/status: ~50 us). Its code
+        is measured once, off the event loop (a walk of every page it maps), and it is
+        measured again then."""
+        pid = rec.runner.pid
+        if pid is None or not math.isfinite(self.interval):
+            return
+        usage = process_usage(pid)
+        if usage is not None:
+            self._observe(rid, now, usage, {})
+        self._spawn(self._measure_code(rid, pid))
+
+    async def _measure_code(self, rid: int, pid: int) -> None:
+        """A new runner's resident code, once: then its measure is its own memory, and the
+        reservation for all runners' code is raised if one of them holds more (never lowered:
+        the code is the same for every runner, in memory once)."""
+        code = await asyncio.to_thread(code_rss, pid)
+        rec = self._records.get(rid)
+        if code is None or rec is None:
+            return
+        rec.code = self.code_last = code
+        now = self._clock()
+        reserved = self._core.reserved.get(CPU)
+        if reserved is not None and code > reserved:
+            log.warning(
+                "the runners' shared code holds %.1f MiB, more than the %.1f MiB reserved for "
+                "it: reserving that", code / 2**20, reserved / 2**20,
+            )  # fmt: skip
+            self._core.reserve(CPU, code, now)
+        usage = process_usage(pid)
+        if usage is not None:
+            self._observe(rid, now, usage, {})
+        self._apply()
+
+    def _observe(
+        self, rid: int, now: float, usage: Usage, gpu: Mapping[int, Mapping[str, int]]
+    ) -> None:
+        book = self._core.runners.get(rid)
+        rec = self._records.get(rid)
+        if book is None or rec is None or book.state != "ready":
+            return
+        # its own memory: the code is reserved for all runners (until a runner's code is
+        # measured, the last one measured or, before any, what is reserved for it)
+        code = rec.code or self.code_last or self._core.reserved.get(CPU, 0)
+        own = max(0, usage.rss - code)
+        seen = {CPU: own}
+        for pid in usage.pids:
+            for dev, n in gpu.get(pid, {}).items():
+                seen[dev] = seen.get(dev, 0) + n
+        rec.own, rec.devices = own, seen
+        for dev, n in seen.items():
+            if n > book.devices.get(dev, 0):
+                log.warning(
+                    "model '%s' holds %.1f MiB on %s, %.1f MiB more than booked",
+                    book.model, n / 2**20, dev, (n - book.devices.get(dev, 0)) / 2**20,
+                )  # fmt: skip
+        self._core.observed(rid, now, seen)
+
+    # ---- the devices -------------------------------------------------------------------------
+    def _set_headroom(
+        self,
+        devices: list[Device],
+        usages: list[Usage | None],
+        gpu: Mapping[int, Mapping[str, int]],
+    ) -> None:
+        """What other programs leave for corral's runners on each device, right now."""
+        core = self._core
+        booked = core.used()
+        ours = {p for u in usages if u is not None for p in u.pids}
+        in_use: dict[str, int] = {CPU: sum(u.anon for u in usages if u is not None)}
+        for pid, by_dev in gpu.items():
+            if pid in ours:
+                for dev, n in by_dev.items():
+                    in_use[dev] = in_use.get(dev, 0) + n
+        headroom = {}
+        for d in devices:
+            if d.id in core.budgets:
+                headroom[d.id] = live_headroom(
+                    d, booked.get(d.id, 0), in_use_by_us=in_use.get(d.id), margin=self.margin
+                )
+        core.set_headroom(headroom, self._clock())
+
+    def _warn_short_of_headroom(self) -> None:
+        core = self._core
+        for q in core.queue:
+            if core.current(q.model) is not None or q.id in self._warned_headroom:
+                continue
+            if core.short_of_headroom(q):
+                self._warned_headroom.add(q.id)
+                room = ", ".join(f"{n / 2**20:.0f} MiB on {d}" for d, n in core.headroom.items())
+                log.warning(
+                    "loading model '%s' waits: other programs leave corral's runners only %s",
+                    q.model, room,
+                )  # fmt: skip
+            break  # loads start first come, first served: only the first one waits for room
+        if len(self._warned_headroom) > 4096:
+            self._warned_headroom.clear()
+
+    # ---- tokens ------------------------------------------------------------------------------
+    async def _count_tokens(self) -> None:
+        """Add what each ready runner processed since the last read to its model's count."""
+        books = self._core.runners
+        ready = [rec for rid, rec in self._records.items()
+                 if rid in books and books[rid].state == "ready"]  # fmt: skip
+        await asyncio.gather(*(self.count_tokens(rec) for rec in ready))
+
+    async def count_tokens(self, rec: Record) -> None:
+        c = await rec.runner.token_counts()
+        if c is None:
+            return
+        before = rec.tokens
+        total = self.tokens.setdefault(rec.runner.name, [0, 0])
+        total[0] += max(0, c[0] - before[0])
+        total[1] += max(0, c[1] - before[1])
+        rec.tokens = c
+
+    # ---- the page cache ----------------------------------------------------------------------
+    def load_starting(self, path: str) -> None:
+        """A load of `path` starts: a read ahead for it stops (it reads the file itself)."""
+        self._prefetched.discard(path)
+
+    def learn_disk_speed(self, rec: Record) -> None:
+        """Two loads of one file with different page-cache residency tell what reading a byte
+        from disk costs here (beyond reading it from the cache)."""
+        if rec.cached_at_load is None:
+            return
+        runner = rec.runner
+        path, now = runner.spec.path, (runner.load_duration, rec.cached_at_load)
+        size = file_size(path)
+        before = self._file_loads.get(path)
+        if before is not None and size:
+            spb = disk_seconds_per_byte(before, now, size)
+            if spb is not None:
+                self.disk_spb = spb if self.disk_spb == DEFAULT_DISK_SECONDS_PER_BYTE else (
+                    0.5 * self.disk_spb + 0.5 * spb
+                )  # fmt: skip
+                log.info("disk reads cost %.2f s/GB more than the page cache", spb * 1e9)
+        self._file_loads[path] = now
+
+    async def _predict_reloads(self, every: bool = True) -> None:
+        """The cost-aware policy weighs what reloading each loaded model would cost now: less
+        if its file is still in the page cache, more once the cache lost it (what /api/ps
+        verbose and the dashboard show too). `every`: each ready runner's, else only those
+        not predicted yet."""
+        ready = [
+            (rid, rec)
+            for rid, rec in self._records.items()
+            if (b := self._core.runners.get(rid)) is not None
+            and b.state == "ready" and rec.cached_at_load is not None
+            and (every or rec.cached is None)
+        ]  # fmt: skip
+        if not ready:
+            return
+        paths = [rec.runner.spec.path for _, rec in ready]
+        fractions = await asyncio.to_thread(lambda: [resident(p) for p in paths])
+        for (rid, rec), path, now_res in zip(ready, paths, fractions, strict=True):
+            if now_res is None or rec.cached_at_load is None:
+                continue
+            rec.cached = now_res
+            cost = reload_seconds(
+                rec.runner.load_duration, rec.cached_at_load, now_res, file_size(path),
+                self.disk_spb,
+            )  # fmt: skip
+            self._core.reload_cost(rid, cost)
+
+    def prefetch_for(self, model: str) -> None:
+        """A load waits for evicted runners to exit: start reading its file into the page
+        cache meanwhile, within the memory the kernel reports available less a margin (so
+        what it pushes out is the coldest cache, not pages in use)."""
+        q = next((q for q in self._core.queue if q.model == model), None)
+        if not self._read_ahead or q is None or q.spec.path in self._prefetched:
+            return
+        self._prefetched.add(q.spec.path)
+        try:
+            spare = int(psutil.virtual_memory().available) - max(self.margin, 2**30)
+        except Exception:  # no figure, no prefetch
+            return
+        if spare > 0:
+            path = q.spec.path  # read until its load starts (which takes it off the set)
+            self._spawn(asyncio.to_thread(prefetch, path, spare, lambda: path in self._prefetched))
+            log.info("reading model '%s' ahead while room is made for it", model)
+
+    # ---- running out of memory ---------------------------------------------------------------
+    def oom_killed(self) -> bool:
+        """Whether the kernel's OOM killer killed a process lately (since the reading before
+        the last measure, 2-4 s ago): nothing of corral's sends SIGKILL to a serving runner.
+        Where the count cannot be read, a SIGKILL is taken for the OOM killer's."""
+        now, before = oom_kills(), self._oom_seen[0]
+        return now is None or before is None or now > before
+
+    def ran_out_of_memory(self, model: str) -> None:
+        k = min(OOM_RAISE_MAX, self.raised.get(model, 1.0) * OOM_RAISE)
+        self.raised[model] = k
+        self._journal.record("oom", model, factor=k)
+        log.warning(
+            "model '%s' ran out of memory: booking it %.0f%% above its estimate from now on",
+            model, (k - 1) * 100,
+        )  # fmt: skip
+
+
+def file_size(path: str) -> int:
+    """The model's bytes on disk (all the parts of a split model)."""
+    try:
+        return sum(os.stat(p).st_size for p in split_parts(path))
+    except OSError:
+        return 0
