@@ -16,7 +16,7 @@ import pytest
 from corral.api.anthropic import model_list, to_chat
 from corral.api.common import ApiError
 from corral.core.roles import place_system, renders_later_system
-from corral.testing.synth import smollm2_path
+from corral.testing.ggufwrite import smollm2_path
 
 SMOL = "smollm2:135m"
 

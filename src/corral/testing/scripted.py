@@ -43,7 +43,7 @@ from typing import Any
 import gguf
 import numpy as np
 
-from corral.testing import synth
+from corral.testing import ggufwrite, synth
 
 FAMILIES: tuple[str, ...] = (
     "chatml",
@@ -340,9 +340,9 @@ class _Plan:
         return self.ids[text]
 
 
-def _plan(family: str, script: Script, n_vocab: int) -> tuple[_Plan, synth._Vocab, _Family]:
+def _plan(family: str, script: Script, n_vocab: int) -> tuple[_Plan, ggufwrite.Vocab, _Family]:
     fam = _family(family)
-    base = synth._vocab(n_vocab)
+    base = ggufwrite.smollm2_vocab(n_vocab)
     plan = _Plan(list(base.tokens), list(base.token_types), {})
     for i, text in enumerate(base.tokens):
         plan.ids.setdefault(text, i)
@@ -497,7 +497,7 @@ def write_scripted_model(
     writer.add_rope_dimension_count(n_embd)
     writer.add_rope_freq_base(_ROPE_BASE)
     writer.add_layer_norm_rms_eps(1e-5)
-    synth._add_vocab(writer, vocab, add_bos=False)
+    ggufwrite.write_vocab(writer, vocab, add_bos=False)
     if fam.eot is not None:
         writer.add_eot_token_id(plan.ids[fam.eot])
     if fam.eom is not None:
@@ -512,7 +512,7 @@ def write_scripted_model(
         writer.write_kv_data_to_file()
         writer.write_tensors_to_file()
 
-    return synth.write_atomically(writer, path, body)
+    return ggufwrite.write_atomically(writer, path, body)
 
 
 __all__ = [
