@@ -7,6 +7,7 @@ import dataclasses
 from pathlib import Path
 
 import pytest
+from helpers import parse_log
 
 from corral.core.estimate import (
     KV_CACHE_TYPES,
@@ -17,7 +18,7 @@ from corral.core.estimate import (
     process_bytes,
 )
 from corral.core.gguf import ModelInfo, read_model_info
-from corral.core.memreport import LOADED_MARKER, AllocationParser, device_of, parse_log
+from corral.core.memreport import LOADED_MARKER, AllocationParser, device_of
 from corral.core.spec import RunnerSpec
 from corral.runtime.runner import Runner, RunnerError
 from corral.testing import synth

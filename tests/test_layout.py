@@ -2,8 +2,9 @@
 
 from __future__ import annotations
 
+from helpers import fake_devices
+
 from corral.api.service import launch_layout
-from corral.core.devices import fake_devices
 from corral.core.placement import ModelNeed, Placement, place
 
 MiB = 2**20

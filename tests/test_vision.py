@@ -12,10 +12,10 @@ from typing import Any
 
 import ollama
 import pytest
+from helpers import parse_log
 
 from corral.core.estimate import estimate
 from corral.core.gguf import GGUFError, read_model_info, read_projector_info
-from corral.core.memreport import parse_log
 from corral.runtime.registry import Registry
 from corral.testing import synth
 from corral.testing.server import CorralServer
