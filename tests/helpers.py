@@ -6,10 +6,11 @@ from __future__ import annotations
 
 import re
 
-from corral.core.devices import CPU, LIBRARIES, Device
+from corral.core.devices import CPU, Device
 from corral.core.memreport import Allocation, AllocationParser
 from corral.core.units import ConfigError, parse_size
 
+LIBRARIES = ("cpu", "cuda", "rocm")
 _FAKE_ENTRY = re.compile(r"^\s*(cpu|cuda|rocm)\s*=\s*([^/]+?)\s*(?:/\s*(.+?)\s*)?$", re.I)
 
 

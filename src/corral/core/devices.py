@@ -10,9 +10,6 @@ from __future__ import annotations
 from collections.abc import Iterable
 from dataclasses import dataclass
 
-LIBRARIES = ("cpu", "cuda", "rocm")
-
-
 CPU = "cpu"  # the id of system memory in device lists, budgets and bookings
 
 # What a runner process holds on each GPU it uses beyond llama.cpp's buffers: the CUDA (or HIP)
