@@ -1,15 +1,23 @@
-"""Shared fixtures: synthetic models written once per session, and real `corral serve`
-processes started on free loopback ports."""
+"""Shared fixtures: synthetic models written once per session, real `corral serve` processes
+started on free loopback ports, and clients bound to the `server` a module uses (the shared one,
+or the module's own): raw HTTP and the real Ollama, OpenAI and Anthropic SDKs."""
 
 from __future__ import annotations
 
 from collections.abc import Callable, Iterator
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import pytest
 
 from corral.testing import synth
 from corral.testing.server import CorralServer, start_corral
+
+if TYPE_CHECKING:
+    import anthropic
+    import httpx
+    import ollama
+    import openai
 
 StartServer = Callable[..., CorralServer]
 
@@ -51,3 +59,31 @@ def start_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[StartServ
 def server(start_server, models_dir: Path) -> CorralServer:
     """One shared server with the built-in SmolLM2 model and the synthetic ones."""
     return start_server(models_dir, CORRAL_NUM_PARALLEL="2")
+
+
+# Module-scoped, so that a module that defines its own `server` gets clients bound to it. The
+# SDKs are imported here, not at the top: most test modules need none of them.
+@pytest.fixture(scope="module")
+def http(server: CorralServer) -> httpx.Client:
+    return server.client
+
+
+@pytest.fixture(scope="module")
+def ollama_client(server: CorralServer) -> ollama.Client:
+    import ollama
+
+    return ollama.Client(host=server.url)
+
+
+@pytest.fixture(scope="module")
+def openai_client(server: CorralServer) -> openai.OpenAI:
+    import openai
+
+    return openai.OpenAI(base_url=f"{server.url}/v1", api_key="x", max_retries=0)
+
+
+@pytest.fixture(scope="module")
+def anthropic_client(server: CorralServer) -> anthropic.Anthropic:
+    import anthropic
+
+    return anthropic.Anthropic(base_url=server.url, api_key="x", max_retries=0)
