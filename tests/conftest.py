@@ -21,6 +21,42 @@ if TYPE_CHECKING:
 
 StartServer = Callable[..., CorralServer]
 
+# Modules whose tests drive real processes without `start_server`: runners or a scheduler in
+# this process, llama.cpp itself, `corral` subprocesses, a Ray cluster, the soak.
+E2E_MODULES = frozenset({
+    "test_cli_e2e", "test_cluster", "test_crash_endings", "test_headroom", "test_load_progress",
+    "test_memwatch", "test_pagecache", "test_runner_output", "test_shutdown", "test_soak",
+    "test_stall", "test_synth",
+})  # fmt: skip
+
+
+def _starts_own_server(item: pytest.Item) -> bool:
+    """Whether the test needs a corral server of its own: it asks for `start_server` itself or
+    through a fixture other than the shared `server` (the module's own `server` included)."""
+    info = getattr(item, "_fixtureinfo", None)  # pytest's fixture closure of a test function
+    if info is None:
+        return False
+    if "start_server" in info.argnames:
+        return True
+    return any(
+        "start_server" in fd.argnames and fd.func.__module__ != __name__
+        for defs in info.name2fixturedefs.values()
+        for fd in defs
+    )
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    """The suite's groups: pure core (no marker), `api` (the shared server), `e2e` (servers or
+    processes of its own, always `slow` too; a test may also be marked so where it is defined)."""
+    for item in items:
+        module = getattr(item, "module", None)
+        if (module and module.__name__ in E2E_MODULES) or _starts_own_server(item):
+            item.add_marker(pytest.mark.e2e)
+        elif "server" in getattr(item, "fixturenames", ()):
+            item.add_marker(pytest.mark.api)
+        if item.get_closest_marker("e2e"):
+            item.add_marker(pytest.mark.slow)
+
 
 @pytest.fixture(scope="session")
 def models_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:

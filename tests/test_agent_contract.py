@@ -285,6 +285,7 @@ def test_raw_with_system_template_or_context(http: httpx.Client, extra: dict[str
 
 
 # ---- the prompt cache across an agent's turns ---------------------------------------------------
+@pytest.mark.slow
 def test_claude_code_session_evaluates_only_new_tokens(
     anthropic_client: anthropic.Anthropic
 ) -> None:

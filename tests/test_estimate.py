@@ -227,6 +227,7 @@ async def load(info: ModelInfo, n_ctx: int, par: int, kv: str = "f16") -> tuple[
     return estimate_bytes(info, n_ctx, par, kv), alloc.total
 
 
+@pytest.mark.e2e
 @pytest.mark.parametrize(
     ("model", "n_ctx", "par", "kv"),
     [
@@ -246,6 +247,7 @@ async def test_estimate_covers_the_real_allocation(
     assert real <= est <= 1.10 * real, f"estimate {est} vs real {real} ({est / real:.3f})"
 
 
+@pytest.mark.e2e
 async def test_unusable_kv_cache_type_fails_clearly(models: dict[str, ModelInfo]) -> None:
     info = models["llama"]
     runner = Runner("llama", RunnerSpec(path=str(info.path), n_ctx=512, num_parallel=1,
