@@ -95,8 +95,8 @@ async def test_no_answer_is_unreachable_and_a_cut_body_is_broken() -> None:
     finally:
         pool.close()
         server.close()
+    await server.wait_closed()
     nobody = Pool("127.0.0.1", port)  # the server is gone
-    await asyncio.sleep(0.05)
     with pytest.raises(Unreachable):
         await body_of(nobody)
 
