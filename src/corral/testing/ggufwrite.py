@@ -1,4 +1,4 @@
-"""What every synthetic GGUF writer (`testing/synth.py`, `testing/scripted.py`) shares:
+"""What every synthetic GGUF writer (`testing/synth.py`, tests/scripted.py) shares:
 SmolLM2's tokenizer, cut to ``n_vocab`` tokens, written into a file, and tensors streamed to
 disk from random bits, atomically or split as gguf-split writes a model."""
 

@@ -16,7 +16,7 @@ How it works (llama architecture, one layer, SmolLM2's tokenizer as ``synth`` us
   standard basis vector as embedding, and the output row of a token is a large multiple of the
   embedding of the token before it (``_LOGIT``: sampling at any usual temperature is greedy).
   The last token of a chain is followed by the family's end-of-generation token.
-* The chat template is a prefix, then the family's real chat template (``templates/families/``,
+* The chat template is a prefix, then the family's real chat template (``tests/families/``,
   as llama.cpp ships them, so llama.cpp picks the family's parser from it). The prefix writes
   one marker token (``<|corral_reply|>``, ``<|corral_call|>``, ``<|corral_answer|>``, control
   tokens) chosen by the script's rule. One attention head (a constant query, a key only on
@@ -57,7 +57,7 @@ FAMILIES: tuple[str, ...] = (
     "glm",
 )
 
-_TEMPLATES = Path(__file__).parent / "templates" / "families"
+_TEMPLATES = Path(__file__).parent / "families"
 # Logit of the scripted next token; every other token's is at most _VALUE times that.
 _LOGIT = 128.0
 # Share of a branch's direction in the residual after attention (see _weights).
@@ -101,7 +101,7 @@ _Chunks = list[str]
 
 @dataclass(frozen=True)
 class _Family:
-    template: str  # file in templates/families
+    template: str  # file in tests/families
     # Tokens the family's real vocabulary has as single tokens: control tokens (not printed in
     # the output unless llama.cpp preserves them) and user-defined ones (always printed).
     control: tuple[str, ...] = ()
