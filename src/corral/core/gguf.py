@@ -283,12 +283,6 @@ class ProjectorInfo:
     n_tensors: int
     metadata: Mapping[str, Any] = field(default_factory=lambda: MappingProxyType({}), hash=False)
 
-    @property
-    def n_patches(self) -> int:
-        """Patches of the warm-up image (the encoder's sequence length)."""
-        side = self.image_size // self.patch_size if self.patch_size else 0
-        return side * side
-
 
 @dataclass(frozen=True)
 class AdapterInfo:
