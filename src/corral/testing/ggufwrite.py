@@ -45,6 +45,8 @@ def smollm2_path() -> Path:
 
 @dataclass(frozen=True)
 class Vocab:
+    """A tokenizer as a GGUF file holds it (SmolLM2's, possibly cut; see `smollm2_vocab`)."""
+
     tokens: list[str]
     token_types: list[int]
     merges: list[str]
@@ -155,6 +157,8 @@ def write_vocab(
 
 @dataclass(frozen=True)
 class Tensor:
+    """A tensor to write: its name, shape and how its data is made."""
+
     name: str
     shape: tuple[int, ...]  # numpy order: outermost first, i.e. ggml's ne reversed
     # "rand": random f16; "rand32": random f32 (tensors ggml adds to f32 activations directly,
