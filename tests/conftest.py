@@ -1,17 +1,61 @@
-"""Shared fixtures: synthetic models written once per session, and real `corral serve`
-processes started on free loopback ports."""
+"""Shared fixtures: synthetic models written once per session, real `corral serve` processes
+started on free loopback ports, and clients bound to the `server` a module uses (the shared one,
+or the module's own): raw HTTP and the real Ollama, OpenAI and Anthropic SDKs."""
 
 from __future__ import annotations
 
 from collections.abc import Callable, Iterator
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import pytest
 
 from corral.testing import synth
 from corral.testing.server import CorralServer, start_corral
 
+if TYPE_CHECKING:
+    import anthropic
+    import httpx
+    import ollama
+    import openai
+
 StartServer = Callable[..., CorralServer]
+
+# Modules whose tests drive real processes without `start_server`: runners or a scheduler in
+# this process, llama.cpp itself, `corral` subprocesses, a Ray cluster, the soak.
+E2E_MODULES = frozenset({
+    "test_cli_e2e", "test_cluster", "test_crash_endings", "test_headroom", "test_load_progress",
+    "test_memwatch", "test_pagecache", "test_runner_output", "test_shutdown", "test_soak",
+    "test_stall", "test_synth",
+})  # fmt: skip
+
+
+def _starts_own_server(item: pytest.Item) -> bool:
+    """Whether the test needs a corral server of its own: it asks for `start_server` itself or
+    through a fixture other than the shared `server` (the module's own `server` included)."""
+    info = getattr(item, "_fixtureinfo", None)  # pytest's fixture closure of a test function
+    if info is None:
+        return False
+    if "start_server" in info.argnames:
+        return True
+    return any(
+        "start_server" in fd.argnames and fd.func.__module__ != __name__
+        for defs in info.name2fixturedefs.values()
+        for fd in defs
+    )
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    """The suite's groups: pure core (no marker), `api` (the shared server), `e2e` (servers or
+    processes of its own, always `slow` too; a test may also be marked so where it is defined)."""
+    for item in items:
+        module = getattr(item, "module", None)
+        if (module and module.__name__ in E2E_MODULES) or _starts_own_server(item):
+            item.add_marker(pytest.mark.e2e)
+        elif "server" in getattr(item, "fixturenames", ()):
+            item.add_marker(pytest.mark.api)
+        if item.get_closest_marker("e2e"):
+            item.add_marker(pytest.mark.slow)
 
 
 @pytest.fixture(scope="session")
@@ -51,3 +95,31 @@ def start_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[StartServ
 def server(start_server, models_dir: Path) -> CorralServer:
     """One shared server with the built-in SmolLM2 model and the synthetic ones."""
     return start_server(models_dir, CORRAL_NUM_PARALLEL="2")
+
+
+# Module-scoped, so that a module that defines its own `server` gets clients bound to it. The
+# SDKs are imported here, not at the top: most test modules need none of them.
+@pytest.fixture(scope="module")
+def http(server: CorralServer) -> httpx.Client:
+    return server.client
+
+
+@pytest.fixture(scope="module")
+def ollama_client(server: CorralServer) -> ollama.Client:
+    import ollama
+
+    return ollama.Client(host=server.url)
+
+
+@pytest.fixture(scope="module")
+def openai_client(server: CorralServer) -> openai.OpenAI:
+    import openai
+
+    return openai.OpenAI(base_url=f"{server.url}/v1", api_key="x", max_retries=0)
+
+
+@pytest.fixture(scope="module")
+def anthropic_client(server: CorralServer) -> anthropic.Anthropic:
+    import anthropic
+
+    return anthropic.Anthropic(base_url=server.url, api_key="x", max_retries=0)

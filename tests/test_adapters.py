@@ -8,10 +8,10 @@ import time
 from pathlib import Path
 
 import pytest
+from helpers import parse_log
 
 from corral.core.estimate import estimate
 from corral.core.gguf import GGUFError, check_adapter, read_adapter_info, read_model_info
-from corral.core.memreport import parse_log
 from corral.core.spec import Adapter
 from corral.runtime.registry import Registry
 from corral.testing import synth

@@ -16,7 +16,7 @@ import pytest
 from corral.api.anthropic import model_list, to_chat
 from corral.api.common import ApiError
 from corral.core.roles import place_system, renders_later_system
-from corral.testing.synth import smollm2_path
+from corral.testing.ggufwrite import smollm2_path
 
 SMOL = "smollm2:135m"
 
@@ -172,16 +172,6 @@ def test_model_list_pages() -> None:
 
 
 # ---- the real server ---------------------------------------------------------------------------
-@pytest.fixture(scope="module")
-def client(server) -> anthropic.Anthropic:
-    return anthropic.Anthropic(base_url=server.url, api_key="x", max_retries=0)
-
-
-@pytest.fixture(scope="module")
-def http(server) -> httpx.Client:
-    return server.client
-
-
 def test_claude_code_request(http: httpx.Client) -> None:
     betas = ("claude-code-20250219,mid-conversation-system-2026-04-07,"
              "interleaved-thinking-2025-05-14,no-such-beta-2099-01-01")
@@ -199,9 +189,9 @@ def test_claude_code_request(http: httpx.Client) -> None:
     assert counted.json()["input_tokens"] > 100
 
 
-def test_billing_header_leaves_the_prompt_alone(client: anthropic.Anthropic) -> None:
+def test_billing_header_leaves_the_prompt_alone(anthropic_client: anthropic.Anthropic) -> None:
     def count(body: dict[str, Any]) -> int:
-        return client.messages.count_tokens(
+        return anthropic_client.messages.count_tokens(
             model=SMOL, system=body["system"], messages=body["messages"]
         ).input_tokens
 
@@ -212,22 +202,24 @@ def test_billing_header_leaves_the_prompt_alone(client: anthropic.Anthropic) -> 
     assert count(body) == with_header
 
 
-def test_mid_conversation_system_message_renders_in_place(client: anthropic.Anthropic) -> None:
+def test_mid_conversation_system_message_renders_in_place(
+    anthropic_client: anthropic.Anthropic
+) -> None:
     """SmolLM2's template renders a later system turn: the message costs its own turn's
     tokens, more than the same text folded into the user's turn would."""
     convo = [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Hello!"}]
-    base = client.messages.count_tokens(model=SMOL, messages=[
+    base = anthropic_client.messages.count_tokens(model=SMOL, messages=[
         *convo, {"role": "user", "content": "Bye"}]).input_tokens  # fmt: skip
     reminder: Any = {"role": "system", "content": "Be brief."}
-    with_system = client.messages.count_tokens(model=SMOL, messages=[
+    with_system = anthropic_client.messages.count_tokens(model=SMOL, messages=[
         *convo, reminder, {"role": "user", "content": "Bye"}]).input_tokens  # fmt: skip
-    folded = client.messages.count_tokens(model=SMOL, messages=[
+    folded = anthropic_client.messages.count_tokens(model=SMOL, messages=[
         *convo, {"role": "user", "content": "Be brief.\n\nBye"}]).input_tokens  # fmt: skip
     assert base < folded < with_system
 
 
-def test_beta_messages_with_the_sdk(client: anthropic.Anthropic) -> None:
-    r = client.beta.messages.create(
+def test_beta_messages_with_the_sdk(anthropic_client: anthropic.Anthropic) -> None:
+    r = anthropic_client.beta.messages.create(
         model=SMOL, max_tokens=4, messages=[{"role": "user", "content": "Hi"}],
         betas=["context-management-2025-06-27", "some-future-beta-2030-01-01"],
         extra_body={"temperature": 0},
@@ -235,11 +227,13 @@ def test_beta_messages_with_the_sdk(client: anthropic.Anthropic) -> None:
     assert r.role == "assistant" and r.usage.output_tokens > 0
 
 
-def test_models_in_anthropic_shape(client: anthropic.Anthropic, http: httpx.Client) -> None:
-    page = client.models.list()
+def test_models_in_anthropic_shape(
+    anthropic_client: anthropic.Anthropic, http: httpx.Client
+) -> None:
+    page = anthropic_client.models.list()
     ids = [m.id for m in page.data]
     assert SMOL in ids and all(m.type == "model" for m in page.data)
-    one = client.models.retrieve(SMOL)
+    one = anthropic_client.models.retrieve(SMOL)
     assert one.id == SMOL and one.display_name == SMOL and one.created_at.year > 2000
     raw = http.get("/v1/models", params={"limit": 1},
                    headers={"anthropic-version": "2023-06-01"}).json()  # fmt: skip
@@ -291,7 +285,10 @@ def test_raw_with_system_template_or_context(http: httpx.Client, extra: dict[str
 
 
 # ---- the prompt cache across an agent's turns ---------------------------------------------------
-def test_claude_code_session_evaluates_only_new_tokens(client: anthropic.Anthropic) -> None:
+@pytest.mark.slow
+def test_claude_code_session_evaluates_only_new_tokens(
+    anthropic_client: anthropic.Anthropic
+) -> None:
     """20 turns of a Claude Code-shaped conversation: a billing header that changes every
     request, a growing history with system reminders inside it. After the first turn, every
     turn reuses all of the previous turn's prompt from the runner's cache and evaluates only
@@ -304,7 +301,7 @@ def test_claude_code_session_evaluates_only_new_tokens(client: anthropic.Anthrop
             reminder = f"<system-reminder>{turn}</system-reminder>"
             history.append({"role": "system", "content": reminder})
         body = claude_code_body(cch=f"{turn:05x}", turns=history)
-        r = client.messages.create(
+        r = anthropic_client.messages.create(
             model=SMOL, max_tokens=4, system=body["system"], messages=history,
             tools=body["tools"], extra_body={"temperature": 0},
         )  # fmt: skip

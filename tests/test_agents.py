@@ -6,7 +6,7 @@ an OpenAI-compatible provider, Chat Completions), qwen-code (`qwen -p`: Chat Com
 aider (`aider --message`: Ollama's /api/chat through litellm), at the versions pinned in
 tests/agents (installed by `make setup-test`; a missing agent is a failure, never a skip).
 
-Each agent talks to a scripted model (`corral.testing.scripted`) whose answers are known: once
+Each agent talks to a scripted model (`tests/scripted.py`) whose answers are known: once
 with a plain prompt (its output must be the model's reply), and once where the model calls one
 of the agent's own tools, so that the whole loop runs: the tool call in the model family's
 native format, parsed by llama.cpp and rendered by corral in the agent's API; the agent running
@@ -37,8 +37,8 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from scripted import Script, write_scripted_model
 
-from corral.testing.scripted import Script, write_scripted_model
 from corral.testing.server import CorralServer
 
 StartServer = Callable[..., CorralServer]

@@ -37,16 +37,6 @@ HI = [{"role": "user", "content": "Say hello."}]
 GREEDY: dict[str, Any] = {"extra_body": {"temperature": 0}}
 
 
-@pytest.fixture(scope="module")
-def client(server) -> anthropic.Anthropic:
-    return anthropic.Anthropic(base_url=server.url, api_key="x", max_retries=0)
-
-
-@pytest.fixture(scope="module")
-def http(server) -> httpx.Client:
-    return server.client
-
-
 def raw_events(http: httpx.Client, body: dict[str, Any]) -> list[tuple[str, dict[str, Any]]]:
     """(event name, data) of every SSE event, checking that the name and data.type agree."""
     out = []
@@ -65,8 +55,8 @@ def raw_events(http: httpx.Client, body: dict[str, Any]) -> list[tuple[str, dict
 
 
 # ---- text ----------------------------------------------------------------------------------
-def test_message(client: anthropic.Anthropic) -> None:
-    r = client.messages.create(model=SMOL, max_tokens=8, messages=HI, **GREEDY)
+def test_message(anthropic_client: anthropic.Anthropic) -> None:
+    r = anthropic_client.messages.create(model=SMOL, max_tokens=8, messages=HI, **GREEDY)
     assert r.type == "message" and r.role == "assistant" and r.id.startswith("msg_")
     assert r.model == SMOL
     assert [b.type for b in r.content] == ["text"]
@@ -77,16 +67,16 @@ def test_message(client: anthropic.Anthropic) -> None:
     assert r.usage.cache_creation_input_tokens == 0
 
 
-def test_max_tokens_stop(client: anthropic.Anthropic) -> None:
-    r = client.messages.create(
+def test_max_tokens_stop(anthropic_client: anthropic.Anthropic) -> None:
+    r = anthropic_client.messages.create(
         model=SMOL, max_tokens=3, **GREEDY,
         messages=[{"role": "user", "content": "Write a long story about a dragon."}],
     )  # fmt: skip
     assert r.stop_reason == "max_tokens" and r.usage.output_tokens == 3
 
 
-def test_stop_sequence(client: anthropic.Anthropic) -> None:
-    r = client.messages.create(
+def test_stop_sequence(anthropic_client: anthropic.Anthropic) -> None:
+    r = anthropic_client.messages.create(
         model=SMOL, max_tokens=40, **GREEDY, stop_sequences=["e"],
         messages=[{"role": "user", "content": "Describe the sea in one sentence."}],
     )  # fmt: skip
@@ -95,9 +85,9 @@ def test_stop_sequence(client: anthropic.Anthropic) -> None:
     assert r.usage.output_tokens < 40
 
 
-def test_prefill(client: anthropic.Anthropic) -> None:
+def test_prefill(anthropic_client: anthropic.Anthropic) -> None:
     # A last assistant turn is continued, not answered.
-    r = client.messages.create(
+    r = anthropic_client.messages.create(
         model=SMOL, max_tokens=4, **GREEDY, messages=[
             {"role": "user", "content": "Count to five."},
             {"role": "assistant", "content": [{"type": "text", "text": "1, 2,"}]},
@@ -106,15 +96,15 @@ def test_prefill(client: anthropic.Anthropic) -> None:
     assert r.content[0].type == "text" and r.content[0].text.lstrip().startswith("3")
 
 
-def test_system_string_and_blocks(client: anthropic.Anthropic) -> None:
-    plain = client.messages.create(
+def test_system_string_and_blocks(anthropic_client: anthropic.Anthropic) -> None:
+    plain = anthropic_client.messages.create(
         model=SMOL, max_tokens=4, **GREEDY, system="You answer in French.", messages=HI
     )
-    blocks = client.messages.create(
+    blocks = anthropic_client.messages.create(
         model=SMOL, max_tokens=4, **GREEDY, messages=HI,
         system=[{"type": "text", "text": "You answer in French."}],
     )  # fmt: skip
-    default = client.messages.create(model=SMOL, max_tokens=4, **GREEDY, messages=HI)
+    default = anthropic_client.messages.create(model=SMOL, max_tokens=4, **GREEDY, messages=HI)
 
     def prompt(m: anthropic.types.Message) -> int:
         return m.usage.input_tokens + (m.usage.cache_read_input_tokens or 0)
@@ -123,8 +113,8 @@ def test_system_string_and_blocks(client: anthropic.Anthropic) -> None:
     assert prompt(plain) == prompt(blocks) != prompt(default)
 
 
-def test_stream_final_message(client: anthropic.Anthropic) -> None:
-    with client.messages.stream(model=SMOL, max_tokens=8, messages=HI, **GREEDY) as s:
+def test_stream_final_message(anthropic_client: anthropic.Anthropic) -> None:
+    with anthropic_client.messages.stream(model=SMOL, max_tokens=8, messages=HI, **GREEDY) as s:
         text = "".join(s.text_stream)
         final = s.get_final_message()
     assert text.strip()
@@ -135,7 +125,7 @@ def test_stream_final_message(client: anthropic.Anthropic) -> None:
     assert final.usage.input_tokens + (final.usage.cache_read_input_tokens or 0) > 0
 
 
-def test_stream_event_order(client: anthropic.Anthropic, http: httpx.Client) -> None:
+def test_stream_event_order(anthropic_client: anthropic.Anthropic, http: httpx.Client) -> None:
     story = [{"role": "user", "content": "Write a long story about a dragon."}]
     events = raw_events(http, {"model": SMOL, "max_tokens": 6, "messages": story})
     names = [n for n, _ in events]
@@ -157,13 +147,13 @@ def test_stream_event_order(client: anthropic.Anthropic, http: httpx.Client) -> 
     u = delta["usage"]
     assert u["input_tokens"] + u["cache_read_input_tokens"] == start["usage"]["input_tokens"]
     # The SDK's raw stream reads the same events.
-    raw = client.messages.create(model=SMOL, max_tokens=6, messages=story, stream=True)
+    raw = anthropic_client.messages.create(model=SMOL, max_tokens=6, messages=story, stream=True)
     assert [e.type for e in raw] == [n for n in names if n != "ping"]
 
 
 # ---- tools ---------------------------------------------------------------------------------
-def test_forced_tool_use(client: anthropic.Anthropic) -> None:
-    r = client.messages.create(
+def test_forced_tool_use(anthropic_client: anthropic.Anthropic) -> None:
+    r = anthropic_client.messages.create(
         model="tools", max_tokens=64, **GREEDY, tools=[WEATHER],
         tool_choice={"type": "any"},
         messages=[{"role": "user", "content": "What is the weather in Paris?"}],
@@ -178,7 +168,9 @@ def test_forced_tool_use(client: anthropic.Anthropic) -> None:
     assert call.input["unit"] in ("celsius", "fahrenheit")
 
 
-def test_forced_tool_use_streamed(client: anthropic.Anthropic, http: httpx.Client) -> None:
+def test_forced_tool_use_streamed(
+    anthropic_client: anthropic.Anthropic, http: httpx.Client
+) -> None:
     body: dict[str, Any] = {
         "model": "tools", "max_tokens": 64, "tools": [WEATHER],
         "tool_choice": {"type": "tool", "name": "get_weather"},
@@ -192,7 +184,7 @@ def test_forced_tool_use_streamed(client: anthropic.Anthropic, http: httpx.Clien
     assert set(orjson.loads("".join(parts))) == {"city", "unit"}
     assert events[-2][1]["delta"]["stop_reason"] == "tool_use"
     # The SDK's helper assembles the input from the input_json_delta events.
-    with client.messages.stream(**body, **GREEDY) as s:
+    with anthropic_client.messages.stream(**body, **GREEDY) as s:
         final = s.get_final_message()
     assert final.stop_reason == "tool_use" and final.content[-1].type == "tool_use"
     assert set(final.content[-1].input) == {"city", "unit"}
@@ -214,23 +206,28 @@ HISTORY: list[dict[str, Any]] = [
 ]  # fmt: skip
 
 
-def test_tool_history(client: anthropic.Anthropic) -> None:
-    r = client.messages.create(model="tools", max_tokens=5, tools=[WEATHER], messages=HISTORY)
+def test_tool_history(anthropic_client: anthropic.Anthropic) -> None:
+    r = anthropic_client.messages.create(
+        model="tools", max_tokens=5, tools=[WEATHER], messages=HISTORY
+    )
     # Random weights with tool_choice auto answer in text (or whitespace, which llama.cpp's
     # tool-call parser trims); what matters is that the history with its tool call and result
     # went through the model's template.
     assert r.stop_reason in ("end_turn", "max_tokens", "tool_use") and r.usage.output_tokens
-    first = client.messages.count_tokens(model="tools", tools=[WEATHER], messages=HISTORY[:1])
-    whole = client.messages.count_tokens(model="tools", tools=[WEATHER], messages=HISTORY)
+    count = anthropic_client.messages.count_tokens
+    first = count(model="tools", tools=[WEATHER], messages=HISTORY[:1])
+    whole = count(model="tools", tools=[WEATHER], messages=HISTORY)
     assert whole.input_tokens > first.input_tokens + 20
 
 
-def test_error_tool_result(client: anthropic.Anthropic) -> None:
+def test_error_tool_result(anthropic_client: anthropic.Anthropic) -> None:
     history = [*HISTORY[:2], {"role": "user", "content": [
         {"type": "tool_result", "tool_use_id": "toolu_01", "content": "city not found",
          "is_error": True},
     ]}]  # fmt: skip
-    r = client.messages.create(model="tools", max_tokens=3, tools=[WEATHER], messages=history)
+    r = anthropic_client.messages.create(
+        model="tools", max_tokens=3, tools=[WEATHER], messages=history
+    )
     assert r.usage.output_tokens <= 3
 
 
@@ -270,32 +267,32 @@ def test_to_chat_history() -> None:
 
 
 # ---- thinking ------------------------------------------------------------------------------
-def test_thinking(client: anthropic.Anthropic) -> None:
-    r = client.messages.create(
+def test_thinking(anthropic_client: anthropic.Anthropic) -> None:
+    r = anthropic_client.messages.create(
         model="think", max_tokens=6, messages=HI,
         thinking={"type": "enabled", "budget_tokens": 1024},
     )  # fmt: skip
     assert r.content and r.content[0].type == "thinking"
     assert r.content[0].thinking and r.content[0].signature == ""
-    off = client.messages.create(
+    off = anthropic_client.messages.create(
         model="think", max_tokens=6, messages=HI, thinking={"type": "disabled"}
     )
     assert all(b.type != "thinking" for b in off.content)
-    default = client.messages.create(model="think", max_tokens=6, messages=HI)
+    default = anthropic_client.messages.create(model="think", max_tokens=6, messages=HI)
     assert all(b.type != "thinking" for b in default.content)
 
 
-def test_thinking_omitted(client: anthropic.Anthropic, http: httpx.Client) -> None:
+def test_thinking_omitted(anthropic_client: anthropic.Anthropic, http: httpx.Client) -> None:
     omitted = {"type": "enabled", "budget_tokens": 1024, "display": "omitted"}
-    r = client.messages.create(model="think", max_tokens=4, messages=HI, thinking=omitted)
+    r = anthropic_client.messages.create(model="think", max_tokens=4, messages=HI, thinking=omitted)
     assert r.content == [] and r.stop_reason == "max_tokens"  # all of it was reasoning
     events = raw_events(http, {"model": "think", "max_tokens": 4, "messages": HI,
                                "thinking": omitted})  # fmt: skip
     assert [n for n, _ in events] == ["message_start", "ping", "message_delta", "message_stop"]
 
 
-def test_thinking_streamed(client: anthropic.Anthropic) -> None:
-    with client.messages.stream(
+def test_thinking_streamed(anthropic_client: anthropic.Anthropic) -> None:
+    with anthropic_client.messages.stream(
         model="think", max_tokens=6, messages=HI,
         thinking={"type": "enabled", "budget_tokens": 1024},
     ) as s:  # fmt: skip
@@ -306,14 +303,14 @@ def test_thinking_streamed(client: anthropic.Anthropic) -> None:
 
 
 # ---- structured output --------------------------------------------------------------------
-def test_output_config_format(client: anthropic.Anthropic) -> None:
+def test_output_config_format(anthropic_client: anthropic.Anthropic) -> None:
     schema = {
         "type": "object",
         "properties": {"colour": {"enum": ["red", "green", "blue"]}},
         "required": ["colour"],
         "additionalProperties": False,
     }
-    r = client.messages.create(
+    r = anthropic_client.messages.create(
         model=SMOL, max_tokens=30, **GREEDY,
         messages=[{"role": "user", "content": "Name a colour, as JSON."}],
         output_config={"format": {"type": "json_schema", "schema": schema}},
@@ -323,48 +320,48 @@ def test_output_config_format(client: anthropic.Anthropic) -> None:
 
 
 # ---- counting ------------------------------------------------------------------------------
-def test_count_tokens(client: anthropic.Anthropic) -> None:
-    short = client.messages.count_tokens(model=SMOL, messages=HI).input_tokens
-    long = client.messages.count_tokens(
+def test_count_tokens(anthropic_client: anthropic.Anthropic) -> None:
+    short = anthropic_client.messages.count_tokens(model=SMOL, messages=HI).input_tokens
+    long = anthropic_client.messages.count_tokens(
         model=SMOL, messages=[{"role": "user", "content": "Say hello. " * 20}]
     ).input_tokens
     assert isinstance(short, int) and 0 < short < long
-    with_system = client.messages.count_tokens(
+    with_system = anthropic_client.messages.count_tokens(
         model="tools", messages=HI, system="Be brief."
     ).input_tokens
-    with_tools = client.messages.count_tokens(
+    with_tools = anthropic_client.messages.count_tokens(
         model="tools", messages=HI, system="Be brief.", tools=[WEATHER]
     ).input_tokens
     assert 0 < with_system < with_tools
-    r = client.messages.create(model=SMOL, max_tokens=2, messages=HI)
+    r = anthropic_client.messages.create(model=SMOL, max_tokens=2, messages=HI)
     assert r.usage.input_tokens + (r.usage.cache_read_input_tokens or 0) == short
 
 
 # ---- errors --------------------------------------------------------------------------------
-def test_unknown_model(client: anthropic.Anthropic) -> None:
+def test_unknown_model(anthropic_client: anthropic.Anthropic) -> None:
     with pytest.raises(anthropic.NotFoundError) as e:
-        client.messages.create(model="nope", max_tokens=5, messages=HI)
+        anthropic_client.messages.create(model="nope", max_tokens=5, messages=HI)
     body = e.value.body
     assert isinstance(body, dict) and body["type"] == "error"
     assert body["error"]["type"] == "not_found_error" and "nope" in body["error"]["message"]
     with pytest.raises(anthropic.NotFoundError):
-        client.messages.count_tokens(model="nope", messages=HI)
+        anthropic_client.messages.count_tokens(model="nope", messages=HI)
 
 
-def test_images_need_a_projector(client: anthropic.Anthropic) -> None:
+def test_images_need_a_projector(anthropic_client: anthropic.Anthropic) -> None:
     image = {"type": "image", "source": {"type": "base64", "media_type": "image/png",
                                          "data": "iVBORw0KGgo="}}  # fmt: skip
     messages = [{"role": "user", "content": [image, {"type": "text", "text": "What is it?"}]}]
     with pytest.raises(anthropic.BadRequestError) as e:
-        client.messages.create(model=SMOL, max_tokens=5, messages=messages)
+        anthropic_client.messages.create(model=SMOL, max_tokens=5, messages=messages)
     body = e.value.body
     assert isinstance(body, dict) and body["error"]["type"] == "invalid_request_error"
     assert "does not support images" in body["error"]["message"]
 
 
-def test_model_without_chat(client: anthropic.Anthropic) -> None:
+def test_model_without_chat(anthropic_client: anthropic.Anthropic) -> None:
     with pytest.raises(anthropic.BadRequestError) as e:
-        client.messages.create(model="embed", max_tokens=5, messages=HI)
+        anthropic_client.messages.create(model="embed", max_tokens=5, messages=HI)
     assert "does not support chat" in str(e.value)
 
 

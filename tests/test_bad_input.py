@@ -13,11 +13,6 @@ TINY = "tiny"
 HI = [{"role": "user", "content": "hi"}]
 
 
-@pytest.fixture(scope="module")
-def http(server) -> httpx.Client:
-    return server.client
-
-
 @pytest.mark.parametrize(
     "path",
     [

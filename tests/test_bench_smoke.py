@@ -164,6 +164,7 @@ def test_docs_keep_the_sections_a_run_did_not_measure() -> None:
 # --------------------------------------------------------------------------- smoke run
 
 
+@pytest.mark.e2e
 def test_smoke_run_of_every_section(tmp_path: Path) -> None:
     from corral.bench import main
 

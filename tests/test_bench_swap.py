@@ -16,16 +16,14 @@ import pytest
 
 from corral.bench import llama_build
 from corral.bench.common import EVICT_LINE, MIB, SCALES, logged_loads
+from corral.bench.pss import MemorySampler, mapped_models, parse_smaps_rollup
 from corral.bench.swap import (
     OVER,
-    MemorySampler,
-    _summarize,
-    mapped_models,
-    parse_smaps_rollup,
     peak_cell,
     replay_table,
     router_ids,
     side_by_side_goals,
+    summarize,
     variants,
 )
 
@@ -82,7 +80,7 @@ def test_a_replay_keeps_each_request_for_the_json() -> None:
          "latency": 0.0104},
         {"model": "chat-8m", "kind": "chat", "at": 0.9, "ok": False, "error": "ClientError: x"},
     ]  # fmt: skip
-    out = _summarize(results)
+    out = summarize(results)
     assert out["requests"] == 3 and out["ok"] == 2 and out["errors"] == 1
     assert out["per_request"] == [
         [0.512, "chat-8m", 1.235, 1.012, True],

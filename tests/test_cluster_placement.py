@@ -3,6 +3,7 @@ over random clusters. Pure: no Ray, no processes."""
 
 from __future__ import annotations
 
+import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -176,6 +177,7 @@ def test_error_tails_in_each_family_shape() -> None:
     assert error_tail("/api/show", "application/json", msg, b"{") is None
 
 
+@pytest.mark.e2e
 def test_single_node_corral_does_not_import_ray() -> None:
     import subprocess
     import sys

@@ -5,20 +5,22 @@ the server closed, a response cut short, and a server that is not there."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 
 import pytest
 
 from corral.cluster.relay import Broken, Pool, Unreachable, exchange
 
 
-async def serve(script: list[bytes | None]) -> tuple[asyncio.Server, int, list[int]]:
+async def serve(script: list[bytes | None]) -> tuple[asyncio.Server, int, list[asyncio.Event]]:
     """Answers each request on a connection with the next reply of `script` (None: close the
-    connection without answering); the list counts connections."""
-    conns: list[int] = []
+    connection without answering); one event per connection, set once the server closed it."""
+    conns: list[asyncio.Event] = []
     replies = iter(script)
 
     async def handle(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        conns.append(1)
+        closed = asyncio.Event()
+        conns.append(closed)
         try:
             while True:
                 head = await reader.readuntil(b"\r\n\r\n")
@@ -37,6 +39,9 @@ async def serve(script: list[bytes | None]) -> tuple[asyncio.Server, int, list[i
         except (asyncio.IncompleteReadError, StopIteration, ConnectionError):
             pass
         writer.close()
+        with contextlib.suppress(ConnectionError):
+            await writer.wait_closed()
+        closed.set()
 
     server = await asyncio.start_server(handle, "127.0.0.1", 0)
     return server, server.sockets[0].getsockname()[1], conns
@@ -75,7 +80,7 @@ async def test_a_pooled_connection_the_server_closed_is_replaced() -> None:
     pool = Pool("127.0.0.1", port)
     try:
         assert await body_of(pool) == (200, b"hello")
-        await asyncio.sleep(0.05)  # the server has closed it by now
+        await asyncio.wait_for(conns[0].wait(), 10)  # the server has closed it
         assert await body_of(pool) == (200, b"hello")
         assert len(conns) == 2
     finally:
@@ -95,8 +100,8 @@ async def test_no_answer_is_unreachable_and_a_cut_body_is_broken() -> None:
     finally:
         pool.close()
         server.close()
+    await server.wait_closed()
     nobody = Pool("127.0.0.1", port)  # the server is gone
-    await asyncio.sleep(0.05)
     with pytest.raises(Unreachable):
         await body_of(nobody)
 

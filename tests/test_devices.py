@@ -11,9 +11,10 @@ from typing import Any
 
 import psutil
 import pytest
+from helpers import fake_devices
 
 from corral.config import ConfigError
-from corral.core.devices import Device, budgets, fake_devices, live_headroom
+from corral.core.devices import Device, budgets, live_headroom
 from corral.runtime import devices
 
 GiB = 2**30

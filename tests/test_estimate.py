@@ -7,6 +7,7 @@ import dataclasses
 from pathlib import Path
 
 import pytest
+from helpers import parse_log
 
 from corral.core.estimate import (
     KV_CACHE_TYPES,
@@ -17,7 +18,7 @@ from corral.core.estimate import (
     process_bytes,
 )
 from corral.core.gguf import ModelInfo, read_model_info
-from corral.core.memreport import LOADED_MARKER, AllocationParser, device_of, parse_log
+from corral.core.memreport import LOADED_MARKER, AllocationParser, device_of
 from corral.core.spec import RunnerSpec
 from corral.runtime.runner import Runner, RunnerError
 from corral.testing import synth
@@ -226,6 +227,7 @@ async def load(info: ModelInfo, n_ctx: int, par: int, kv: str = "f16") -> tuple[
     return estimate_bytes(info, n_ctx, par, kv), alloc.total
 
 
+@pytest.mark.e2e
 @pytest.mark.parametrize(
     ("model", "n_ctx", "par", "kv"),
     [
@@ -245,6 +247,7 @@ async def test_estimate_covers_the_real_allocation(
     assert real <= est <= 1.10 * real, f"estimate {est} vs real {real} ({est / real:.3f})"
 
 
+@pytest.mark.e2e
 async def test_unusable_kv_cache_type_fails_clearly(models: dict[str, ModelInfo]) -> None:
     info = models["llama"]
     runner = Runner("llama", RunnerSpec(path=str(info.path), n_ctx=512, num_parallel=1,

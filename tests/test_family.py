@@ -6,11 +6,12 @@ from __future__ import annotations
 import re
 from pathlib import Path
 
+from helpers import fake_devices
+
 from corral.api.common import ApiError
 from corral.api.family import ANTHROPIC, LLAMACPP, OLLAMA, OPENAI, RESPONSES, FamilyRoute
 from corral.cluster.entry import FAMILIES
 from corral.config import Settings
-from corral.core.devices import fake_devices
 from corral.server import create_app
 
 

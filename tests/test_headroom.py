@@ -44,10 +44,17 @@ async def test_a_load_waits_for_memory_another_program_took(
     caplog.set_level(logging.WARNING, "corral.runtime.measure")
     try:
         ticket = sched.submit("tiny", tiny(models_dir), size=64 * 2**20)
-        await asyncio.sleep(0.5)
+
+        def waits() -> bool:
+            return any("loading model 'tiny' waits" in r.message for r in caplog.records)
+
+        for _ in range(600):  # until the scheduler says the load waits (at most 30 s)
+            if waits():
+                break
+            await asyncio.sleep(0.05)
         assert not ticket.fut.done() and not sched.view().runners  # nothing started
         assert sched.view().headroom == {"cpu": 10 * 2**20}
-        assert any("loading model 'tiny' waits" in r.message for r in caplog.records)
+        assert waits()
         free["now"] = 6 * GiB  # it exited
         lease = await asyncio.wait_for(sched.wait(ticket), 60)
         lease.release()

@@ -102,7 +102,7 @@ def test_no_import_circles() -> None:
 def test_the_graph_is_read() -> None:
     """The reader itself: it sees a late import, a relative one and a package's module."""
     g = graph()
-    assert "corral.core.units" in g["corral.core.devices"]
+    assert "corral.core.devices" in g["corral.core.placement"]
     assert "corral.api.service" in g["corral.api.openai"]
     assert g["corral.core.units"] == set()
     assert find_circles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [["a", "b", "c", "a"]]

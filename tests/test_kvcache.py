@@ -335,6 +335,7 @@ def test_a_sliding_window_cache_cannot_go_back_and_that_is_not_held_against_the_
     assert len(log_lines(s, "kv cache: saved slot 0 of 'swa:latest'")) == 4
 
 
+@pytest.mark.e2e
 async def test_a_load_waiting_for_the_memory_is_not_held_up_by_saving(
     kv_models: Path,
     tmp_path: Path,

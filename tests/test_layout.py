@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from corral.core.devices import fake_devices
+from helpers import fake_devices
+
 from corral.core.placement import ModelNeed, Placement, launch_layout, place
 
 MiB = 2**20

@@ -9,7 +9,6 @@ import os
 import shutil
 import subprocess
 import sys
-from collections.abc import Iterator
 from pathlib import Path
 
 import ollama
@@ -40,12 +39,6 @@ def models(tmp_path_factory: pytest.TempPathFactory) -> Path:
 @pytest.fixture(scope="module")
 def server(start_server, models: Path) -> CorralServer:
     return start_server(models)
-
-
-@pytest.fixture()
-def client(server: CorralServer) -> Iterator[ollama.Client]:
-    with ollama.Client(server.url) as c:
-        yield c
 
 
 def names(client: ollama.Client) -> set[str]:
@@ -83,9 +76,9 @@ def chat(
 
 # ---- create ---------------------------------------------------------------------------------
 def test_create_from_a_model_keeps_system_and_parameters(
-    client: ollama.Client, server: CorralServer, models: Path
+    ollama_client: ollama.Client, server: CorralServer, models: Path
 ) -> None:
-    parts = list(client.create(
+    parts = list(ollama_client.create(
         model="pirate", from_="tiny", system=PIRATE, template=CHATML, license="MIT",
         parameters={"temperature": 0.3, "num_ctx": 512, "num_predict": 5, "stop": ["Arr"]},
         stream=True,
@@ -94,9 +87,9 @@ def test_create_from_a_model_keeps_system_and_parameters(
     assert statuses[-2:] == ["writing manifest", "success"]
     assert "using file tiny.gguf" in statuses  # (paths relative to the models directory)
     assert any(s and s.startswith("creating new layer sha256:") for s in statuses)
-    assert "pirate:latest" in names(client)
+    assert "pirate:latest" in names(ollama_client)
 
-    shown = client.show("pirate")
+    shown = ollama_client.show("pirate")
     assert system_of(server, "pirate") == PIRATE  # (the ollama client drops `system`)
     assert shown.template == CHATML
     assert shown.license == "MIT"
@@ -108,15 +101,16 @@ def test_create_from_a_model_keeps_system_and_parameters(
 
     # Requests get the system prompt (when they have none) and the parameters as defaults;
     # the template renders them (the same prompt as the base model's with that system).
-    own, plain = chat(client, "pirate"), chat(client, "tiny", system=PIRATE, num_predict=2)
+    own = chat(ollama_client, "pirate")
+    plain = chat(ollama_client, "tiny", system=PIRATE, num_predict=2)
     assert own.prompt_eval_count == plain.prompt_eval_count
     assert own.eval_count is not None and own.eval_count <= 5  # num_predict 5
-    assert {m.model: m.context_length for m in client.ps().models}["pirate:latest"] == 512
-    overridden = chat(client, "pirate", system="Be brief.")
-    brief = chat(client, "tiny", system="Be brief.", num_predict=2)
+    assert {m.model: m.context_length for m in ollama_client.ps().models}["pirate:latest"] == 512
+    overridden = chat(ollama_client, "pirate", system="Be brief.")
+    brief = chat(ollama_client, "tiny", system="Be brief.", num_predict=2)
     assert overridden.prompt_eval_count == brief.prompt_eval_count
-    longer = client.chat(model="pirate", messages=[{"role": "user", "content": "Hi"}],
-                         options={"num_predict": 9, "temperature": 0})  # fmt: skip
+    longer = ollama_client.chat(model="pirate", messages=[{"role": "user", "content": "Hi"}],
+                                options={"num_predict": 9, "temperature": 0})  # fmt: skip
     assert longer.eval_count is not None and longer.eval_count > 5  # the request's own wins
 
     # ... on the OpenAI API too (the byte pass-through)
@@ -132,76 +126,78 @@ def test_create_from_a_model_keeps_system_and_parameters(
 
 
 def test_create_from_another_created_model_merges(
-    client: ollama.Client, server: CorralServer
+    ollama_client: ollama.Client, server: CorralServer
 ) -> None:
-    client.create(model="pirate-base", from_="tiny", system=PIRATE,
-                  parameters={"temperature": 0.3, "num_predict": 5})  # fmt: skip
-    client.create(model="pirate-hot", from_="pirate-base", parameters={"temperature": 1.5})
-    shown = client.show("pirate-hot")
+    ollama_client.create(model="pirate-base", from_="tiny", system=PIRATE,
+                         parameters={"temperature": 0.3, "num_predict": 5})  # fmt: skip
+    ollama_client.create(model="pirate-hot", from_="pirate-base", parameters={"temperature": 1.5})
+    shown = ollama_client.show("pirate-hot")
     assert system_of(server, "pirate-hot") == PIRATE
     params = shown.parameters or ""
     assert "1.5" in params and "num_predict" in params and "0.3" not in params
 
 
-def test_create_from_uploaded_blobs(client: ollama.Client, models: Path, tmp_path: Path) -> None:
+def test_create_from_uploaded_blobs(
+    ollama_client: ollama.Client, models: Path, tmp_path: Path
+) -> None:
     src = synth.write_llama_model(tmp_path / "upload.gguf", seed=9)
-    digest = client.create_blob(src)
+    digest = ollama_client.create_blob(src)
     assert digest == "sha256:" + hashlib.sha256(src.read_bytes()).hexdigest()
     blob = models / STORE_DIR / "blobs" / f"sha256-{digest.split(':')[1]}"
     assert blob.read_bytes() == src.read_bytes()
-    parts = list(client.create(model="uploaded", files={"upload.gguf": digest}, stream=True))
+    parts = list(ollama_client.create(model="uploaded", files={"upload.gguf": digest}, stream=True))
     statuses = [p.status for p in parts]
     assert statuses[0] == "parsing GGUF" and f"using existing layer {digest}" in statuses
     assert statuses[-1] == "success"
-    r = client.generate(model="uploaded", prompt="Hi", options={"num_predict": 3})
+    r = ollama_client.generate(model="uploaded", prompt="Hi", options={"num_predict": 3})
     assert r.done
 
     missing = "sha256:" + "0" * 64
     with pytest.raises(ollama.ResponseError) as e:
-        client.create(model="nope", files={"x.gguf": missing})
+        ollama_client.create(model="nope", files={"x.gguf": missing})
     assert e.value.status_code == 400 and "upload it first" in e.value.error
     text = tmp_path / "notes.txt"
     text.write_text("not a model")
     with pytest.raises(ollama.ResponseError) as e:
-        client.create(model="nope", files={"notes.txt": client.create_blob(text)})
+        ollama_client.create(model="nope", files={"notes.txt": ollama_client.create_blob(text)})
     assert e.value.status_code == 400 and "not a GGUF file" in e.value.error
-    assert "nope:latest" not in names(client)
+    assert "nope:latest" not in names(ollama_client)
 
 
-def test_create_refusals(client: ollama.Client) -> None:
+def test_create_refusals(ollama_client: ollama.Client) -> None:
     with pytest.raises(ollama.ResponseError) as e:
-        client.create(model="small", from_="tiny", quantize="q4_K_M")
+        ollama_client.create(model="small", from_="tiny", quantize="q4_K_M")
     assert e.value.status_code == 400 and "quantize is not supported" in e.value.error
     with pytest.raises(ollama.ResponseError) as e:
-        client.create(model="x", from_="no-such-model")
+        ollama_client.create(model="x", from_="no-such-model")
     assert e.value.status_code == 404 and "no-such-model" in e.value.error
     with pytest.raises(ollama.ResponseError) as e:
-        client.create(model="other", from_="tiny")  # other.gguf is the user's file
+        ollama_client.create(model="other", from_="tiny")  # other.gguf is the user's file
     assert e.value.status_code == 400 and "other.gguf" in e.value.error
     with pytest.raises(ollama.ResponseError) as e:
-        client.create(model="x", from_="tiny", parameters={"temprature": 1})
+        ollama_client.create(model="x", from_="tiny", parameters={"temprature": 1})
     assert e.value.status_code == 400 and "unknown parameter 'temprature'" in e.value.error
     with pytest.raises(ollama.ResponseError) as e:
-        client.create(model="x")
+        ollama_client.create(model="x")
     assert e.value.status_code == 400 and "'from'" in e.value.error
 
 
-def test_create_with_an_adapter(client: ollama.Client, models: Path, tmp_path: Path) -> None:
+def test_create_with_an_adapter(ollama_client: ollama.Client, models: Path, tmp_path: Path) -> None:
     """Ollama's ADAPTER through /api/create: the runner loads it, and it changes the output."""
     lora = synth.write_lora_adapter(tmp_path / "lora.gguf", models / "tiny.gguf")
-    digest = client.create_blob(lora)
-    parts = list(client.create(model="tuned", from_="tiny", adapters={"lora.gguf": digest},
-                               stream=True))  # fmt: skip
+    digest = ollama_client.create_blob(lora)
+    parts = list(ollama_client.create(model="tuned", from_="tiny", adapters={"lora.gguf": digest},
+                                      stream=True))  # fmt: skip
     assert f"using existing layer {digest}" in [p.status for p in parts]
-    modelfile = client.show("tuned").modelfile or ""
+    modelfile = ollama_client.show("tuned").modelfile or ""
     assert "ADAPTER " in modelfile and f"sha256-{digest.split(':')[1]}" in modelfile
     opts = {"num_predict": 12, "temperature": 0, "seed": 1}
-    tuned = client.generate(model="tuned", prompt="Once upon a time", options=opts)
-    plain = client.generate(model="tiny", prompt="Once upon a time", options=opts)
+    tuned = ollama_client.generate(model="tuned", prompt="Once upon a time", options=opts)
+    plain = ollama_client.generate(model="tiny", prompt="Once upon a time", options=opts)
     assert tuned.response != plain.response
     with pytest.raises(ollama.ResponseError) as e:  # a model file is not an adapter
-        client.create(model="x", from_="tiny",
-                      adapters={"m.gguf": client.create_blob(models / "other.gguf")})  # fmt: skip
+        not_an_adapter = ollama_client.create_blob(models / "other.gguf")
+        ollama_client.create(model="x", from_="tiny", adapters={"m.gguf": not_an_adapter})
     assert e.value.status_code == 400 and "not a LoRA adapter" in e.value.error
 
 
@@ -222,52 +218,53 @@ def test_blob_upload_is_checked_against_its_digest(server: CorralServer, models:
 
 
 # ---- copy, delete, push -----------------------------------------------------------------------
-def test_copy_and_delete(client: ollama.Client, server: CorralServer, models: Path) -> None:
-    client.create(model="captain", from_="tiny", system=PIRATE)
-    assert client.copy("captain", "captain-copy").status == "success"
+def test_copy_and_delete(ollama_client: ollama.Client, server: CorralServer, models: Path) -> None:
+    ollama_client.create(model="captain", from_="tiny", system=PIRATE)
+    assert ollama_client.copy("captain", "captain-copy").status == "success"
     assert system_of(server, "captain-copy") == PIRATE
     # a copy of the user's own file refers to it; deleting the copy leaves the file alone
-    assert client.copy("tiny", "tiny-alias").status == "success"
-    assert from_line(client.show("tiny-alias").modelfile) == "tiny.gguf"
-    assert client.delete("tiny-alias").status == "success"
-    assert (models / "tiny.gguf").is_file() and "tiny:latest" in names(client)
-    assert "tiny-alias:latest" not in names(client)
+    assert ollama_client.copy("tiny", "tiny-alias").status == "success"
+    assert from_line(ollama_client.show("tiny-alias").modelfile) == "tiny.gguf"
+    assert ollama_client.delete("tiny-alias").status == "success"
+    assert (models / "tiny.gguf").is_file() and "tiny:latest" in names(ollama_client)
+    assert "tiny-alias:latest" not in names(ollama_client)
 
-    assert client.delete("captain").status == "success"
-    assert "captain:latest" not in names(client) and "captain-copy:latest" in names(client)
+    assert ollama_client.delete("captain").status == "success"
+    listed = names(ollama_client)
+    assert "captain:latest" not in listed and "captain-copy:latest" in listed
 
     with pytest.raises(ollama.ResponseError) as e:
-        client.copy("captain", "again")  # gone
+        ollama_client.copy("captain", "again")  # gone
     assert e.value.status_code == 404
     with pytest.raises(ollama.ResponseError) as e:
-        client.copy("captain-copy", "tiny")  # the user's file's name
+        ollama_client.copy("captain-copy", "tiny")  # the user's file's name
     assert e.value.status_code == 400
 
 
 def test_delete_never_touches_files_corral_did_not_make(
-    client: ollama.Client, server: CorralServer, models: Path
+    ollama_client: ollama.Client, server: CorralServer, models: Path
 ) -> None:
     r = server.client.request("DELETE", "/api/delete", json={"model": "tiny"})
     assert r.status_code == 400
     error = r.json()["error"]
     assert "never deletes it" in error and "the file tiny.gguf" in error
     assert (models / "tiny.gguf").is_file()
-    if "smollm2:135m" in names(client):
+    if "smollm2:135m" in names(ollama_client):
         r = server.client.request("DELETE", "/api/delete", json={"model": "smollm2:135m"})
         assert r.status_code == 400 and "built-in" in r.json()["error"]
     with pytest.raises(ollama.ResponseError) as e:
-        client.delete("never-was")
+        ollama_client.delete("never-was")
     assert e.value.status_code == 404
 
 
 def test_delete_a_loaded_model_unloads_it_first(
-    client: ollama.Client, server: CorralServer, models: Path, tmp_path: Path
+    ollama_client: ollama.Client, server: CorralServer, models: Path, tmp_path: Path
 ) -> None:
     src = synth.write_llama_model(tmp_path / "own.gguf", seed=12)
-    digest = client.create_blob(src)
-    client.create(model="busy", files={"own.gguf": digest})
-    client.generate(model="busy", prompt="Hi", options={"num_predict": 2})
-    assert "busy:latest" in {m.model for m in client.ps().models}
+    digest = ollama_client.create_blob(src)
+    ollama_client.create(model="busy", files={"own.gguf": digest})
+    ollama_client.generate(model="busy", prompt="Hi", options={"num_predict": 2})
+    assert "busy:latest" in {m.model for m in ollama_client.ps().models}
     r = server.client.request("DELETE", "/api/delete", json={"model": "busy"})
     assert r.status_code == 200, r.text
     out = r.json()
@@ -275,13 +272,13 @@ def test_delete_a_loaded_model_unloads_it_first(
     blob = f"{STORE_DIR}/blobs/sha256-{digest.split(':')[1]}"
     assert blob in out["removed"] and not (models / blob).exists()
     assert f"{STORE_DIR}/manifests/busy%3Alatest.json" in out["removed"]
-    assert "busy:latest" not in {m.model for m in client.ps().models}
-    assert "busy:latest" not in names(client)
+    assert "busy:latest" not in {m.model for m in ollama_client.ps().models}
+    assert "busy:latest" not in names(ollama_client)
 
 
-def test_push_is_not_supported(client: ollama.Client) -> None:
+def test_push_is_not_supported(ollama_client: ollama.Client) -> None:
     with pytest.raises(ollama.ResponseError) as e:
-        client.push("tiny")
+        ollama_client.push("tiny")
     assert e.value.status_code == 501 and "push is not supported" in e.value.error
 
 

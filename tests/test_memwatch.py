@@ -13,9 +13,15 @@ import aiohttp
 from corral.core.estimate import estimate
 from corral.core.gguf import read_model_info
 from corral.core.spec import RunnerSpec
-from corral.runtime.memwatch import code_rss, process_memory, process_usage
+from corral.runtime.memwatch import code_rss, process_usage
 from corral.runtime.registry import smollm2_path
 from corral.runtime.scheduler import Scheduler
+
+
+def process_memory(pid: int) -> int | None:
+    """Resident memory of a process and its children, in bytes; None if it is gone."""
+    u = process_usage(pid)
+    return None if u is None else u.rss
 
 
 def test_a_process_that_allocates_measures_more() -> None:

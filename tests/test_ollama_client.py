@@ -10,14 +10,9 @@ import pytest
 SMOL = "smollm2:135m"
 
 
-@pytest.fixture(scope="module")
-def client(server) -> ollama.Client:
-    return ollama.Client(host=server.url)
-
-
-def test_generate_streams_tokens_then_final_stats(client: ollama.Client) -> None:
+def test_generate_streams_tokens_then_final_stats(ollama_client: ollama.Client) -> None:
     chunks = list(
-        client.generate(
+        ollama_client.generate(
             model=SMOL,
             prompt="Name a colour.",
             stream=True,
@@ -36,32 +31,34 @@ def test_generate_streams_tokens_then_final_stats(client: ollama.Client) -> None
     assert final.total_duration >= final.eval_duration
 
 
-def test_generate_not_streamed_is_deterministic_with_seed(client: ollama.Client) -> None:
+def test_generate_not_streamed_is_deterministic_with_seed(ollama_client: ollama.Client) -> None:
     opts = {"num_predict": 10, "temperature": 0, "seed": 42}
-    a = client.generate(model=SMOL, prompt="The capital of France is", options=opts)
-    b = client.generate(model=SMOL, prompt="The capital of France is", options=opts)
+    a = ollama_client.generate(model=SMOL, prompt="The capital of France is", options=opts)
+    b = ollama_client.generate(model=SMOL, prompt="The capital of France is", options=opts)
     assert a.done and a.response.strip()
     assert a.response == b.response
     assert a.done_reason == "length" and a.eval_count == 10
 
 
-def test_generate_raw_prompt_uses_no_template(client: ollama.Client) -> None:
-    r = client.generate(
+def test_generate_raw_prompt_uses_no_template(ollama_client: ollama.Client) -> None:
+    r = ollama_client.generate(
         model=SMOL, prompt="1, 2, 3, 4,", raw=True, options={"num_predict": 4, "temperature": 0}
     )
     assert r.done and r.response
 
 
-def test_chat_streamed_and_not(client: ollama.Client) -> None:
+def test_chat_streamed_and_not(ollama_client: ollama.Client) -> None:
     msgs = [
         {"role": "system", "content": "You are terse."},
         {"role": "user", "content": "Say hello."},
     ]
-    full = client.chat(model=SMOL, messages=msgs, options={"num_predict": 12, "temperature": 0})
+    full = ollama_client.chat(
+        model=SMOL, messages=msgs, options={"num_predict": 12, "temperature": 0}
+    )
     assert full.message.role == "assistant" and full.message.content.strip()
     assert full.done and full.eval_count
     parts = list(
-        client.chat(
+        ollama_client.chat(
             model=SMOL, messages=msgs, stream=True, options={"num_predict": 12, "temperature": 0}
         )
     )
@@ -69,10 +66,10 @@ def test_chat_streamed_and_not(client: ollama.Client) -> None:
     assert parts[-1].done and parts[-1].done_reason in ("stop", "length")
 
 
-def test_chat_format_json_gives_json(client: ollama.Client) -> None:
+def test_chat_format_json_gives_json(ollama_client: ollama.Client) -> None:
     import json
 
-    r = client.chat(
+    r = ollama_client.chat(
         model=SMOL,
         messages=[{"role": "user", "content": "Give a JSON object."}],
         format="json",
@@ -82,60 +79,60 @@ def test_chat_format_json_gives_json(client: ollama.Client) -> None:
     assert r.message.content.lstrip().startswith(("{", "["))
 
 
-def test_embed_and_legacy_embeddings(client: ollama.Client) -> None:
-    r = client.embed(model="embed", input=["hello world", "goodbye"])
+def test_embed_and_legacy_embeddings(ollama_client: ollama.Client) -> None:
+    r = ollama_client.embed(model="embed", input=["hello world", "goodbye"])
     assert len(r.embeddings) == 2
     assert len(r.embeddings[0]) == 64  # n_embd of the synthetic bert model
     norm = math.sqrt(sum(x * x for x in r.embeddings[0]))
     assert abs(norm - 1.0) < 1e-3  # /api/embed returns normalised vectors, as Ollama does
     assert r.embeddings[0] != r.embeddings[1]
-    one = client.embeddings(model="embed", prompt="hello world")
+    one = ollama_client.embeddings(model="embed", prompt="hello world")
     assert len(one.embedding) == 64
-    short = client.embed(model="embed", input="hello", dimensions=16)
+    short = ollama_client.embed(model="embed", input="hello", dimensions=16)
     assert len(short.embeddings[0]) == 16
 
 
-def test_embed_on_a_chat_model_is_refused(client: ollama.Client) -> None:
+def test_embed_on_a_chat_model_is_refused(ollama_client: ollama.Client) -> None:
     with pytest.raises(ollama.ResponseError) as e:
-        client.embed(model=SMOL, input="x")
+        ollama_client.embed(model=SMOL, input="x")
     assert e.value.status_code == 400 and "does not support embeddings" in e.value.error
 
 
-def test_list_show_ps(client: ollama.Client) -> None:
-    names = {m.model for m in client.list().models}
+def test_list_show_ps(ollama_client: ollama.Client) -> None:
+    names = {m.model for m in ollama_client.list().models}
     assert {SMOL, "tiny:latest", "embed:latest"} <= names
-    smol = next(m for m in client.list().models if m.model == SMOL)
+    smol = next(m for m in ollama_client.list().models if m.model == SMOL)
     assert smol.size and smol.size > 90_000_000 and smol.details.family == "llama"
     assert smol.details.quantization_level == "Q4_1"
 
-    show = client.show(SMOL)
+    show = ollama_client.show(SMOL)
     assert "completion" in show.capabilities
     assert show.modelinfo["general.architecture"] == "llama"
     assert show.modelinfo["llama.block_count"] == 30
     assert show.template and "im_start" in show.template
-    assert "embedding" in client.show("embed").capabilities
+    assert "embedding" in ollama_client.show("embed").capabilities
 
-    client.generate(model=SMOL, prompt="hi", options={"num_predict": 1})
-    ps = {m.model: m for m in client.ps().models}
+    ollama_client.generate(model=SMOL, prompt="hi", options={"num_predict": 1})
+    ps = {m.model: m for m in ollama_client.ps().models}
     assert SMOL in ps
     assert ps[SMOL].size and ps[SMOL].size > 90_000_000
     assert ps[SMOL].context_length == 1024
     assert ps[SMOL].expires_at is not None
 
 
-def test_load_only_and_unload(client: ollama.Client, server) -> None:
-    r = client.generate(model="tiny")
+def test_load_only_and_unload(ollama_client: ollama.Client, server) -> None:
+    r = ollama_client.generate(model="tiny")
     assert r.done and r.done_reason == "load"
-    assert "tiny:latest" in {m.model for m in client.ps().models}
-    r = client.chat(model="tiny", messages=[], keep_alive=0)
+    assert "tiny:latest" in {m.model for m in ollama_client.ps().models}
+    r = ollama_client.chat(model="tiny", messages=[], keep_alive=0)
     assert r.done and r.done_reason == "unload"
     server.wait_for(
         lambda: "tiny:latest" not in {m["model"] for m in server.ps()}, what="tiny to unload"
     )
 
 
-def test_unknown_model_is_404(client: ollama.Client) -> None:
+def test_unknown_model_is_404(ollama_client: ollama.Client) -> None:
     with pytest.raises(ollama.ResponseError) as e:
-        client.generate(model="does-not-exist", prompt="hi")
+        ollama_client.generate(model="does-not-exist", prompt="hi")
     assert e.value.status_code == 404
     assert "model 'does-not-exist' not found" in e.value.error

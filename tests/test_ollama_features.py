@@ -33,57 +33,54 @@ WEATHER = {
 }
 
 
-@pytest.fixture(scope="module")
-def client(server) -> ollama.Client:
-    return ollama.Client(host=server.url)
-
-
-def test_think_separates_reasoning(client: ollama.Client) -> None:
-    r = client.chat(
+def test_think_separates_reasoning(ollama_client: ollama.Client) -> None:
+    r = ollama_client.chat(
         model="think", messages=[{"role": "user", "content": "hi"}], think=True,
         options={"num_predict": 8, "seed": 1},
     )  # fmt: skip
     # The template opens <think> and random weights never close it: all of it is reasoning.
     assert r.message.thinking and not r.message.content
-    off = client.chat(
+    off = ollama_client.chat(
         model="think", messages=[{"role": "user", "content": "hi"}], think=False,
         options={"num_predict": 8, "seed": 1},
     )  # fmt: skip
     assert off.message.content and not off.message.thinking
-    streamed = list(client.generate(
+    streamed = list(ollama_client.generate(
         model="think", prompt="hi", think="high", stream=True, options={"num_predict": 6},
     ))  # fmt: skip
     assert "".join(c.thinking or "" for c in streamed) and streamed[-1].done
 
 
-def test_think_on_a_model_without_reasoning_is_a_400(client: ollama.Client) -> None:
+def test_think_on_a_model_without_reasoning_is_a_400(ollama_client: ollama.Client) -> None:
     with pytest.raises(ollama.ResponseError) as e:
-        client.chat(model="tiny", messages=[{"role": "user", "content": "hi"}], think=True)
+        ollama_client.chat(model="tiny", messages=[{"role": "user", "content": "hi"}], think=True)
     assert e.value.status_code == 400 and "does not support thinking" in e.value.error
 
 
-def test_tools_without_a_tool_template(client: ollama.Client) -> None:
+def test_tools_without_a_tool_template(ollama_client: ollama.Client) -> None:
     # corral shows the tools to a model whose template has none (tests/test_tools_fallback.py).
-    r = client.chat(
+    r = ollama_client.chat(
         model="tiny", messages=[{"role": "user", "content": "hi"}], tools=[WEATHER],
         options={"num_predict": 4},
     )  # fmt: skip
     assert r.done
 
 
-def test_tool_history_goes_through_the_template(client: ollama.Client) -> None:
+def test_tool_history_goes_through_the_template(ollama_client: ollama.Client) -> None:
     messages = [
         {"role": "user", "content": "Weather in Paris?"},
         {"role": "assistant", "content": "", "tool_calls": [
             {"function": {"name": "get_weather", "arguments": {"city": "Paris"}}}]},
         {"role": "tool", "content": "18 degrees, sunny", "tool_name": "get_weather"},
     ]  # fmt: skip
-    r = client.chat(model="tools", messages=messages, tools=[WEATHER], options={"num_predict": 4})
+    r = ollama_client.chat(
+        model="tools", messages=messages, tools=[WEATHER], options={"num_predict": 4}
+    )
     assert r.done and r.prompt_eval_count and r.prompt_eval_count > 30
 
 
-def test_logprobs_on_generate_and_chat(client: ollama.Client) -> None:
-    r = client.generate(
+def test_logprobs_on_generate_and_chat(ollama_client: ollama.Client) -> None:
+    r = ollama_client.generate(
         model=SMOL, prompt="Say hi.", logprobs=True, top_logprobs=3,
         options={"num_predict": 5, "temperature": 0},
     )  # fmt: skip
@@ -93,40 +90,42 @@ def test_logprobs_on_generate_and_chat(client: ollama.Client) -> None:
         assert lp.top_logprobs and len(lp.top_logprobs) == 3
         assert lp.top_logprobs[0].logprob >= lp.top_logprobs[-1].logprob
     assert "".join(lp.token for lp in r.logprobs) == r.response
-    chunks = list(client.chat(
+    chunks = list(ollama_client.chat(
         model=SMOL, messages=[{"role": "user", "content": "Say hi."}], logprobs=True,
         stream=True, options={"num_predict": 5, "temperature": 0},
     ))  # fmt: skip
     tokens = [lp.token for c in chunks for lp in (c.logprobs or [])]
     assert "".join(tokens) == "".join(c.message.content for c in chunks)
-    plain = client.generate(model=SMOL, prompt="Say hi.", options={"num_predict": 2})
+    plain = ollama_client.generate(model=SMOL, prompt="Say hi.", options={"num_predict": 2})
     assert plain.logprobs is None
 
 
-def test_images_without_a_projector_are_a_400(client: ollama.Client) -> None:
+def test_images_without_a_projector_are_a_400(ollama_client: ollama.Client) -> None:
     with pytest.raises(ollama.ResponseError) as e:
-        client.generate(model=SMOL, prompt="What is this?", images=[PNG])
+        ollama_client.generate(model=SMOL, prompt="What is this?", images=[PNG])
     assert e.value.status_code == 400 and "does not support images" in e.value.error
     with pytest.raises(ollama.ResponseError) as e:
-        client.chat(model=SMOL, messages=[{"role": "user", "content": "?", "images": [PNG]}])
+        ollama_client.chat(model=SMOL, messages=[{"role": "user", "content": "?", "images": [PNG]}])
     assert e.value.status_code == 400 and "does not support images" in e.value.error
 
 
-def test_generate_details(client: ollama.Client, server) -> None:
+def test_generate_details(ollama_client: ollama.Client, server) -> None:
     with pytest.raises(ollama.ResponseError) as e:
-        client.generate(model=SMOL, prompt="def f(", suffix="return 1")
+        ollama_client.generate(model=SMOL, prompt="def f(", suffix="return 1")
     assert e.value.status_code == 400 and "does not support insert" in e.value.error
-    plain = client.generate(model=SMOL, prompt="Hi", options={"num_predict": 3})
+    plain = ollama_client.generate(model=SMOL, prompt="Hi", options={"num_predict": 3})
     assert plain.context is None  # opt-in: it costs runner calls
-    r = client.generate(
+    r = ollama_client.generate(
         model=SMOL, prompt="Hi", context=[], options={"num_predict": 3, "temperature": 0}
     )
     assert r.context and all(isinstance(t, int) for t in r.context)
-    again = client.generate(
+    again = ollama_client.generate(
         model=SMOL, prompt="And again?", context=r.context, options={"num_predict": 3}
     )
     assert again.done and len(again.context or []) > len(r.context)
-    raw = client.generate(model=SMOL, prompt="The sky is", raw=True, options={"num_predict": 3})
+    raw = ollama_client.generate(
+        model=SMOL, prompt="The sky is", raw=True, options={"num_predict": 3}
+    )
     assert raw.response and raw.context is None
     # A request's own Go template, as Ollama renders it, completed as a raw prompt.
     templated = server.client.post("/api/generate", json={
@@ -148,15 +147,15 @@ def test_generate_details(client: ollama.Client, server) -> None:
         assert resp.status_code == 400, body
 
 
-def test_chat_format_schema_and_stop(client: ollama.Client) -> None:
+def test_chat_format_schema_and_stop(ollama_client: ollama.Client) -> None:
     schema = {"type": "object", "properties": {"answer": {"enum": ["yes", "no"]}},
               "required": ["answer"]}  # fmt: skip
-    r = client.chat(
+    r = ollama_client.chat(
         model=SMOL, messages=[{"role": "user", "content": "Is the sky blue?"}], format=schema,
         options={"num_predict": 40, "temperature": 0},
     )  # fmt: skip
     assert json.loads(r.message.content)["answer"] in ("yes", "no")
-    r = client.chat(
+    r = ollama_client.chat(
         model=SMOL, messages=[{"role": "user", "content": "Write a sentence about cats."}],
         options={"num_predict": 30, "temperature": 0, "stop": [" "]},
     )  # fmt: skip
@@ -208,13 +207,13 @@ def test_chunks_carry_tool_calls_with_object_arguments() -> None:
     assert whole["message"]["tool_calls"] == calls
 
 
-def test_embed_truncates_long_input_unless_told_not_to(client: ollama.Client) -> None:
+def test_embed_truncates_long_input_unless_told_not_to(ollama_client: ollama.Client) -> None:
     long = "word " * 3000  # well past the 512 tokens one embedding batch holds
-    r = client.embed(model="embed", input=["short", long])
+    r = ollama_client.embed(model="embed", input=["short", long])
     assert len(r.embeddings) == 2 and len(r.embeddings[0]) == len(r.embeddings[1])
     assert r.embeddings[0] != r.embeddings[1]
     with pytest.raises(ollama.ResponseError) as e:
-        client.embed(model="embed", input=long, truncate=False)
+        ollama_client.embed(model="embed", input=long, truncate=False)
     assert e.value.status_code == 400 and "truncate" in e.value.error
 
 

@@ -8,13 +8,8 @@ import pytest
 SMOL = "smollm2:135m"
 
 
-@pytest.fixture(scope="module")
-def client(server) -> openai.OpenAI:
-    return openai.OpenAI(base_url=f"{server.url}/v1", api_key="unused", max_retries=0)
-
-
-def test_chat_completion(client: openai.OpenAI) -> None:
-    r = client.chat.completions.create(
+def test_chat_completion(openai_client: openai.OpenAI) -> None:
+    r = openai_client.chat.completions.create(
         model=SMOL,
         messages=[{"role": "user", "content": "Say hello."}],
         max_tokens=10,
@@ -27,8 +22,8 @@ def test_chat_completion(client: openai.OpenAI) -> None:
     assert r.usage and r.usage.completion_tokens and r.usage.completion_tokens <= 10
 
 
-def test_chat_completion_streamed_with_usage(client: openai.OpenAI) -> None:
-    stream = client.chat.completions.create(
+def test_chat_completion_streamed_with_usage(openai_client: openai.OpenAI) -> None:
+    stream = openai_client.chat.completions.create(
         model=SMOL,
         messages=[{"role": "user", "content": "Count to five."}],
         max_tokens=12,
@@ -44,34 +39,36 @@ def test_chat_completion_streamed_with_usage(client: openai.OpenAI) -> None:
     assert usage and usage[-1].completion_tokens and usage[-1].prompt_tokens
 
 
-def test_completions(client: openai.OpenAI) -> None:
-    r = client.completions.create(
+def test_completions(openai_client: openai.OpenAI) -> None:
+    r = openai_client.completions.create(
         model=SMOL, prompt="Once upon a time", max_tokens=6, temperature=0
     )
     assert r.choices[0].text
 
 
-def test_embeddings(client: openai.OpenAI) -> None:
-    r = client.embeddings.create(model="embed", input=["a", "b", "c"])
+def test_embeddings(openai_client: openai.OpenAI) -> None:
+    r = openai_client.embeddings.create(model="embed", input=["a", "b", "c"])
     assert [d.index for d in r.data] == [0, 1, 2]
     assert all(len(d.embedding) == 64 for d in r.data)
 
 
-def test_models(client: openai.OpenAI) -> None:
-    ids = {m.id for m in client.models.list()}
+def test_models(openai_client: openai.OpenAI) -> None:
+    ids = {m.id for m in openai_client.models.list()}
     assert {SMOL, "tiny:latest", "embed:latest"} <= ids
-    m = client.models.retrieve(SMOL)
+    m = openai_client.models.retrieve(SMOL)
     assert m.id == SMOL and m.object == "model"
 
 
-def test_errors_in_openai_shape(client: openai.OpenAI) -> None:
+def test_errors_in_openai_shape(openai_client: openai.OpenAI) -> None:
     with pytest.raises(openai.NotFoundError) as e:
-        client.chat.completions.create(model="nope", messages=[{"role": "user", "content": "x"}])
+        openai_client.chat.completions.create(
+            model="nope", messages=[{"role": "user", "content": "x"}]
+        )
     assert e.value.status_code == 404
     body = e.value.body
     assert isinstance(body, dict) and body["code"] == "model_not_found"
     assert "model 'nope' not found" in body["message"] and body["type"]
     with pytest.raises(openai.NotFoundError):
-        client.models.retrieve("nope")
+        openai_client.models.retrieve("nope")
     with pytest.raises(openai.BadRequestError):
-        client.chat.completions.create(model=SMOL, messages=[])
+        openai_client.chat.completions.create(model=SMOL, messages=[])

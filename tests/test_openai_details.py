@@ -41,16 +41,6 @@ TIME = {
 TOOLS: Any = [WEATHER, TIME]
 
 
-@pytest.fixture(scope="module")
-def client(server) -> openai.OpenAI:
-    return openai.OpenAI(base_url=f"{server.url}/v1", api_key="x", max_retries=0)
-
-
-@pytest.fixture(scope="module")
-def http(server) -> httpx.Client:
-    return server.client
-
-
 def sse(http: httpx.Client, path: str, body: dict[str, Any]) -> list[Any]:
     """The JSON payloads of a raw SSE response, "[DONE]" kept as a string."""
     with http.stream("POST", path, json=body) as r:
@@ -72,10 +62,12 @@ def error_of(r: httpx.Response, status: int = 400) -> dict[str, Any]:
 
 
 @pytest.mark.parametrize("name", ["tiny", "tiny:latest", "Tiny"])
-def test_model_is_the_name_asked_for(client: openai.OpenAI, http: httpx.Client, name: str) -> None:
-    r = client.chat.completions.create(model=name, messages=HI, max_tokens=2)
+def test_model_is_the_name_asked_for(
+    openai_client: openai.OpenAI, http: httpx.Client, name: str
+) -> None:
+    r = openai_client.chat.completions.create(model=name, messages=HI, max_tokens=2)
     assert r.model == name
-    c = client.completions.create(model=name, prompt="hi", max_tokens=2)
+    c = openai_client.completions.create(model=name, prompt="hi", max_tokens=2)
     assert c.model == name
     for path, body in [
         ("/v1/chat/completions", {"messages": HI}),
@@ -93,10 +85,10 @@ def test_pass_through_stays_a_pass_through(http: httpx.Client) -> None:
     assert r.status_code == 200 and "timings" in r.json() and r.json()["model"] == "tiny"
 
 
-def test_embeddings_model_is_the_name_asked_for(client: openai.OpenAI) -> None:
+def test_embeddings_model_is_the_name_asked_for(openai_client: openai.OpenAI) -> None:
     for name in ("embed", "embed:latest"):
-        assert client.embeddings.create(model=name, input="hi").model == name
-        r = client.embeddings.create(model=name, input="hi", dimensions=4)
+        assert openai_client.embeddings.create(model=name, input="hi").model == name
+        r = openai_client.embeddings.create(model=name, input="hi", dimensions=4)
         assert r.model == name
 
 
@@ -120,8 +112,8 @@ def check_call(call: Any, name: str | None = None) -> dict[str, Any]:
     ("choice", "name"),
     [("required", None), ({"type": "function", "function": {"name": "get_time"}}, "get_time")],
 )
-def test_forced_tool_call(client: openai.OpenAI, choice: Any, name: str | None) -> None:
-    r = client.chat.completions.create(
+def test_forced_tool_call(openai_client: openai.OpenAI, choice: Any, name: str | None) -> None:
+    r = openai_client.chat.completions.create(
         model="tools",
         messages=[{"role": "user", "content": "Weather in Paris?"}],
         tools=TOOLS,
@@ -138,8 +130,8 @@ def test_forced_tool_call(client: openai.OpenAI, choice: Any, name: str | None) 
     assert r.usage.total_tokens == r.usage.prompt_tokens + r.usage.completion_tokens
 
 
-def test_forced_tool_call_streamed(client: openai.OpenAI, http: httpx.Client) -> None:
-    stream = client.chat.completions.create(
+def test_forced_tool_call_streamed(openai_client: openai.OpenAI, http: httpx.Client) -> None:
+    stream = openai_client.chat.completions.create(
         model="tools:latest",
         messages=[{"role": "user", "content": "Weather in Paris?"}],
         tools=TOOLS,
@@ -214,9 +206,9 @@ def test_bad_tools_are_400(
         assert err["param"] == param and words in err["message"]
 
 
-def test_bad_tool_choice_through_the_client(client: openai.OpenAI) -> None:
+def test_bad_tool_choice_through_the_client(openai_client: openai.OpenAI) -> None:
     with pytest.raises(openai.BadRequestError) as e:
-        client.chat.completions.create(
+        openai_client.chat.completions.create(
             model="tools",
             messages=HI,
             tools=TOOLS,
@@ -228,9 +220,9 @@ def test_bad_tool_choice_through_the_client(client: openai.OpenAI) -> None:
 # ---- n choices -----------------------------------------------------------------------------
 
 
-def test_n_chat_choices_follow_the_seed(client: openai.OpenAI) -> None:
+def test_n_chat_choices_follow_the_seed(openai_client: openai.OpenAI) -> None:
     args: Any = {"model": "tiny", "messages": HI, "max_tokens": 4, "temperature": 1.0}
-    r = client.chat.completions.create(n=3, seed=11, **args)
+    r = openai_client.chat.completions.create(n=3, seed=11, **args)
     assert [c.index for c in r.choices] == [0, 1, 2]
     texts = [c.message.content for c in r.choices]
     assert all(texts) and len(set(texts)) > 1  # seed+i: the choices differ
@@ -238,7 +230,7 @@ def test_n_chat_choices_follow_the_seed(client: openai.OpenAI) -> None:
     assert r.model == "tiny" and r.object == "chat.completion"
     # Each choice is the generation a single request with seed+i gives.
     for i in range(3):
-        one = client.chat.completions.create(seed=11 + i, **args)
+        one = openai_client.chat.completions.create(seed=11 + i, **args)
         assert one.choices[0].message.content == texts[i]
     # Usage sums the three generations.
     assert r.usage and one.usage
@@ -247,8 +239,8 @@ def test_n_chat_choices_follow_the_seed(client: openai.OpenAI) -> None:
     assert r.usage.total_tokens == r.usage.prompt_tokens + r.usage.completion_tokens
 
 
-def test_n_chat_streamed(client: openai.OpenAI, http: httpx.Client) -> None:
-    stream = client.chat.completions.create(
+def test_n_chat_streamed(openai_client: openai.OpenAI, http: httpx.Client) -> None:
+    stream = openai_client.chat.completions.create(
         model="tiny",
         messages=HI,
         max_tokens=3,
@@ -272,7 +264,7 @@ def test_n_chat_streamed(client: openai.OpenAI, http: httpx.Client) -> None:
     usage = chunks[-1].usage
     assert not chunks[-1].choices and usage and 3 <= usage.completion_tokens <= 9
     # The same seeds, not streamed, give the same choices.
-    whole = client.chat.completions.create(
+    whole = openai_client.chat.completions.create(
         model="tiny", messages=HI, max_tokens=3, n=3, seed=5, temperature=1.0
     )
     assert [c.message.content for c in whole.choices] == [texts[i] for i in range(3)]
@@ -284,8 +276,8 @@ def test_n_chat_streamed(client: openai.OpenAI, http: httpx.Client) -> None:
     assert events[-1] == "[DONE]" and {e["choices"][0]["index"] for e in events[:-1]} == {0, 1}
 
 
-def test_n_forced_tool_calls(client: openai.OpenAI) -> None:
-    r = client.chat.completions.create(
+def test_n_forced_tool_calls(openai_client: openai.OpenAI) -> None:
+    r = openai_client.chat.completions.create(
         model="tools", messages=HI, tools=TOOLS, tool_choice="required", max_tokens=40, n=2
     )
     assert [c.index for c in r.choices] == [0, 1]
@@ -294,15 +286,15 @@ def test_n_forced_tool_calls(client: openai.OpenAI) -> None:
         check_call(c.message.tool_calls[0])
 
 
-def test_n_completions(client: openai.OpenAI) -> None:
-    r = client.completions.create(
+def test_n_completions(openai_client: openai.OpenAI) -> None:
+    r = openai_client.completions.create(
         model="tiny", prompt="Once", max_tokens=3, n=2, seed=3, temperature=1.0
     )
     assert [c.index for c in r.choices] == [0, 1] and all(c.text for c in r.choices)
     assert r.object == "text_completion" and r.model == "tiny"
     assert r.usage and r.usage.completion_tokens == 6
     chunks = list(
-        client.completions.create(
+        openai_client.completions.create(
             model="tiny",
             prompt="Once",
             max_tokens=3,
@@ -321,18 +313,18 @@ def test_n_completions(client: openai.OpenAI) -> None:
     assert chunks[-1].usage and chunks[-1].usage.completion_tokens == 6
 
 
-def test_n_with_several_prompts_is_prompt_major(client: openai.OpenAI) -> None:
-    r = client.completions.create(model="tiny", prompt=["a", "b"], max_tokens=2, n=2, seed=1)
+def test_n_with_several_prompts_is_prompt_major(openai_client: openai.OpenAI) -> None:
+    r = openai_client.completions.create(model="tiny", prompt=["a", "b"], max_tokens=2, n=2, seed=1)
     assert [c.index for c in r.choices] == [0, 1, 2, 3]
     # index = prompt * n + choice: choice 0 of each prompt has the request's own seed.
-    single = client.completions.create(model="tiny", prompt=["a", "b"], max_tokens=2, seed=1)
+    single = openai_client.completions.create(model="tiny", prompt=["a", "b"], max_tokens=2, seed=1)
     assert [r.choices[0].text, r.choices[2].text] == [c.text for c in single.choices]
 
 
-def test_several_prompts_stream_parses(client: openai.OpenAI) -> None:
+def test_several_prompts_stream_parses(openai_client: openai.OpenAI) -> None:
     # llama.cpp opens such a stream with `data: null`, which the client cannot parse.
     chunks = list(
-        client.completions.create(model="tiny", prompt=["a", "b"], max_tokens=2, stream=True)
+        openai_client.completions.create(model="tiny", prompt=["a", "b"], max_tokens=2, stream=True)
     )
     assert {c.choices[0].index for c in chunks if c.choices} == {0, 1}
 
@@ -365,8 +357,8 @@ def check_logprobs(lp: Any, k: int, text: str, start: int = 0) -> None:
 
 
 @pytest.mark.parametrize("k", [0, 2, 5])
-def test_completion_logprobs_legacy_shape(client: openai.OpenAI, k: int) -> None:
-    r = client.completions.create(
+def test_completion_logprobs_legacy_shape(openai_client: openai.OpenAI, k: int) -> None:
+    r = openai_client.completions.create(
         model=SMOL, prompt="The capital of France is", max_tokens=4, logprobs=k, temperature=0
     )
     c = r.choices[0]
@@ -376,12 +368,12 @@ def test_completion_logprobs_legacy_shape(client: openai.OpenAI, k: int) -> None
         assert all(len(t) == 1 for t in c.logprobs.top_logprobs or ())
 
 
-def test_completion_logprobs_streamed(client: openai.OpenAI) -> None:
-    whole = client.completions.create(
+def test_completion_logprobs_streamed(openai_client: openai.OpenAI) -> None:
+    whole = openai_client.completions.create(
         model=SMOL, prompt="The capital of France is", max_tokens=4, logprobs=2, temperature=0
     )
     chunks = list(
-        client.completions.create(
+        openai_client.completions.create(
             model=SMOL,
             prompt="The capital of France is",
             max_tokens=4,
@@ -400,29 +392,31 @@ def test_completion_logprobs_streamed(client: openai.OpenAI) -> None:
     assert merged == {key: getattr(whole.choices[0].logprobs, key) for key in merged}
 
 
-def test_completion_echo(client: openai.OpenAI) -> None:
+def test_completion_echo(openai_client: openai.OpenAI) -> None:
     prompt = "The capital of France is"
-    r = client.completions.create(model=SMOL, prompt=prompt, max_tokens=3, echo=True, temperature=0)
-    plain = client.completions.create(model=SMOL, prompt=prompt, max_tokens=3, temperature=0)
+    r = openai_client.completions.create(
+        model=SMOL, prompt=prompt, max_tokens=3, echo=True, temperature=0
+    )
+    plain = openai_client.completions.create(model=SMOL, prompt=prompt, max_tokens=3, temperature=0)
     assert r.choices[0].text == prompt + plain.choices[0].text
     assert r.choices[0].logprobs is None
     chunks = list(
-        client.completions.create(
+        openai_client.completions.create(
             model=SMOL, prompt=prompt, max_tokens=3, echo=True, temperature=0, stream=True
         )
     )
     assert chunks[0].choices[0].text == prompt
     assert "".join(c.choices[0].text for c in chunks) == r.choices[0].text
     # A token prompt echoes as its text.
-    toks = client.completions.create(model=SMOL, prompt=[504, 3575], max_tokens=1, echo=True)
+    toks = openai_client.completions.create(model=SMOL, prompt=[504, 3575], max_tokens=1, echo=True)
     assert toks.choices[0].text.startswith("The capital")
 
 
-def test_completion_echo_with_logprobs(client: openai.OpenAI) -> None:
+def test_completion_echo_with_logprobs(openai_client: openai.OpenAI) -> None:
     # llama.cpp cannot score prompt tokens: they come as the tokenizer splits the prompt, with
     # null logprobs (as OpenAI gives for a first token), then the scored completion.
     prompt = "The capital of France is"
-    r = client.completions.create(
+    r = openai_client.completions.create(
         model=SMOL, prompt=prompt, max_tokens=3, echo=True, logprobs=1, temperature=0
     )
     c = r.choices[0]
@@ -438,7 +432,7 @@ def test_completion_echo_with_logprobs(client: openai.OpenAI) -> None:
     assert all(isinstance(x, float) for x in lp.token_logprobs[n_prompt:])
     # Streamed: the echoed prompt (with its unscored tokens) comes first.
     chunks = list(
-        client.completions.create(
+        openai_client.completions.create(
             model=SMOL,
             prompt=prompt,
             max_tokens=3,
@@ -501,24 +495,27 @@ def test_bad_chat_fields_are_400(http: httpx.Client, extra: dict[str, Any], para
 # ---- embeddings ----------------------------------------------------------------------------
 
 
-def test_embeddings_base64_is_little_endian_float32(client: openai.OpenAI) -> None:
-    floats = client.embeddings.create(model="embed", input=["a", "b"], encoding_format="float")
-    b64 = client.embeddings.create(model="embed", input=["a", "b"], encoding_format="base64")
+def test_embeddings_base64_is_little_endian_float32(openai_client: openai.OpenAI) -> None:
+    embed = openai_client.embeddings.create
+    floats = embed(model="embed", input=["a", "b"], encoding_format="float")
+    b64 = embed(model="embed", input=["a", "b"], encoding_format="base64")
     for f, b in zip(floats.data, b64.data, strict=True):
         assert isinstance(b.embedding, str)
         decoded = np.frombuffer(base64.b64decode(b.embedding), dtype="<f4")
         assert decoded.shape == (64,)
         np.testing.assert_allclose(decoded, np.asarray(f.embedding, dtype=np.float32), rtol=1e-6)
     # The client's default (base64, decoded by the client) gives the same vectors.
-    default = client.embeddings.create(model="embed", input=["a", "b"])
+    default = openai_client.embeddings.create(model="embed", input=["a", "b"])
     for f, d in zip(floats.data, default.data, strict=True):
         np.testing.assert_allclose(d.embedding, f.embedding, rtol=1e-6)
 
 
 @pytest.mark.parametrize("fmt", ["float", "base64"])
-def test_embeddings_dimensions(client: openai.OpenAI, fmt: Any) -> None:
-    full = client.embeddings.create(model="embed", input=["a", "b"], encoding_format="float")
-    r = client.embeddings.create(model="embed", input=["a", "b"], dimensions=8, encoding_format=fmt)
+def test_embeddings_dimensions(openai_client: openai.OpenAI, fmt: Any) -> None:
+    full = openai_client.embeddings.create(model="embed", input=["a", "b"], encoding_format="float")
+    r = openai_client.embeddings.create(
+        model="embed", input=["a", "b"], dimensions=8, encoding_format=fmt
+    )
     assert [d.index for d in r.data] == [0, 1] and r.usage.prompt_tokens == full.usage.prompt_tokens
     for d, f in zip(r.data, full.data, strict=True):
         vec = (
@@ -532,7 +529,7 @@ def test_embeddings_dimensions(client: openai.OpenAI, fmt: Any) -> None:
         head = np.asarray(f.embedding[:8])
         np.testing.assert_allclose(vec, head / np.linalg.norm(head), rtol=1e-5, atol=1e-6)
     # More dimensions than the model has: all of them.
-    big = client.embeddings.create(
+    big = openai_client.embeddings.create(
         model="embed", input="a", dimensions=10_000, encoding_format="float"
     )
     np.testing.assert_allclose(big.data[0].embedding, full.data[0].embedding, rtol=1e-6)
@@ -573,10 +570,10 @@ IMAGE_MESSAGES: Any = [
 
 @pytest.mark.parametrize("extra", [{}, {"stream": True}, {"n": 2}])
 def test_images_to_a_model_without_a_projector_are_400(
-    client: openai.OpenAI, extra: dict[str, Any]
+    openai_client: openai.OpenAI, extra: dict[str, Any]
 ) -> None:
     with pytest.raises(openai.BadRequestError) as e:
-        client.chat.completions.create(model="tiny", messages=IMAGE_MESSAGES, **extra)
+        openai_client.chat.completions.create(model="tiny", messages=IMAGE_MESSAGES, **extra)
     body = e.value.body
     assert isinstance(body, dict) and body["param"] == "messages"
     assert body["type"] == "invalid_request_error"

@@ -3,10 +3,11 @@ invariants (no device over its budget, every byte booked somewhere) under random
 
 from __future__ import annotations
 
+from helpers import fake_devices
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from corral.core.devices import Device, fake_devices
+from corral.core.devices import Device
 from corral.core.estimate import Estimate
 from corral.core.placement import ModelNeed, NoFit, Placement, gpu_share, model_need, place
 

@@ -1,4 +1,4 @@
-"""Pulling models from Hugging Face, against a stand-in hub (corral.testing.hub) that
+"""Pulling models from Hugging Face, against a stand-in hub (tests/hubstub.py) that
 huggingface_hub reaches through HF_ENDPOINT; driven with the real `ollama` client."""
 
 from __future__ import annotations
@@ -13,11 +13,11 @@ from pathlib import Path
 
 import ollama
 import pytest
+from hubstub import FakeHub
 
 from corral.runtime import hub as pull
 from corral.runtime.store import STORE_DIR
 from corral.testing import synth
-from corral.testing.hub import FakeHub
 from corral.testing.server import CorralServer
 
 REPO = "corral-test/Tiny-GGUF"

@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import dataclasses
 
-from corral.core.devices import fake_devices
+from helpers import fake_devices
+
 from corral.runtime.scheduler import wait_for_recovery
 
 GiB = 2**30

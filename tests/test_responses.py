@@ -56,11 +56,6 @@ TIME = {
 }
 
 
-@pytest.fixture(scope="module")
-def client(server: CorralServer) -> openai.OpenAI:
-    return openai.OpenAI(base_url=f"{server.url}/v1", api_key="x", max_retries=0)
-
-
 def check_weather_args(arguments: str) -> None:
     args = json.loads(arguments)
     assert set(args) == {"city", "days", "hourly"}
@@ -91,8 +86,10 @@ def raw_stream(server: CorralServer, body: dict[str, Any]) -> list[dict[str, Any
 # ---- plain text --------------------------------------------------------------------------
 
 
-def test_string_input(client: openai.OpenAI, server: CorralServer) -> None:
-    r = client.responses.create(model=SMOL, input="Say hello.", max_output_tokens=16, temperature=0)
+def test_string_input(openai_client: openai.OpenAI, server: CorralServer) -> None:
+    r = openai_client.responses.create(
+        model=SMOL, input="Say hello.", max_output_tokens=16, temperature=0
+    )
     assert r.object == "response" and r.id.startswith("resp_")
     assert r.model == SMOL
     assert r.status in ("completed", "incomplete")
@@ -112,10 +109,10 @@ def test_string_input(client: openai.OpenAI, server: CorralServer) -> None:
     Response.model_validate(body)
 
 
-def test_list_input_with_instructions_and_system_messages(client: openai.OpenAI) -> None:
+def test_list_input_with_instructions_and_system_messages(openai_client: openai.OpenAI) -> None:
     question = {"role": "user", "content": [{"type": "input_text", "text": "Name a colour."}]}
-    bare = client.responses.create(model=SMOL, input=[question], max_output_tokens=4)
-    r = client.responses.create(
+    bare = openai_client.responses.create(model=SMOL, input=[question], max_output_tokens=4)
+    r = openai_client.responses.create(
         model=SMOL,
         instructions="You are a terse assistant.",
         input=[
@@ -138,8 +135,8 @@ def test_list_input_with_instructions_and_system_messages(client: openai.OpenAI)
     assert r.usage.input_tokens > bare.usage.input_tokens + 10
 
 
-def test_max_output_tokens_makes_it_incomplete(client: openai.OpenAI) -> None:
-    r = client.responses.create(
+def test_max_output_tokens_makes_it_incomplete(openai_client: openai.OpenAI) -> None:
+    r = openai_client.responses.create(
         model=SMOL, input="Write a long story about a dragon.", max_output_tokens=3
     )
     assert r.status == "incomplete"
@@ -148,9 +145,9 @@ def test_max_output_tokens_makes_it_incomplete(client: openai.OpenAI) -> None:
     assert r.output[-1].type == "message" and r.output[-1].status == "incomplete"
 
 
-def test_streamed_text_events(client: openai.OpenAI, server: CorralServer) -> None:
+def test_streamed_text_events(openai_client: openai.OpenAI, server: CorralServer) -> None:
     events = list(
-        client.responses.create(
+        openai_client.responses.create(
             model=SMOL, input="Count to five.", max_output_tokens=10, temperature=0, stream=True
         )
     )
@@ -182,8 +179,8 @@ def test_streamed_text_events(client: openai.OpenAI, server: CorralServer) -> No
     assert raw[-1]["type"] in ("response.completed", "response.incomplete")
 
 
-def test_stream_helper(client: openai.OpenAI) -> None:
-    with client.responses.stream(
+def test_stream_helper(openai_client: openai.OpenAI) -> None:
+    with openai_client.responses.stream(
         model=SMOL, input="Say hi.", max_output_tokens=40, temperature=0,
         text={"format": {"type": "json_object"}},
     ) as stream:  # fmt: skip
@@ -193,8 +190,8 @@ def test_stream_helper(client: openai.OpenAI) -> None:
     json.loads(final.output_text)
 
 
-def test_logprobs(client: openai.OpenAI, server: CorralServer) -> None:
-    r = client.responses.create(
+def test_logprobs(openai_client: openai.OpenAI, server: CorralServer) -> None:
+    r = openai_client.responses.create(
         model=SMOL, input="Hi", max_output_tokens=3, temperature=0, top_logprobs=2,
         include=["message.output_text.logprobs"],
     )  # fmt: skip
@@ -219,8 +216,8 @@ class Person(pydantic.BaseModel):
     age: int = pydantic.Field(ge=0, le=120)
 
 
-def test_json_schema_format(client: openai.OpenAI) -> None:
-    r = client.responses.create(
+def test_json_schema_format(openai_client: openai.OpenAI) -> None:
+    r = openai_client.responses.create(
         model=SMOL,
         input="Invent a person: give a name and an age.",
         max_output_tokens=60,
@@ -239,7 +236,7 @@ def test_json_schema_format(client: openai.OpenAI) -> None:
     assert person.name and 0 <= person.age <= 120
     assert r.text and r.text.format and r.text.format.type == "json_schema"
     # The SDK's parse helper builds the same request from a pydantic model.
-    parsed = client.responses.parse(
+    parsed = openai_client.responses.parse(
         model=SMOL, input="Invent a person.", max_output_tokens=60, text_format=Person
     )
     assert isinstance(parsed.output_parsed, Person)
@@ -248,8 +245,8 @@ def test_json_schema_format(client: openai.OpenAI) -> None:
 # ---- function calls ----------------------------------------------------------------------
 
 
-def test_forced_function_call(client: openai.OpenAI) -> None:
-    r = client.responses.create(
+def test_forced_function_call(openai_client: openai.OpenAI) -> None:
+    r = openai_client.responses.create(
         model="tools",
         input="What is the weather in Paris this week?",
         tools=[WEATHER, TIME],  # type: ignore[list-item]
@@ -270,7 +267,7 @@ def test_forced_function_call(client: openai.OpenAI) -> None:
     assert r.tool_choice == "required"
     assert [t.name for t in r.tools] == ["get_weather", "get_time"]  # type: ignore[union-attr]
 
-    named = client.responses.create(
+    named = openai_client.responses.create(
         model="tools",
         input="Weather?",
         tools=[WEATHER, TIME],  # type: ignore[list-item]
@@ -307,8 +304,8 @@ def test_forced_function_call_streamed(server: CorralServer) -> None:
     assert final["id"] == events[2]["item"]["id"] and final["call_id"].startswith("call_")
 
 
-def test_stream_helper_with_function_call(client: openai.OpenAI) -> None:
-    with client.responses.stream(
+def test_stream_helper_with_function_call(openai_client: openai.OpenAI) -> None:
+    with openai_client.responses.stream(
         model="tools", input="Weather?", tools=[WEATHER],  # type: ignore[list-item]
         tool_choice="required", max_output_tokens=60,
     ) as stream:  # fmt: skip
@@ -319,9 +316,9 @@ def test_stream_helper_with_function_call(client: openai.OpenAI) -> None:
     check_weather_args(call.arguments)
 
 
-def test_follow_up_with_function_call_output(client: openai.OpenAI) -> None:
+def test_follow_up_with_function_call_output(openai_client: openai.OpenAI) -> None:
     question = {"role": "user", "content": "What is the weather in Paris?"}
-    first = client.responses.create(
+    first = openai_client.responses.create(
         model="tools", input=[question], tools=[WEATHER],  # type: ignore[list-item]
         tool_choice="required", max_output_tokens=60,
     )  # fmt: skip
@@ -329,7 +326,7 @@ def test_follow_up_with_function_call_output(client: openai.OpenAI) -> None:
     assert call.type == "function_call"
     # The client sends the call back as the model wrote it, with its result.
     result = {"type": "function_call_output", "call_id": call.call_id, "output": "Sunny, 24C."}
-    second = client.responses.create(
+    second = openai_client.responses.create(
         model="tools",
         input=[question, *first.output, result],  # type: ignore[list-item]
         tools=[WEATHER],  # type: ignore[list-item]
@@ -341,7 +338,7 @@ def test_follow_up_with_function_call_output(client: openai.OpenAI) -> None:
     assert second.usage and first.usage
     assert second.usage.input_tokens > first.usage.input_tokens + 15
     # A plain function_call (as a client would write one itself) works as well.
-    again = client.responses.create(
+    again = openai_client.responses.create(
         model="tools",
         input=[
             question,
@@ -358,9 +355,9 @@ def test_follow_up_with_function_call_output(client: openai.OpenAI) -> None:
 # ---- reasoning ---------------------------------------------------------------------------
 
 
-def test_reasoning_item(client: openai.OpenAI, server: CorralServer) -> None:
+def test_reasoning_item(openai_client: openai.OpenAI, server: CorralServer) -> None:
     # The "think" template opens <think>: everything a random model writes is reasoning.
-    r = client.responses.create(model="think", input="Hi", max_output_tokens=6)
+    r = openai_client.responses.create(model="think", input="Hi", max_output_tokens=6)
     item = r.output[0]
     assert item.type == "reasoning" and item.id.startswith("rs_") and item.summary == []
     assert item.content and item.content[0].type == "reasoning_text" and item.content[0].text
@@ -368,7 +365,7 @@ def test_reasoning_item(client: openai.OpenAI, server: CorralServer) -> None:
     assert r.output_text == ""
 
     # Effort "none" turns thinking off: the answer is text.
-    off = client.responses.create(
+    off = openai_client.responses.create(
         model="think", input="Hi", max_output_tokens=6, reasoning={"effort": "none"}
     )
     assert [o.type for o in off.output] == ["message"] and off.output_text
@@ -447,28 +444,28 @@ def test_input_items_become_chat_messages() -> None:
 # ---- errors ------------------------------------------------------------------------------
 
 
-def test_previous_response_id_is_refused(client: openai.OpenAI) -> None:
+def test_previous_response_id_is_refused(openai_client: openai.OpenAI) -> None:
     with pytest.raises(openai.BadRequestError) as e:
-        client.responses.create(model=SMOL, input="x", previous_response_id="resp_123")
+        openai_client.responses.create(model=SMOL, input="x", previous_response_id="resp_123")
     assert "previous_response_id" in e.value.message
     assert isinstance(e.value.body, dict) and e.value.body["param"] == "previous_response_id"
 
 
-def test_unknown_tool_type_is_refused(client: openai.OpenAI) -> None:
+def test_unknown_tool_type_is_refused(openai_client: openai.OpenAI) -> None:
     with pytest.raises(openai.BadRequestError) as e:
-        client.responses.create(model=SMOL, input="x", tools=[{"type": "teleport"}])  # type: ignore[misc,list-item]
+        openai_client.responses.create(model=SMOL, input="x", tools=[{"type": "teleport"}])  # type: ignore[misc,list-item]
     assert "not supported" in e.value.message and "teleport" in e.value.message
     assert isinstance(e.value.body, dict) and e.value.body["param"] == "tools"
 
 
-def test_unknown_model_and_wrong_capability(client: openai.OpenAI) -> None:
+def test_unknown_model_and_wrong_capability(openai_client: openai.OpenAI) -> None:
     with pytest.raises(openai.NotFoundError) as e:
-        client.responses.create(model="nope", input="x")
+        openai_client.responses.create(model="nope", input="x")
     assert isinstance(e.value.body, dict) and e.value.body["code"] == "model_not_found"
     with pytest.raises(openai.BadRequestError):
-        client.responses.create(model="embed", input="x")
+        openai_client.responses.create(model="embed", input="x")
     with pytest.raises(openai.BadRequestError):
-        client.responses.create(
+        openai_client.responses.create(
             model="tools", input="x", tools=[WEATHER],  # type: ignore[list-item]
             tool_choice={"type": "function", "name": "missing"},
         )  # fmt: skip
@@ -926,7 +923,7 @@ def test_codex_request_is_accepted(server: CorralServer) -> None:
     assert events[-1]["type"] in ("response.completed", "response.incomplete")
 
 
-def test_forced_namespaced_call(client: openai.OpenAI, server: CorralServer) -> None:
+def test_forced_namespaced_call(openai_client: openai.OpenAI, server: CorralServer) -> None:
     body = {**CODEX, "tool_choice": {"type": "function", "name": "get_weather"},
             "max_output_tokens": 60}  # fmt: skip
     r = server.client.post("/v1/responses", json=body)
@@ -1019,10 +1016,10 @@ def test_later_turn_with_custom_and_namespaced_calls(server: CorralServer) -> No
     assert [o["type"] for o in third.json()["output"]] == ["custom_tool_call"]
 
 
-def test_forcing_a_hosted_tool_is_400_in_openai_shape(client: openai.OpenAI) -> None:
+def test_forcing_a_hosted_tool_is_400_in_openai_shape(openai_client: openai.OpenAI) -> None:
     tools: list[Any] = [{"type": "web_search"}, TIME]
     with pytest.raises(openai.BadRequestError) as e:
-        client.responses.create(
+        openai_client.responses.create(
             model="tools", input="x", tools=tools, tool_choice={"type": "web_search_preview"}
         )
     assert "web_search_preview" in e.value.message and "cannot run" in e.value.message
@@ -1032,12 +1029,12 @@ def test_forcing_a_hosted_tool_is_400_in_openai_shape(client: openai.OpenAI) -> 
     )
     # Only hosted tools, and a call required: nothing corral could call.
     with pytest.raises(openai.BadRequestError) as e:
-        client.responses.create(
+        openai_client.responses.create(
             model="tools", input="x", tools=[{"type": "web_search"}], tool_choice="required"
         )
     assert "hosted" in e.value.message
     # Hosted tools alone, with the model free to choose: accepted, the model answers in text.
-    r = client.responses.create(
+    r = openai_client.responses.create(
         model="tools", input="x", tools=[{"type": "web_search"}], max_output_tokens=2
     )
     assert r.output[0].type == "message"

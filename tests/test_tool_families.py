@@ -1,4 +1,4 @@
-"""Scripted models (corral.testing.scripted) of every tool-calling family through every API
+"""Scripted models (tests/scripted.py) of every tool-calling family through every API
 corral serves, streamed and not: the tool call each family writes in its native format is parsed
 by the real llama.cpp from generated text (tool_choice auto) and reaches the client as that
 API's tool call; the plain reply and the answer after a tool result come back as text. Plus the
@@ -16,9 +16,9 @@ import gguf
 import httpx
 import numpy as np
 import pytest
+import scripted
+from scripted import FAMILIES, MARKERS, Script, write_scripted_model
 
-from corral.testing import scripted
-from corral.testing.scripted import FAMILIES, MARKERS, Script, write_scripted_model
 from corral.testing.server import CorralServer
 
 CALL = ("Bash", {"command": "echo 'hi there' && ls -la"})

@@ -12,10 +12,10 @@ from typing import Any
 
 import ollama
 import pytest
+from helpers import parse_log
 
 from corral.core.estimate import estimate
 from corral.core.gguf import GGUFError, read_model_info, read_projector_info
-from corral.core.memreport import parse_log
 from corral.runtime.registry import Registry
 from corral.testing import synth
 from corral.testing.server import CorralServer
@@ -73,7 +73,7 @@ def vserver(start_server, vision_dir: Path) -> CorralServer:
 def test_projector_file_is_read_and_checked(vision_dir: Path) -> None:
     proj = read_projector_info(vision_dir / "mmproj-plain.gguf")
     assert (proj.projector_type, proj.n_embd, proj.n_layer) == ("mlp", 32, 2)
-    assert proj.n_patches == IMAGE_TOKENS and proj.weights > 0
+    assert (proj.image_size // proj.patch_size) ** 2 == IMAGE_TOKENS and proj.weights > 0
     with pytest.raises(GGUFError, match="not a projector"):
         read_projector_info(vision_dir / "plain.gguf")
 

@@ -145,11 +145,11 @@ def swap(work: Path, quick: bool, make_cluster: Any, fractions: list[float]) -> 
     """The same trace on one node with a memory limit B (a `fraction` of all models' real
     sizes) and on three nodes with B/3 each, for each fraction."""
     from corral.bench.swap import (
-        _summarize,
         calibrate,
         estimated_sizes,
         replay,
         replay_corral,
+        summarize,
         write_models,
     )
     from corral.bench.trace import EMBED, generate_trace
@@ -184,7 +184,7 @@ def swap(work: Path, quick: bool, make_cluster: Any, fractions: list[float]) -> 
             stop()
         text = "".join(f.read_text(errors="replace") for f in logs.glob("corral-node-*.log"))
         loads = logged_loads(text)
-        r = _summarize(results)
+        r = summarize(results)
         r |= {
             "loads": len(loads), "evictions": len(EVICT_LINE.findall(text)),
             "bytes_loaded": sum(real.get(m, 0) for m in loads),

@@ -25,6 +25,7 @@ from typing import IO
 import orjson
 
 from corral.bench.common import (
+    SEED,
     Http,
     Say,
     Scale,
@@ -39,7 +40,7 @@ from corral.bench.common import (
     secs,
     wait_until,
 )
-from corral.bench.proxy import SEED, ollama_payload
+from corral.bench.proxy import ollama_payload
 from corral.core.spec import RunnerSpec
 from corral.testing import synth
 from corral.testing.server import CorralServer, start_corral

@@ -27,6 +27,9 @@ import psutil
 
 Say = Callable[[str], None]
 MIB = 2**20
+# The sampling seed and the short prompt of the benchmarks' requests.
+SEED = 42
+PROMPT_SHORT = "Hi"
 
 # The scheduler's log lines for a load and an eviction. A load's pattern must not match the
 # unload line ("unloading model 'x' (runner 3)" contains "loading model 'x' (runner 3)").

@@ -29,7 +29,7 @@ from corral.core.estimate import check_kv_cache_type, estimate
 from corral.core.gguf import ModelInfo, read_adapter_info, read_model_info, read_projector_info
 from corral.core.spec import Adapter, RunnerSpec
 from corral.runtime.runner import Runner
-from corral.testing import synth
+from corral.testing import ggufwrite, synth
 
 MIB = 2**20
 GOAL_MAX_RATIO = 1.10
@@ -135,7 +135,7 @@ def _path(model: BenchModel, models_dir: Path) -> Path | None:
         base = next(m for m in _models() if m.name == model.base)
         return _path(base, models_dir)
     if model.write is None:
-        return synth.smollm2_path()
+        return ggufwrite.smollm2_path()
     path = models_dir / f"{model.name}.gguf"
     if not path.is_file():
         model.write(path)

@@ -20,7 +20,8 @@ purpose, or BAD (200 then a stream that closes without the family's end or error
 connection error, no answer in time, an error without a message). Goal: no BAD.
 
 A sampler thread sums the proportional set size (PSS; RSS beside it) of the server's runner
-processes every 200 ms; another polls /api/ps for the books. `run_soak` returns plain JSON
+processes every 200 ms; another polls /api/ps for the books (`bench/soakwatch.py`). The
+requests and their classification are `bench/soakwire.py`. `run_soak` returns plain JSON
 data; `format_report` prints it; `run` is the `corral bench soak` section.
 """
 
@@ -34,11 +35,10 @@ import os
 import random
 import re
 import signal
-import threading
 import time
 from collections import Counter
 from collections.abc import Callable
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
@@ -57,19 +57,12 @@ from corral.bench.common import (
     percentile,
     secs,
 )
+from corral.bench.soakwatch import MemoryWatch, alive
+from corral.bench.soakwire import FAMILIES, Outcome, build_request, send
 from corral.core.estimate import RUNNER_CODE_BYTES
 from corral.testing import synth
 from corral.testing.server import CorralServer, all_runner_pids, runner_pids, start_corral
 
-FAMILIES = (
-    "ollama_chat", "ollama_generate", "openai_chat", "openai_completions", "anthropic",
-    "responses",
-)  # fmt: skip
-PATHS = {
-    "ollama_chat": "/api/chat", "ollama_generate": "/api/generate",
-    "openai_chat": "/v1/chat/completions", "openai_completions": "/v1/completions",
-    "anthropic": "/v1/messages", "responses": "/v1/responses",
-}  # fmt: skip
 PROMPTS = (
     "Tell me a short story about a fox.",
     "What is the capital of France?",
@@ -161,377 +154,7 @@ def bookings(models_dir: Path, names: list[str], cfg: SoakConfig) -> dict[str, i
     return out
 
 
-# --------------------------------------------------------------------------- memory sampling
-
-
-@dataclass
-class MemoryWatch:
-    """Two threads: the runners' PSS and RSS every `every` seconds, /api/ps every `ps_every`."""
-
-    server_pid: int
-    url: str
-    limit: int
-    every: float = 0.2
-    ps_every: float = 0.5
-    samples: int = 0
-    max_gap: float = 0.0  # longest time between two PSS samples (a busy sampler shows here)
-    peak_pss: int = 0
-    peak_rss: int = 0
-    peak_runners: int = 0
-    pss_over: list[dict[str, Any]] = field(default_factory=list)  # samples above the limit
-    pss_over_count: int = 0
-    rss_over_count: int = 0
-    peak_pss_sample: dict[str, Any] = field(default_factory=dict)
-    ps_polls: int = 0
-    ps_failures: int = 0
-    peak_booked: int = 0
-    booked_over: list[dict[str, Any]] = field(default_factory=list)
-    peak_measured: int = 0
-    last_ps: list[dict[str, Any]] = field(default_factory=list)
-    pid_model: dict[int, str] = field(default_factory=dict)
-    watched: dict[int, float] = field(default_factory=dict)  # stopped pid -> when it died
-    watch_pids: set[int] = field(default_factory=set)
-    t0: float = field(default_factory=time.monotonic)
-    _stop: threading.Event = field(default_factory=threading.Event)
-    _threads: list[threading.Thread] = field(default_factory=list)
-
-    def start(self) -> None:
-        self._threads = [
-            threading.Thread(target=self._sample_loop, name="soak-pss", daemon=True),
-            threading.Thread(target=self._ps_loop, name="soak-ps", daemon=True),
-        ]
-        for t in self._threads:
-            t.start()
-
-    def stop(self) -> None:
-        self._stop.set()
-        for t in self._threads:
-            t.join(10)
-
-    def watch_death(self, pid: int) -> None:
-        self.watch_pids.add(pid)
-
-    def _sample(self) -> None:
-        now = time.monotonic()
-        per: dict[int, tuple[int, int]] = {}
-        for pid in runner_pids(self.server_pid):
-            try:
-                mi = psutil.Process(pid).memory_full_info()
-            except psutil.Error:
-                continue
-            per[pid] = (int(getattr(mi, "pss", mi.rss)), int(mi.rss))
-        pss = sum(p for p, _ in per.values())
-        rss = sum(r for _, r in per.values())
-        self.samples += 1
-        self.peak_rss = max(self.peak_rss, rss)
-        self.peak_runners = max(self.peak_runners, len(per))
-        at = round(now - self.t0, 2)
-        if rss > self.limit:
-            self.rss_over_count += 1
-        if pss > self.limit:
-            self.pss_over_count += 1
-            if len(self.pss_over) < 20:
-                self.pss_over.append(self._describe(at, pss, rss, per))
-        if pss > self.peak_pss:
-            self.peak_pss = pss
-            self.peak_pss_sample = self._describe(at, pss, rss, per)
-        for pid in list(self.watch_pids):
-            if pid not in self.watched and not _alive(pid):
-                self.watched[pid] = now
-
-    def _describe(
-        self, at: float, pss: int, rss: int, per: dict[int, tuple[int, int]]
-    ) -> dict[str, Any]:
-        books = {m.get("pid"): m for m in self.last_ps}
-        runners = []
-        for pid, (p, r) in sorted(per.items()):
-            b = books.get(pid, {})
-            runners.append({
-                "pid": pid, "model": self.pid_model.get(pid, "?"), "pss": p, "rss": r,
-                "state": b.get("state"), "booked": b.get("size"),
-                "measured": b.get("measured_bytes"), "in_flight": b.get("requests_in_flight"),
-            })  # fmt: skip
-        return {"t": at, "pss": pss, "rss": rss, "runners": runners}
-
-    def _sample_loop(self) -> None:
-        last = time.monotonic()
-        while not self._stop.is_set():
-            start = time.monotonic()
-            self.max_gap = max(self.max_gap, start - last)
-            last = start
-            with contextlib.suppress(Exception):  # a sampler must outlive odd /proc states
-                self._sample()
-            self._stop.wait(max(0.0, self.every - (time.monotonic() - start)))
-
-    def _ps_loop(self) -> None:
-        with httpx.Client(base_url=self.url, timeout=5.0) as client:
-            while not self._stop.is_set():
-                start = time.monotonic()
-                try:
-                    models = client.get("/api/ps").raise_for_status().json()["models"]
-                except (httpx.HTTPError, ValueError, KeyError):
-                    self.ps_failures += 1
-                else:
-                    self.ps_polls += 1
-                    self.last_ps = models
-                    for m in models:
-                        if isinstance(m.get("pid"), int):
-                            self.pid_model[m["pid"]] = str(m.get("model"))
-                    booked = sum(int(m.get("size") or 0) for m in models)
-                    measured = sum(int(m.get("measured_bytes") or 0) for m in models)
-                    self.peak_booked = max(self.peak_booked, booked)
-                    self.peak_measured = max(self.peak_measured, measured)
-                    if booked > self.limit and len(self.booked_over) < 20:
-                        self.booked_over.append({
-                            "t": round(start - self.t0, 2), "booked": booked,
-                            "runners": [
-                                {k: m.get(k) for k in ("model", "pid", "state", "size",
-                                                      "measured_bytes", "context_length")}
-                                for m in models
-                            ],
-                        })  # fmt: skip
-                self._stop.wait(max(0.0, self.ps_every - (time.monotonic() - start)))
-
-
-def _alive(pid: int) -> bool:
-    try:
-        return psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
-    except psutil.NoSuchProcess:
-        return False
-
-
-# --------------------------------------------------------------------------- requests
-
-
-@dataclass
-class Outcome:
-    family: str
-    stream: bool
-    model: str
-    start: float  # seconds from the start of the soak
-    latency: float = math.nan
-    status: int | None = None
-    outcome: str = "bad"  # complete | error | left | bad
-    reason: str = ""  # why BAD, or what kind of error
-    message: str = ""  # the error's message
-    retry_after: str | None = None
-    num_ctx: int | None = None  # set on the requests that flip options
-    sent_at: str = ""  # wall clock, as in the server's log
-
-
-def build_request(
-    family: str, model: str, stream: bool, n: int, prompt: str, num_ctx: int | None
-) -> dict[str, Any]:
-    messages = [{"role": "user", "content": prompt}]
-    if family in ("ollama_chat", "ollama_generate"):
-        options: dict[str, Any] = {"num_predict": n, "temperature": 0.8}
-        if num_ctx is not None:
-            options["num_ctx"] = num_ctx
-        body: dict[str, Any] = {"model": model, "stream": stream, "options": options}
-        if family == "ollama_chat":
-            body["messages"] = messages
-        else:
-            body["prompt"] = prompt
-        return body
-    if family == "openai_chat":
-        return {"model": model, "messages": messages, "max_tokens": n, "stream": stream}
-    if family == "openai_completions":
-        return {"model": model, "prompt": prompt, "max_tokens": n, "stream": stream}
-    if family == "anthropic":
-        return {"model": model, "messages": messages, "max_tokens": n, "stream": stream}
-    if family == "responses":
-        return {"model": model, "input": prompt, "max_output_tokens": n, "stream": stream}
-    raise ValueError(family)
-
-
-def error_message(family: str, body: Any) -> str | None:
-    """The message of an error body in the family's shape, else None."""
-    if not isinstance(body, dict):
-        return None
-    err = body.get("error")
-    if family.startswith("ollama"):
-        return err if isinstance(err, str) and err else None
-    if family == "anthropic":
-        if body.get("type") != "error" or not isinstance(err, dict):
-            return None
-        msg = err.get("message")
-        return msg if isinstance(msg, str) and msg and isinstance(err.get("type"), str) else None
-    if isinstance(err, dict):  # OpenAI and Responses
-        msg = err.get("message")
-        return msg if isinstance(msg, str) and msg else None
-    return None
-
-
-def whole_answer(family: str, body: Any) -> tuple[str, str]:
-    """(outcome, reason or message) of a non-streamed 200 answer."""
-    if not isinstance(body, dict):
-        return "bad", "200 with a body that is not a JSON object"
-    if family.startswith("ollama"):
-        if body.get("done") is True:
-            return "complete", ""
-    elif family in ("openai_chat", "openai_completions"):
-        choices = body.get("choices")
-        if isinstance(choices, list) and choices and choices[0].get("finish_reason"):
-            return "complete", ""
-    elif family == "anthropic":
-        if body.get("type") == "message" and body.get("stop_reason"):
-            return "complete", ""
-    elif family == "responses":
-        if body.get("status") in ("completed", "incomplete"):
-            return "complete", ""
-        err = body.get("error")
-        if body.get("status") == "failed" and isinstance(err, dict) and err.get("message"):
-            return "error", str(err["message"])
-    msg = error_message(family, body)
-    if msg:
-        return "error", msg
-    return "bad", "200 without the family's finished answer"
-
-
-class StreamState:
-    """Reads a streamed answer line by line: `end` once the family's end arrived, `error`
-    (its message) once an error in the family's shape did."""
-
-    def __init__(self, family: str) -> None:
-        self.family = family
-        self.end = False
-        self.error: str | None = None
-        self.event = ""  # the current SSE event name
-        self.content = False  # some generated output arrived
-        self.malformed = ""
-
-    def feed(self, line: str) -> None:
-        if not line:
-            self.event = ""
-            return
-        if self.family.startswith("ollama"):
-            try:
-                obj = json.loads(line)
-            except ValueError:
-                self.malformed = self.malformed or line[:120]
-                return
-            self._ollama(obj)
-            return
-        if line.startswith("event:"):
-            self.event = line[6:].strip()
-            return
-        if not line.startswith("data:"):
-            return  # SSE comments and fields corral does not use
-        data = line[5:].strip()
-        if data == "[DONE]":
-            if self.family in ("openai_chat", "openai_completions"):
-                self.end = True
-            return
-        try:
-            obj = json.loads(data)
-        except ValueError:
-            self.malformed = self.malformed or data[:120]
-            return
-        if isinstance(obj, dict):
-            self._sse(obj)
-
-    def _ollama(self, obj: Any) -> None:
-        if not isinstance(obj, dict):
-            return
-        msg = error_message(self.family, obj)
-        if msg:
-            self.error = msg
-        elif obj.get("done") is True:
-            self.end = True
-        else:
-            self.content = True
-
-    def _sse(self, obj: dict[str, Any]) -> None:
-        if self.family in ("openai_chat", "openai_completions"):
-            msg = error_message(self.family, obj)
-            if msg:
-                self.error = msg
-            else:
-                self.content = True
-        elif self.family == "anthropic":
-            kind = self.event or str(obj.get("type", ""))
-            if kind == "message_stop":
-                self.end = True
-            elif kind == "error":
-                msg = error_message("anthropic", obj)
-                self.error = msg or self.error or ""
-                if not msg:
-                    self.malformed = self.malformed or "Anthropic error event without a message"
-            elif kind == "content_block_delta":
-                self.content = True
-        elif self.family == "responses":
-            kind = str(obj.get("type") or self.event)
-            if kind in ("response.completed", "response.incomplete"):
-                self.end = True
-            elif kind == "response.failed":
-                err = (obj.get("response") or {}).get("error") or {}
-                msg = err.get("message") if isinstance(err, dict) else None
-                self.error = msg or ""
-                if not msg:
-                    self.malformed = self.malformed or "response.failed without a message"
-            elif kind == "error":
-                msg = obj.get("message") or error_message("responses", obj)
-                self.error = str(msg or "")
-                if not msg:
-                    self.malformed = self.malformed or "error event without a message"
-            elif kind.endswith(".delta"):
-                self.content = True
-
-
-async def send(
-    client: httpx.AsyncClient, out: Outcome, body: dict[str, Any], leave: bool, t0: float
-) -> None:
-    """Send one request and fill `out` with what came back."""
-    start = time.monotonic()
-    try:
-        async with client.stream("POST", PATHS[out.family], json=body) as r:
-            out.status = r.status_code
-            out.retry_after = r.headers.get("retry-after")
-            if r.status_code >= 400 or not out.stream:
-                raw = await r.aread()
-                try:
-                    obj = json.loads(raw)
-                except ValueError:
-                    obj = None
-                if r.status_code >= 400:
-                    msg = error_message(out.family, obj)
-                    if msg:
-                        out.outcome, out.reason, out.message = "error", str(r.status_code), msg
-                    else:
-                        out.reason = f"{r.status_code} without an error in the family's shape"
-                        out.message = raw[:200].decode(errors="replace")
-                elif r.status_code == 200:
-                    out.outcome, text = whole_answer(out.family, obj)
-                    if out.outcome == "error":
-                        out.reason, out.message = "200 failed", text
-                    else:
-                        out.reason = text
-                else:
-                    out.reason = f"unexpected status {r.status_code}"
-                return
-            if r.status_code != 200:
-                out.reason = f"unexpected status {r.status_code}"
-                return
-            state = StreamState(out.family)
-            async for line in r.aiter_lines():
-                state.feed(line)
-                if state.error is not None or state.end:
-                    continue  # read on to the close: nothing may follow but the close
-                if leave and state.content:
-                    out.outcome, out.reason = "left", "client left mid-stream"
-                    return
-            if state.error is not None and not state.malformed:
-                out.outcome, out.reason, out.message = "error", "mid-stream", state.error
-            elif state.end and not state.malformed:
-                out.outcome = "complete"
-            elif state.malformed:
-                out.reason = f"malformed stream: {state.malformed}"
-            else:
-                out.reason = "stream closed without the family's end or an error"
-    except httpx.TransportError as e:
-        out.reason = f"{type(e).__name__}: {e}"[:200]
-    finally:
-        out.latency = time.monotonic() - start
+# --------------------------------------------------------------------------- load
 
 
 @dataclass
@@ -679,7 +302,7 @@ def run_soak(work: Path, cfg: SoakConfig | None = None, say: Say | None = None) 
         watch.start()
         outcomes, events, wall = asyncio.run(load(cfg, server, names, watch))
         # The frozen runners the watchdog did not kill (they would hang their clients).
-        stopped_alive = [e.pid for e in events if e.signal == "SIGSTOP" and _alive(e.pid)]
+        stopped_alive = [e.pid for e in events if e.signal == "SIGSTOP" and alive(e.pid)]
     finally:
         watch.stop()
         pids = server.runners()

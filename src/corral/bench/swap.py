@@ -13,8 +13,8 @@ Side by side: llama.cpp's router mode (`llama-server --models-dir`, corral.bench
 finds or builds one) replays the same trace at every `--models-max` from 1 to the number of
 models, since it caps only the number of loaded models. For every replay a thread sums the
 proportional set size (PSS, /proc/PID/smaps_rollup) of the server's child processes (corral's
-runners; the router's model instances) every 100 ms: a row that holds more than corral's
-memory limit is marked, as a lower latency bought with memory is not a win.
+runners; the router's model instances) every 100 ms (`bench/pss.py`): a row that holds more
+than corral's memory limit is marked, as a lower latency bought with memory is not a win.
 
 Two variants: quick loads (small models read from the page cache, as written) and realistic
 loads (models twice as big, read cold from disk: every file is dropped from the page cache
@@ -30,10 +30,9 @@ import math
 import os
 import re
 import subprocess
-import threading
 import time
 from collections.abc import Mapping, Sequence
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
@@ -53,6 +52,7 @@ from corral.bench.common import (
     summary,
     wait_until,
 )
+from corral.bench.pss import SAMPLE_EVERY, MemorySampler, drop_files
 from corral.bench.trace import CHAT, EMBED, OFFLINE, TraceEvent, generate_trace, simulate
 from corral.core.estimate import RUNNER_CODE_BYTES, Estimate
 from corral.core.policy import DEFAULT_POLICY
@@ -69,126 +69,7 @@ ENV = {
 _TOKEN = re.compile(rb'"content":"(?:[^"\\]|\\.)')
 _ROUTER_LOAD = re.compile(r"spawning server instance with name=(\S+) on port")
 _ROUTER_EVICT = re.compile(r"(?:removing|evicting idle) LRU name=(\S+)")
-SAMPLE_EVERY = 0.1  # seconds between memory samples
 OVER = "over the limit: not a win"
-
-
-# --------------------------------------------------------------------------- memory
-
-
-def parse_smaps_rollup(text: str) -> dict[str, int]:
-    """The sizes in /proc/PID/smaps_rollup, in bytes (`Pss:  1234 kB` -> {"Pss": 1263616})."""
-    out = {}
-    for line in text.splitlines():
-        key, sep, rest = line.partition(":")
-        parts = rest.split()
-        if sep and len(parts) == 2 and parts[1] == "kB" and parts[0].isdigit():
-            out[key.strip()] = int(parts[0]) * 1024
-    return out
-
-
-def mapped_models(maps: str, suffix: str = ".gguf") -> set[str]:
-    """The files ending in `suffix` that a process maps (the text of /proc/PID/maps)."""
-    out = set()
-    for line in maps.splitlines():
-        parts = line.split(maxsplit=5)
-        if len(parts) == 6 and parts[5].endswith(suffix):
-            out.add(parts[5])
-    return out
-
-
-def _read(path: str) -> str | None:
-    try:
-        with open(path) as f:
-            return f.read()
-    except OSError:  # the process is gone
-        return None
-
-
-@dataclass
-class MemorySampler:
-    """A thread that sums the PSS of `root`'s descendants (not `root` itself) every `every`
-    seconds. With `drop_unmapped`, a model file no descendant maps any more (its model was
-    unloaded) is dropped from the page cache, so its next load reads it from disk."""
-
-    root: int
-    limit: int
-    every: float = SAMPLE_EVERY
-    drop_unmapped: bool = False
-    peak: int = 0
-    peak_processes: int = 0
-    samples: int = 0
-    over: int = 0  # samples above the limit
-    drops: int = 0
-    max_gap: float = 0.0
-    _mapped: set[str] = field(default_factory=set)
-    _stop: threading.Event = field(default_factory=threading.Event)
-    _thread: threading.Thread | None = None
-
-    def start(self) -> MemorySampler:
-        self._thread = threading.Thread(target=self._loop, name="swap-pss", daemon=True)
-        self._thread.start()
-        return self
-
-    def stop(self) -> dict[str, Any]:
-        self._stop.set()
-        if self._thread is not None:
-            self._thread.join(10)
-        return self.result()
-
-    def result(self) -> dict[str, Any]:
-        return {
-            "peak_pss": self.peak, "limit": self.limit,
-            "peak_ratio": safe_div(self.peak, self.limit), "samples": self.samples,
-            "over_limit_samples": self.over, "processes_at_peak": self.peak_processes,
-            "page_cache_drops": self.drops, "max_gap_s": round(self.max_gap, 3),
-        }  # fmt: skip
-
-    def sample(self) -> int:
-        """One sample: the descendants' summed PSS (also recorded)."""
-        import psutil
-
-        try:
-            kids = [p.pid for p in psutil.Process(self.root).children(recursive=True)]
-        except psutil.Error:
-            kids = []
-        total, mapped = 0, set()
-        for pid in kids:
-            text = _read(f"/proc/{pid}/smaps_rollup")
-            if text is not None:
-                total += parse_smaps_rollup(text).get("Pss", 0)
-            if self.drop_unmapped:
-                mapped |= mapped_models(_read(f"/proc/{pid}/maps") or "")
-        self.samples += 1
-        if total > self.limit:
-            self.over += 1
-        if total > self.peak:
-            self.peak, self.peak_processes = total, len(kids)
-        if self.drop_unmapped:
-            from corral.runtime.pagecache import drop
-
-            for path in self._mapped - mapped:
-                self.drops += drop(path)
-            self._mapped = mapped
-        return total
-
-    def _loop(self) -> None:
-        last = time.monotonic()
-        while True:
-            self.sample()
-            now = time.monotonic()
-            self.max_gap = max(self.max_gap, now - last)
-            last = now
-            if self._stop.wait(self.every):
-                return
-
-
-def drop_files(paths: Sequence[Path]) -> None:
-    """Drop every file from the page cache (a cold start for the next replay)."""
-    from corral.runtime.pagecache import drop
-
-    for path in paths:
-        drop(str(path))
 
 
 def write_models(models_dir: Path, sizes_mb: tuple[int, ...], say: Say) -> list[str]:
@@ -329,7 +210,7 @@ async def replay(
         return list(await asyncio.gather(*(one(e) for e in trace)))
 
 
-def _summarize(results: list[dict[str, Any]]) -> dict[str, Any]:
+def summarize(results: list[dict[str, Any]]) -> dict[str, Any]:
     ok = [r for r in results if r["ok"]]
     waits = [r["wait"] for r in ok if "wait" in r]
     lat = [r["latency"] for r in ok]
@@ -371,7 +252,7 @@ def replay_corral(
         server.stop()
     log = server.log()
     loads = logged_loads(log)
-    out = _summarize(results)
+    out = summarize(results)
     out |= {
         "memory": memory,
         "load_average": round(load_avg, 2),
@@ -434,7 +315,7 @@ def replay_router(
     text = log_path.read_text(errors="replace")
     back = {v: k for k, v in ids.items()}
     stems = [back.get(m, m) for m in _ROUTER_LOAD.findall(text)]
-    out = _summarize(results)
+    out = summarize(results)
     out |= {
         "memory": memory,
         "load_average": round(load_avg, 2),

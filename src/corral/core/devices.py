@@ -1,4 +1,4 @@
-"""The memory corral may place models in, as plain data: devices, budgets, fake device sets.
+"""The memory corral may place models in, as plain data: devices and budgets.
 
 Discovery (psutil, NVML, amdsmi) is the shell's (`corral.runtime.devices`); everything here is
 pure. Budgets (how much corral may book per device) come from `budgets()`; `live_headroom()`
@@ -7,14 +7,8 @@ computes what a device really has free right now, so that other programs' use is
 
 from __future__ import annotations
 
-import re
 from collections.abc import Iterable
 from dataclasses import dataclass
-
-from corral.core.units import ConfigError, parse_size
-
-LIBRARIES = ("cpu", "cuda", "rocm")
-
 
 CPU = "cpu"  # the id of system memory in device lists, budgets and bookings
 
@@ -89,37 +83,3 @@ def live_headroom(
         return device.total
     held = booked_by_us if in_use_by_us is None else min(booked_by_us, in_use_by_us)
     return max(0, device.free + held - margin)
-
-
-_FAKE_ENTRY = re.compile(r"^\s*(cpu|cuda|rocm)\s*=\s*([^/]+?)\s*(?:/\s*(.+?)\s*)?$", re.I)
-
-
-def fake_devices(spec: str) -> list[Device]:
-    """Devices from "cpu=24GiB,cuda=24GiB,cuda=8GiB/6GiB" for tests and benchmarks: one entry
-    per device, `library=total[/free]` (free defaults to total), GPUs numbered per library in
-    the order given. The CPU entry is required (exactly one). Fakes have no uuid, so refresh()
-    leaves them as they are. ConfigError for anything else."""
-    out: list[Device] = []
-    counts = dict.fromkeys(LIBRARIES, 0)
-    for entry in spec.split(","):
-        m = _FAKE_ENTRY.match(entry)
-        if not m:
-            raise ConfigError(
-                f"device spec: invalid entry {entry.strip()!r} (use e.g. 'cpu=24GiB,cuda=8GiB')"
-            )
-        lib = m.group(1).lower()
-        total = parse_size(m.group(2), f"device spec {lib}")
-        free = parse_size(m.group(3), f"device spec {lib}") if m.group(3) else total
-        if free > total:
-            raise ConfigError(f"device spec: {entry.strip()!r} has more free than total memory")
-        index = counts[lib]
-        counts[lib] += 1
-        if lib == "cpu":
-            out.append(Device(CPU, "cpu", -1, "Fake CPU", total, free))
-        else:
-            name = f"Fake {'CUDA' if lib == 'cuda' else 'ROCm'} GPU {index}"
-            out.append(Device(f"{lib}:{index}", lib, index, name, total, free))
-    if counts["cpu"] != 1:
-        raise ConfigError("device spec: needs exactly one 'cpu=SIZE' entry")
-    out.sort(key=lambda d: (d.library != "cpu", d.library, d.index))
-    return out

@@ -2,39 +2,27 @@
 
 Used for Ollama's /api/tags and /api/show, for memory estimates, and to reject broken files
 (truncated downloads, an HTML error page saved as .gguf) with a message a user can act on.
-
-Parsing goes through llama.cpp's own `gguf` package (GGUFReader memory-maps the file), with two
-changes made in a subclass: long arrays (the tokenizer's tokens, merges, scores) are skipped
-instead of getting one numpy view per element, which takes SmolLM2-135M from ~2.4 s to ~25 ms;
-and every read past the end of the file becomes a GGUFError that says where the file ends.
-Results are cached by (path, inode, size, mtime), so listing models repeatedly costs a stat.
+The file itself is parsed by `core/ggufreader.py`. Results are cached by (path, inode, size,
+mtime), so listing models repeatedly costs a stat.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import functools
-import math
 import re
 import stat
-import struct
 from collections import Counter
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from types import MappingProxyType
-from typing import Any, Literal
+from typing import Any
 
-import numpy as np
-import numpy.typing as npt
-from gguf.constants import (
-    GGML_QUANT_SIZES,
-    GGMLQuantizationType,
-    GGUFEndian,
-    GGUFValueType,
-    LlamaFileType,
-)
-from gguf.gguf_reader import READER_SUPPORTED_VERSIONS, GGUFReader, ReaderField, ReaderTensor
+from gguf.constants import LlamaFileType
+from gguf.gguf_reader import GGUFReader, ReaderField, ReaderTensor
+
+from corral.core.ggufreader import GGUFError, metadata, open_reader, scalar_value
 
 __all__ = [
     "EMBEDDING_ARCHITECTURES",
@@ -51,11 +39,6 @@ __all__ = [
     "template_has_tools",
 ]
 
-_MAGIC = b"GGUF"
-_HEADER_SIZE = 24  # magic, version (u32), tensor count (u64), metadata count (u64)
-# Arrays longer than this are skipped, not parsed: only the tokenizer's arrays get that long,
-# and nothing here needs their contents. Their lengths are kept in ModelInfo.array_lengths.
-_MAX_ARRAY = 1024
 # Far above llama.cpp's own limit (LLAMA_MAX_LAYERS = 512); a larger block_count is corrupt and
 # would only make per-layer tuples exhaust memory.
 _MAX_LAYERS = 4096
@@ -89,10 +72,6 @@ _BUILTIN_SWA_PATTERN = {"gemma2": 2, "gemma3": 6, "gemma-embedding": 6, "cohere2
 
 # Ollama leaves these out of /api/show's model_info: they are returned elsewhere (template).
 _NOT_IN_MODEL_INFO = frozenset({"general.name", "tokenizer.chat_template"})
-
-
-class GGUFError(Exception):
-    """The file is not a usable GGUF model. The message is meant for users."""
 
 
 @dataclass(frozen=True)
@@ -304,12 +283,6 @@ class ProjectorInfo:
     n_tensors: int
     metadata: Mapping[str, Any] = field(default_factory=lambda: MappingProxyType({}), hash=False)
 
-    @property
-    def n_patches(self) -> int:
-        """Patches of the warm-up image (the encoder's sequence length)."""
-        side = self.image_size // self.patch_size if self.patch_size else 0
-        return side * side
-
 
 @dataclass(frozen=True)
 class AdapterInfo:
@@ -389,23 +362,10 @@ def _stat(path: str | Path) -> tuple[Path, Any]:
     return p, st
 
 
-def _fields(reader: _Reader) -> dict[str, Any]:
-    meta: dict[str, Any] = {}
-    for key, fld in reader.fields.items():
-        if key.startswith("GGUF."):
-            continue
-        if fld.types[0] == GGUFValueType.ARRAY:
-            if fld.data or int(fld.parts[4][0]) == 0:
-                meta[key] = _array_value(fld)
-        else:
-            meta[key] = _scalar_value(fld)
-    return meta
-
-
 @functools.lru_cache(maxsize=64)
 def _projector_cached(path: Path, dev: int, ino: int, size: int, mtime_ns: int) -> ProjectorInfo:
-    reader = _open(path, size)
-    meta = _fields(reader)
+    reader = open_reader(path, size)
+    meta, _ = metadata(reader.fields.items())
     arch = meta.get("general.architecture")
     if arch != "clip":
         raise GGUFError(
@@ -439,8 +399,8 @@ def _projector_cached(path: Path, dev: int, ino: int, size: int, mtime_ns: int) 
 
 @functools.lru_cache(maxsize=64)
 def _adapter_cached(path: Path, dev: int, ino: int, size: int, mtime_ns: int) -> AdapterInfo:
-    reader = _open(path, size)
-    meta = _fields(reader)
+    reader = open_reader(path, size)
+    meta, _ = metadata(reader.fields.items())
     if meta.get("general.type") != "adapter":
         raise GGUFError(
             f"not an adapter: its general.type is {meta.get('general.type')!r}, not 'adapter'"
@@ -473,186 +433,11 @@ def _adapter_cached(path: Path, dev: int, ino: int, size: int, mtime_ns: int) ->
     )
 
 
-# --- parsing -------------------------------------------------------------------------------
-
-
-class _OutOfBounds(Exception):
-    """A read would go past the end of the file; `end` is the byte it needed."""
-
-    def __init__(self, end: int) -> None:
-        super().__init__(f"needs byte {end}")
-        self.end = end
-
-
-# Exceptions that GGUFReader (numpy, struct, enum lookups, utf-8) raises on malformed input.
-_PARSE_ERRORS = (
-    _OutOfBounds,
-    ValueError,
-    KeyError,
-    IndexError,
-    TypeError,
-    OverflowError,
-    struct.error,
-)
-
-
-def _describe(e: BaseException) -> str:
-    # KeyError's str() is the repr of its argument; show the message itself.
-    return str(e.args[0]) if isinstance(e, KeyError) and e.args else str(e)
-
-
-class _Reader(GGUFReader):
-    """GGUFReader with bounds checks and lazy long arrays (see the module docstring). It
-    overrides GGUFReader internals; tests/test_gguf.py checks them against the installed
-    gguf."""
-
-    def _get(
-        self,
-        offset: int,
-        dtype: npt.DTypeLike,
-        count: int = 1,
-        override_order: Literal["I", "S", "<"] | None = None,
-    ) -> npt.NDArray[Any]:
-        # numpy would silently return a short (or empty) view here; make that an error.
-        end = int(offset) + np.dtype(dtype).itemsize * int(count)
-        if end > len(self.data):
-            raise _OutOfBounds(end)
-        return super()._get(offset, dtype, count, override_order)
-
-    def _get_field_parts(
-        self, orig_offs: int, raw_type: int
-    ) -> tuple[int, list[npt.NDArray[Any]], list[int], list[GGUFValueType]]:
-        if raw_type != GGUFValueType.ARRAY:
-            return super()._get_field_parts(orig_offs, raw_type)
-        raw_itype = self._get(orig_offs, np.uint32)
-        alen = self._get(orig_offs + 4, np.uint64)
-        if int(alen[0]) <= _MAX_ARRAY:
-            return super()._get_field_parts(orig_offs, raw_type)
-        itype = GGUFValueType(int(raw_itype[0]))
-        end = self._skip_array(orig_offs + 12, itype, int(alen[0]))
-        # No element parts: ReaderField.contents() gives [], the length stays in parts[1].
-        return end - orig_offs, [raw_itype, alen], [], [GGUFValueType.ARRAY, itype]
-
-    def _skip_array(self, offs: int, itype: GGUFValueType, count: int) -> int:
-        if itype == GGUFValueType.STRING:
-            # Strings are length-prefixed, so they must be walked; struct is ~100x faster
-            # than a numpy view per string.
-            unpack = struct.Struct("<Q" if self.endianess == GGUFEndian.LITTLE else ">Q")
-            with self.data.data as buf:
-                try:
-                    for _ in range(count):
-                        offs += 8 + unpack.unpack_from(buf, offs)[0]
-                except (struct.error, OverflowError):  # past the end, or a bogus length
-                    raise _OutOfBounds(offs + 8) from None
-        elif itype == GGUFValueType.ARRAY:  # arrays of arrays: nothing uses them, walk them
-            for _ in range(count):
-                offs += self._get_field_parts(offs, itype)[0]
-        else:
-            scalar = self.gguf_scalar_to_np.get(itype)
-            if scalar is None:
-                raise ValueError(f"unhandled array element type {itype.name}")
-            offs += np.dtype(scalar).itemsize * count
-        if offs > len(self.data):
-            raise _OutOfBounds(offs)
-        return offs
-
-    def _build_fields(self, offs: int, count: int) -> int:
-        try:
-            return super()._build_fields(offs, count)
-        except _PARSE_ERRORS as e:
-            n_read = len(self.fields) - 3  # less GGUF.version, GGUF.tensor_count, GGUF.kv_count
-            after = f", after {next(reversed(self.fields))!r}" if n_read > 0 else ""
-            where = f"{n_read} of {int(count)} metadata keys read{after}"
-            if isinstance(e, _OutOfBounds):
-                raise GGUFError(
-                    f"file is truncated: the metadata ends early ({where}); it needs byte "
-                    f"{e.end} but the file has {len(self.data)} bytes"
-                ) from None
-            raise GGUFError(f"bad metadata ({where}): {_describe(e)}") from e
-
-    def _build_tensor_info(self, offs: int, count: int) -> tuple[int, list[ReaderField]]:
-        try:
-            return super()._build_tensor_info(offs, count)
-        except _PARSE_ERRORS as e:
-            if isinstance(e, _OutOfBounds):
-                raise GGUFError(
-                    f"file is truncated: the table of {int(count)} tensors ends early; it needs "
-                    f"byte {e.end} but the file has {len(self.data)} bytes"
-                ) from None
-            raise GGUFError(f"bad tensor table: {_describe(e)}") from e
-
-    def _build_tensors(self, start_offs: int, fields: list[ReaderField]) -> None:
-        # Check every tensor's type and extent first, so that a truncated download is reported
-        # by tensor name instead of as a numpy reshape error.
-        size = len(self.data)
-        overruns: list[tuple[int, str]] = []
-        for f in fields:
-            _, name_data, _, dims, raw_dtype, offset = f.parts
-            name = bytes(name_data).decode("utf-8", errors="replace")
-            raw = int(raw_dtype[0])
-            try:
-                qtype = GGMLQuantizationType(raw)
-                block_size, type_size = GGML_QUANT_SIZES[qtype]
-            except (ValueError, KeyError):
-                raise GGUFError(
-                    f"tensor {name!r} has unknown type {raw} (the file may need a newer "
-                    "llama.cpp and gguf package)"
-                ) from None
-            n_elements = math.prod(int(d) for d in dims)
-            end = int(start_offs) + int(offset[0]) + n_elements * type_size // block_size
-            if end > size:
-                overruns.append((end, name))
-        if overruns:
-            end, name = min(overruns)
-            raise GGUFError(
-                f"file is truncated: tensor {name!r} ends at byte {end} but the file has "
-                f"{size} bytes (incomplete download?)"
-            )
-        try:
-            super()._build_tensors(start_offs, fields)
-        except _PARSE_ERRORS as e:
-            raise GGUFError(f"bad tensor: {_describe(e)}") from e
-
-
-def _check_header(head: bytes, size: int) -> None:
-    """Reject what is plainly not a GGUF file, naming what it looks like instead."""
-    if head[:4] != _MAGIC:
-        if len(head) < 4 and _MAGIC.startswith(head):
-            raise GGUFError(f"file is truncated: only {size} bytes")
-        raise GGUFError(f"not a GGUF file (bad magic {head[:4]!r}{_looks_like(head)})")
-    if size < _HEADER_SIZE:
-        raise GGUFError(
-            f"file is truncated: {size} bytes is too short for a GGUF header ({_HEADER_SIZE} bytes)"
-        )
-    version = int.from_bytes(head[4:8], "little")
-    if version & 0xFFFF == 0:  # written on a big-endian machine
-        version = int.from_bytes(head[4:8], "big")
-    if version not in READER_SUPPORTED_VERSIONS:
-        supported = ", ".join(str(v) for v in READER_SUPPORTED_VERSIONS)
-        raise GGUFError(
-            f"unsupported GGUF version {version} (supported: {supported}); re-convert the model "
-            "with a current llama.cpp"
-        )
-
-
-def _looks_like(head: bytes) -> str:
-    if head.startswith(b"version https://git-lfs"):
-        return "; it is a Git LFS pointer, not the model itself"
-    if head[:4] in (b"lmgg", b"fmgg", b"tjgg"):  # "ggml", "ggmf", "ggjt" as little-endian u32
-        return "; it is a legacy GGML/GGJT model, convert it to GGUF"
-    if head[8:9] == b"{":
-        return "; it looks like a safetensors file, convert it to GGUF"
-    text = head.strip()
-    if text and all(32 <= c < 127 or c in b"\t\r\n" for c in text):
-        return "; it looks like a text file, e.g. an error page saved in place of the model"
-    return ""
-
-
 def _read(path: Path, size: int, others: list[tuple[Path, int]] | None = None) -> ModelInfo:
-    reader = _open(path, size)
+    reader = open_reader(path, size)
     tensors = list(reader.tensors)
     count_field = reader.fields.get("split.count")
-    count = int(_scalar_value(count_field)) if count_field is not None else 1
+    count = int(scalar_value(count_field)) if count_field is not None else 1
     parts: list[Path] = []
     if count > 1:
         # llama.cpp loads every part given the first; the tensors and bytes are all of them.
@@ -667,7 +452,7 @@ def _read(path: Path, size: int, others: list[tuple[Path, int]] | None = None) -
             if qsize < 0:
                 raise GGUFError(f"part {q.name} of this split model is missing")
             try:
-                tensors += _open(q, qsize).tensors
+                tensors += open_reader(q, qsize).tensors
             except GGUFError as e:
                 raise GGUFError(f"part {q.name} of this split model: {e}") from None
             size += qsize
@@ -676,39 +461,13 @@ def _read(path: Path, size: int, others: list[tuple[Path, int]] | None = None) -
     return dataclasses.replace(info, parts=tuple(parts)) if parts else info
 
 
-def _open(path: Path, size: int) -> _Reader:
-    if size == 0:
-        raise GGUFError("file is empty (0 bytes)")
-    with path.open("rb") as f:
-        head = f.read(_HEADER_SIZE)
-    _check_header(head, size)
-    try:
-        return _Reader(path)
-    except _OutOfBounds as e:
-        raise GGUFError(
-            f"file is truncated: it needs byte {e.end} but the file has {size} bytes"
-        ) from None
-    except _PARSE_ERRORS as e:
-        raise GGUFError(f"invalid GGUF file: {_describe(e)}") from e
-
-
 def _model_info(
     path: Path,
     size: int,
     fields: Iterable[tuple[str, ReaderField]],
     tensors: list[ReaderTensor],
 ) -> ModelInfo:
-    meta: dict[str, Any] = {}
-    array_lengths: dict[str, int] = {}
-    for key, fld in fields:
-        if key.startswith("GGUF."):  # the reader's pseudo-keys for the header
-            continue
-        if fld.types[0] == GGUFValueType.ARRAY:
-            array_lengths[key] = int(fld.parts[4][0])  # parts: key len, key, type, item type, len
-            if fld.data or array_lengths[key] == 0:
-                meta[key] = _array_value(fld)
-        else:
-            meta[key] = _scalar_value(fld)
+    meta, array_lengths = metadata(fields)
 
     arch = meta.get("general.architecture")
     if not isinstance(arch, str) or not arch:
@@ -795,36 +554,6 @@ def _model_info(
         array_lengths=MappingProxyType(array_lengths),
         expert_bytes=tuple(expert_bytes) if any(expert_bytes) else (),
     )
-
-
-def _decode(part: npt.NDArray[Any]) -> str:
-    # Lenient: one bad byte in, say, a chat template should not make the model unusable.
-    return bytes(part).decode("utf-8", errors="replace")
-
-
-def _f32(x: Any) -> float:
-    # 1e-05 rather than 9.999999747378752e-06: the shortest text that reads back as the
-    # same float32, as Ollama's JSON shows it.
-    return float(str(np.float32(x)))
-
-
-def _scalar_value(fld: ReaderField) -> Any:
-    vtype = fld.types[0]
-    if vtype == GGUFValueType.STRING:
-        return _decode(fld.parts[-1])
-    if vtype == GGUFValueType.FLOAT32:
-        return _f32(fld.parts[-1][0])
-    return fld.parts[-1].tolist()[0]
-
-
-def _array_value(fld: ReaderField) -> tuple[Any, ...]:
-    item_type = fld.types[-1]
-    if item_type == GGUFValueType.STRING:
-        return tuple(_decode(fld.parts[i]) for i in fld.data)
-    values = [v for i in fld.data for v in fld.parts[i].tolist()]
-    if item_type == GGUFValueType.FLOAT32:
-        return tuple(_f32(v) for v in values)
-    return tuple(values)
 
 
 def _int(meta: Mapping[str, Any], key: str) -> int | None:

@@ -189,14 +189,6 @@ class AllocationParser:
         return Allocation(**{k: _frozen(v) for k, v in s.sizes.items()})
 
 
-def parse_log(text: str) -> Allocation | None:
-    """The allocation in a whole log (tests, benchmarks)."""
-    p = AllocationParser()
-    for line in text.splitlines():
-        p.feed(line)
-    return p.allocation
-
-
 def device_id(name: str) -> str:
     """llama.cpp's backend device name ("CPU", "CUDA0", "ROCm1") as a corral device id."""
     m = re.fullmatch(r"(CUDA|ROCm|HIP|Vulkan|Metal|SYCL)(\d+)", name)

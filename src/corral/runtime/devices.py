@@ -12,7 +12,7 @@ numbers CUDA devices in the CUDA runtime's order, which is fastest-first unless
 CUDA_DEVICE_ORDER=PCI_BUS_ID: runners must set that (or pick devices by UUID) for an index here
 to mean the same GPU there.
 
-The Device type, budgets and fake device sets are pure: `corral.core.devices`.
+The Device type and budgets are pure: `corral.core.devices`.
 """
 
 from __future__ import annotations

@@ -47,12 +47,6 @@ def process_usage(pid: int) -> Usage | None:
     return Usage(rss, anon, tuple(pids)) if rss else None
 
 
-def process_memory(pid: int) -> int | None:
-    """Resident memory of a runner process and its children, in bytes; None if it is gone."""
-    u = process_usage(pid)
-    return None if u is None else u.rss
-
-
 def _status(pid: int) -> dict[str, int] | None:
     """The resident-memory counters of /proc/PID/status (RssAnon, RssFile, RssShmem), in bytes."""
     try:

