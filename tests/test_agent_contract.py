@@ -14,8 +14,8 @@ import orjson
 import pytest
 
 from corral.api.anthropic import model_list, to_chat
-from corral.api.common import ApiError
 from corral.core.roles import place_system, renders_later_system
+from corral.errors import ApiError
 from corral.testing.ggufwrite import smollm2_path
 
 SMOL = "smollm2:135m"

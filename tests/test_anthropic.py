@@ -13,8 +13,8 @@ import orjson
 import pytest
 
 from corral.api.anthropic import sse_stream, to_chat
-from corral.api.common import ApiError
 from corral.api.events import Done, Event, Text, Thinking, ToolCall, Usage
+from corral.errors import ApiError
 
 SMOL = "smollm2:135m"
 # Random-weight models only finish a forced call when the schema bounds every string and closes

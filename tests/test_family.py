@@ -8,10 +8,10 @@ from pathlib import Path
 
 from helpers import fake_devices
 
-from corral.api.common import ApiError
 from corral.api.family import ANTHROPIC, LLAMACPP, OLLAMA, OPENAI, RESPONSES, FamilyRoute
 from corral.cluster.entry import FAMILIES
 from corral.config import Settings
+from corral.errors import ApiError
 from corral.server import create_app
 
 

@@ -11,7 +11,7 @@ from typing import Any
 import pytest
 
 from corral.api import ollama
-from corral.api.common import ApiError, check_options
+from corral.api.common import check_options
 from corral.api.manage import check_parameters
 from corral.config import Settings
 from corral.core.gguf import read_model_info
@@ -24,6 +24,7 @@ from corral.core.options import (
     SHAPING,
 )
 from corral.core.spec import Layout, RunnerSpec, runner_spec
+from corral.errors import ApiError
 from corral.runtime import runner_child
 from corral.runtime.registry import ModelEntry, Registry
 from corral.runtime.runner import Runner

@@ -17,10 +17,10 @@ import pydantic
 import pytest
 from openai.types.responses import Response, ResponseStreamEvent
 
-from corral.api.common import ApiError
 from corral.api.events import Done, Event, Text, Thinking, ToolCall, Usage
 from corral.api.responses import parse_request
 from corral.api.responses_output import Builder, CustomInput, ToolRef
+from corral.errors import ApiError
 from corral.testing.server import CorralServer
 
 SMOL = "smollm2:135m"

@@ -26,7 +26,6 @@ from uvicorn.protocols.http.auto import AutoHTTPProtocol
 import corral
 from corral import logs
 from corral.api.anthropic import Anthropic
-from corral.api.common import ApiError
 from corral.api.dashboard import Dashboard, wants_html
 from corral.api.family import OLLAMA, Families, FamilyRoute
 from corral.api.guard import (
@@ -49,6 +48,8 @@ from corral.api.service import Service
 from corral.api.stream import json_response
 from corral.config import ConfigError, Settings
 from corral.core.devices import Device, budgets
+from corral.errors import ApiError
+from corral.runtime.client import RunnerClient
 from corral.runtime.devices import discover, refresh
 from corral.runtime.kvcache import KVCache
 from corral.runtime.registry import Registry
@@ -135,8 +136,8 @@ def create_app(settings: Settings, devices: list[Device] | None = None) -> Starl
         hooks=Hooks(before_stop=cache.before_stop if cache else None, on_wait=metrics.waited),
     )
     metrics.follow(scheduler)
-    service = Service(settings, registry, scheduler, devices)
-    service.client.kvcache = cache
+    # runners are called with the KV cache of saved conversations at hand
+    service = Service(settings, registry, scheduler, devices, RunnerClient(cache))
     gate = Gate()  # shared by the guard and the graceful shutdown
     atexit.register(scheduler.kill_all)  # last resort if the loop dies without a clean stop
 

@@ -23,19 +23,13 @@ from starlette.requests import Request
 from starlette.responses import Response
 from starlette.routing import Route
 
-from corral.api.common import (
-    ApiError,
-    field,
-    model_field,
-    read_json,
-    rfc3339,
-    until_disconnect,
-)
+from corral.api.common import field, model_field, read_json, rfc3339, until_disconnect
 from corral.api.events import Chat, Done, Event, Result, Text, Thinking, ToolCall, Usage, new_id
 from corral.api.family import ANTHROPIC, FamilyRoute, sse
 from corral.api.service import Resolved, Service, effective_template
 from corral.api.stream import json_response
 from corral.core.roles import place_system, renders_later_system
+from corral.errors import ApiError
 from corral.runtime.registry import ModelEntry
 from corral.runtime.scheduler import Lease
 

@@ -14,7 +14,7 @@ import orjson
 from starlette.requests import Request
 
 from corral.core.options import REQUEST_OPTIONS, Option
-from corral.errors import ApiError  # every adapter imports it from here
+from corral.errors import ApiError
 
 T = TypeVar("T")
 

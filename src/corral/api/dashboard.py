@@ -28,10 +28,10 @@ from starlette.responses import Response
 from starlette.routing import BaseRoute
 
 import corral
-from corral.api.common import ApiError
 from corral.api.family import OLLAMA, SSE, FamilyRoute
 from corral.api.service import Service
 from corral.api.stream import RelayResponse, json_response
+from corral.errors import ApiError
 from corral.runtime.journal import Event
 from corral.runtime.registry import canonical_name
 from corral.runtime.scheduler import Scheduler

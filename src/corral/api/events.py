@@ -31,9 +31,9 @@ from typing import Any
 import orjson
 from starlette.responses import Response
 
-from corral.api.common import ApiError
 from corral.api.stream import RelayResponse
 from corral.api.toolprompt import Call, CallScanner
+from corral.errors import ApiError
 from corral.runtime.client import UPSTREAM_ERRORS, RunnerStream, runner_error_message
 from corral.runtime.scheduler import Lease
 

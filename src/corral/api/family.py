@@ -22,7 +22,7 @@ from starlette.responses import Response
 from starlette.routing import BaseRoute, Match, Route
 from starlette.types import Scope
 
-from corral.api.common import ApiError
+from corral.errors import ApiError
 
 NDJSON = "application/x-ndjson"
 SSE = "text/event-stream"

@@ -37,8 +37,9 @@ from starlette.requests import Request
 from starlette.responses import Response
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from corral.api.common import MAX_BODY, ApiError
+from corral.api.common import MAX_BODY
 from corral.api.family import OLLAMA
+from corral.errors import ApiError
 
 log = logging.getLogger("corral")
 

@@ -15,10 +15,11 @@ from starlette.requests import Request
 from starlette.responses import Response
 from starlette.routing import Route
 
-from corral.api.common import ApiError, model_field, read_json
+from corral.api.common import model_field, read_json
 from corral.api.family import LLAMACPP, FamilyRoute
 from corral.api.service import Service
 from corral.api.stream import LeasedStream
+from corral.errors import ApiError
 from corral.runtime.client import UPSTREAM_ERRORS
 
 # path -> (the runner's path, the capability it needs or None)

@@ -25,13 +25,7 @@ from starlette.requests import Request
 from starlette.responses import Response
 from starlette.routing import Route
 
-from corral.api.common import (
-    ApiError,
-    field,
-    option_value,
-    read_json,
-    until_disconnect,
-)
+from corral.api.common import field, option_value, read_json, until_disconnect
 from corral.api.family import NDJSON, OLLAMA, FamilyRoute
 from corral.api.service import Service
 from corral.api.stream import RelayResponse, json_response
@@ -39,6 +33,7 @@ from corral.core.gguf import GGUFError, read_model_info
 from corral.core.gotemplate import TemplateError
 from corral.core.options import REQUEST_OPTIONS
 from corral.core.spec import jinja_template
+from corral.errors import ApiError
 from corral.runtime import hub
 from corral.runtime.registry import ModelEntry, canonical_name
 from corral.runtime.store import Adapter, FileRef, Manifest, StoreError, norm_digest

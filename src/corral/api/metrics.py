@@ -135,9 +135,6 @@ class Metrics:
         body = await asyncio.to_thread(generate_latest, self.registry)
         return Response(body, media_type=CONTENT_TYPE)
 
-    def middleware(self, app: ASGIApp) -> ASGIApp:
-        return MeasureRequests(app, self)
-
 
 class MeasureRequests:
     """Counts and times every HTTP request; a stream's first body byte is its first token."""

@@ -26,7 +26,6 @@ from starlette.routing import Route
 import corral
 from corral.api import defaults
 from corral.api.common import (
-    ApiError,
     check_options,
     field,
     model_field,
@@ -46,6 +45,7 @@ from corral.core.gguf import read_arrays
 from corral.core.gotemplate import TemplateError
 from corral.core.gotemplate import render as render_template
 from corral.core.options import SAMPLING
+from corral.errors import ApiError
 
 T = TypeVar("T")
 

@@ -13,10 +13,11 @@ import orjson
 from starlette.requests import Request
 from starlette.responses import Response
 
-from corral.api.common import ApiError, now_rfc3339, until_disconnect
+from corral.api.common import now_rfc3339, until_disconnect
 from corral.api.events import Done, Event, Generation, Text, Thinking, ToolCall
 from corral.api.family import OLLAMA
 from corral.api.stream import json_response
+from corral.errors import ApiError
 
 
 def ns(seconds: float) -> int:

@@ -29,7 +29,7 @@ from starlette.responses import Response
 from starlette.routing import Route
 
 from corral.api import anthropic, defaults
-from corral.api.common import ApiError, field, model_field, read_json, until_disconnect
+from corral.api.common import field, model_field, read_json, until_disconnect
 from corral.api.events import (
     Chat,
     Done,
@@ -53,6 +53,7 @@ from corral.api.openai_checks import (
 )
 from corral.api.service import Resolved, Service
 from corral.api.stream import RelayResponse, json_response
+from corral.errors import ApiError
 from corral.runtime.scheduler import Lease
 
 T = TypeVar("T")

@@ -6,7 +6,8 @@ from __future__ import annotations
 
 from typing import Any
 
-from corral.api.common import ApiError, field
+from corral.api.common import field
+from corral.errors import ApiError
 
 MAX_N = 16  # choices per request: each is a generation holding a runner slot
 

@@ -48,13 +48,14 @@ from starlette.requests import Request
 from starlette.responses import Response
 from starlette.routing import Route
 
-from corral.api.common import ApiError, model_field, read_json, until_disconnect
 from corral.api.common import field as get
+from corral.api.common import model_field, read_json, until_disconnect
 from corral.api.events import Chat
 from corral.api.family import RESPONSES, FamilyRoute
 from corral.api.responses_output import Builder, ToolRef
 from corral.api.service import Service
 from corral.api.stream import json_response
+from corral.errors import ApiError
 
 log = logging.getLogger(__name__)
 

@@ -13,9 +13,9 @@ from typing import Any
 
 import orjson
 
-from corral.api.common import ApiError
 from corral.api.events import Done, Event, Text, Thinking, ToolCall, Usage, new_id
 from corral.api.family import sse
+from corral.errors import ApiError
 
 
 @dataclass(frozen=True)

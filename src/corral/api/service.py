@@ -17,7 +17,7 @@ from starlette.requests import Request
 from starlette.responses import Response
 
 from corral.api import defaults
-from corral.api.common import ApiError, until_disconnect
+from corral.api.common import until_disconnect
 from corral.api.events import Chat, Generation, forced_schema, tool_name
 from corral.api.metrics import note_model
 from corral.api.stream import LeasedStream
@@ -38,6 +38,7 @@ from corral.core.gotemplate import TemplateError
 from corral.core.placement import placer
 from corral.core.roles import has_later_system, place_system, renders_later_system
 from corral.core.spec import Estimates, RunnerSpec, jinja_template, runner_spec
+from corral.errors import ApiError
 from corral.runtime.client import RunnerClient, RunnerStream
 from corral.runtime.devices import cpu_cores
 from corral.runtime.registry import ModelEntry, Registry, canonical_name
@@ -65,7 +66,12 @@ class Resolved:
 
 class Service:
     def __init__(
-        self, settings: Settings, registry: Registry, scheduler: Scheduler, devices: list[Device]
+        self,
+        settings: Settings,
+        registry: Registry,
+        scheduler: Scheduler,
+        devices: list[Device],
+        client: RunnerClient,
     ) -> None:
         self.settings = settings
         self.registry = registry
@@ -73,8 +79,7 @@ class Service:
         self.devices = devices
         self._estimates = Estimates()
         self._vision: dict[Any, tuple[ModelInfo, ModelInfo]] = {}
-        # The hop to the runners (server.py gives it the KV cache of saved conversations).
-        self.client = RunnerClient()
+        self.client = client  # the hop to the runners
 
     # ---- models ----------------------------------------------------------------------------
     def entry(self, name: str) -> ModelEntry:

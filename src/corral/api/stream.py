@@ -21,8 +21,8 @@ import orjson
 from starlette.responses import Response
 from starlette.types import Message, Receive, Scope, Send
 
-from corral.api.common import ApiError
 from corral.api.family import OPENAI, Family
+from corral.errors import ApiError
 from corral.runtime.client import UPSTREAM_ERRORS, RunnerStream, runner_error_message
 from corral.runtime.scheduler import Lease
 

@@ -33,13 +33,13 @@ from starlette.types import Message, Receive, Scope, Send
 
 import corral
 from corral.api import ollama
-from corral.api.common import ApiError
 from corral.api.family import LLAMACPP, NDJSON, OLLAMA, OPENAI, SSE, Families
 from corral.api.llamacpp import NATIVE_PATHS
 from corral.cluster.membership import Cluster, Node, Relay, Usage
 from corral.cluster.placement import Choice
 from corral.cluster.relay import Broken, Unreachable, exchange
 from corral.config import Settings
+from corral.errors import ApiError
 
 log = logging.getLogger("corral.cluster")
 
