@@ -16,6 +16,7 @@ from corral.core.gguf import read_model_info
 from corral.core.options import CLAMPED
 from corral.core.spec import Adapter, Estimates, Layout, RunnerSpec, spec_estimate
 from corral.runtime import runner_child
+from corral.runtime.client import RunnerClient
 from corral.runtime.devices import cpu_cores
 from corral.runtime.registry import ModelEntry, Registry
 from corral.runtime.runner import GOMP_SPINCOUNT, Runner, runner_env
@@ -94,7 +95,7 @@ def test_flash_attn_true_means_on(tmp_path: Path) -> None:
 
 
 def service() -> Service:
-    return Service(Settings.load(environ={}), None, None, [])  # type: ignore[arg-type]
+    return Service(Settings.load(environ={}), None, None, [], RunnerClient())  # type: ignore[arg-type]
 
 
 def resolved(path: Path, **entry: Any) -> Resolved:
