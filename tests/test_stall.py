@@ -43,10 +43,12 @@ def stall_server(
 ) -> CorralServer:
     d = tmp_path_factory.mktemp("stall-models")
     (d / "long.gguf").symlink_to(models_dir / "long.gguf")
-    # Wide enough that 1,500 prompt tokens take seconds on a CPU (about 4 s on 2 cores).
+    # Wide enough that a prompt takes seconds on a CPU (1,500 tokens: about 2-4 s on 2 cores),
+    # with room for the prompt a faster machine needs to outlast the stall timeout.
     synth.write_llama_model(
-        d / "slow.gguf", n_layer=16, n_embd=512, n_head=8, n_head_kv=8, n_ff=1024, seed=5
-    )
+        d / "slow.gguf", n_layer=16, n_embd=512, n_head=8, n_head_kv=8, n_ff=1024,
+        context_length=32768, seed=5,
+    )  # fmt: skip
     return start_server(
         d,
         CORRAL_RUNNER_STALL_TIMEOUT=f"{STALL:g}s",
@@ -132,21 +134,32 @@ def test_frozen_runner_on_the_openai_pass_through(stall_server: CorralServer) ->
     assert f"stopped responding for {STALL:g}s and was killed" in e.value.message
 
 
-def test_long_prompt_does_not_trip_the_watchdog(stall_server: CorralServer) -> None:
-    s = stall_server
-    prompt = " ".join(["hello world the cat sat"] * 250)  # 1,500 tokens
+def prompt_seconds(s: CorralServer, words: int, num_ctx: int) -> tuple[int, float]:
+    """Tokens and seconds the slow model took to read a prompt of `words` x 6 tokens."""
     r = s.client.post(
         "/api/generate",
-        json={"model": "slow", "prompt": prompt, "raw": True, "stream": False,
-              "options": {"num_predict": 1, "num_ctx": 2048}},
+        json={"model": "slow", "prompt": " ".join(["hello world the cat sat"] * words),
+              "raw": True, "stream": False,
+              "options": {"num_predict": 1, "num_ctx": num_ctx}},
     )  # fmt: skip
     assert r.status_code == 200, r.text
     body = r.json()
-    assert body["done"] and body["prompt_eval_count"] >= 1500
-    took = body["prompt_eval_duration"] / 1e9
-    print(f"1500-token prompt processed in {took:.2f}s under a {STALL:g}s stall timeout")
-    if took < STALL + 0.5:
-        pytest.skip(f"prompt processed in {took:.2f}s: too fast here to outlast the timeout")
+    assert body["done"]
+    return body["prompt_eval_count"], body["prompt_eval_duration"] / 1e9
+
+
+def test_long_prompt_does_not_trip_the_watchdog(stall_server: CorralServer) -> None:
+    """A prompt that takes longer than the stall timeout to read: the prompt grows until it
+    does on this machine, so the test proves the same on any CPU."""
+    s = stall_server
+    words, took = 100, 0.0
+    for _ in range(6):  # grow the prompt until it takes twice the timeout (~30k tokens at most)
+        tokens, took = prompt_seconds(s, words, 32768)
+        if took > 2 * STALL or words == 5000:
+            break
+        words = min(5000, math.ceil(words * max(2.0, 3 * STALL / max(took, 0.01))))
+    print(f"{tokens}-token prompt processed in {took:.2f}s under a {STALL:g}s stall timeout")
+    assert took > STALL + 0.5, "the prompt must outlast the stall timeout for this test"
     assert "runner for model 'slow:latest' (pid" not in s.log()  # no stall logged for it
 
 
