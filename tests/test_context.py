@@ -2,9 +2,13 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import orjson
 import pytest
 
+from corral.api.service import Resolved, Service
+from corral.config import Settings
 from corral.core.context import (
     AUTO_FLOOR,
     UNKNOWN_TRAINED_CAP,
@@ -13,7 +17,14 @@ from corral.core.context import (
     grown_context,
     next_power_of_two,
 )
+from corral.core.devices import CPU, Device
+from corral.core.gguf import read_model_info
+from corral.core.spec import RunnerSpec, spec_estimate
 from corral.runtime.client import ContextOverflow, runner_error
+from corral.runtime.journal import Event
+from corral.runtime.registry import ModelEntry
+from corral.runtime.view import RunnerView, SchedulerView
+from corral.testing import synth
 
 GIB = 1 << 30
 
@@ -97,3 +108,105 @@ def test_other_refusals_are_plain_errors(status: int) -> None:
     old = orjson.dumps({"error": {"type": "exceed_context_size_error", "message": "too long"}})
     err = runner_error(old, status)
     assert not isinstance(err, ContextOverflow) and err.status == 400
+
+
+# ---- the service's auto context over the scheduler's view -----------------------------------
+
+
+class FakeScheduler:
+    """What Service.auto_ctx reads of the scheduler: view() and listen()."""
+
+    def __init__(self, budgets: dict[str, int], runners: tuple[RunnerView, ...] = ()) -> None:
+        self.budgets, self.runners, self.views = budgets, runners, 0
+        self.listeners: list[Callable[[Event], None]] = []
+
+    def view(self) -> SchedulerView:
+        self.views += 1
+        return SchedulerView(
+            runners=self.runners, queued={}, budgets=self.budgets, booked={}, reserved={},
+            headroom={}, measured={}, devices=(), code=0, tokens={}, raised={},
+            disk_seconds_per_byte=0.0, events=(), closing=False,
+        )  # fmt: skip
+
+    def listen(self, fn: Callable[[Event], None]) -> Callable[[], None]:
+        self.listeners.append(fn)
+        return lambda: None
+
+
+def runner(model: str, n_ctx: int, held: int = 0, inflight: int = 0) -> RunnerView:
+    return RunnerView(
+        id=1, model=model, state="ready", draining=False, pid=1, devices={"cpu": held},
+        size=held, slots=1, context_length=n_ctx, inflight=inflight, keep_alive=300.0,
+        expires_in=300.0, pinned=False, priority=0, uses=1, load_cost=1.0, progress=None,
+        loading_for=None, load_seconds=1.0, measured=None, measured_devices={},
+        page_cache=None, page_cache_at_load=None,
+    )  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def long_model(tmp_path_factory: pytest.TempPathFactory) -> Resolved:
+    path = synth.write_llama_model(
+        tmp_path_factory.mktemp("ctx") / "long.gguf", n_layer=2, context_length=32768
+    )
+    return Resolved("long", ModelEntry("long", path), read_model_info(path))
+
+
+def size(r: Resolved, n_ctx: int) -> int:
+    est = spec_estimate(r.info, RunnerSpec(str(r.entry.path), n_ctx, 1))
+    return est.total + est.process
+
+
+def auto_service(sched: FakeScheduler) -> Service:
+    settings = Settings.load(environ={"CORRAL_NUM_PARALLEL": "1"})
+    assert settings.context_length is None  # auto is the default
+    devices = [Device(CPU, "cpu", -1, "cpu", 64 * GIB, 64 * GIB)]
+    return Service(settings, None, sched, devices, None)  # type: ignore[arg-type]
+
+
+def auto_ctx(svc: Service, r: Resolved) -> int:
+    spec, _ = svc.runner_spec(r, {})
+    assert spec.n_ctx == AUTO_FLOOR  # the floor, raised by the service
+    return svc.auto_ctx(r, spec, {})
+
+
+def test_auto_takes_the_trained_context_where_memory_allows(long_model: Resolved) -> None:
+    assert auto_ctx(auto_service(FakeScheduler({CPU: 64 * GIB})), long_model) == 32768
+
+
+def test_auto_leaves_busy_models_their_memory_and_takes_idle_models_as_room(
+    long_model: Resolved,
+) -> None:
+    room = (size(long_model, 8192) + size(long_model, 16384)) // 2  # 8,192 fits, 16,384 not
+    budget = room + 10 * GIB
+    busy = FakeScheduler({CPU: budget}, (runner("other", 4096, 10 * GIB, inflight=1),))
+    assert auto_ctx(auto_service(busy), long_model) == 8192
+    idle = FakeScheduler({CPU: budget}, (runner("other", 4096, 10 * GIB),))
+    assert auto_ctx(auto_service(idle), long_model) == 32768  # an idle model may be evicted
+    # no room even at the floor: the floor (the scheduler queues or evicts as for any load)
+    full = FakeScheduler({CPU: 10 * GIB}, (runner("other", 4096, 10 * GIB, inflight=1),))
+    assert auto_ctx(auto_service(full), long_model) == AUTO_FLOOR
+
+
+def test_a_loaded_runner_with_at_least_the_floor_is_never_reloaded_for_auto(
+    long_model: Resolved,
+) -> None:
+    sched = FakeScheduler({CPU: 64 * GIB}, (runner("long", 8192),))
+    svc = auto_service(sched)
+    assert auto_ctx(svc, long_model) == 8192  # not 32,768: no reload nobody asked for
+    sched.runners = (runner("long", 1024),)  # a client shrank it: below the floor, auto again
+    assert auto_ctx(svc, long_model) == 32768
+
+
+def test_the_context_an_auto_request_was_served_with_is_remembered_until_a_load_or_stop(
+    long_model: Resolved,
+) -> None:
+    sched = FakeScheduler({CPU: 64 * GIB})
+    svc = auto_service(sched)
+    svc._served("long", 16384)
+    views = sched.views
+    assert auto_ctx(svc, long_model) == 16384 and sched.views == views  # no view read
+    (listen,) = sched.listeners
+    listen(Event("ready", "long", 0.0))
+    assert auto_ctx(svc, long_model) == 16384 and sched.views == views
+    listen(Event("unload", "long", 0.0))
+    assert auto_ctx(svc, long_model) == 32768 and sched.views == views + 1

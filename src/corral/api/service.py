@@ -44,6 +44,7 @@ from corral.core.spec import Estimates, RunnerSpec, jinja_template, runner_spec
 from corral.errors import ApiError
 from corral.runtime.client import ContextOverflow, RunnerClient, RunnerStream
 from corral.runtime.devices import cpu_cores
+from corral.runtime.journal import Event
 from corral.runtime.registry import ModelEntry, Registry, canonical_name
 from corral.runtime.scheduler import Lease, Scheduler, SchedulerError
 from corral.runtime.view import SchedulerView
@@ -86,6 +87,10 @@ class Service:
         self._estimates = Estimates()
         # (spec at the floor, model info, room per device, booking factor) -> auto context
         self._auto: dict[tuple[Any, ...], tuple[ModelInfo, int]] = {}
+        # model -> the context its runner served an auto request with, until the journal says
+        # a runner of it loads or stops: auto's answer without a view of the scheduler
+        self._served_ctx: dict[str, int] = {}
+        self._listening = False
         self._vision: dict[Any, tuple[ModelInfo, ModelInfo]] = {}
         self.client = client  # the hop to the runners
 
@@ -192,11 +197,12 @@ class Service:
                 "needs flash attention; set flash_attn to on or auto",
             )  # fmt: skip
         chosen = {**r.entry.options, **options}  # the request's options over the model's
-        if (
+        auto = (
             self.settings.context_length is None
             and "n_ctx" not in explicit
             and "num_ctx" not in r.entry.options
-        ):
+        )
+        if auto:
             spec = dataclasses.replace(spec, n_ctx=self.auto_ctx(r, spec, chosen))
         est = self._estimates.get(r.info, spec, *self.parts(r))
         try:
@@ -209,18 +215,37 @@ class Service:
                 process=est.process,
             )  # fmt: skip
             if ticket.fut.done():  # a warm runner had a free slot: no need to watch the client
-                return await self.scheduler.wait(ticket)
-            return await until_disconnect(request, self.scheduler.wait(ticket))
+                lease = await self.scheduler.wait(ticket)
+            else:
+                lease = await until_disconnect(request, self.scheduler.wait(ticket))
         except SchedulerError as e:
             raise ApiError(e.status, e.message, retry_after=e.retry_after) from None
+        if auto:
+            self._served(r.name, lease.runner.spec.n_ctx)
+        return lease
+
+    def _served(self, model: str, n_ctx: int) -> None:
+        if not self._listening:
+            self._listening = True
+            self.scheduler.listen(self._forget_served)
+        self._served_ctx[model] = n_ctx
+
+    def _forget_served(self, event: Event) -> None:
+        if event.kind not in ("ready", "refused"):  # a runner of it loads, stops or failed
+            self._served_ctx.pop(event.model, None)
 
     def auto_ctx(self, r: Resolved, spec: RunnerSpec, chosen: Mapping[str, Any]) -> int:
         """The context a request that sets none gets with CORRAL_CONTEXT_LENGTH=auto (`spec`
         holds auto's floor): a loaded runner's, if it has at least the floor (a runner is never
-        reloaded for a larger context nobody asked for); else the largest context
+        reloaded for a larger context nobody asked for; the one that last served such a request
+        is remembered until a runner of the model loads or stops, so a warm request reads no
+        view); else the largest context
         (core.context.auto_context) whose runner fits the memory that busy, loading and pinned
         runners of other models leave, with as many layers on GPUs as at the floor. So a load
         evicts only idle models, as any load may."""
+        served = self._served_ctx.get(r.name)
+        if served is not None and served >= spec.n_ctx:
+            return served
         view = self.scheduler.view()
         loaded = [v.context_length for v in view.runners if v.model == r.name
                   and v.state != "unloading" and not v.draining]  # fmt: skip
