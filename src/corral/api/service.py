@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import hashlib
+import logging
 from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import dataclass
 from typing import Any, TypeVar
@@ -50,6 +51,7 @@ from corral.runtime.scheduler import Lease, Scheduler, SchedulerError
 from corral.runtime.view import SchedulerView
 
 T = TypeVar("T")
+log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -309,6 +311,10 @@ class Service:
                               r.info.context_length)  # fmt: skip
         if n_ctx is None or n_ctx <= overflow.n_ctx:
             raise too_long(r, overflow.prompt_tokens) from None
+        log.info(
+            "a prompt of %d tokens does not fit '%s' at %d: reloading it with a context of %d",
+            overflow.prompt_tokens, r.name, overflow.n_ctx, n_ctx,
+        )  # fmt: skip
         try:
             lease = await self.lease(request, r, {**options, "num_ctx": n_ctx}, keep_alive)
         except ApiError as e:
