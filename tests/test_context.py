@@ -2,15 +2,18 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import asyncio
+from collections.abc import Awaitable, Callable
+from typing import Any
 
 import orjson
 import pytest
 
-from corral.api.service import Resolved, Service
+from corral.api.service import Resolved, Service, output_tokens
 from corral.config import Settings
 from corral.core.context import (
     AUTO_FLOOR,
+    DEFAULT_OUTPUT,
     UNKNOWN_TRAINED_CAP,
     auto_context,
     context_grid,
@@ -20,6 +23,7 @@ from corral.core.context import (
 from corral.core.devices import CPU, Device
 from corral.core.gguf import read_model_info
 from corral.core.spec import RunnerSpec, spec_estimate
+from corral.errors import ApiError
 from corral.runtime.client import ContextOverflow, runner_error
 from corral.runtime.journal import Event
 from corral.runtime.registry import ModelEntry
@@ -29,7 +33,7 @@ from corral.testing import synth
 GIB = 1 << 30
 
 
-def kv_fits(budget: int, per_token: int = 128 * 1024) -> object:
+def kv_fits(budget: int, per_token: int = 128 * 1024) -> Callable[[int], bool]:
     """A model whose runner holds 1 GiB plus `per_token` bytes a token of context."""
     return lambda n_ctx: GIB + n_ctx * per_token <= budget
 
@@ -210,3 +214,91 @@ def test_the_context_an_auto_request_was_served_with_is_remembered_until_a_load_
     assert auto_ctx(svc, long_model) == 16384 and sched.views == views
     listen(Event("unload", "long", 0.0))
     assert auto_ctx(svc, long_model) == 32768 and sched.views == views + 1
+
+
+# ---- Service.leased: the one retry, over a fake lease ----------------------------------------
+
+
+class FakeLease:
+    def __init__(self, n_ctx: int) -> None:
+        self.n_ctx, self.released = n_ctx, False
+
+    def release(self) -> None:
+        self.released = True
+
+
+def leasing(svc: Service, refuse: ApiError | None = None) -> list[tuple[dict[str, Any], Any]]:
+    """Replace svc.lease: each call leases a FakeLease at the options' num_ctx (1,024 without);
+    `refuse` is raised for a second lease instead."""
+    leases: list[tuple[dict[str, Any], Any]] = []
+
+    async def lease(request: Any, r: Any, options: dict[str, Any], keep_alive: Any) -> Any:
+        if leases and refuse is not None:
+            raise refuse
+        leases.append((options, FakeLease(options.get("num_ctx", 1024))))
+        return leases[-1][1]
+
+    svc.lease = lease  # type: ignore[method-assign]
+    return leases
+
+
+def overflow_below(n_prompt: int) -> Callable[[Any], Awaitable[str]]:
+    async def start(lease: Any) -> str:
+        if lease.n_ctx <= n_prompt:
+            raise ContextOverflow("too long", n_prompt, lease.n_ctx)
+        return f"served at {lease.n_ctx}"
+
+    return start
+
+
+def test_an_overflowing_prompt_is_sent_again_after_a_reload_with_room_for_it(
+    long_model: Resolved,
+) -> None:
+    svc = auto_service(FakeScheduler({CPU: 64 * GIB}))
+    leases = leasing(svc)
+    out = asyncio.run(svc.leased(None, long_model, {"temperature": 0}, None,  # type: ignore[arg-type]
+                                 {"max_tokens": 100}, overflow_below(9312)))  # fmt: skip
+    assert out == "served at 16384"  # 9,312 + 100 -> the next power of two
+    (first, a), (second, b) = leases
+    assert first == {"temperature": 0} and second == {"temperature": 0, "num_ctx": 16384}
+    assert a.released and not b.released  # the answer owns the second lease
+
+
+def test_a_prompt_beyond_the_trained_context_or_memory_is_a_400_that_says_so(
+    long_model: Resolved,
+) -> None:
+    svc = auto_service(FakeScheduler({CPU: 64 * GIB}))
+    leases = leasing(svc)
+    with pytest.raises(ApiError) as e:
+        asyncio.run(svc.leased(None, long_model, {}, None, {},  # type: ignore[arg-type]
+                               overflow_below(40000)))  # fmt: skip
+    assert e.value.status == 400 and e.value.message == (
+        "the prompt is 40,000 tokens; model 'long' takes at most 32,768 (its trained context): "
+        "shorten the prompt or use a model with a longer context"
+    )
+    assert len(leases) == 1 and leases[0][1].released
+    never = ApiError(507, "model requires more memory than corral has")
+    leasing(svc, refuse=never)
+    with pytest.raises(ApiError) as e:
+        asyncio.run(svc.leased(None, long_model, {}, None, {},  # type: ignore[arg-type]
+                               overflow_below(9312)))  # fmt: skip
+    assert e.value.status == 400
+    assert e.value.message.startswith(
+        "the prompt is 9,312 tokens; model 'long' would need a context of 16,384 tokens"
+    )
+    assert "shorten the prompt or use a smaller model" in e.value.message
+    busy = ApiError(503, "server busy")  # any other refusal of the reload is as it was
+    leasing(svc, refuse=busy)
+    with pytest.raises(ApiError) as e:
+        asyncio.run(svc.leased(None, long_model, {}, None, {},  # type: ignore[arg-type]
+                               overflow_below(9312)))  # fmt: skip
+    assert e.value is busy
+
+
+def test_the_output_a_request_asks_for_is_read_from_any_family_s_field() -> None:
+    assert output_tokens({"max_tokens": 7}) == 7
+    assert output_tokens({"n_predict": 5, "max_tokens": 7}) == 5
+    assert output_tokens({"max_completion_tokens": 9}) == 9
+    assert output_tokens({"n_predict": -1}) == DEFAULT_OUTPUT  # no limit: the default room
+    assert output_tokens({"max_tokens": True}) == DEFAULT_OUTPUT
+    assert output_tokens({}) == DEFAULT_OUTPUT

@@ -20,6 +20,7 @@ from corral.core.spec import RunnerSpec, spec_estimate
 from corral.testing.server import CorralServer
 
 pytestmark = pytest.mark.e2e
+StartServer = Callable[..., CorralServer]  # conftest's start_server
 
 LONG = "long"  # trained for 32,768 tokens
 TINY = "tiny"  # trained for 2,048
@@ -28,7 +29,7 @@ TOO_LONG = "apple " * 1500  # ~3,000 tokens: more than tiny's 2,048
 
 
 @pytest.fixture(scope="module")
-def server(start_server, models_dir: Path) -> CorralServer:
+def server(start_server: StartServer, models_dir: Path) -> CorralServer:
     # CORRAL_CONTEXT_LENGTH=1024 (start_server's): every model loads at 1,024 tokens
     return start_server(models_dir, CORRAL_NUM_PARALLEL="1")
 
@@ -119,7 +120,7 @@ def test_a_prompt_longer_than_the_trained_context_is_a_400_with_the_numbers(
 
 
 def test_auto_sizes_each_model_to_its_trained_context_where_memory_allows(
-    start_server, models_dir: Path
+    start_server: StartServer, models_dir: Path
 ) -> None:
     s = start_server(models_dir, CORRAL_CONTEXT_LENGTH="auto", CORRAL_NUM_PARALLEL="1")
     for model, trained in ((LONG, 32768), (TINY, 2048)):
@@ -134,7 +135,7 @@ def test_auto_sizes_each_model_to_its_trained_context_where_memory_allows(
 
 
 def test_auto_gives_a_smaller_context_with_less_memory_but_never_below_the_floor(
-    start_server, models_dir: Path
+    start_server: StartServer, models_dir: Path
 ) -> None:
     # Room for the long model's runner at 8,192 tokens, not at 16,384.
     info = read_model_info(models_dir / "long.gguf")
