@@ -84,11 +84,18 @@ def test_hosts(text: str, expected: tuple[str, int]) -> None:
 def test_settings_defaults_env_and_overrides() -> None:
     s = Settings.load(environ={})
     assert (s.host, s.port) == ("127.0.0.1", 11434)
-    assert s.keep_alive == 300 and s.context_length == 4096 and s.max_queue == 512
+    assert s.keep_alive == 300 and s.context_length is None and s.max_queue == 512  # auto
     assert s.memory_margin == 2**30 and s.memory_limit is None and s.max_loaded_models == 0
     env = {"CORRAL_KEEP_ALIVE": "-1", "CORRAL_MEMORY_LIMIT": "2GiB", "CORRAL_NUM_PARALLEL": "4"}
     s = Settings.load({"CORRAL_NUM_PARALLEL": "2"}, environ=env)
     assert s.keep_alive == math.inf and s.memory_limit == 2 * 2**30 and s.num_parallel == 2
+
+
+def test_the_context_length_is_auto_or_a_number() -> None:
+    for text, value in (("auto", None), ("AUTO", None), ("8192", 8192), ("0", 0)):
+        assert Settings.load(environ={"CORRAL_CONTEXT_LENGTH": text}).context_length == value
+    with pytest.raises(ConfigError, match="CORRAL_CONTEXT_LENGTH: expected 'auto' or a number"):
+        Settings.load(environ={"CORRAL_CONTEXT_LENGTH": "-5"})
 
 
 @pytest.mark.parametrize(

@@ -90,6 +90,16 @@ def _int(minimum: int = 0) -> Callable[[str, str], int]:
     return parse
 
 
+def _context(text: str, name: str) -> int | None:
+    """None for "auto" (or nothing): sized to memory per model (core.context); else tokens."""
+    if text.strip().lower() in ("", "auto"):
+        return None
+    try:
+        return _int(0)(text.strip(), name)
+    except ConfigError:
+        raise ConfigError(f"{name}: expected 'auto' or a number of tokens, got {text!r}") from None
+
+
 def _list(text: str, name: str) -> tuple[str, ...]:
     return tuple(p.strip() for p in text.strip().strip("\"'").split(",") if p.strip())
 
@@ -134,8 +144,9 @@ SETTINGS: tuple[Setting, ...] = (
     Setting("CORRAL_KEEP_ALIVE", "5m", "keep_alive", parse_duration,
             "--keep-alive", "DURATION", "how long an idle model stays loaded"),
     Setting("CORRAL_KEEP_ALIVE_MAX", "", "keep_alive_max", _optional(parse_duration)),
-    Setting("CORRAL_CONTEXT_LENGTH", "4096", "context_length", _int(0),
-            "--context-length", "N", "default context length"),
+    # "auto": sized to the memory the busy models leave, up to the model's trained context
+    Setting("CORRAL_CONTEXT_LENGTH", "auto", "context_length", _context,
+            "--context-length", "N", "default context length ('auto': to fit memory)"),
     Setting("CORRAL_NUM_PARALLEL", "1", "num_parallel", _int(1),
             "--num-parallel", "N", "requests each model serves at once"),
     Setting("CORRAL_LOAD_TIMEOUT", "5m", "load_timeout", parse_duration,
@@ -198,7 +209,7 @@ class Settings:
     models_dir: Path
     keep_alive: float  # seconds; math.inf = never expire
     keep_alive_max: float | None  # the longest keep-alive a request may ask for; None: any
-    context_length: int
+    context_length: int | None  # None: auto (core.context.auto_context); 0: trained
     num_parallel: int
     load_timeout: float
     max_loaded_models: int  # 0 = memory decides

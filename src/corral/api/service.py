@@ -9,8 +9,10 @@ from __future__ import annotations
 
 import dataclasses
 import hashlib
+import logging
+from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, TypeVar
 
 import orjson
 from starlette.requests import Request
@@ -23,6 +25,8 @@ from corral.api.metrics import note_model
 from corral.api.stream import LeasedStream
 from corral.api.toolprompt import fallback_grammar, template_body
 from corral.config import Settings
+from corral.core.books import Fit, scaled_placer
+from corral.core.context import DEFAULT_OUTPUT, UNKNOWN_TRAINED_CAP, auto_context, grown_context
 from corral.core.devices import Device
 from corral.core.estimate import KV_CACHE_TYPES, check_kv_cache_type
 from corral.core.gguf import (
@@ -39,10 +43,15 @@ from corral.core.placement import placer
 from corral.core.roles import has_later_system, place_system, renders_later_system
 from corral.core.spec import Estimates, RunnerSpec, jinja_template, runner_spec
 from corral.errors import ApiError
-from corral.runtime.client import RunnerClient, RunnerStream
+from corral.runtime.client import ContextOverflow, RunnerClient, RunnerStream
 from corral.runtime.devices import cpu_cores
+from corral.runtime.journal import Event
 from corral.runtime.registry import ModelEntry, Registry, canonical_name
 from corral.runtime.scheduler import Lease, Scheduler, SchedulerError
+from corral.runtime.view import SchedulerView
+
+T = TypeVar("T")
+log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -78,6 +87,12 @@ class Service:
         self.scheduler = scheduler
         self.devices = devices
         self._estimates = Estimates()
+        # (spec at the floor, model info, room per device, booking factor) -> auto context
+        self._auto: dict[tuple[Any, ...], tuple[ModelInfo, int]] = {}
+        # model -> the context its runner served an auto request with, until the journal says
+        # a runner of it loads or stops: auto's answer without a view of the scheduler
+        self._served_ctx: dict[str, int] = {}
+        self._listening = False
         self._vision: dict[Any, tuple[ModelInfo, ModelInfo]] = {}
         self.client = client  # the hop to the runners
 
@@ -183,8 +198,15 @@ class Service:
                 400, f"model '{r.requested}': a quantized KV cache ({spec.kv_cache_type}) "
                 "needs flash attention; set flash_attn to on or auto",
             )  # fmt: skip
-        est = self._estimates.get(r.info, spec, *self.parts(r))
         chosen = {**r.entry.options, **options}  # the request's options over the model's
+        auto = (
+            self.settings.context_length is None
+            and "n_ctx" not in explicit
+            and "num_ctx" not in r.entry.options
+        )
+        if auto:
+            spec = dataclasses.replace(spec, n_ctx=self.auto_ctx(r, spec, chosen))
+        est = self._estimates.get(r.info, spec, *self.parts(r))
         try:
             ticket = self.scheduler.submit(
                 r.name, spec, explicit=explicit, size=est.total + est.process,
@@ -195,10 +217,123 @@ class Service:
                 process=est.process,
             )  # fmt: skip
             if ticket.fut.done():  # a warm runner had a free slot: no need to watch the client
-                return await self.scheduler.wait(ticket)
-            return await until_disconnect(request, self.scheduler.wait(ticket))
+                lease = await self.scheduler.wait(ticket)
+            else:
+                lease = await until_disconnect(request, self.scheduler.wait(ticket))
         except SchedulerError as e:
             raise ApiError(e.status, e.message, retry_after=e.retry_after) from None
+        if auto:
+            self._served(r.name, lease.runner.spec.n_ctx)
+        return lease
+
+    def _served(self, model: str, n_ctx: int) -> None:
+        if not self._listening:
+            self._listening = True
+            self.scheduler.listen(self._forget_served)
+        self._served_ctx[model] = n_ctx
+
+    def _forget_served(self, event: Event) -> None:
+        if event.kind not in ("ready", "refused"):  # a runner of it loads, stops or failed
+            self._served_ctx.pop(event.model, None)
+
+    def auto_ctx(self, r: Resolved, spec: RunnerSpec, chosen: Mapping[str, Any]) -> int:
+        """The context a request that sets none gets with CORRAL_CONTEXT_LENGTH=auto (`spec`
+        holds auto's floor): a loaded runner's, if it has at least the floor (a runner is never
+        reloaded for a larger context nobody asked for; the one that last served such a request
+        is remembered until a runner of the model loads or stops, so a warm request reads no
+        view); else the largest context
+        (core.context.auto_context) whose runner fits the memory that busy, loading and pinned
+        runners of other models leave, with as many layers on GPUs as at the floor. So a load
+        evicts only idle models, as any load may."""
+        served = self._served_ctx.get(r.name)
+        if served is not None and served >= spec.n_ctx:
+            return served
+        view = self.scheduler.view()
+        loaded = [v.context_length for v in view.runners if v.model == r.name
+                  and v.state != "unloading" and not v.draining]  # fmt: skip
+        if loaded and max(loaded) >= spec.n_ctx:
+            return max(loaded)
+        room = _room(view, r.name)
+        factor = view.raised.get(r.name, 1.0)  # raised after the model ran out of memory
+        key = (spec, tuple(sorted(room.items())), factor)
+        hit = self._auto.get(key)
+        if hit is not None and hit[0] is r.info:
+            return hit[1]
+        parts = self.parts(r)
+
+        def place(n_ctx: int) -> Fit | None:
+            est = self._estimates.get(r.info, dataclasses.replace(spec, n_ctx=n_ctx), *parts)
+            fit = placer(est, self.devices, chosen.get("num_gpu"), chosen.get("main_gpu"),
+                         r.entry.devices)  # fmt: skip
+            return (scaled_placer(fit, factor) if factor > 1 else fit)(room)
+
+        first = place(spec.n_ctx)
+        n_ctx = spec.n_ctx
+        if first is not None:
+            layers = _gpu_layers(first)
+
+            def fits(n: int) -> bool:
+                fit = place(n)
+                return fit is not None and _gpu_layers(fit) >= layers
+
+            n_ctx = auto_context(r.info.context_length, fits, spec.n_ctx)
+        if len(self._auto) > 256:
+            self._auto.clear()
+        self._auto[key] = (r.info, n_ctx)
+        return n_ctx
+
+    async def leased(
+        self,
+        request: Request,
+        r: Resolved,
+        options: dict[str, Any],
+        keep_alive: float | None,
+        payload: Mapping[str, Any],
+        start: Callable[[Lease], Awaitable[T]],
+    ) -> T:
+        """`start(lease)` on a leased slot; the lease is released if it fails (else whatever
+        `start` returns owns it). A prompt longer than the runner's context is sent once more
+        after a reload with a context that holds it and its output (`payload`'s max tokens, or
+        DEFAULT_OUTPUT): the request pins that num_ctx, so the scheduler drains the runner and
+        reloads it larger, as for any change of options. A prompt the model's trained context
+        cannot hold, or that memory cannot, is a 400 saying its tokens, the limit and what to
+        do."""
+        lease = await self.lease(request, r, options, keep_alive)
+        try:
+            return await start(lease)
+        except ContextOverflow as e:
+            lease.release()
+            overflow = e
+        except BaseException:
+            lease.release()
+            raise
+        n_ctx = grown_context(overflow.prompt_tokens, output_tokens(payload),
+                              r.info.context_length)  # fmt: skip
+        if n_ctx is None or n_ctx <= overflow.n_ctx:
+            raise too_long(r, overflow.prompt_tokens) from None
+        log.info(
+            "a prompt of %d tokens does not fit '%s' at %d: reloading it with a context of %d",
+            overflow.prompt_tokens, r.name, overflow.n_ctx, n_ctx,
+        )  # fmt: skip
+        try:
+            lease = await self.lease(request, r, {**options, "num_ctx": n_ctx}, keep_alive)
+        except ApiError as e:
+            if e.status != 507:
+                raise
+            raise ApiError(
+                400, f"the prompt is {overflow.prompt_tokens:,} tokens; model "
+                f"'{r.requested}' would need a context of {n_ctx:,} tokens for it, more than "
+                f"the memory for models holds ({e.message}): shorten the prompt or use a "
+                "smaller model",
+            ) from None  # fmt: skip
+        try:
+            return await start(lease)
+        except ContextOverflow as e:
+            lease.release()
+            raise too_long(r, e.prompt_tokens, e.n_ctx) from None
+        except BaseException:
+            lease.release()
+            raise
 
     # ---- talking to a runner -----------------------------------------------------------------
     async def pass_through(
@@ -212,12 +347,11 @@ class Service:
     ) -> Response:
         """The runner's answer to `body` on `path` as it is (`relay` streams it), with the
         model renamed to the one the client asked for."""
-        lease = await self.lease(request, r, {}, None)
-        try:
-            resp = await self.client.post(lease.runner, path, body)
-        except BaseException:
-            lease.release()
-            raise
+
+        async def send(lease: Lease) -> tuple[Lease, Any]:
+            return lease, await self.client.post(lease.runner, path, body)
+
+        lease, resp = await self.leased(request, r, {}, None, body, send)
         # llama.cpp names the model by the runner's alias (the registry name); clients expect
         # the name they sent. Replacing the exact `"model":"<alias>"` pair is safe: the same
         # bytes inside generated text would be escaped (`\"model\":...`), so cannot match.
@@ -298,41 +432,50 @@ class Service:
             )  # fmt: skip
         # A template without tools: corral shows the model the tools and finds its calls.
         fallback = bool(chat.tools) and chat.tool_choice != "none" and not self.native_tools(r)
-        lease = await self.lease(request, r, options, keep_alive)
-        try:
-            if forced is None and not prefix and not fallback:
-                payload = {"messages": chat.messages, **chat.params,
-                           "stream_options": {"include_usage": True}}  # fmt: skip
-                if chat.tools and chat.tool_choice != "none":
-                    payload["tools"] = chat.tools
-                return await self._start(lease, "/v1/chat/completions", payload, "chat", stop)
-            # Rendered here, then completed as raw text: a forced call is constrained by a
-            # schema, which llama.cpp refuses alongside tools on its chat endpoint, and a
-            # fallback call by a lazy grammar, which its chat endpoint does not take.
-            kwargs = chat.params.get("chat_template_kwargs") or {}
-            if forced is not None:
-                kwargs = {**kwargs, "enable_thinking": False}
-            tmpl = await self.client.post_json(
-                lease.runner, "/apply-template", {**template_body(chat, fallback, forced),
-                                                  "chat_template_kwargs": kwargs},
-            )  # fmt: skip
-            payload = {k: v for k, v in chat.params.items() if k in COMPLETION_PARAMS}
-            payload["prompt"] = [*(prefix or []), tmpl["prompt"]]
-            mode = "completion"
-            if forced is not None:
-                payload["json_schema"] = forced_schema(forced)
-                mode = "tool"
-            elif (fmt := chat.params.get("response_format") or {}).get("type") in JSON_FORMATS:
-                payload["json_schema"] = response_schema(fmt)
-            if fallback and forced is None:
-                mode = "fallback"
-                if "json_schema" not in payload:  # a JSON answer was asked for: no calls then
-                    payload |= fallback_grammar(chat.tools)
-            names = frozenset(tool_name(t) for t in chat.tools) if fallback else None
-            return await self._start(lease, "/completion", payload, mode, stop, names)
-        except BaseException:
-            lease.release()
-            raise
+        return await self.leased(
+            request, r, options, keep_alive, chat.params,
+            lambda lease: self._generate(lease, chat, stop, prefix, forced, fallback),
+        )  # fmt: skip
+
+    async def _generate(
+        self,
+        lease: Lease,
+        chat: Chat,
+        stop: list[str] | None,
+        prefix: list[int] | None,
+        forced: list[dict[str, Any]] | None,
+        fallback: bool,
+    ) -> Generation:
+        if forced is None and not prefix and not fallback:
+            payload = {"messages": chat.messages, **chat.params,
+                       "stream_options": {"include_usage": True}}  # fmt: skip
+            if chat.tools and chat.tool_choice != "none":
+                payload["tools"] = chat.tools
+            return await self._start(lease, "/v1/chat/completions", payload, "chat", stop)
+        # Rendered here, then completed as raw text: a forced call is constrained by a
+        # schema, which llama.cpp refuses alongside tools on its chat endpoint, and a
+        # fallback call by a lazy grammar, which its chat endpoint does not take.
+        kwargs = chat.params.get("chat_template_kwargs") or {}
+        if forced is not None:
+            kwargs = {**kwargs, "enable_thinking": False}
+        tmpl = await self.client.post_json(
+            lease.runner, "/apply-template", {**template_body(chat, fallback, forced),
+                                              "chat_template_kwargs": kwargs},
+        )  # fmt: skip
+        payload = {k: v for k, v in chat.params.items() if k in COMPLETION_PARAMS}
+        payload["prompt"] = [*(prefix or []), tmpl["prompt"]]
+        mode = "completion"
+        if forced is not None:
+            payload["json_schema"] = forced_schema(forced)
+            mode = "tool"
+        elif (fmt := chat.params.get("response_format") or {}).get("type") in JSON_FORMATS:
+            payload["json_schema"] = response_schema(fmt)
+        if fallback and forced is None:
+            mode = "fallback"
+            if "json_schema" not in payload:  # a JSON answer was asked for: no calls then
+                payload |= fallback_grammar(chat.tools)
+        names = frozenset(tool_name(t) for t in chat.tools) if fallback else None
+        return await self._start(lease, "/completion", payload, mode, stop, names)
 
     async def prompt_tokens(self, lease: Lease, chat: Chat) -> list[int]:
         """The token ids of `chat`'s prompt as the runner renders it: its own chat template
@@ -362,12 +505,10 @@ class Service:
         self.require(r, "completion", "generate")
         payload = defaults.sampling(r.entry, payload, "n_predict")  # a created model's parameters
         stop = defaults.stop(r.entry, stop)
-        lease = await self.lease(request, r, options, keep_alive)
-        try:
-            return await self._start(lease, path, payload, "completion", stop)
-        except BaseException:
-            lease.release()
-            raise
+        return await self.leased(
+            request, r, options, keep_alive, payload,
+            lambda lease: self._start(lease, path, payload, "completion", stop),
+        )  # fmt: skip
 
     async def _start(
         self,
@@ -401,6 +542,51 @@ def chat_template(r: Resolved) -> str | None:
 
 def unusable_template(r: Resolved, e: TemplateError) -> ApiError:
     return ApiError(500, f"model '{r.requested}' has a template corral cannot use: {e}")
+
+
+def _room(view: SchedulerView, model: str) -> dict[str, int]:
+    """Bytes per device a runner of `model` may take without stopping a runner that serves,
+    loads or is pinned (idle runners, and `model`'s own, count as free: a load may evict
+    those)."""
+    held = [v for v in view.runners if v.model != model
+            and (v.inflight > 0 or v.state != "ready" or v.pinned)]  # fmt: skip
+    room = {}
+    for dev, budget in view.budgets.items():
+        cap = min(budget, view.headroom.get(dev, budget)) - view.reserved.get(dev, 0)
+        room[dev] = max(0, cap - sum(v.devices.get(dev, 0) for v in held))
+    return room
+
+
+def _gpu_layers(fit: Fit) -> int:
+    return int(getattr(fit.layout, "n_gpu_layers", 0) or 0)
+
+
+# The fields by which each API says how many tokens to generate (the first one set counts).
+OUTPUT_FIELDS = ("n_predict", "max_tokens", "max_completion_tokens", "max_output_tokens",
+                 "num_predict")  # fmt: skip
+
+
+def output_tokens(payload: Mapping[str, Any]) -> int:
+    """The most tokens a request generates, as its payload says; DEFAULT_OUTPUT if it does not
+    (or asks for no limit)."""
+    for name in OUTPUT_FIELDS:
+        n = payload.get(name)
+        if isinstance(n, int) and not isinstance(n, bool) and n > 0:
+            return n
+    return DEFAULT_OUTPUT
+
+
+def too_long(r: Resolved, tokens: int, limit: int | None = None) -> ApiError:
+    """The 400 for a prompt no context of the model holds: its tokens, the limit, what to do."""
+    trained = r.info.context_length
+    if limit is None:
+        limit = trained or UNKNOWN_TRAINED_CAP
+    why = ("its trained context" if limit == trained
+           else "the most corral gives it" if not trained else "its context")  # fmt: skip
+    return ApiError(
+        400, f"the prompt is {tokens:,} tokens; model '{r.requested}' takes at most {limit:,} "
+        f"({why}): shorten the prompt or use a model with a longer context",
+    )  # fmt: skip
 
 
 # llama.cpp's default physical batch (n_ubatch): the most tokens one embedding input may have.

@@ -10,6 +10,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Protocol
 
+from corral.core.context import AUTO_FLOOR
 from corral.core.estimate import Estimate, estimate
 from corral.core.gotemplate import is_jinja, to_jinja
 from corral.core.options import CLAMPED, OPTIONS, SHAPING
@@ -88,7 +89,7 @@ class ServerDefaults(Protocol):
     it (corral.config.Settings)."""
 
     @property
-    def context_length(self) -> int: ...
+    def context_length(self) -> int | None: ...  # None: auto (core.context); 0: the trained
     @property
     def num_parallel(self) -> int: ...
     @property
@@ -108,7 +109,8 @@ def runner_spec(
     }
     spec |= {
         "path": str(model.path),
-        "n_ctx": spec.get("n_ctx") or server.context_length or info.context_length,
+        # auto: the floor here; the service raises it to what memory allows (core.context)
+        "n_ctx": spec.get("n_ctx") or _server_ctx(server) or info.context_length,
         "num_parallel": spec.get("num_parallel") or server.num_parallel,
         "kv_cache_type": spec.get("kv_cache_type") or server.kv_cache_type,
         "flash_attn": spec.get("flash_attn") or "auto",
@@ -138,6 +140,11 @@ def runner_spec(
     moe_layers = info.n_layer if info.expert_bytes else 0
     spec["n_cpu_moe"] = max(0, min(spec["n_cpu_moe"], moe_layers))
     return RunnerSpec(**spec), frozenset(explicit)
+
+
+def _server_ctx(server: ServerDefaults) -> int:
+    """The server's default context: a fixed one, or auto's floor (0: the trained one)."""
+    return AUTO_FLOOR if server.context_length is None else server.context_length
 
 
 @functools.lru_cache(maxsize=256)

@@ -439,18 +439,30 @@ def runner_error_message(body: bytes, status: int) -> str:
     return _runner_error(body, status)[0]
 
 
-def _runner_error(body: bytes, status: int) -> tuple[str, str]:
-    """llama.cpp's error message and type (invalid_request_error, server_error, ...)."""
+class ContextOverflow(ApiError):
+    """llama.cpp refused a prompt longer than its context (`exceed_context_size_error`): a 400
+    with its message, and the prompt's tokens and the context (per slot) it did not fit."""
+
+    def __init__(self, message: str, prompt_tokens: int, n_ctx: int) -> None:
+        super().__init__(400, message)
+        self.prompt_tokens = prompt_tokens
+        self.n_ctx = n_ctx
+
+
+def _runner_error(body: bytes, status: int) -> tuple[str, str, dict[str, Any]]:
+    """llama.cpp's error message and type (invalid_request_error, server_error, ...), and the
+    error object itself ({} if none)."""
     try:
         data = orjson.loads(body)
         err = data.get("error", data) if isinstance(data, dict) else data
         msg = err.get("message") if isinstance(err, dict) else err
         kind = err.get("type") if isinstance(err, dict) else None
         if msg:
-            return str(msg), str(kind or "")
+            return str(msg), str(kind or ""), err if isinstance(err, dict) else {}
     except orjson.JSONDecodeError:
         pass
-    return body.decode(errors="replace").strip() or f"runner answered HTTP {status}", ""
+    text = body.decode(errors="replace").strip()
+    return text or f"runner answered HTTP {status}", "", {}
 
 
 # llama.cpp's error types that blame the request, whatever HTTP status came with them.
@@ -471,7 +483,11 @@ _CLIENT_FAULT = re.compile(
 def runner_error(body: bytes, status: int) -> ApiError:
     """A runner's non-200 answer as the client's error: llama.cpp's refusals of the request
     itself are 4xx (never 500), with llama.cpp's message."""
-    msg, kind = _runner_error(body, status)
+    msg, kind, err = _runner_error(body, status)
+    if kind == "exceed_context_size_error":
+        tokens, n_ctx = err.get("n_prompt_tokens"), err.get("n_ctx")
+        if isinstance(tokens, int) and isinstance(n_ctx, int):
+            return ContextOverflow(msg, tokens, n_ctx)
     code = _CLIENT_ERROR_TYPES.get(kind)
     if code is None:
         if 400 <= status < 500 or status == 503:
