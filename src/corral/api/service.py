@@ -41,6 +41,7 @@ from corral.core.spec import Estimates, RunnerSpec, jinja_template, runner_spec
 from corral.errors import ApiError
 from corral.runtime.client import RunnerClient, RunnerStream
 from corral.runtime.devices import cpu_cores
+from corral.runtime.meter import predicted_tokens
 from corral.runtime.registry import ModelEntry, Registry, canonical_name
 from corral.runtime.scheduler import Lease, Scheduler, SchedulerError
 
@@ -229,6 +230,7 @@ class Service:
         assert not isinstance(resp, RunnerStream)
         try:
             data = await until_disconnect(request, resp.read())
+            lease.tally.settle(predicted_tokens(data))  # a whole answer's tokens, at once
         finally:
             resp.release()
             lease.release()
