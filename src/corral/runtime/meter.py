@@ -18,47 +18,43 @@ from dataclasses import dataclass
 
 WINDOW = 5.0  # seconds of relayed tokens a rate spans
 
-# Events of llama.cpp's streams that carry no generated token: the chat stream's opening role
-# delta, the chunk with the finish reason (chat's delta is empty there, a completion's text
-# too), the usage chunk, `[DONE]`, and /completion's last event (`"stop":true`). Generated text
-# cannot hold any of these (JSON escapes its quotes), so they are counted, not parsed.
-_NOT_TOKENS = (
-    b'"delta":{"role"', b'"finish_reason":"', b'"choices":[]', b"data: [DONE]", b'"stop":true',
-)  # fmt: skip
+# A token's event in llama.cpp's streams: a chat or OpenAI completion chunk before the last
+# (`"finish_reason":null`; the chat stream's opening role delta has it too, and comes first),
+# or a /completion event before the last (`"stop":false`). The last events (a finish reason,
+# the usage, `[DONE]`, `"stop":true`) carry none. Generated text cannot hold these (JSON
+# escapes its quotes), so they are counted, not parsed: one pass over the bytes.
+_TOKEN = b'"finish_reason":null'
+_NATIVE_TOKEN = b'"stop":false'
+_ROLE = b'data: {"choices":[{"finish_reason":null,"index":0,"delta":{"role"'
 
 
 def token_events(events: bytes) -> int:
     """How many generated tokens these whole SSE events of llama.cpp's carry: one per event
     but those that carry none (a token whose text is held back, e.g. half a UTF-8 character,
     comes with the next; `Tally.settle` makes the total exact at the end)."""
-    n = events.count(b"data: ")
-    if n:
-        for marker in _NOT_TOKENS:
-            n -= events.count(marker)
-    return max(0, n)
+    n = events.count(_TOKEN)
+    if n == 0:
+        return events.count(_NATIVE_TOKEN)
+    return n - 1 if events.startswith(_ROLE) else n
 
 
 def count_events(tally: Tally, events: bytes) -> None:
     """Count the tokens of whole SSE events of llama.cpp's as they are relayed; the stream's
     last events (which carry its timings) settle the count with llama.cpp's own."""
-    n = events.count(b"data: ")
-    if not n:
-        return
-    k = n
-    for marker in _NOT_TOKENS:
-        k -= events.count(marker)
-    tally.add(k)
-    if k < n:  # the opening or the end: only then look for the timings
-        tally.settle(predicted_tokens(events))
+    tally.add(token_events(events))
+    i = events.rfind(b'"predicted_n":')
+    if i >= 0:
+        tally.settle(_number(events, i + 14))
 
 
 def predicted_tokens(data: bytes) -> int | None:
     """llama.cpp's count of the tokens it generated, from the last timings in `data` (a whole
     answer, or a stream's last events): None if there are none."""
     i = data.rfind(b'"predicted_n":')
-    if i < 0:
-        return None
-    i += 14
+    return _number(data, i + 14) if i >= 0 else None
+
+
+def _number(data: bytes, i: int) -> int | None:
     j = i
     while j < len(data) and 48 <= data[j] <= 57:
         j += 1
