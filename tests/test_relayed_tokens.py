@@ -176,3 +176,30 @@ def test_relayed_tokens_per_second_match_the_clients_own_while_a_stream_runs(
     assert idle["tokens_per_second"]["generated"] == 0
     assert idle["runner"]["slot_tokens_per_second"] == [0.0, 0.0]
     assert idle["tokens"]["relayed"] >= k2
+
+
+def test_each_slot_has_its_streams_rate(meter_server: CorralServer) -> None:
+    """Two streams at once on a runner with two slots: each slot's rate is its own client's,
+    and the runner's and the model's are their sum."""
+    s = meter_server
+    s.wait_for(lambda: all(m["requests_in_flight"] == 0 for m in s.ps()), 60, "no request")
+    first = Stream(s, "pass-through")
+    second: Stream | None = None
+    try:
+        first.wait_for(20, s)  # the first stream's first tokens took slot 0
+        second = Stream(s, "events")
+        second.wait_for(1000, s)
+        first.wait_for(1, s)  # still running
+        at, state, ps = figures(s)
+        runner = state["runner"]
+        assert runner["in_use"] == 2
+        slots = runner["slot_tokens_per_second"]
+        mine = [first.rate(at), second.rate(at)]
+        assert near(slots[0], mine[0]) and near(slots[1], mine[1]), (slots, mine)
+        assert runner["tokens_per_second"] == pytest.approx(sum(slots), abs=0.05)
+        assert near(state["tokens_per_second"]["generated"], sum(mine))
+        assert near(ps["tokens_per_second"], sum(mine))
+    finally:
+        first.close()
+        if second is not None:
+            second.close()
