@@ -203,3 +203,55 @@ def test_each_slot_has_its_streams_rate(meter_server: CorralServer) -> None:
         first.close()
         if second is not None:
             second.close()
+
+
+def _sse_data(text: str) -> list[dict[str, Any]]:
+    return [json.loads(line[6:]) for line in text.splitlines()
+            if line.startswith("data: ") and line != "data: [DONE]"]  # fmt: skip
+
+
+# (path, body, the answer's own count of generated tokens): every way an answer is relayed
+ANSWERS: dict[str, tuple[str, dict[str, Any], Callable[[httpx.Response], int]]] = {
+    "openai stream": ("/v1/chat/completions", {
+        "model": "long", "messages": [{"role": "user", "content": PROMPT}], "max_tokens": 6,
+        "stream": True, "stream_options": {"include_usage": True},
+    }, lambda r: _sse_data(r.text)[-1]["usage"]["completion_tokens"]),
+    "openai whole": ("/v1/chat/completions", {
+        "model": "long", "messages": [{"role": "user", "content": PROMPT}], "max_tokens": 6,
+    }, lambda r: r.json()["usage"]["completion_tokens"]),
+    "openai n=2": ("/v1/chat/completions", {
+        "model": "long", "messages": [{"role": "user", "content": PROMPT}], "max_tokens": 6,
+        "n": 2,
+    }, lambda r: r.json()["usage"]["completion_tokens"]),
+    "legacy stream": ("/v1/completions", {
+        "model": "long", "prompt": PROMPT, "max_tokens": 6, "stream": True,
+    }, lambda r: _sse_data(r.text)[-1]["usage"]["completion_tokens"]),
+    "ollama stream": ("/api/chat", {
+        "model": "long", "messages": [{"role": "user", "content": PROMPT}],
+        "options": {"num_predict": 6},
+    }, lambda r: json.loads(r.text.splitlines()[-1])["eval_count"]),
+    "ollama whole": ("/api/generate", {
+        "model": "long", "prompt": PROMPT, "stream": False, "options": {"num_predict": 6},
+    }, lambda r: r.json()["eval_count"]),
+    "native stream": ("/completion", {
+        "model": "long", "prompt": PROMPT, "n_predict": 6, "stream": True,
+    }, lambda r: _sse_data(r.text)[-1]["tokens_predicted"]),
+    "native whole": ("/completion", {"model": "long", "prompt": PROMPT, "n_predict": 6},
+                     lambda r: r.json()["tokens_predicted"]),
+}  # fmt: skip
+
+
+@pytest.mark.parametrize("kind", list(ANSWERS))
+def test_every_answer_counts_exactly_its_tokens(meter_server: CorralServer, kind: str) -> None:
+    s = meter_server
+    path, body, own = ANSWERS[kind]
+
+    def relayed() -> int:
+        (model,) = s.client.get("/api/corral/state", params={"model": MODEL}).json()["models"]
+        return int((model["tokens"] or {}).get("relayed") or 0)
+
+    before = relayed()
+    r = s.client.post(path, json=body)
+    assert r.status_code == 200, r.text
+    assert own(r) > 0
+    assert relayed() - before == own(r)
