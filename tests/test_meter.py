@@ -169,3 +169,15 @@ def test_tokens_counted_after_the_lease_went_back_still_count() -> None:
     t.end()
     t.settle(5)
     assert meter.read().relayed == {"m": 5}
+
+
+def test_ended_requests_are_forgotten_even_if_nobody_reads() -> None:
+    clock = Clock()
+    meter = Meter(clock)
+    for _ in range(1000):
+        t = meter.tally("r", "m")
+        t.add(3)
+        t.end()
+        clock.t += 1.0
+    assert len(meter._recent) <= WINDOW + 1
+    assert meter.read().relayed == {"m": 3000}

@@ -151,7 +151,7 @@ class Meter:
         self.clock = clock
         self.window = window
         self._streams: dict[Hashable, list[Tally | None]] = {}  # runner -> its slots' tallies
-        self._recent: list[Tally] = []  # ended tallies with tokens still within the window
+        self._recent: deque[Tally] = deque()  # ended tallies with tokens within the window
         self._done: dict[str, int] = {}  # model -> tokens of the ended tallies
 
     def tally(self, runner: Hashable, model: str) -> Tally:
@@ -175,8 +175,12 @@ class Meter:
                 slots.pop()
             if not slots:
                 del self._streams[t.runner]
+        recent = self._recent  # ended in that order: the oldest first, gone after a window
+        old = self.clock() - self.window
+        while recent and (not recent[0].times or recent[0].times[-1][0] <= old):
+            recent.popleft()
         if t.times:
-            self._recent.append(t)
+            recent.append(t)
 
     def read(self) -> Readings:
         now = self.clock()
@@ -194,7 +198,7 @@ class Meter:
                     rates[t.model] = rates.get(t.model, 0.0) + r
             slot_rates[runner] = tuple(per_slot)
             runner_rates[runner] = sum(per_slot)
-        recent = []
+        recent: deque[Tally] = deque()
         for t in self._recent:
             r = t.rate(now)
             if t.times:
