@@ -114,13 +114,18 @@ class Stream:
         self.client.close()
 
 
-def figures(s: CorralServer) -> tuple[float, dict[str, Any], dict[str, Any]]:
-    """The server's figures for the model (its state document's entry and its /api/ps entry)
-    and the moment they stand for, on the client's clock (the middle of the two requests)."""
-    before = time.monotonic()
-    (model,) = s.client.get("/api/corral/state", params={"model": MODEL}).json()["models"]
-    ps = next(m for m in s.ps() if m["model"] == MODEL)
-    return (before + time.monotonic()) / 2, model, ps
+class Figures:
+    """The server's figures for the model, its state document's entry and its /api/ps entry,
+    each with the moment it stands for on the client's clock (the middle of its request)."""
+
+    def __init__(self, s: CorralServer) -> None:
+        t0 = time.monotonic()
+        state = s.client.get("/api/corral/state", params={"model": MODEL}).json()
+        t1 = time.monotonic()
+        self.ps = next(m for m in s.ps() if m["model"] == MODEL)
+        t2 = time.monotonic()
+        (self.state,) = state["models"]
+        self.at, self.ps_at = (t0 + t1) / 2, (t1 + t2) / 2
 
 
 def relayed_total(s: CorralServer) -> float:
@@ -142,26 +147,27 @@ def test_relayed_tokens_per_second_match_the_clients_own_while_a_stream_runs(
     stream = Stream(s, kind)
     try:
         stream.wait_for(20, s)
-        at1, state1, _ = figures(s)
-        k1 = stream.received(at1)
-        stream.wait_for(k1 + 1000, s)
-        at2, state2, ps2 = figures(s)
-        k2 = stream.received(at2)
+        one = Figures(s)
+        k1 = stream.received(one.at)
+        stream.wait_for(k1 + 2000, s)
+        two = Figures(s)
+        k2 = stream.received(two.at)
         # The tokens the server relayed between its two reads are those the client received.
-        relayed = state2["tokens"]["relayed"] - state1["tokens"]["relayed"]
+        relayed = two.state["tokens"]["relayed"] - one.state["tokens"]["relayed"]
         assert near(relayed, k2 - k1), (relayed, k2 - k1)
         # Its rate is the client's own over the same window (the model's, the runner's, the
         # stream's slot's and /api/ps's alike: one stream runs).
-        mine = stream.rate(at2)
+        mine = stream.rate(two.at)
+        state2, ps2 = two.state, two.ps
         runner = state2["runner"]
         assert state2["state"] == "ready" and runner["in_use"] == 1
         for name, got in (
             ("model", state2["tokens_per_second"]["generated"]),
             ("runner", runner["tokens_per_second"]),
             ("slot", runner["slot_tokens_per_second"][0]),
-            ("ps", ps2["tokens_per_second"]),
         ):
             assert near(got, mine), (name, got, mine)
+        assert near(ps2["tokens_per_second"], stream.rate(two.ps_at))
         assert runner["slot_tokens_per_second"][1:] == [0.0]
         assert ps2["slot_tokens_per_second"][0] > 0 and len(ps2["slot_tokens_per_second"]) == 2
         assert relayed_total(s) >= state2["tokens"]["relayed"]
@@ -190,15 +196,15 @@ def test_each_slot_has_its_streams_rate(meter_server: CorralServer) -> None:
         second = Stream(s, "events")
         second.wait_for(1000, s)
         first.wait_for(1, s)  # still running
-        at, state, ps = figures(s)
-        runner = state["runner"]
+        now = Figures(s)
+        runner = now.state["runner"]
         assert runner["in_use"] == 2
         slots = runner["slot_tokens_per_second"]
-        mine = [first.rate(at), second.rate(at)]
+        mine = [first.rate(now.at), second.rate(now.at)]
         assert near(slots[0], mine[0]) and near(slots[1], mine[1]), (slots, mine)
         assert runner["tokens_per_second"] == pytest.approx(sum(slots), abs=0.05)
-        assert near(state["tokens_per_second"]["generated"], sum(mine))
-        assert near(ps["tokens_per_second"], sum(mine))
+        assert near(now.state["tokens_per_second"]["generated"], sum(mine))
+        assert near(now.ps["tokens_per_second"], first.rate(now.ps_at) + second.rate(now.ps_at))
     finally:
         first.close()
         if second is not None:
