@@ -508,6 +508,29 @@ def test_ps(server: FakeServer, capsys: pytest.CaptureFixture[str]) -> None:
     assert lines[0].index("ID") == lines[1].index("abcdef123456")  # columns line up
 
 
+def test_ps_shows_the_tokens_per_second_corral_relays(
+    server: FakeServer, capsys: pytest.CaptureFixture[str]
+) -> None:
+    now = datetime.now(timezone.utc)
+    base = {"size": 98_000_000, "digest": "0011223344556677", "size_vram": 0,
+            "context_length": 2048, "expires_at": _iso(now + timedelta(minutes=4))}  # fmt: skip
+    ps = [
+        {"name": "busy:latest", **base, "tokens_per_second": 23.14,
+         "slot_tokens_per_second": [12.0, 0.0, 11.14]},
+        {"name": "one:latest", **base, "tokens_per_second": 7.0,
+         "slot_tokens_per_second": [7.0, 0.0]},
+        {"name": "idle:latest", **base, "tokens_per_second": 0.0,
+         "slot_tokens_per_second": [0.0]},
+    ]  # fmt: skip
+    server.routes["GET", "/api/ps"] = lambda _: (200, {"models": ps})
+    assert cli.main(["ps"]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert lines[0].split()[-1] == "TOKENS/S"
+    assert lines[1].endswith("23.1 (12.0+11.1)")
+    assert lines[2].endswith("7.0") and lines[3].endswith("0.0")
+    assert models.rate_text({"name": "from-ollama"}) == "-"  # a server that does not say
+
+
 def test_list_and_ls(server: FakeServer, capsys: pytest.CaptureFixture[str]) -> None:
     modified = _iso(datetime.now(timezone.utc) - timedelta(hours=2))
     models = [

@@ -22,6 +22,7 @@ import pytest
 
 from corral.api.stream import LeasedStream
 from corral.core.spec import RunnerSpec
+from corral.runtime.meter import Meter
 from corral.runtime.runner import Runner
 from corral.testing import synth
 from corral.testing.server import CorralServer, all_runner_pids
@@ -244,7 +245,8 @@ def ended(chunks: list[bytes], fail: Exception | None = None) -> bytes:
     runner = Runner("m", RunnerSpec(path="/nonexistent", n_ctx=16, num_parallel=1))
     runner.exit_code = -9
     released: list[bool] = []
-    lease = SimpleNamespace(runner=runner, release=lambda: released.append(True))
+    tally = Meter(time.monotonic).tally(runner, "m")
+    lease = SimpleNamespace(runner=runner, release=lambda: released.append(True), tally=tally)
 
     async def body() -> AsyncIterator[bytes]:
         for c in chunks:

@@ -142,4 +142,5 @@ def test_a_runner_unloaded_at_once_still_counts_its_tokens(start_server, models_
         s.wait_for(lambda: not s.ps(), timeout=30, what="the unload")
     m = scrape(s)
     assert value(m, "corral_generated_tokens_total", model=TINY) == 5 + 7
+    assert value(m, "corral_relayed_tokens_total", model=TINY) == 5 + 7  # counted as they passed
     assert value(m, "corral_prompt_tokens_total", model=TINY) >= 2 * r.json()["prompt_eval_count"]

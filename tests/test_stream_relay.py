@@ -326,6 +326,7 @@ class Reads:
 class Lease:
     waited = 0.0
     loaded = False
+    tally = None
 
     def release(self) -> None:
         pass

@@ -271,6 +271,8 @@ class FakeStream:
 
 
 class FakeLease:
+    tally = None
+
     def release(self) -> None:
         pass
 

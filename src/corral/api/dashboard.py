@@ -5,8 +5,9 @@ The page is plain HTML, CSS and JS shipped in `corral/ui` (package data: no buil
 CDN, works offline). It reads one JSON document, built here from the scheduler's view on each
 request: every registered model with its runner's state (loading with its progress, ready,
 draining, unloading), bytes per device booked and measured, slots, queue, keep-alive,
-tokens per second; a bar per device (budget, booked by corral, in use as the device reports
-it); the journal's recent decisions. The events stream pushes that document every second and
+tokens per second (generated ones counted as corral relays them, per runner and slot); a bar
+per device (budget, booked by corral, in use as the device reports it); the journal's recent
+decisions. The events stream pushes that document every second and
 at once after each journal event (load, ready, eviction, crash, refusal), so the page updates
 without a reload and without polling.
 """
@@ -62,15 +63,14 @@ def _num(x: float) -> float | None:
 
 
 class _Rates:
-    """Tokens per second per model, from the scheduler's cumulative counters (refreshed by
-    its measure every 2 s): the change over the last RATE_WINDOW seconds of samples."""
+    """Prompt tokens per second per model, from the runners' cumulative counters (refreshed by
+    the scheduler's measure every 2 s): the change over the last RATE_WINDOW seconds of
+    samples. (Generated tokens per second are corral's own, counted as they are relayed.)"""
 
     def __init__(self) -> None:
         self._samples: dict[str, deque[tuple[float, int, int]]] = {}
 
-    def rate(
-        self, model: str, counts: tuple[int, int] | None, now: float
-    ) -> dict[str, float] | None:
+    def rate(self, model: str, counts: tuple[int, int] | None, now: float) -> float | None:
         if counts is None:
             return None
         q = self._samples.setdefault(model, deque())
@@ -78,12 +78,11 @@ class _Rates:
             q.append((now, counts[0], counts[1]))
         while len(q) > 2 and now - q[1][0] >= RATE_WINDOW:
             q.popleft()
-        t0, p0, g0 = q[0]
+        t0, p0, _ = q[0]
         span = now - t0
         if span < 1.0:
             return None
-        return {"prompt": round((counts[0] - p0) / span, 2),
-                "generated": round((counts[1] - g0) / span, 2)}  # fmt: skip
+        return round((counts[0] - p0) / span, 2)
 
 
 class Dashboard:
@@ -162,9 +161,18 @@ class Dashboard:
             if e is not None:
                 item |= self._model_details(name, e.modified_at, e.size)
             counts = v.tokens.get(name)
-            if counts is not None:
-                item["tokens"] = {"prompt": counts[0], "generated": counts[1]}
-            item["tokens_per_second"] = self._rates.rate(name, counts, now)
+            relayed = v.relayed.get(name)
+            if counts is not None or relayed is not None:
+                item["tokens"] = {"prompt": counts[0] if counts else 0,
+                                  "generated": counts[1] if counts else 0,
+                                  "relayed": relayed or 0}  # fmt: skip
+            prompt = self._rates.rate(name, counts, now)
+            if prompt is not None or name in v.tokens_per_second:
+                # generated: as corral relays them (live); prompt: from the runner's counters
+                item["tokens_per_second"] = {
+                    "prompt": prompt if prompt is not None else 0.0,
+                    "generated": round(v.tokens_per_second.get(name, 0.0), 2),
+                }
             r = shown.get(name)
             if r is None:
                 item |= {"state": "not_loaded", "runner": None}
@@ -198,6 +206,9 @@ class Dashboard:
                 "page_cache": r.page_cache,
                 "reload_seconds": round(r.load_cost, 3) if r.load_seconds else None,
                 "uses": r.uses,
+                # generated tokens/s this runner relays now, in all and per slot
+                "tokens_per_second": round(r.tokens_per_second, 2),
+                "slot_tokens_per_second": [round(x, 2) for x in r.slot_tokens_per_second],
             }
             models.append(item)
         last = {d.id: d for d in v.devices}

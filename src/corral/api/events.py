@@ -35,6 +35,7 @@ from corral.api.stream import RelayResponse
 from corral.api.toolprompt import Call, CallScanner
 from corral.errors import ApiError
 from corral.runtime.client import UPSTREAM_ERRORS, RunnerStream, runner_error_message
+from corral.runtime.meter import Tally, token_events
 from corral.runtime.scheduler import Lease
 
 # ---- the neutral request -------------------------------------------------------------------
@@ -164,7 +165,7 @@ class Generation:
         self.lease.release()
 
     def _sse(self) -> SSE:
-        self.source = sse_events(self.upstream, self.explain)
+        self.source = sse_events(self.upstream, self.explain, self.lease.tally)
         return self.source
 
     def buffered(self) -> bool:
@@ -391,9 +392,15 @@ class SSE:
     (`explain` says why: its exit status and last log lines). Each read from the runner is
     split and parsed whole: `pending` holds what it brought that was not taken yet."""
 
-    def __init__(self, resp: RunnerStream, explain: Callable[[], Awaitable[str]]) -> None:
+    def __init__(
+        self,
+        resp: RunnerStream,
+        explain: Callable[[], Awaitable[str]],
+        tally: Tally | None = None,
+    ) -> None:
         self.upstream = resp
         self.explain = explain
+        self.tally = tally  # the generated tokens, counted as they are read
         self.pending: deque[Any] = deque()  # objects, or the ApiError that ends the stream
         self.tail = b""  # a line not yet complete
         self.ended = False
@@ -448,19 +455,30 @@ class SSE:
         else:  # the end: a last line without its newline counts too
             lines, self.tail, self.ended = [self.tail], b"", True
         plain = self.plain
+        tokens = 0  # generated tokens among these events (one a chunk; `token_events`)
+        final: Any = None  # llama.cpp's own count, from the timings at the end
         for line in lines:
             if plain and line.startswith(PLAIN_HEAD) and (text := self._plain(line)):
                 self.pending.append(text)
+                tokens += 1
                 continue
             if line.startswith(b"data: "):
                 body = line[6:].strip()
                 if body == b"[DONE]":
                     self.ended = True
-                    return
-                self.pending.append(orjson.loads(body))
+                    break
+                obj = orjson.loads(body)
+                self.pending.append(obj)
+                tokens += token_events(line)
+                if type(obj) is dict and type(timings := obj.get("timings")) is dict:
+                    final = timings.get("predicted_n")
             elif line.startswith(b"error: "):
                 self.pending.append(ApiError(500, runner_error_message(line[7:], 500)))
-                return
+                break
+        if self.tally is not None:
+            self.tally.add(tokens)
+            if type(final) is int:
+                self.tally.settle(final)
 
     def _plain(self, line: bytes) -> bytes | None:
         """The JSON string of a plain content delta (PLAIN_HEAD...), None if it is not one
@@ -477,9 +495,11 @@ class SSE:
         return line[start - 1 : end + 1]
 
 
-def sse_events(resp: RunnerStream, explain: Callable[[], Awaitable[str]]) -> SSE:
-    """The JSON objects of a llama.cpp SSE stream (see SSE)."""
-    return SSE(resp, explain)
+def sse_events(
+    resp: RunnerStream, explain: Callable[[], Awaitable[str]], tally: Tally | None = None
+) -> SSE:
+    """The JSON objects of a llama.cpp SSE stream (see SSE); its tokens counted on `tally`."""
+    return SSE(resp, explain, tally)
 
 
 class StopScanner:

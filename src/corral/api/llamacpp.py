@@ -21,6 +21,7 @@ from corral.api.service import Service
 from corral.api.stream import LeasedStream
 from corral.errors import ApiError
 from corral.runtime.client import UPSTREAM_ERRORS
+from corral.runtime.meter import count_events
 
 # path -> (the runner's path, the capability it needs or None)
 POST_ROUTES = {
@@ -83,6 +84,7 @@ class NativeStream(LeasedStream):
         self, body: AsyncIterator[bytes], rename: tuple[bytes, bytes] | None
     ) -> AsyncIterator[bytes]:
         held, finished, failed = b"", False, False
+        tally = self.lease.tally
         try:
             async for chunk in body:
                 held += chunk
@@ -93,11 +95,13 @@ class NativeStream(LeasedStream):
                 if rename is not None:
                     out = out.replace(*rename)
                 finished = finished or b'"stop":true' in out or out.startswith(b"error:")
+                count_events(tally, out)
                 yield out
         except UPSTREAM_ERRORS:
             failed = True
         if held and not failed:
             finished = finished or b'"stop":true' in held
+            count_events(tally, held)
             yield held.replace(*rename) if rename is not None else held
         if not finished:
             yield self.family.event(ApiError(500, await self.lease.runner.why_failed()))

@@ -7,7 +7,8 @@ Three sources, none of which walks anything slow at scrape time:
   a stream (per model, which the service notes in the request's scope);
 - a collector that reads the scheduler's view when scraped: queue depth, requests in flight,
   bytes per device and per model, the runners' measured memory, tokens processed (the
-  runners' own counters, read with each memory measure).
+  runners' own counters, read with each memory measure, which move when a request ends) and
+  generated tokens relayed (counted by corral as they pass: live).
 """
 
 from __future__ import annotations
@@ -283,3 +284,10 @@ class _Books(Collector):
             generated.add_metric([m], g)
         yield prompt
         yield generated
+        relayed = CounterMetricFamily(
+            "corral_relayed_tokens", "Generated tokens corral relayed to clients, counted as "
+            "they passed (rate() of it is the live tokens per second)", labels=["model"],
+        )  # fmt: skip
+        for m, n in sorted(v.relayed.items()):
+            relayed.add_metric([m], n)
+        yield relayed

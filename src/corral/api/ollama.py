@@ -328,6 +328,10 @@ class Ollama:
                 "measured_bytes": run.measured,
                 # ... and per device (GPU memory as NVML reports it for the process)
                 "measured": [{"id": d, "bytes": n} for d, n in run.measured_devices.items()],
+                # generated tokens per second relayed to its clients over the last few seconds
+                # (0 when idle), and per slot
+                "tokens_per_second": round(run.tokens_per_second, 2),
+                "slot_tokens_per_second": [round(x, 2) for x in run.slot_tokens_per_second],
             })  # fmt: skip
             if verbose:
                 # What a reload would cost now: the share of the model's file in the OS page

@@ -54,6 +54,7 @@ from corral.api.openai_checks import (
 from corral.api.service import Resolved, Service
 from corral.api.stream import RelayResponse, json_response
 from corral.errors import ApiError
+from corral.runtime.meter import whole_tokens
 from corral.runtime.scheduler import Lease
 
 T = TypeVar("T")
@@ -269,6 +270,7 @@ class OpenAI:
             if legacy is not None:
                 await legacy.prepare(self.svc, lease)
             data: dict[str, Any] = await self.svc.client.post_json(lease.runner, path, payload)
+            lease.tally.settle(whole_tokens(data))
         if legacy is not None:
             legacy.whole(data)
         return data
@@ -290,7 +292,7 @@ class OpenAI:
                 if legacy is not None:
                     for c in legacy.head():
                         yield c
-                async for data in sse_events(resp, lease.runner.why_failed):
+                async for data in sse_events(resp, lease.runner.why_failed, lease.tally):
                     if not isinstance(data, dict):  # llama.cpp's `data: null` (several prompts)
                         continue
                     if legacy is not None:

@@ -46,6 +46,7 @@ from corral.errors import ApiError
 from corral.runtime.client import ContextOverflow, RunnerClient, RunnerStream
 from corral.runtime.devices import cpu_cores
 from corral.runtime.journal import Event
+from corral.runtime.meter import predicted_tokens
 from corral.runtime.registry import ModelEntry, Registry, canonical_name
 from corral.runtime.scheduler import Lease, Scheduler, SchedulerError
 from corral.runtime.view import SchedulerView
@@ -363,6 +364,7 @@ class Service:
         assert not isinstance(resp, RunnerStream)
         try:
             data = await until_disconnect(request, resp.read())
+            lease.tally.settle(predicted_tokens(data))  # a whole answer's tokens, at once
         finally:
             resp.release()
             lease.release()

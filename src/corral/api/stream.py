@@ -24,6 +24,7 @@ from starlette.types import Message, Receive, Scope, Send
 from corral.api.family import OPENAI, Family
 from corral.errors import ApiError
 from corral.runtime.client import UPSTREAM_ERRORS, RunnerStream, runner_error_message
+from corral.runtime.meter import count_events
 from corral.runtime.scheduler import Lease
 
 SSE_DONE = b"data: [DONE]"
@@ -125,7 +126,8 @@ class LeasedStream(RelayResponse):
     when the runner dies mid-stream, or ends it without [DONE], the client gets a final
     `data: {"error": {...}}` (what OpenAI sends, and its SDK raises as an APIError) saying why,
     never a bare close. `rename` replaces the runner's `"model":...` pair by the client's
-    (applied to whole events, so a pair is never split)."""
+    (applied to whole events, so a pair is never split). The generated tokens are counted as
+    they pass (`lease.tally`)."""
 
     family: Family = OPENAI  # whose error event ends a stream the runner cut short
 
@@ -150,6 +152,7 @@ class LeasedStream(RelayResponse):
         tail = b""  # the last piece passed on that had any text: its last line is the last
         between = True  # what was passed on ends between events
         error: str | None = None  # llama.cpp's own `error: {...}` line, if it sent one
+        tally = self.lease.tally  # the tokens, counted as they pass
         try:
             async for chunk in body:
                 held += chunk
@@ -167,6 +170,7 @@ class LeasedStream(RelayResponse):
                 between = out.endswith(b"\n\n")
                 if not out.isspace():
                     tail = out
+                count_events(tally, out)
                 yield out
         except UPSTREAM_ERRORS:
             failed = True
@@ -179,6 +183,7 @@ class LeasedStream(RelayResponse):
                 between = held.endswith(b"\n\n")
                 if not held.isspace():
                     tail = held
+                count_events(tally, held)
                 yield held
         last = tail.rstrip().rsplit(b"\n", 1)[-1].strip()  # the last line with any text
         if not failed and last == SSE_DONE:

@@ -60,6 +60,19 @@ def ps_rows(models: Sequence[Mapping[str, Any]], now: datetime | None = None) ->
     return rows
 
 
+def rate_text(m: Mapping[str, Any]) -> str:
+    """The TOKENS/S column of `ps`: the generated tokens per second corral relays from the
+    model's runner now, and each busy slot's when more than one is: `23.1 (12.0+11.1)`."""
+    rate = m.get("tokens_per_second")
+    if not isinstance(rate, (int, float)):
+        return "-"
+    slots = [x for x in m.get("slot_tokens_per_second") or () if isinstance(x, (int, float)) and x]
+    text = f"{rate:.1f}"
+    if len(slots) > 1:
+        text += " (" + "+".join(f"{x:.1f}" for x in slots) + ")"
+    return text
+
+
 def list_rows(models: Sequence[Mapping[str, Any]], now: datetime | None = None) -> list[list[str]]:
     """NAME, ID, SIZE, MODIFIED rows from /api/tags models."""
     return [
@@ -128,6 +141,9 @@ def cmd_ps(args: argparse.Namespace) -> int:
     models = data.get("models") or []
     headers = ["NAME", "ID", "SIZE", "PROCESSOR", "CONTEXT", "UNTIL"]
     rows = ps_rows(models)
+    if any("tokens_per_second" in m for m in models):  # corral's: what it relays now
+        headers.append("TOKENS/S")
+        rows = [[*row, rate_text(m)] for row, m in zip(rows, models, strict=True)]
     if any("node" in m for m in models):  # a cluster's entry (corral serve --ray)
         headers.append("NODE")
         rows = [[*row, str(m.get("node", ""))] for row, m in zip(rows, models, strict=True)]

@@ -44,6 +44,7 @@ from corral.core.policy import DEFAULT_POLICY, POLICIES
 from corral.core.spec import Layout, RunnerSpec
 from corral.runtime.journal import Journal, Listener
 from corral.runtime.measure import Measure, Record, Refresh
+from corral.runtime.meter import Meter, Tally
 from corral.runtime.pagecache import resident
 from corral.runtime.runner import Runner, RunnerError
 from corral.runtime.view import SchedulerView, snapshot
@@ -101,11 +102,13 @@ class Lease:
     runner: Runner
     waited: float  # seconds from arrival to grant (queueing + loading)
     loaded: bool  # this request waited for its runner to load
+    tally: Tally  # its generated tokens, counted as they are relayed to its client
     released: bool = False
 
     def release(self) -> None:
         if not self.released:
             self.released = True
+            self.tally.end()
             self.scheduler._release(self.request_id)
 
     # `async with await service.lease(...) as lease:` returns it however the block ends.
@@ -166,6 +169,7 @@ class Scheduler:
             margin=margin, interval=measure_interval, read_ahead=prefetch, clock=clock,
             apply=self._apply, spawn=self._spawn,
         )  # fmt: skip
+        self._meter = Meter(clock)  # generated tokens as they are relayed
         self._waiters: dict[int, asyncio.Future[Runner]] = {}
         self._ids = itertools.count(1)
         self._timer: asyncio.TimerHandle | None = None
@@ -228,7 +232,8 @@ class Scheduler:
         waited = self._clock() - ticket.arrived
         if self._hooks.on_wait is not None:
             self._hooks.on_wait(runner.name, waited)
-        return Lease(self, ticket.id, runner, waited, runner.started_at >= ticket.arrived)
+        tally = self._meter.tally(runner, runner.name)
+        return Lease(self, ticket.id, runner, waited, runner.started_at >= ticket.arrived, tally)
 
     async def acquire(self, model: str, spec: RunnerSpec, **kw: Any) -> Lease:
         return await self.wait(self.submit(model, spec, **kw))
@@ -245,8 +250,8 @@ class Scheduler:
     def view(self) -> SchedulerView:
         """The books, the runners and what was measured of them, as a plain snapshot."""
         return snapshot(
-            self._core, self._runners, self._measure, tuple(self._journal.recent),
-            closing=self._closing, now=self._clock(),
+            self._core, self._runners, self._measure, self._meter.read(),
+            tuple(self._journal.recent), closing=self._closing, now=self._clock(),
         )  # fmt: skip
 
     def listen(self, fn: Listener) -> Callable[[], None]:

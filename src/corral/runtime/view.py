@@ -16,6 +16,7 @@ from corral.core.books import Core
 from corral.core.devices import CPU, Device
 from corral.runtime.journal import Event
 from corral.runtime.measure import Measure, Record
+from corral.runtime.meter import Readings
 
 
 @dataclass(frozen=True)
@@ -43,6 +44,10 @@ class RunnerView:
     measured_devices: Mapping[str, int]  # ... per device (GPU memory as NVML reports it)
     page_cache: float | None  # share of its model's file in the page cache, last looked at
     page_cache_at_load: float | None  # ... when its load started
+    # Generated tokens per second relayed to its clients over the last few seconds (0 idle),
+    # in all and per slot (corral's numbering of the streams it serves at once, `slots` long)
+    tokens_per_second: float
+    slot_tokens_per_second: tuple[float, ...]
 
 
 @dataclass(frozen=True)
@@ -57,6 +62,9 @@ class SchedulerView:
     devices: tuple[Device, ...]  # as last measured (totals and free figures the OS reports)
     code: int  # the runners' shared code as last measured (resident once for all of them)
     tokens: Mapping[str, tuple[int, int]]  # model -> tokens its runners processed (prompt, out)
+    # model -> generated tokens relayed to clients, counted as they passed, all along ...
+    relayed: Mapping[str, int]
+    tokens_per_second: Mapping[str, float]  # ... and per second over the last few seconds
     raised: Mapping[str, float]  # model -> its booking's factor after running out of memory
     disk_seconds_per_byte: float  # what a byte read from disk costs beyond the page cache
     events: tuple[Event, ...]  # the journal's recent decisions, oldest first
@@ -67,13 +75,14 @@ def snapshot(
     core: Core,
     records: Mapping[int, Record],
     measure: Measure,
+    meter: Readings,
     events: tuple[Event, ...],
     *,
     closing: bool,
     now: float,
 ) -> SchedulerView:
-    """The view of the books, the runner records and the measures as they are `now` (the
-    scheduler's clock)."""
+    """The view of the books, the runner records, the measures and the relayed tokens' meter
+    as they are `now` (the scheduler's clock)."""
     runners = []
     for rid, b in core.runners.items():
         rec = records.get(rid)
@@ -88,6 +97,8 @@ def snapshot(
                     loading_for = now - runner.started_at
             if runner.load_duration > 0:
                 load_seconds = runner.load_duration
+        slots = meter.slot_rates.get(runner, ())
+        slots = (*slots, *(0.0,) * (b.spec.num_parallel - len(slots)))
         runners.append(RunnerView(
             id=b.id, model=b.model, state=b.state, draining=b.draining,
             pid=runner.pid if runner else None, devices=dict(b.devices), size=b.size,
@@ -100,6 +111,7 @@ def snapshot(
             measured_devices=dict(rec.devices) if rec else {},
             page_cache=rec.cached if rec else None,
             page_cache_at_load=rec.cached_at_load if rec else None,
+            tokens_per_second=meter.runner_rates.get(runner, 0.0), slot_tokens_per_second=slots,
         ))  # fmt: skip
     queued: dict[str, int] = {}
     for q in core.queue:
@@ -126,6 +138,8 @@ def snapshot(
         devices=tuple(measure.last_devices),
         code=measure.code_last,
         tokens={m: (p, g) for m, (p, g) in measure.tokens.items()},
+        relayed=meter.relayed,
+        tokens_per_second=meter.rates,
         raised=dict(measure.raised),
         disk_seconds_per_byte=measure.disk_spb,
         events=events,

@@ -301,7 +301,10 @@ function tokensCell(m) {
   const t = m.tokens_per_second;
   if (!t) return '<span class="faint">—</span>';
   if (!t.generated && !t.prompt) return '<span class="faint">idle</span>';
-  return `<span>${esc(rate(t.generated))}</span><div class="under">prompt ${esc(rate(t.prompt))}/s</div>`;
+  // Generated tokens/s as corral relays them; each busy slot's when several are
+  const slots = ((m.runner && m.runner.slot_tokens_per_second) || []).filter((x) => x > 0);
+  const per = slots.length > 1 ? `<div class="under">${slots.map((x) => esc(rate(x))).join(" + ")}</div>` : "";
+  return `<span>${esc(rate(t.generated))}</span>${per}<div class="under">prompt ${esc(rate(t.prompt))}/s</div>`;
 }
 
 function actionCell(m) {
