@@ -129,7 +129,8 @@ class FakeScheduler:
         return SchedulerView(
             runners=self.runners, queued={}, budgets=self.budgets, booked={}, reserved={},
             headroom={}, measured={}, devices=(), code=0, tokens={}, raised={},
-            disk_seconds_per_byte=0.0, events=(), closing=False,
+            disk_seconds_per_byte=0.0, events=(), closing=False, relayed={},
+            tokens_per_second={},
         )  # fmt: skip
 
     def listen(self, fn: Callable[[Event], None]) -> Callable[[], None]:
@@ -143,7 +144,8 @@ def runner(model: str, n_ctx: int, held: int = 0, inflight: int = 0) -> RunnerVi
         size=held, slots=1, context_length=n_ctx, inflight=inflight, keep_alive=300.0,
         expires_in=300.0, pinned=False, priority=0, uses=1, load_cost=1.0, progress=None,
         loading_for=None, load_seconds=1.0, measured=None, measured_devices={},
-        page_cache=None, page_cache_at_load=None,
+        page_cache=None, page_cache_at_load=None, tokens_per_second=0.0,
+        slot_tokens_per_second=(0.0,),
     )  # fmt: skip
 
 
