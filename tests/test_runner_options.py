@@ -94,7 +94,7 @@ def test_flash_attn_true_means_on(tmp_path: Path) -> None:
 
 
 def service() -> Service:
-    return Service(Settings.load(environ={}), None, None, [])  # type: ignore[arg-type]
+    return Service(Settings.load(environ={}), None, None, [], None)  # type: ignore[arg-type]
 
 
 def resolved(path: Path, **entry: Any) -> Resolved:

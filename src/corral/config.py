@@ -90,6 +90,14 @@ def _int(minimum: int = 0) -> Callable[[str, str], int]:
     return parse
 
 
+def _parallel(text: str, name: str) -> int:
+    """A number of slots, or 0 for `auto` (or empty): as many as memory allows, up to
+    corral.core.spec.AUTO_PARALLEL, on one KV cache the slots share."""
+    if text.strip().lower() in ("", "auto"):
+        return 0
+    return _int(1)(text.strip(), name)
+
+
 def _list(text: str, name: str) -> tuple[str, ...]:
     return tuple(p.strip() for p in text.strip().strip("\"'").split(",") if p.strip())
 
@@ -136,8 +144,8 @@ SETTINGS: tuple[Setting, ...] = (
     Setting("CORRAL_KEEP_ALIVE_MAX", "", "keep_alive_max", _optional(parse_duration)),
     Setting("CORRAL_CONTEXT_LENGTH", "4096", "context_length", _int(0),
             "--context-length", "N", "default context length"),
-    Setting("CORRAL_NUM_PARALLEL", "1", "num_parallel", _int(1),
-            "--num-parallel", "N", "requests each model serves at once"),
+    Setting("CORRAL_NUM_PARALLEL", "auto", "num_parallel", lambda t, n: _parallel(t, n),
+            "--num-parallel", "N", "requests each model serves at once (auto: as memory allows)"),
     Setting("CORRAL_LOAD_TIMEOUT", "5m", "load_timeout", parse_duration,
             "--load-timeout", "DURATION", "give up loading a model after this"),
     Setting("CORRAL_MAX_LOADED_MODELS", "0", "max_loaded_models", _int(0),
@@ -199,7 +207,7 @@ class Settings:
     keep_alive: float  # seconds; math.inf = never expire
     keep_alive_max: float | None  # the longest keep-alive a request may ask for; None: any
     context_length: int
-    num_parallel: int
+    num_parallel: int  # 0: auto (as many slots as memory allows, up to 4)
     load_timeout: float
     max_loaded_models: int  # 0 = memory decides
     max_queue: int

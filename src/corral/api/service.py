@@ -23,6 +23,7 @@ from corral.api.metrics import note_model
 from corral.api.stream import LeasedStream
 from corral.api.toolprompt import fallback_grammar, template_body
 from corral.config import Settings
+from corral.core.books import Sizing
 from corral.core.devices import Device
 from corral.core.estimate import KV_CACHE_TYPES, check_kv_cache_type
 from corral.core.gguf import (
@@ -37,7 +38,7 @@ from corral.core.gguf import (
 from corral.core.gotemplate import TemplateError
 from corral.core.placement import placer
 from corral.core.roles import has_later_system, place_system, renders_later_system
-from corral.core.spec import Estimates, RunnerSpec, jinja_template, runner_spec
+from corral.core.spec import Estimates, RunnerSpec, jinja_template, runner_spec, slot_choices
 from corral.errors import ApiError
 from corral.runtime.client import RunnerClient, RunnerStream
 from corral.runtime.devices import cpu_cores
@@ -183,16 +184,24 @@ class Service:
                 400, f"model '{r.requested}': a quantized KV cache ({spec.kv_cache_type}) "
                 "needs flash attention; set flash_attn to on or auto",
             )  # fmt: skip
-        est = self._estimates.get(r.info, spec, *self.parts(r))
         chosen = {**r.entry.options, **options}  # the request's options over the model's
-        try:
-            ticket = self.scheduler.submit(
-                r.name, spec, explicit=explicit, size=est.total + est.process,
-                keep_alive=self.keep_alive(r.entry, keep_alive),
-                pinned=r.entry.pinned, priority=r.entry.priority,
+        # With an automatic slot count, the runners with fewer slots the scheduler may load
+        # where memory is short (best first; the first that fits is loaded).
+        sizes = []
+        for s in slot_choices(spec):
+            est = self._estimates.get(r.info, s, *self.parts(r))
+            sizes.append(Sizing(
+                s, est.total + est.process, process=est.process,
                 place=placer(est, self.devices, chosen.get("num_gpu"), chosen.get("main_gpu"),
                              r.entry.devices),
-                process=est.process,
+            ))  # fmt: skip
+        best = sizes[0]
+        try:
+            ticket = self.scheduler.submit(
+                r.name, spec, explicit=explicit, size=best.size,
+                keep_alive=self.keep_alive(r.entry, keep_alive),
+                pinned=r.entry.pinned, priority=r.entry.priority,
+                place=best.place, process=best.process, smaller=sizes[1:],
             )  # fmt: skip
             if ticket.fut.done():  # a warm runner had a free slot: no need to watch the client
                 return await self.scheduler.wait(ticket)
