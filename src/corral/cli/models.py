@@ -60,6 +60,13 @@ def ps_rows(models: Sequence[Mapping[str, Any]], now: datetime | None = None) ->
     return rows
 
 
+def slots_text(m: Mapping[str, Any]) -> str:
+    """A runner's slots in use / its slots ("2/4"), from corral's own /api/ps fields."""
+    if "num_parallel" not in m:
+        return "-"
+    return f"{_int(m.get('requests_in_flight'))}/{_int(m.get('num_parallel'))}"
+
+
 def list_rows(models: Sequence[Mapping[str, Any]], now: datetime | None = None) -> list[list[str]]:
     """NAME, ID, SIZE, MODIFIED rows from /api/tags models."""
     return [
@@ -128,6 +135,9 @@ def cmd_ps(args: argparse.Namespace) -> int:
     models = data.get("models") or []
     headers = ["NAME", "ID", "SIZE", "PROCESSOR", "CONTEXT", "UNTIL"]
     rows = ps_rows(models)
+    if any("num_parallel" in m for m in models):  # corral's own: slots in use / slots
+        headers.append("SLOTS")
+        rows = [[*row, slots_text(m)] for row, m in zip(rows, models, strict=True)]
     if any("node" in m for m in models):  # a cluster's entry (corral serve --ray)
         headers.append("NODE")
         rows = [[*row, str(m.get("node", ""))] for row, m in zip(rows, models, strict=True)]
