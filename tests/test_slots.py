@@ -4,6 +4,7 @@ of 4..1 that fits the budget without stopping a busy runner)."""
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -258,3 +259,36 @@ def test_corral_ps_shows_slots_in_use_of_slots() -> None:
 
     assert slots_text({"num_parallel": 4, "requests_in_flight": 2}) == "2/4"
     assert slots_text({"name": "from-ollama"}) == "-"
+
+
+# ---- a real server with no settings ----------------------------------------------------------
+
+
+def test_two_clients_of_one_model_generate_at_once_with_no_settings(
+    start_server: Any, models_dir: Path
+) -> None:
+    """With one slot the second stream's first token would come only after the first stream's
+    thousands: here both streams make progress before either ends, and /api/ps shows both
+    slots in use."""
+    s = start_server(models_dir, CORRAL_NUM_PARALLEL="auto", CORRAL_CONTEXT_LENGTH="16384")
+    # A seeded random model never samples EOS greedily: a stream runs until the context fills.
+    body = {"model": "long", "prompt": "once upon a time", "raw": True,
+            "options": {"num_predict": 100000, "temperature": 0}}  # fmt: skip
+    with s.client.stream("POST", "/api/generate", json=body) as a:
+        assert a.status_code == 200
+        lines_a = a.iter_lines()
+        assert not json.loads(next(lines_a))["done"]
+        with s.client.stream("POST", "/api/generate", json=body) as b:
+            assert b.status_code == 200
+            lines_b = b.iter_lines()
+            assert not json.loads(next(lines_b))["done"]
+            (m,) = [m for m in s.ps() if m["model"] == "long:latest"]
+            assert (m["requests_in_flight"], m["num_parallel"]) == (2, AUTO_PARALLEL)
+            assert m["context_length"] == 16384  # each request may use all of it
+            assert not json.loads(next(lines_a))["done"]  # the first goes on beside it
+            assert not json.loads(next(lines_b))["done"]
+    # Embedding models get slots too (llama.cpp batches their inputs).
+    r = s.client.post("/api/embed", json={"model": "embed", "input": ["a", "b"]})
+    assert r.status_code == 200, r.text
+    (e,) = [m for m in s.ps() if m["model"] == "embed:latest"]
+    assert e["num_parallel"] == AUTO_PARALLEL
