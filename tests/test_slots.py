@@ -264,16 +264,21 @@ def test_corral_ps_shows_slots_in_use_of_slots() -> None:
 # ---- a real server with no settings ----------------------------------------------------------
 
 
-def test_two_clients_of_one_model_generate_at_once_with_no_settings(
-    start_server: Any, models_dir: Path
-) -> None:
+@pytest.fixture(scope="module")
+def auto_server(start_server: Any, models_dir: Path) -> Any:
+    return start_server(models_dir, CORRAL_NUM_PARALLEL="auto", CORRAL_CONTEXT_LENGTH="16384")
+
+
+# A seeded random model never samples EOS greedily: a stream runs until the context fills.
+LONG = {"model": "long", "prompt": "once upon a time", "raw": True,
+        "options": {"num_predict": 100000, "temperature": 0}}  # fmt: skip
+
+
+def test_two_clients_of_one_model_generate_at_once_with_no_settings(auto_server: Any) -> None:
     """With one slot the second stream's first token would come only after the first stream's
     thousands: here both streams make progress before either ends, and /api/ps shows both
     slots in use."""
-    s = start_server(models_dir, CORRAL_NUM_PARALLEL="auto", CORRAL_CONTEXT_LENGTH="16384")
-    # A seeded random model never samples EOS greedily: a stream runs until the context fills.
-    body = {"model": "long", "prompt": "once upon a time", "raw": True,
-            "options": {"num_predict": 100000, "temperature": 0}}  # fmt: skip
+    s, body = auto_server, LONG
     with s.client.stream("POST", "/api/generate", json=body) as a:
         assert a.status_code == 200
         lines_a = a.iter_lines()
@@ -292,3 +297,38 @@ def test_two_clients_of_one_model_generate_at_once_with_no_settings(
     assert r.status_code == 200, r.text
     (e,) = [m for m in s.ps() if m["model"] == "embed:latest"]
     assert e["num_parallel"] == AUTO_PARALLEL
+
+
+def test_parallel_streams_that_fill_their_shared_context_end_with_an_error(
+    auto_server: Any,
+) -> None:
+    """Slots share one context: two streams that together outgrow it are ended by llama.cpp
+    ("Context size has been exceeded"); each client hears how its stream ended, never a bare
+    close, in Ollama's shape and in OpenAI's (one error event)."""
+    s = auto_server
+    body = {**LONG, "options": {**LONG["options"], "num_ctx": 1024}}  # type: ignore[dict-item]
+    with s.client.stream("POST", "/api/generate", json=body) as a, s.client.stream(
+        "POST", "/api/generate", json=body
+    ) as b:
+        lines = [a.iter_lines(), b.iter_lines()]
+        assert not any(json.loads(next(it))["done"] for it in lines)  # both hold cells now
+        last = [json.loads([ln for ln in it if ln][-1]) for it in lines]
+    assert all(e.get("done") or e.get("error") for e in last), last
+    assert any("Context size has been exceeded" in e.get("error", "") for e in last), last
+    # The pass-through: a model whose own context is 2048 (OpenAI requests set no context).
+    chat = {"model": "tiny", "messages": [{"role": "user", "content": "once upon a time"}],
+            "max_tokens": 100000, "temperature": 0, "stream": True}  # fmt: skip
+    with s.client.stream("POST", "/v1/chat/completions", json=chat) as a, s.client.stream(
+        "POST", "/v1/chat/completions", json=chat
+    ) as b:
+        its = [a.iter_lines(), b.iter_lines()]
+        events: list[list[str]] = [[], []]
+        for i, it in enumerate(its):  # the first event of each: both hold cells now
+            events[i].append(next(ln for ln in it if ln.startswith("data: "))[6:])
+            assert events[i][0] != "[DONE]" and "error" not in events[i][0]
+        for i, it in enumerate(its):  # then the rest of both
+            events[i] += [ln[6:] for ln in it if ln.startswith("data: ")]
+    errors = [[e for e in ev if e.startswith('{"error"')] for ev in events]
+    for ev, err in zip(events, errors, strict=True):
+        assert ev[-1] == "[DONE]" or (len(err) == 1 and ev[-1] == err[0]), ev[-3:]
+    assert any(errors), [ev[-2:] for ev in events]

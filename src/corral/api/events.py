@@ -457,7 +457,13 @@ class SSE:
                 if body == b"[DONE]":
                     self.ended = True
                     return
-                self.pending.append(orjson.loads(body))
+                event = orjson.loads(body)
+                if isinstance(event, dict) and "error" in event and len(event) == 1:
+                    # llama.cpp's error mid-stream (e.g. a context its parallel requests
+                    # share has filled): the stream ends with it
+                    self.pending.append(ApiError(500, runner_error_message(body, 500)))
+                    return
+                self.pending.append(event)
             elif line.startswith(b"error: "):
                 self.pending.append(ApiError(500, runner_error_message(line[7:], 500)))
                 return
