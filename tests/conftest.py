@@ -82,7 +82,10 @@ def start_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[StartServ
 
     def start(models: Path, **env: str) -> CorralServer:
         log_path = tmp_path_factory.mktemp("server") / "corral.log"
-        server = start_corral(models, log_path, {"CORRAL_CONTEXT_LENGTH": "1024", **env})
+        # One slot per model unless a test asks for more: many tests hold a slot to make
+        # others wait (CORRAL_NUM_PARALLEL auto would give up to 4).
+        defaults = {"CORRAL_CONTEXT_LENGTH": "1024", "CORRAL_NUM_PARALLEL": "1"}
+        server = start_corral(models, log_path, {**defaults, **env})
         started.append(server)
         return server
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import math
 import re
+from dataclasses import replace
 
 import pytest
 from hypothesis import HealthCheck, given, settings
@@ -17,12 +18,16 @@ from corral.core.books import (
     Load,
     QueueFull,
     Request,
+    Sizing,
     Stop,
 )
 from corral.core.policy import POLICIES
 from corral.core.spec import RunnerSpec
 
 MODELS = {"a": 300, "b": 500, "c": 700, "d": 1200}  # name -> bytes; budget 1000 holds 1-2
+# Models with an automatic slot count: bytes before slots; each of up to 4 slots costs SLOT.
+AUTO = {"e": 400, "f": 850}
+SLOT = 40
 
 
 def spec(model: str, ctx: int = 1024, parallel: int = 1) -> RunnerSpec:
@@ -115,16 +120,21 @@ class Harness:
     def request(self, model: str, ctx: int | None = None, keep_alive: float | None = None) -> int:
         rid = self.next_id
         self.next_id += 1
+        base = MODELS.get(model, AUTO.get(model, 0)) + (ctx or 0) // 64
         req = Request(
             id=rid,
             model=model,
             spec=spec(model, ctx or 1024),
             explicit=frozenset({"n_ctx"}) if ctx else frozenset(),
-            size=MODELS[model] + (ctx or 0) // 64,
+            size=base,
             keep_alive=keep_alive,
             arrived=self.now,
             deadline=self.now + 60,
         )
+        if model in AUTO:  # 4 slots on a unified cache, or fewer where memory is short
+            choices = [Sizing(replace(req.spec, num_parallel=n, kv_unified=True), base + n * SLOT)
+                       for n in (4, 3, 2, 1)]  # fmt: skip
+            req = replace(req, spec=choices[0].spec, size=choices[0].size).offering(choices[1:])
         try:
             self.core.request(req, self.now)
             self.pending.add(rid)
@@ -192,7 +202,7 @@ ops = st.lists(
     st.one_of(
         st.tuples(
             st.just("req"),
-            st.sampled_from(sorted(MODELS)),
+            st.sampled_from(sorted(MODELS | AUTO)),
             st.sampled_from([None, None, 512, 1024, 2048]),
             st.sampled_from([None, 0.0, 2.0, math.inf]),
         ),

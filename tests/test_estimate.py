@@ -211,10 +211,13 @@ def test_breakdown_adds_up_and_encoders_have_no_kv(models: dict[str, ModelInfo])
 # --------------------------------------------------------------------------- real loads
 
 
-async def load(info: ModelInfo, n_ctx: int, par: int, kv: str = "f16") -> tuple[int, int]:
+async def load(
+    info: ModelInfo, n_ctx: int, par: int, kv: str = "f16", unified: bool = False
+) -> tuple[int, int]:
     embedding = "embedding" in info.capabilities
     spec = RunnerSpec(
-        path=str(info.path), n_ctx=n_ctx, num_parallel=par, embedding=embedding, kv_cache_type=kv
+        path=str(info.path), n_ctx=n_ctx, num_parallel=par, embedding=embedding, kv_cache_type=kv,
+        kv_unified=unified,
     )
     runner = Runner(Path(info.path).stem, spec)
     await runner.start(60)
@@ -224,26 +227,31 @@ async def load(info: ModelInfo, n_ctx: int, par: int, kv: str = "f16") -> tuple[
         await runner.stop()
     assert alloc is not None, runner.log_tail(40)
     assert alloc.model_bytes and alloc.compute_bytes and alloc.output_bytes
-    return estimate_bytes(info, n_ctx, par, kv), alloc.total
+    return estimate(info, n_ctx, par, kv, unified=unified).total, alloc.total
 
 
 @pytest.mark.e2e
 @pytest.mark.parametrize(
-    ("model", "n_ctx", "par", "kv"),
+    ("model", "n_ctx", "par", "kv", "unified"),
     [
-        ("llama", 512, 1, "f16"),
-        ("llama", 2048, 2, "f16"),
-        ("llama64", 1024, 4, "q8_0"),
-        ("swa", 512, 1, "f16"),
-        ("swa8", 2048, 2, "f16"),
-        ("bert", 512, 1, "f16"),
-        ("bert", 512, 4, "f16"),
+        ("llama", 512, 1, "f16", False),
+        ("llama", 2048, 2, "f16", False),
+        ("llama64", 1024, 4, "q8_0", False),
+        ("swa", 512, 1, "f16", False),
+        ("swa8", 2048, 2, "f16", False),
+        ("bert", 512, 1, "f16", False),
+        ("bert", 512, 4, "f16", False),
+        # slots sharing one KV cache (CORRAL_NUM_PARALLEL auto)
+        ("llama", 2048, 4, "f16", True),
+        ("llama64", 1024, 4, "q8_0", True),
+        ("swa8", 2048, 4, "f16", True),
+        ("bert", 512, 4, "f16", True),
     ],
 )
 async def test_estimate_covers_the_real_allocation(
-    models: dict[str, ModelInfo], model: str, n_ctx: int, par: int, kv: str
+    models: dict[str, ModelInfo], model: str, n_ctx: int, par: int, kv: str, unified: bool
 ) -> None:
-    est, real = await load(models[model], n_ctx, par, kv)
+    est, real = await load(models[model], n_ctx, par, kv, unified)
     assert real <= est <= 1.10 * real, f"estimate {est} vs real {real} ({est / real:.3f})"
 
 

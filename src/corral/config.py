@@ -100,6 +100,14 @@ def _context(text: str, name: str) -> int | None:
         raise ConfigError(f"{name}: expected 'auto' or a number of tokens, got {text!r}") from None
 
 
+def _parallel(text: str, name: str) -> int:
+    """A number of slots, or 0 for `auto` (or empty): as many as memory allows, up to
+    corral.core.spec.AUTO_PARALLEL, on one KV cache the slots share."""
+    if text.strip().lower() in ("", "auto"):
+        return 0
+    return _int(1)(text.strip(), name)
+
+
 def _list(text: str, name: str) -> tuple[str, ...]:
     return tuple(p.strip() for p in text.strip().strip("\"'").split(",") if p.strip())
 
@@ -147,8 +155,8 @@ SETTINGS: tuple[Setting, ...] = (
     # "auto": sized to the memory the busy models leave, up to the model's trained context
     Setting("CORRAL_CONTEXT_LENGTH", "auto", "context_length", _context,
             "--context-length", "N", "default context length ('auto': to fit memory)"),
-    Setting("CORRAL_NUM_PARALLEL", "1", "num_parallel", _int(1),
-            "--num-parallel", "N", "requests each model serves at once"),
+    Setting("CORRAL_NUM_PARALLEL", "auto", "num_parallel", _parallel,
+            "--num-parallel", "N", "requests each model serves at once (auto: as memory allows)"),
     Setting("CORRAL_LOAD_TIMEOUT", "5m", "load_timeout", parse_duration,
             "--load-timeout", "DURATION", "give up loading a model after this"),
     Setting("CORRAL_MAX_LOADED_MODELS", "0", "max_loaded_models", _int(0),
@@ -210,7 +218,7 @@ class Settings:
     keep_alive: float  # seconds; math.inf = never expire
     keep_alive_max: float | None  # the longest keep-alive a request may ask for; None: any
     context_length: int | None  # None: auto (core.context.auto_context); 0: trained
-    num_parallel: int
+    num_parallel: int  # 0: auto (as many slots as memory allows, up to 4)
     load_timeout: float
     max_loaded_models: int  # 0 = memory decides
     max_queue: int

@@ -468,6 +468,11 @@ class SSE:
                     self.ended = True
                     break
                 obj = orjson.loads(body)
+                if type(obj) is dict and "error" in obj and len(obj) == 1:
+                    # llama.cpp's error mid-stream (e.g. a context its parallel requests
+                    # share has filled): the stream ends with it
+                    self.pending.append(ApiError(500, runner_error_message(body, 500)))
+                    break
                 self.pending.append(obj)
                 tokens += token_events(line)
                 if type(obj) is dict and type(timings := obj.get("timings")) is dict:

@@ -25,7 +25,7 @@ from corral.api.metrics import note_model
 from corral.api.stream import LeasedStream
 from corral.api.toolprompt import fallback_grammar, template_body
 from corral.config import Settings
-from corral.core.books import Fit, scaled_placer
+from corral.core.books import Fit, Sizing, scaled_placer
 from corral.core.context import DEFAULT_OUTPUT, UNKNOWN_TRAINED_CAP, auto_context, grown_context
 from corral.core.devices import Device
 from corral.core.estimate import KV_CACHE_TYPES, check_kv_cache_type
@@ -41,7 +41,7 @@ from corral.core.gguf import (
 from corral.core.gotemplate import TemplateError
 from corral.core.placement import placer
 from corral.core.roles import has_later_system, place_system, renders_later_system
-from corral.core.spec import Estimates, RunnerSpec, jinja_template, runner_spec
+from corral.core.spec import Estimates, RunnerSpec, jinja_template, runner_spec, slot_choices
 from corral.errors import ApiError
 from corral.runtime.client import ContextOverflow, RunnerClient, RunnerStream
 from corral.runtime.devices import cpu_cores
@@ -207,15 +207,23 @@ class Service:
         )
         if auto:
             spec = dataclasses.replace(spec, n_ctx=self.auto_ctx(r, spec, chosen))
-        est = self._estimates.get(r.info, spec, *self.parts(r))
-        try:
-            ticket = self.scheduler.submit(
-                r.name, spec, explicit=explicit, size=est.total + est.process,
-                keep_alive=self.keep_alive(r.entry, keep_alive),
-                pinned=r.entry.pinned, priority=r.entry.priority,
+        # With an automatic slot count, the runners with fewer slots the scheduler may load
+        # where memory is short (best first; the first that fits is loaded).
+        sizes = []
+        for s in slot_choices(spec):
+            est = self._estimates.get(r.info, s, *self.parts(r))
+            sizes.append(Sizing(
+                s, est.total + est.process, process=est.process,
                 place=placer(est, self.devices, chosen.get("num_gpu"), chosen.get("main_gpu"),
                              r.entry.devices),
-                process=est.process,
+            ))  # fmt: skip
+        best = sizes[0]
+        try:
+            ticket = self.scheduler.submit(
+                r.name, spec, explicit=explicit, size=best.size,
+                keep_alive=self.keep_alive(r.entry, keep_alive),
+                pinned=r.entry.pinned, priority=r.entry.priority,
+                place=best.place, process=best.process, smaller=sizes[1:],
             )  # fmt: skip
             if ticket.fut.done():  # a warm runner had a free slot: no need to watch the client
                 lease = await self.scheduler.wait(ticket)

@@ -28,6 +28,9 @@ from corral.runtime.meter import count_events
 from corral.runtime.scheduler import Lease
 
 SSE_DONE = b"data: [DONE]"
+# llama.cpp's error mid-stream (e.g. a context its parallel requests share has filled): an SSE
+# data event holding only an error object
+SSE_ERROR = b'data: {"error":'
 MAX_HELD = 1 << 20  # an "event" longer than this without its blank line passes on as it is
 
 
@@ -108,13 +111,16 @@ class RelayResponse(Response):
 
 
 def _error_line(out: bytes) -> str | None:
-    """The message of the last `error: {...}` line (llama.cpp's) in `out`, if any."""
-    if b"error: " not in out:  # the common case, found without splitting lines
+    """The message of the last `error: {...}` line or `data: {"error": ...}` event (llama.cpp's)
+    in `out`, if any."""
+    if b"error: " not in out and SSE_ERROR not in out:  # the common case, without splitting
         return None
     error = None
     for line in out.split(b"\n"):
         if (line := line.strip()).startswith(b"error: "):
             error = runner_error_message(line[7:], 500)
+        elif line.startswith(SSE_ERROR):
+            error = runner_error_message(line[6:], 500)
     return error
 
 
@@ -186,8 +192,8 @@ class LeasedStream(RelayResponse):
                 count_events(tally, held)
                 yield held
         last = tail.rstrip().rsplit(b"\n", 1)[-1].strip()  # the last line with any text
-        if not failed and last == SSE_DONE:
-            return
+        if not failed and (last == SSE_DONE or last.startswith(SSE_ERROR)):
+            return  # ended as OpenAI's streams end: [DONE], or the runner's own error event
         message = (error if not failed else None) or await self.lease.runner.why_failed()
         # A cut event was never passed on (unless huge), so this one starts on its own.
         yield (b"" if between else b"\n\n") + self.family.event(ApiError(500, message))

@@ -2,7 +2,8 @@
 
 For every model the test suite makes or ships (synthetic llama at three sizes and with the full
 vocabulary, gemma3 with sliding-window layers, bert for embeddings, a mixture of experts, the
-real SmolLM2), at several contexts, parallel slots and KV cache types: load the model in a real
+real SmolLM2), at several contexts, parallel slots (on a KV cache per slot, and on one unified
+cache the slots share) and KV cache types: load the model in a real
 runner, read llama.cpp's own account of its buffers (Runner.allocation) and compare it with
 corral.core.estimate. Models with parts are measured too: synthetic vision projectors (a tiny
 one and a ViT-B-sized one) and LoRA adapters (rank 4 and rank 64) on synthetic models. The goal
@@ -36,6 +37,9 @@ GOAL_MAX_RATIO = 1.10
 LOAD_TIMEOUT = 120.0
 N_CTX = (512, 2048, 8192)
 PARALLEL = (1, 2, 4)
+# Slots on one unified KV cache (CORRAL_NUM_PARALLEL auto): measured at f16 (the cache's type
+# changes the rows the same way with one stream as with several).
+UNIFIED_PARALLEL = (2, 4)
 KV_TYPES = ("f16", "q8_0", "q4_0")
 
 
@@ -118,12 +122,15 @@ def _models() -> list[BenchModel]:
 
 # quick: one combination per kind of model, a few seconds in all (CI smoke).
 _QUICK = (
-    ("llama-tiny", 512, 1, "f16"),
-    ("gemma3-swa-8l", 2048, 2, "f16"),
-    ("bert", 512, 2, "f16"),
-    ("llama-20mb", 2048, 2, "q8_0"),
-    ("llama-tiny+mmproj", 512, 1, "f16"),
-    ("llama-tiny+lora", 512, 1, "f16"),
+    ("llama-tiny", 512, 1, "f16", False),
+    ("llama-tiny", 2048, 4, "f16", True),
+    ("gemma3-swa-8l", 2048, 2, "f16", False),
+    ("gemma3-swa-8l", 2048, 4, "f16", True),
+    ("bert", 512, 2, "f16", False),
+    ("bert", 512, 4, "f16", True),
+    ("llama-20mb", 2048, 2, "q8_0", False),
+    ("llama-tiny+mmproj", 512, 1, "f16", False),
+    ("llama-tiny+lora", 512, 1, "f16", False),
 )
 # Models with parts: fewer combinations (the parts do not depend on the context).
 PARTS_N_CTX = (512, 2048)
@@ -142,7 +149,8 @@ def _path(model: BenchModel, models_dir: Path) -> Path | None:
     return path
 
 
-def _combinations(info: ModelInfo, model: BenchModel) -> Iterator[tuple[int, int, str]]:
+def _combinations(info: ModelInfo, model: BenchModel) -> Iterator[tuple[int, int, str, bool]]:
+    """(n_ctx, slots, KV cache type, unified cache) to load the model with."""
     ctx_len = info.context_length or max(N_CTX)
     contexts = sorted({min(n, ctx_len) for n in (PARTS_N_CTX if model.parts else N_CTX)})
     kv_types = KV_TYPES if model.quantized_kv else KV_TYPES[:1]
@@ -150,7 +158,10 @@ def _combinations(info: ModelInfo, model: BenchModel) -> Iterator[tuple[int, int
         check_kv_cache_type(info, kv)
         for n_ctx in contexts:
             for parallel in PARTS_PARALLEL if model.parts else PARALLEL:
-                yield n_ctx, parallel, kv
+                yield n_ctx, parallel, kv, False
+    for n_ctx in contexts:
+        for parallel in PARTS_PARALLEL[1:] if model.parts else UNIFIED_PARALLEL:
+            yield n_ctx, parallel, KV_TYPES[0], True
 
 
 async def _measure(
@@ -161,6 +172,7 @@ async def _measure(
     kv: str,
     projector: Path | None = None,
     adapters: tuple[Adapter, ...] = (),
+    unified: bool = False,
 ) -> dict[str, Any]:
     embedding = "embedding" in info.capabilities
     spec = RunnerSpec(
@@ -172,17 +184,19 @@ async def _measure(
         kv_cache_type=kv,
         projector=str(projector) if projector else None,
         adapters=adapters,
+        kv_unified=unified,
     )
     est = estimate(
         info, n_ctx, parallel, kv,
         projector=read_projector_info(projector) if projector else None,
-        adapters=[read_adapter_info(a.path) for a in adapters],
+        adapters=[read_adapter_info(a.path) for a in adapters], unified=unified,
     )  # fmt: skip
     row: dict[str, Any] = {
         "model": name,
         "arch": info.architecture,
         "n_ctx": n_ctx,
         "parallel": parallel,
+        "unified": unified,
         "kv_type": kv,
         "estimate": est.total,
     }
@@ -220,11 +234,13 @@ async def _run(models_dir: Path, quick: bool, only: tuple[str, ...] = ()) -> lis
         info = read_model_info(path)
         projector, adapters = model.parts(path, models_dir) if model.parts else (None, ())
         if quick:
-            combos = [(c, p, kv) for m, c, p, kv in _QUICK if m == model.name]
+            combos = [(c, p, kv, u) for m, c, p, kv, u in _QUICK if m == model.name]
         else:
             combos = list(_combinations(info, model))
-        for n_ctx, parallel, kv in combos:
-            rows.append(await _measure(model.name, info, n_ctx, parallel, kv, projector, adapters))
+        for n_ctx, parallel, kv, unified in combos:
+            rows.append(await _measure(
+                model.name, info, n_ctx, parallel, kv, projector, adapters, unified
+            ))  # fmt: skip
     return rows
 
 
@@ -246,10 +262,15 @@ def _mib(n: int | None) -> str:
     return "-" if n is None else f"{n / MIB:.2f}"
 
 
+def _par(r: dict[str, Any]) -> str:
+    """Slots, with a `u` for a unified KV cache the slots share."""
+    return f"{r['parallel']}{'u' if r.get('unified') else ''}"
+
+
 def _cells(r: dict[str, Any]) -> tuple[str, ...]:
     real = r.get("real")
     return (
-        r["model"], r["arch"], str(r["n_ctx"]), str(r["parallel"]), r["kv_type"],
+        r["model"], r["arch"], str(r["n_ctx"]), _par(r), r["kv_type"],
         _mib(r["estimate"]), _mib(real), "error" if real is None else f"{r['ratio']:.3f}",
         _mib(r.get("model_bytes")), _mib(r.get("kv_bytes")), _mib(r.get("compute_bytes")),
     )  # fmt: skip
@@ -276,14 +297,14 @@ def format_table(rows: list[dict[str, Any]]) -> str:
     measured = [r for r in rows if r.get("real") is not None]
     for r in rows:
         if r.get("real") is None:
-            out.append(f"error: {r['model']} n_ctx={r['n_ctx']} par={r['parallel']}: {r['error']}")
+            out.append(f"error: {r['model']} n_ctx={r['n_ctx']} par={_par(r)}: {r['error']}")
     if measured:
         lo = min(measured, key=lambda r: r["ratio"])
         hi = max(measured, key=lambda r: r["ratio"])
         ok = sum(1.0 <= r["ratio"] <= GOAL_MAX_RATIO for r in measured)
 
         def where(r: dict[str, Any]) -> str:
-            return f"{r['model']} n_ctx={r['n_ctx']} par={r['parallel']} kv={r['kv_type']}"
+            return f"{r['model']} n_ctx={r['n_ctx']} par={_par(r)} kv={r['kv_type']}"
 
         out.append("")
         out.append(f"lowest ratio  {lo['ratio']:.4f}  ({where(lo)})")

@@ -73,6 +73,13 @@ def rate_text(m: Mapping[str, Any]) -> str:
     return text
 
 
+def slots_text(m: Mapping[str, Any]) -> str:
+    """A runner's slots in use / its slots ("2/4"), from corral's own /api/ps fields."""
+    if "num_parallel" not in m:
+        return "-"
+    return f"{_int(m.get('requests_in_flight'))}/{_int(m.get('num_parallel'))}"
+
+
 def list_rows(models: Sequence[Mapping[str, Any]], now: datetime | None = None) -> list[list[str]]:
     """NAME, ID, SIZE, MODIFIED rows from /api/tags models."""
     return [
@@ -144,6 +151,9 @@ def cmd_ps(args: argparse.Namespace) -> int:
     if any("tokens_per_second" in m for m in models):  # corral's: what it relays now
         headers.append("TOKENS/S")
         rows = [[*row, rate_text(m)] for row, m in zip(rows, models, strict=True)]
+    if any("num_parallel" in m for m in models):  # corral's own: slots in use / slots
+        headers.append("SLOTS")
+        rows = [[*row, slots_text(m)] for row, m in zip(rows, models, strict=True)]
     if any("node" in m for m in models):  # a cluster's entry (corral serve --ray)
         headers.append("NODE")
         rows = [[*row, str(m.get("node", ""))] for row, m in zip(rows, models, strict=True)]

@@ -20,8 +20,8 @@ from __future__ import annotations
 
 import math
 from collections import deque
-from collections.abc import Callable, Mapping
-from dataclasses import dataclass, field
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field, replace
 from typing import Any, Literal
 
 from corral.core.policy import Candidate, Policy, Snapshot, lru
@@ -67,6 +67,17 @@ def scaled_placer(place: Placer, k: float) -> Placer:
     return scaled
 
 
+@dataclass(frozen=True)
+class Sizing:
+    """One runner a request may load: its spec, its bytes in all, where it goes, and of its
+    bytes its process's own (Request.smaller)."""
+
+    spec: RunnerSpec
+    size: int
+    place: Placer | None = None
+    process: int = 0
+
+
 @dataclass
 class Request:
     id: int
@@ -81,9 +92,29 @@ class Request:
     priority: int = 0
     place: Placer | None = None  # None: all of `size` in system memory
     process: int = 0  # of `size`, its process's own memory (beside llama.cpp's allocation)
+    # Smaller runners that serve it too, best first (an automatic slot count: fewer slots,
+    # each with its spec, size, placer and process): a load takes the first of this request
+    # and these that fits without stopping a busy runner (`Core._choose`).
+    smaller: tuple[Request, ...] = ()
 
     def fit(self, free: Mapping[str, int]) -> Fit | None:
         return (self.place or cpu_placer(self.size))(free)
+
+    @property
+    def choices(self) -> tuple[Request, ...]:
+        return (self, *self.smaller)
+
+    def offering(self, sizings: Sequence[Sizing]) -> Request:
+        """This request, that may also load the runners of `sizings` (best first)."""
+        return replace(self, smaller=tuple(
+            replace(self, spec=z.spec, size=z.size, place=z.place, process=z.process)
+            for z in sizings
+        ))  # fmt: skip
+
+    @property
+    def least(self) -> Request:
+        """The smallest runner that serves it: what memory must hold for it at the least."""
+        return self.smaller[-1] if self.smaller else self
 
 
 @dataclass
@@ -223,7 +254,8 @@ class Core:
     def short_of_headroom(self, q: Request) -> bool:
         """Whether q's load fits under the budgets but not under what other programs leave:
         the case the shell tells the operator about."""
-        return self._fit(q) is None and q.fit(self.free()) is not None
+        least = q.least
+        return self._fit(least) is None and least.fit(self.free()) is not None
 
     def expected_wait(self, req: Request, now: float) -> float | None:
         """Seconds req would likely wait for a slot, from the models' measured service times
@@ -256,7 +288,9 @@ class Core:
         evicted; else when enough busy runners will have served what they hold and what waits
         for them (from their models' service times). None where that cannot be told (a busy
         model not measured yet, or room that only loading or pinned runners hold). Loads
-        queued ahead of req are not counted: a low estimate, so that refusals stay sure."""
+        queued ahead of req are not counted: a low estimate, so that refusals stay sure (and
+        its smallest runner is the one counted)."""
+        req = req.least
         free = [r for r in self.runners.values()
                 if r.state == "unloading" or (r.state == "ready" and r.inflight == 0
                                               and not r.pinned)]  # fmt: skip
@@ -544,7 +578,7 @@ class Core:
             if self.current(q.model) is None:
                 if now - q.arrived > self.starve_after:
                     ready = [r for r in self.runners.values() if r.state == "ready"]
-                    held = {v.id for v in self._victims(q, ready, now) or []}
+                    held = {v.id for v in self._victims(q.least, ready, now) or []}
                     cutoff = q.arrived
                 break
         self._reloading &= {q.model for q in self.queue}
@@ -588,11 +622,11 @@ class Core:
             if any(b.model == q.model for b in self.runners.values()):
                 load_blocked = True  # its old runner is still exiting
                 continue
-            fit = self._make_room(q, now)
-            if fit is None:
+            chosen = self._make_room(q, now)
+            if chosen is None:
                 load_blocked = True
                 continue
-            self._start_load(q, fit, now)
+            self._start_load(*chosen, now)
             waiting_for_current.add(q.model)  # q waits for this runner: later misfits wait too
 
     def _start_load(self, q: Request, fit: Fit, now: float) -> None:
@@ -615,21 +649,24 @@ class Core:
         self.loads += 1
         self.actions.append(Load(rid, q.model, q.spec, fit))
 
-    def _make_room(self, q: Request, now: float) -> Fit | None:
-        """Where q's load goes now, if it fits. Otherwise evict idle runners if that makes it
-        fit (the load starts once they have exited), fail q if it can never fit, or leave it
-        waiting for requests to finish; all three return None."""
-        fit = self._fit(q)
-        if fit is not None:
-            return fit
+    def _make_room(self, q: Request, now: float) -> tuple[Request, Fit] | None:
+        """Which of q's runners loads now and where, if one fits: the first of `q.choices`
+        that fits in free memory, or else, evicting idle runners, the first that fits then
+        (its load starts once they have exited). Fail q if even its smallest can never fit,
+        or leave it waiting for requests to finish; all three return None."""
+        for c in q.choices:
+            fit = self._fit(c)
+            if fit is not None:
+                return c, fit
+        least = q.least
         room = {d: b - self.reserved.get(d, 0) for d, b in self.budgets.items()}
-        if q.fit(room) is None:
+        if least.fit(room) is None:
             caps = [
                 f"{_size(b)} on {d}" + (f" ({_size(n)} of it for the runners' code)" if n else "")
                 for d, b in self.budgets.items()
                 for n in [self.reserved.get(d, 0)]
             ]
-            msg = f"model '{q.model}' needs {_size(q.size)} but corral may use at most " + (
+            msg = f"model '{q.model}' needs {_size(least.size)} but corral may use at most " + (
                 ", ".join(caps)
             )
             for other in [o for o in self.queue if o.model == q.model and o.spec == q.spec]:
@@ -637,13 +674,18 @@ class Core:
                 self.actions.append(Fail(other.id, 507, msg))
             return None
         stopping = [r for r in self.runners.values() if r.state == "unloading"]
-        if self._fit(q, _sum_devices(stopping), len(stopping)) is not None:
-            return None  # enough is already on its way out
         idle = [r for r in self.runners.values() if r.state == "ready" and r.inflight == 0]
-        for v in self._victims(q, idle, now) or []:
-            self.evictions += 1
-            self._stop(v, f"evicted to make room for '{q.model}'", "memory", q.model)
-        return None  # the load starts once the victims have exited
+        for c in q.choices:
+            if self._fit(c, _sum_devices(stopping), len(stopping)) is not None:
+                return None  # enough is already on its way out
+            victims = self._victims(c, idle, now)
+            if victims is None:
+                continue  # even every idle runner is not enough: try fewer slots
+            for v in victims:
+                self.evictions += 1
+                self._stop(v, f"evicted to make room for '{q.model}'", "memory", q.model)
+            return None  # the load starts once the victims have exited
+        return None  # busy runners hold the room: wait for them
 
     def _victims(self, q: Request, pool: list[RunnerBook], now: float) -> list[RunnerBook] | None:
         """Unpinned runners from `pool` whose eviction makes room for q, in the policy's order

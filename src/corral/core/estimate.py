@@ -5,7 +5,7 @@ when it loads the model (the `... buffer size = N MiB` lines that corral.core.me
 
 - weights: the tensor data, per layer and outside the layers (token embedding, output, norms);
 - KV cache: per layer, cells x streams x (K row + V row), sliding-window layers holding only
-  their window;
+  their window; with a unified cache (kv_unified) one stream of n_ctx cells the slots share;
 - compute: the graph allocator's peak for one micro-batch (activations and the attention mask);
 - overhead: the output buffer (logits/embeddings of one token per sequence) and slack for the
   log's rounding and buffer alignment.
@@ -114,22 +114,34 @@ class LlamaParams:
     """The context llama.cpp sets up for a runner spec (llama_context's constructor)."""
 
     n_ctx: int  # all slots together, padded to N_CTX_PAD
-    n_seq: int  # parallel sequences = KV streams (kv_unified is off)
+    n_seq: int  # KV streams: the slots, or 1 with a unified cache the slots share
     n_ctx_seq: int  # KV cells per stream for full-attention layers
     n_ctx_swa: int  # KV cells per stream for sliding-window layers
     n_ubatch: int  # tokens in the micro-batch the compute graph is reserved for
     has_kv: bool  # encoders (bert, ...) keep no KV cache
+    n_seq_max: int = 0  # parallel sequences (slots): one output row each; 0: n_seq
+
+    @property
+    def n_outputs(self) -> int:
+        return self.n_seq_max or self.n_seq
 
 
 def llama_params(
-    info: ModelInfo, n_ctx: int, num_parallel: int, n_batch: int | None = None
+    info: ModelInfo,
+    n_ctx: int,
+    num_parallel: int,
+    n_batch: int | None = None,
+    unified: bool = False,
 ) -> LlamaParams:
-    """`n_batch`: Ollama's num_batch, which sets llama.cpp's n_batch and n_ubatch both."""
-    n_seq = max(1, num_parallel)
-    requested = max(1, n_ctx) * n_seq  # runner_child passes n_ctx * num_parallel
-    # llama_context: n_ctx = PAD(n_ctx, 256); n_ctx_seq = PAD(n_ctx / n_seq_max, 256); then
-    # n_ctx = n_ctx_seq * n_seq_max. Nothing caps it at the training context (llama.cpp only
-    # warns), so neither does this.
+    """`n_batch`: Ollama's num_batch, which sets llama.cpp's n_batch and n_ubatch both.
+    `unified`: llama.cpp's kv_unified, one KV cache of `n_ctx` cells the slots share."""
+    n_seq_max = max(1, num_parallel)
+    n_seq = 1 if unified else n_seq_max  # llama_kv_cache: n_stream = unified ? 1 : n_seq_max
+    # runner_child passes n_ctx * num_parallel for separate caches, n_ctx for a unified one
+    requested = max(1, n_ctx) * n_seq
+    # llama_context: n_ctx = PAD(n_ctx, 256); unified: n_ctx_seq = n_ctx; else n_ctx_seq =
+    # PAD(n_ctx / n_seq_max, 256) and n_ctx = n_ctx_seq * n_seq_max. Nothing caps it at the
+    # training context (llama.cpp only warns), so neither does this.
     n_ctx_seq = _pad(_pad(requested, N_CTX_PAD) // n_seq, N_CTX_PAD)
     total = n_ctx_seq * n_seq
     from corral.core.gguf import EMBEDDING_ARCHITECTURES  # loaded already: `info` is from it
@@ -142,12 +154,14 @@ def llama_params(
     batch = n_batch if n_batch and n_batch > 0 else N_BATCH
     n_ubatch = min(ubatch, batch, requested) if causal else ubatch
     n_swa = info.sliding_window or 0
-    # llama_kv_cache_iswa: GGML_PAD(min(size_base, n_swa + n_ubatch), 256) per stream.
-    n_ctx_swa = _pad(min(n_ctx_seq, n_swa + n_ubatch), SWA_PAD)
+    # llama_kv_cache_iswa: GGML_PAD(min(size_base, n_swa * (unified ? n_seq_max : 1) +
+    # n_ubatch), 256) per stream: a unified SWA cache holds every slot's window.
+    window = n_swa * (n_seq_max if unified else 1)
+    n_ctx_swa = _pad(min(n_ctx_seq, window + n_ubatch), SWA_PAD)
     # sched_reserve sizes the graph for min(n_ctx, n_ubatch) tokens, split equally over the
-    # sequences (rounded up: 512 tokens over 5 sequences are 5 x 103).
+    # sequences (rounded up: 512 tokens over 5 sequences are 5 x 103); one with kv_unified.
     n_tokens = _pad(min(n_ubatch, total), n_seq)
-    return LlamaParams(total, n_seq, n_ctx_seq, n_ctx_swa, n_tokens, has_kv)
+    return LlamaParams(total, n_seq, n_ctx_seq, n_ctx_swa, n_tokens, has_kv, n_seq_max)
 
 
 def _is_swa(info: ModelInfo, layer: int) -> bool:
@@ -237,7 +251,7 @@ def output_bytes(info: ModelInfo, p: LlamaParams) -> int:
     """llama_context's output buffer: f32 logits of one token per sequence (n_outputs_max),
     plus its embeddings for an embedding model."""
     per_row = info.n_vocab + (info.n_embd if "embedding" in info.capabilities else 0)
-    return p.n_seq * per_row * F32
+    return p.n_outputs * per_row * F32
 
 
 # A projector's graph: the image input (3 x side^2 f32) stays allocated throughout; beside it the
@@ -317,14 +331,16 @@ def estimate(
     projector: ProjectorInfo | None = None,
     adapters: Sequence[AdapterInfo] = (),
     n_cpu_moe: int = 0,
+    unified: bool = False,
 ) -> Estimate:
     """What llama.cpp will allocate for `info` at `n_ctx` tokens per request and
     `num_parallel` slots (ValueError for an unknown kv_type), with the model's `projector` and
     LoRA `adapters`; `n_batch` is Ollama's num_batch, `n_cpu_moe` the layers whose experts
-    stay in system memory."""
+    stay in system memory; `unified`: one KV cache of `n_ctx` cells the slots share
+    (llama.cpp's kv_unified) instead of `n_ctx` cells per slot."""
     if kv_type not in KV_CACHE_TYPES:
         raise ValueError(f"unsupported kv_cache_type {kv_type!r}")
-    p = llama_params(info, n_ctx, num_parallel, n_batch)
+    p = llama_params(info, n_ctx, num_parallel, n_batch, unified)
     # The mapped weights span the tensors with their padding to the file's alignment: up to
     # 32 tensors per layer (llama has 9, gemma3 13, bert 16), 8 outside the layers.
     align = info.metadata.get("general.alignment", GGUF_ALIGNMENT)

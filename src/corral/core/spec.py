@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import functools
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Any, Protocol
 
 from corral.core.context import AUTO_FLOOR
@@ -22,6 +22,10 @@ if TYPE_CHECKING:  # for annotations only: the GGUF reader is not needed to buil
 
 # The smallest context a runner gets: below it a chat template alone can fill the context.
 MIN_CTX = 256
+# Slots a runner gets where neither the model nor the server fixes them (CORRAL_NUM_PARALLEL
+# auto): this many, or fewer where memory is short (`slot_choices`), as Ollama's scheduler
+# tries 4 down to 1 (server/sched.go defaultParallel).
+AUTO_PARALLEL = 4
 
 
 @dataclass(frozen=True)
@@ -40,6 +44,9 @@ class RunnerSpec:
     path: str
     n_ctx: int  # context per request (Ollama's num_ctx)
     num_parallel: int
+    # One KV cache of n_ctx cells the slots share (llama.cpp's kv_unified), as with an automatic
+    # slot count: each request may use the whole context. Off: n_ctx cells per slot.
+    kv_unified: bool = False
     n_gpu_layers: int = 0
     main_gpu: int | None = None
     embedding: bool = False
@@ -91,7 +98,7 @@ class ServerDefaults(Protocol):
     @property
     def context_length(self) -> int | None: ...  # None: auto (core.context); 0: the trained
     @property
-    def num_parallel(self) -> int: ...
+    def num_parallel(self) -> int: ...  # 0: auto
     @property
     def kv_cache_type(self) -> str: ...
 
@@ -111,7 +118,10 @@ def runner_spec(
         "path": str(model.path),
         # auto: the floor here; the service raises it to what memory allows (core.context)
         "n_ctx": spec.get("n_ctx") or _server_ctx(server) or info.context_length,
-        "num_parallel": spec.get("num_parallel") or server.num_parallel,
+        # A fixed number of slots (the model's, the server's) keeps a context per slot; an
+        # automatic one shares one cache, and slot_choices offers fewer where memory is short.
+        "num_parallel": spec.get("num_parallel") or server.num_parallel or AUTO_PARALLEL,
+        "kv_unified": not (spec.get("num_parallel") or server.num_parallel),
         "kv_cache_type": spec.get("kv_cache_type") or server.kv_cache_type,
         "flash_attn": spec.get("flash_attn") or "auto",
         "n_cpu_moe": spec.get("n_cpu_moe") or 0,
@@ -147,6 +157,15 @@ def _server_ctx(server: ServerDefaults) -> int:
     return AUTO_FLOOR if server.context_length is None else server.context_length
 
 
+def slot_choices(spec: RunnerSpec) -> tuple[RunnerSpec, ...]:
+    """The runners the scheduler may load for `spec`, best first: with an automatic slot count
+    (a unified cache) AUTO_PARALLEL slots down to 1, the first whose memory fits is loaded;
+    with a fixed count, only `spec`."""
+    if not spec.kv_unified:
+        return (spec,)
+    return tuple(replace(spec, num_parallel=n) for n in range(spec.num_parallel, 0, -1))
+
+
 @functools.lru_cache(maxsize=256)
 def jinja_template(template: str) -> str:
     """A created model's TEMPLATE as the runner's Jinja chat template: Ollama's Go syntax
@@ -172,7 +191,7 @@ def spec_estimate(
     return estimate(
         info, spec.n_ctx, spec.num_parallel, spec.kv_cache_type,
         flash_attn=spec.flash_attn != "off", n_batch=spec.n_batch, projector=projector,
-        adapters=adapters, n_cpu_moe=spec.n_cpu_moe,
+        adapters=adapters, n_cpu_moe=spec.n_cpu_moe, unified=spec.kv_unified,
     )  # fmt: skip
 
 

@@ -140,7 +140,7 @@ def runner_key(runner: Runner) -> str | None:
     except OSError:
         return None
     ident = [
-        spec.path, st.st_size, st.st_mtime_ns, spec.n_ctx, spec.num_parallel,
+        spec.path, st.st_size, st.st_mtime_ns, spec.n_ctx, spec.num_parallel, spec.kv_unified,
         spec.kv_cache_type, spec.flash_attn, [(a.path, a.scale) for a in spec.adapters],
         engine_version(runner),
     ]  # fmt: skip
@@ -577,7 +577,7 @@ class KVCache:
         if known is not None:
             return known
         alloc = runner.allocation
-        cells = runner.spec.n_ctx * runner.spec.num_parallel
+        cells = runner.spec.n_ctx * (1 if runner.spec.kv_unified else runner.spec.num_parallel)
         return alloc.kv_bytes / cells if alloc is not None and cells else 0.0
 
     async def _prompt_counters(self, runner: Runner) -> tuple[float, float] | None:

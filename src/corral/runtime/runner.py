@@ -217,7 +217,8 @@ class Runner:
         cmd = [
             self.llama_server or "llama-server",
             "-m", s.path, "--alias", self.name, "--host", "127.0.0.1", "--port", str(port),
-            "-c", str(s.n_ctx * s.num_parallel), "-np", str(s.num_parallel),
+            "-c", str(s.n_ctx if s.kv_unified else s.n_ctx * s.num_parallel),
+            "-np", str(s.num_parallel),
             "-ngl", str(self.layout.n_gpu_layers), "--cache-ram", "0", "--metrics", "--slots",
             "--fit", "off", "--no-webui",
             # llama.cpp logs its buffer sizes at verbosity 4 (trace); see memreport.
@@ -225,6 +226,8 @@ class Runner:
         ]  # fmt: skip
         if self.slot_save_path:
             cmd += ["--slot-save-path", self.slot_save_path]
+        if s.kv_unified:
+            cmd.append("--kv-unified")
         if s.kv_cache_type != "f16":
             cmd += ["-ctk", s.kv_cache_type, "-ctv", s.kv_cache_type]
         if s.embedding:

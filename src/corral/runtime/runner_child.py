@@ -46,8 +46,14 @@ def build_params(spec: dict[str, Any]) -> Any:
     p.model.path = spec["path"]
     p.model_alias = {spec["name"]}  # OpenAI responses name the model, not its file path
     p.n_parallel = spec["num_parallel"]
-    # llama.cpp splits n_ctx over the slots; Ollama's num_ctx is per request, so multiply.
-    p.n_ctx = spec["n_ctx"] * spec["num_parallel"]
+    if spec.get("kv_unified"):
+        # One cache the slots share: each request may use all n_ctx cells (llama.cpp's own
+        # default, -np -1, does the same with 4 slots).
+        p.kv_unified = True
+        p.n_ctx = spec["n_ctx"]
+    else:
+        # llama.cpp splits n_ctx over the slots; Ollama's num_ctx is per request: multiply.
+        p.n_ctx = spec["n_ctx"] * spec["num_parallel"]
     p.n_gpu_layers = spec["n_gpu_layers"]
     p.fit_params = False  # corral decides the layout; llama.cpp must not re-fit behind our books
     p.cache_ram_mib = 0  # the host prompt cache would use memory the scheduler cannot see

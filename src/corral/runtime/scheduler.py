@@ -22,7 +22,7 @@ import math
 import re
 import signal
 import time
-from collections.abc import Awaitable, Callable, Mapping
+from collections.abc import Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol
 
@@ -34,6 +34,7 @@ from corral.core.books import (
     Placer,
     QueueFull,
     Request,
+    Sizing,
     Stop,
     cpu_placer,
     scaled_placer,
@@ -190,16 +191,23 @@ class Scheduler:
         priority: int = 0,
         place: Placer | None = None,
         process: int = 0,
+        smaller: Sequence[Sizing] = (),
     ) -> Ticket:
         """Ask for a runner slot for `model` (`size`: its runner's bytes in all, `process` of
-        them the runner process's own). Synchronous: when the model's runner has a free slot
-        the ticket is granted on return. SchedulerError if refused."""
+        them the runner process's own; `smaller`: runners with fewer slots that serve it too,
+        loaded where `spec`'s does not fit). Synchronous: when the model's runner has a free
+        slot the ticket is granted on return. SchedulerError if refused."""
         if self._closing:
             raise SchedulerError(503, "server is shutting down", SHUTDOWN_RETRY_AFTER)
         k = self._measure.raised.get(model)
         if k is not None:  # it ran out of memory before: ask for more room this time
             place = scaled_placer(place or cpu_placer(size), k)
             size = int(size * k)
+            smaller = [
+                Sizing(z.spec, int(z.size * k), scaled_placer(z.place or cpu_placer(z.size), k),
+                       z.process)
+                for z in smaller
+            ]  # fmt: skip
         self._measure.start()
         now = self._clock()
         rid = next(self._ids)
@@ -209,7 +217,7 @@ class Scheduler:
             id=rid, model=model, spec=spec, explicit=explicit, size=size, keep_alive=keep_alive,
             arrived=now, deadline=now + self._queue_timeout, pinned=pinned, priority=priority,
             place=place, process=process,
-        )  # fmt: skip
+        ).offering(smaller)  # fmt: skip
         try:
             self._core.request(req, now)
         except QueueFull as e:

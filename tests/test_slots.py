@@ -1,0 +1,334 @@
+"""Automatic parallel slots (CORRAL_NUM_PARALLEL auto): the setting, the runner spec and its
+unified KV cache, the estimate that follows it, and the core's choice of a slot count (the most
+of 4..1 that fits the budget without stopping a busy runner)."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from corral.config import ConfigError, Settings
+from corral.core.books import Core, Fail, Grant, Load, Request, Sizing, Stop
+from corral.core.estimate import N_UBATCH, SWA_PAD, estimate, llama_params
+from corral.core.gguf import ModelInfo, read_model_info
+from corral.core.spec import AUTO_PARALLEL, Adapter, RunnerSpec, runner_spec, slot_choices
+from corral.testing import synth
+
+# ---- the setting and the spec ----------------------------------------------------------------
+
+
+def test_num_parallel_defaults_to_auto_and_a_number_fixes_it() -> None:
+    assert Settings.load(environ={}).num_parallel == 0  # auto
+    assert Settings.load(environ={"CORRAL_NUM_PARALLEL": "auto"}).num_parallel == 0
+    assert Settings.load(environ={"CORRAL_NUM_PARALLEL": " AUTO "}).num_parallel == 0
+    assert Settings.load(environ={"CORRAL_NUM_PARALLEL": "3"}).num_parallel == 3
+    for bad in ("0", "x", "-1"):
+        with pytest.raises(ConfigError, match="CORRAL_NUM_PARALLEL"):
+            Settings.load(environ={"CORRAL_NUM_PARALLEL": bad})
+
+
+@dataclass
+class Model:
+    path: Path
+    options: dict[str, Any] = field(default_factory=dict)
+    projector: Path | None = None
+    adapters: tuple[Adapter, ...] = ()
+    template: str | None = None
+
+
+@pytest.fixture(scope="module")
+def models(tmp_path_factory: pytest.TempPathFactory) -> dict[str, ModelInfo]:
+    d = tmp_path_factory.mktemp("slot-models")
+    paths = {
+        "llama": synth.write_llama_model(d / "llama.gguf"),
+        "swa8": synth.write_swa_model(d / "swa8.gguf", n_layer=8),
+        "bert": synth.write_bert_model(d / "bert.gguf"),
+    }
+    return {k: read_model_info(p) for k, p in paths.items()}
+
+
+def spec_for(info: ModelInfo, env: dict[str, str], **own: Any) -> RunnerSpec:
+    model = Model(Path(info.path), dict(own))
+    return runner_spec(model, info, {}, Settings.load(environ=env), 4)[0]
+
+
+@pytest.mark.parametrize("name", ["llama", "bert"])
+def test_auto_gives_up_to_4_slots_on_one_cache_and_a_number_keeps_a_cache_per_slot(
+    models: dict[str, ModelInfo], name: str
+) -> None:
+    info = models[name]  # embedding models get slots too: llama.cpp batches them
+    auto = spec_for(info, {})
+    assert (auto.num_parallel, auto.kv_unified) == (AUTO_PARALLEL, True)
+    assert [s.num_parallel for s in slot_choices(auto)] == [4, 3, 2, 1]
+    assert all(s.kv_unified and s.n_ctx == auto.n_ctx for s in slot_choices(auto))
+    fixed = spec_for(info, {"CORRAL_NUM_PARALLEL": "2"})
+    assert (fixed.num_parallel, fixed.kv_unified) == (2, False)
+    assert slot_choices(fixed) == (fixed,)
+    own = spec_for(info, {}, num_parallel=3)  # models.toml fixes it too
+    assert (own.num_parallel, own.kv_unified) == (3, False)
+    assert slot_choices(own) == (own,)
+
+
+# ---- the estimate of a unified cache ---------------------------------------------------------
+
+
+def test_a_unified_cache_holds_the_context_once_whatever_the_slots(
+    models: dict[str, ModelInfo],
+) -> None:
+    info = models["llama"]
+    p = llama_params(info, 2000, 4, unified=True)
+    # llama_context: n_ctx padded, one stream, each slot may use every cell
+    assert (p.n_ctx, p.n_seq, p.n_ctx_seq, p.n_outputs) == (2048, 1, 2048, 4)
+    one, four = estimate(info, 2048, 1), estimate(info, 2048, 4, unified=True)
+    separate = estimate(info, 2048, 4)
+    assert sum(four.kv_per_layer) == sum(one.kv_per_layer) == sum(separate.kv_per_layer) // 4
+    assert four.compute == one.compute  # the graph is reserved for one stream
+    assert four.overhead > one.overhead  # one output row per slot
+    assert four.process > one.process  # and each slot's sampler
+    assert one.total < four.total < separate.total
+    # more slots always cost more, so fewer fit where memory is short
+    totals = [estimate(info, 2048, n, unified=True).total for n in (1, 2, 3, 4)]
+    assert totals == sorted(set(totals))
+
+
+def test_a_unified_sliding_window_cache_holds_every_slots_window(
+    models: dict[str, ModelInfo],
+) -> None:
+    info = models["swa8"]
+    n_swa = info.sliding_window
+    assert n_swa
+    p = llama_params(info, 8192, 4, unified=True)
+    # llama_kv_cache_iswa: min(size, n_swa * n_seq_max + n_ubatch), padded to 256
+    want = -(-min(8192, 4 * n_swa + N_UBATCH) // SWA_PAD) * SWA_PAD
+    assert (p.n_ctx_seq, p.n_ctx_swa) == (8192, want)
+    assert llama_params(info, 8192, 1, unified=True) == llama_params(info, 8192, 1)
+
+
+# ---- the core's choice of a slot count -------------------------------------------------------
+
+
+def auto_request(rid: int, model: str, sizes: dict[int, int], now: float = 0.0) -> Request:
+    """A request for a model with an automatic slot count: `sizes[n]` is the runner's bytes
+    with n slots."""
+    order = sorted(sizes, reverse=True)
+    z = [
+        Sizing(RunnerSpec(f"/m/{model}.gguf", 1024, n, kv_unified=True), sizes[n]) for n in order
+    ]
+    return Request(
+        id=rid, model=model, spec=z[0].spec, explicit=frozenset(), size=z[0].size,
+        keep_alive=None, arrived=now, deadline=now + 60,
+    ).offering(z[1:])  # fmt: skip
+
+
+def plain_request(rid: int, model: str, size: int) -> Request:
+    return Request(
+        id=rid, model=model, spec=RunnerSpec(f"/m/{model}.gguf", 1024, 1), explicit=frozenset(),
+        size=size, keep_alive=None, arrived=0.0, deadline=60.0,
+    )  # fmt: skip
+
+
+def drain(core: Core) -> list[Any]:
+    actions = core.drain()
+    for d, n in core.used().items():
+        assert n <= core.budgets[d], "over-committed"
+    return actions
+
+
+def loaded_runner(core: Core, rid: int, model: str, size: int, busy: bool) -> int:
+    """A runner of another model, ready, serving one request (busy) or idle."""
+    core.request(plain_request(rid, model, size), 0.0)
+    (load,) = [a for a in drain(core) if isinstance(a, Load)]
+    core.loaded(load.runner, 0.0)
+    assert any(isinstance(a, Grant) for a in drain(core))
+    if not busy:
+        core.release(rid, 0.0)
+        drain(core)
+    return load.runner
+
+
+def chosen_slots(budget: int, base: int, per_slot: int, busy: int, idle: int) -> int | None:
+    """The slots the core loads for an automatic request, with a busy and an idle runner of
+    other models holding memory; None if it loads nothing (waits or fails). Checks on the way
+    that the books are never over-committed and that a busy runner is never stopped."""
+    core = Core(budgets={"cpu": budget})
+    busy_id = loaded_runner(core, 1, "busy", busy, True) if busy else None
+    idle_id = loaded_runner(core, 2, "idle", idle, False) if idle else None
+    sizes = {n: base + per_slot * n for n in range(1, AUTO_PARALLEL + 1)}
+    core.request(auto_request(3, "m", sizes), 0.0)
+    actions = drain(core)
+    assert not any(isinstance(a, Stop) and a.runner == busy_id for a in actions)
+    if any(isinstance(a, Stop) and a.runner == idle_id for a in actions):
+        assert idle_id is not None
+        core.exited(idle_id, 0.0)  # the evicted runner's memory is back
+        actions = drain(core)
+    loads = [a for a in actions if isinstance(a, Load)]
+    if not loads:
+        fails = [a for a in actions if isinstance(a, Fail)]
+        assert not fails or (fails[0].status == 507 and sizes[1] > budget)
+        return None
+    (load,) = loads
+    n = load.spec.num_parallel
+    assert load.spec.kv_unified and load.fit.size == sizes[n]
+    core.loaded(load.runner, 0.0)
+    grants = [a for a in drain(core) if isinstance(a, Grant)]
+    assert [g.request for g in grants] == [3]  # the runner with fewer slots serves it
+    return n
+
+
+def expected_slots(budget: int, base: int, per_slot: int, busy: int, idle: int) -> int | None:
+    def most(room: int) -> int | None:
+        fit = [n for n in range(1, AUTO_PARALLEL + 1) if base + per_slot * n <= room]
+        return max(fit) if fit else None
+
+    free = budget - busy - idle
+    # without stopping anyone, then stopping the idle runner; never the busy one
+    return most(free) or (most(free + idle) if idle else None)
+
+
+@settings(max_examples=500, deadline=None)
+@given(
+    budget=st.integers(100, 4000),
+    base=st.integers(1, 3000),
+    per_slot=st.integers(1, 600),
+    busy=st.integers(0, 2000),
+    idle=st.integers(0, 2000),
+)
+def test_the_slot_count_is_the_most_that_fits_and_never_over_commits(
+    budget: int, base: int, per_slot: int, busy: int, idle: int
+) -> None:
+    if busy + idle > budget:  # the other runners must have fitted first
+        idle = max(0, budget - busy)
+        if busy > budget:
+            busy = 0
+    got = chosen_slots(budget, base, per_slot, busy, idle)
+    assert got == expected_slots(budget, base, per_slot, busy, idle)
+
+
+@settings(max_examples=300, deadline=None)
+@given(
+    budgets=st.lists(st.integers(100, 4000), min_size=2, max_size=6),
+    base=st.integers(1, 2000),
+    per_slot=st.integers(1, 600),
+    busy=st.integers(0, 1000),
+)
+def test_the_slot_count_falls_as_memory_shrinks(
+    budgets: list[int], base: int, per_slot: int, busy: int
+) -> None:
+    counts = []
+    held = min(busy, *budgets)  # the same busy runner at every budget
+    for budget in sorted(budgets, reverse=True):
+        counts.append(chosen_slots(budget, base, per_slot, held, 0) or 0)
+    assert counts == sorted(counts, reverse=True)
+
+
+def test_a_runner_loaded_with_fewer_slots_serves_as_many_at_once_and_queues_the_rest() -> None:
+    core = Core(budgets={"cpu": 1000})
+    sizes = {1: 700, 2: 800, 3: 1100, 4: 1200}
+    core.request(auto_request(1, "m", sizes), 0.0)
+    (load,) = [a for a in drain(core) if isinstance(a, Load)]
+    assert load.spec.num_parallel == 2
+    core.loaded(load.runner, 0.0)
+    drain(core)
+    for rid in (2, 3):
+        core.request(auto_request(rid, "m", sizes), 0.0)
+    grants = [a.request for a in drain(core) if isinstance(a, Grant)]
+    assert grants == [2]  # 1 and 2 in its two slots; 3 waits for one, with no reload
+    assert [q.id for q in core.queue] == [3] and core.loads == 1
+    core.release(1, 1.0)
+    assert [a.request for a in drain(core) if isinstance(a, Grant)] == [3]
+
+
+def test_fewer_slots_are_taken_before_an_idle_model_is_evicted() -> None:
+    core = Core(budgets={"cpu": 1000})
+    loaded_runner(core, 1, "other", 400, busy=False)
+    core.request(auto_request(2, "m", {1: 500, 2: 550, 3: 650, 4: 700}), 0.0)
+    actions = drain(core)
+    assert not any(isinstance(a, Stop) for a in actions)  # the other model stays
+    (load,) = [a for a in actions if isinstance(a, Load)]
+    assert load.spec.num_parallel == 2
+
+
+def test_corral_ps_shows_slots_in_use_of_slots() -> None:
+    from corral.cli.models import slots_text
+
+    assert slots_text({"num_parallel": 4, "requests_in_flight": 2}) == "2/4"
+    assert slots_text({"name": "from-ollama"}) == "-"
+
+
+# ---- a real server with no settings ----------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def auto_server(start_server: Any, models_dir: Path) -> Any:
+    return start_server(models_dir, CORRAL_NUM_PARALLEL="auto", CORRAL_CONTEXT_LENGTH="16384")
+
+
+# A seeded random model never samples EOS greedily: a stream runs until the context fills.
+LONG = {"model": "long", "prompt": "once upon a time", "raw": True,
+        "options": {"num_predict": 100000, "temperature": 0}}  # fmt: skip
+
+
+def test_two_clients_of_one_model_generate_at_once_with_no_settings(auto_server: Any) -> None:
+    """With one slot the second stream's first token would come only after the first stream's
+    thousands: here both streams make progress before either ends, and /api/ps shows both
+    slots in use."""
+    s, body = auto_server, LONG
+    with s.client.stream("POST", "/api/generate", json=body) as a:
+        assert a.status_code == 200
+        lines_a = a.iter_lines()
+        assert not json.loads(next(lines_a))["done"]
+        with s.client.stream("POST", "/api/generate", json=body) as b:
+            assert b.status_code == 200
+            lines_b = b.iter_lines()
+            assert not json.loads(next(lines_b))["done"]
+            (m,) = [m for m in s.ps() if m["model"] == "long:latest"]
+            assert (m["requests_in_flight"], m["num_parallel"]) == (2, AUTO_PARALLEL)
+            assert m["context_length"] == 16384  # each request may use all of it
+            assert not json.loads(next(lines_a))["done"]  # the first goes on beside it
+            assert not json.loads(next(lines_b))["done"]
+    # Embedding models get slots too (llama.cpp batches their inputs).
+    r = s.client.post("/api/embed", json={"model": "embed", "input": ["a", "b"]})
+    assert r.status_code == 200, r.text
+    (e,) = [m for m in s.ps() if m["model"] == "embed:latest"]
+    assert e["num_parallel"] == AUTO_PARALLEL
+
+
+def test_parallel_streams_that_fill_their_shared_context_end_with_an_error(
+    auto_server: Any,
+) -> None:
+    """Slots share one context: two streams that together outgrow it are ended by llama.cpp
+    ("Context size has been exceeded"); each client hears how its stream ended, never a bare
+    close, in Ollama's shape and in OpenAI's (one error event)."""
+    s = auto_server
+    body = {**LONG, "options": {**LONG["options"], "num_ctx": 1024}}  # type: ignore[dict-item]
+    with s.client.stream("POST", "/api/generate", json=body) as a, s.client.stream(
+        "POST", "/api/generate", json=body
+    ) as b:
+        lines = [a.iter_lines(), b.iter_lines()]
+        assert not any(json.loads(next(it))["done"] for it in lines)  # both hold cells now
+        last = [json.loads([ln for ln in it if ln][-1]) for it in lines]
+    assert all(e.get("done") or e.get("error") for e in last), last
+    assert any("Context size has been exceeded" in e.get("error", "") for e in last), last
+    # The pass-through: a model whose own context is 2048 (OpenAI requests set no context).
+    chat = {"model": "tiny", "messages": [{"role": "user", "content": "once upon a time"}],
+            "max_tokens": 100000, "temperature": 0, "stream": True}  # fmt: skip
+    with s.client.stream("POST", "/v1/chat/completions", json=chat) as a, s.client.stream(
+        "POST", "/v1/chat/completions", json=chat
+    ) as b:
+        its = [a.iter_lines(), b.iter_lines()]
+        events: list[list[str]] = [[], []]
+        for i, it in enumerate(its):  # the first event of each: both hold cells now
+            events[i].append(next(ln for ln in it if ln.startswith("data: "))[6:])
+            assert events[i][0] != "[DONE]" and "error" not in events[i][0]
+        for i, it in enumerate(its):  # then the rest of both
+            events[i] += [ln[6:] for ln in it if ln.startswith("data: ")]
+    errors = [[e for e in ev if e.startswith('{"error"')] for ev in events]
+    for ev, err in zip(events, errors, strict=True):
+        assert ev[-1] == "[DONE]" or (len(err) == 1 and ev[-1] == err[0]), ev[-3:]
+    assert any(errors), [ev[-2:] for ev in events]
