@@ -10,18 +10,9 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from corral.core.books import (
-    QUEUE_FULL_MESSAGE,
-    Core,
-    Fail,
-    Grant,
-    Load,
-    QueueFull,
-    Request,
-    Sizing,
-    Stop,
-)
+from corral.core.books import QUEUE_FULL_MESSAGE, Core
 from corral.core.policy import POLICIES
+from corral.core.requests import Fail, Grant, Load, QueueFull, Request, Sizing, Stop
 from corral.core.spec import RunnerSpec
 
 MODELS = {"a": 300, "b": 500, "c": 700, "d": 1200}  # name -> bytes; budget 1000 holds 1-2
@@ -545,7 +536,7 @@ def test_nothing_is_refused_before_a_service_time_is_measured() -> None:
 
 
 def test_a_scaled_placer_asks_for_more_room_on_every_device() -> None:
-    from corral.core.books import Fit, scaled_placer
+    from corral.core.requests import Fit, scaled_placer
 
     def place(free):  # half on each device, 100 bytes in all
         return Fit({"cpu": 50, "cuda:0": 50}, "layout") if min(free.values()) >= 50 else None

@@ -1,6 +1,7 @@
 """The package's import graph, read from the source: `core/` imports only `core/` (it is the
 pure core every layer above stands on), and no modules import each other in a circle (a late
-import inside a function counts too; only `if TYPE_CHECKING:` imports do not)."""
+import inside a function counts too; only `if TYPE_CHECKING:` imports do not); and no module
+is over 700 lines."""
 
 from __future__ import annotations
 
@@ -106,3 +107,12 @@ def test_the_graph_is_read() -> None:
     assert "corral.api.service" in g["corral.api.openai"]
     assert g["corral.core.units"] == set()
     assert find_circles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [["a", "b", "c", "a"]]
+
+
+MAX_LINES = 700  # past this a module holds several concepts: split it along its seams
+
+
+def test_no_module_is_over_700_lines() -> None:
+    sizes = {module_name(p): len(p.read_text().splitlines()) for p in ROOT.rglob("*.py")}
+    assert sizes["corral.core.books"] > 100  # the walk found the package
+    assert {m: n for m, n in sizes.items() if n > MAX_LINES} == {}

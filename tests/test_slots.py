@@ -14,9 +14,10 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from corral.config import ConfigError, Settings
-from corral.core.books import Core, Fail, Grant, Load, Request, Sizing, Stop
+from corral.core.books import Core
 from corral.core.estimate import N_UBATCH, SWA_PAD, estimate, llama_params
 from corral.core.gguf import ModelInfo, read_model_info
+from corral.core.requests import Fail, Grant, Load, Request, Sizing, Stop
 from corral.core.spec import AUTO_PARALLEL, Adapter, RunnerSpec, runner_spec, slot_choices
 from corral.testing import synth
 

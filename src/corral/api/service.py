@@ -25,7 +25,6 @@ from corral.api.metrics import note_model
 from corral.api.stream import LeasedStream
 from corral.api.toolprompt import fallback_grammar, template_body
 from corral.config import Settings
-from corral.core.books import Fit, Sizing, scaled_placer
 from corral.core.context import DEFAULT_OUTPUT, UNKNOWN_TRAINED_CAP, auto_context, grown_context
 from corral.core.devices import Device
 from corral.core.estimate import KV_CACHE_TYPES, check_kv_cache_type
@@ -40,6 +39,7 @@ from corral.core.gguf import (
 )
 from corral.core.gotemplate import TemplateError
 from corral.core.placement import placer
+from corral.core.requests import Fit, Sizing, scaled_placer
 from corral.core.roles import has_later_system, place_system, renders_later_system
 from corral.core.spec import Estimates, RunnerSpec, jinja_template, runner_spec, slot_choices
 from corral.errors import ApiError

@@ -152,8 +152,9 @@ def capacity(scale: Scale, work: Path, say: Say, sec: Section) -> None:
 
 def core_bench(cycles: int) -> tuple[Table, dict[str, Any]]:
     """Request -> grant -> release cycles per second of corral.core.books.Core (no I/O)."""
-    from corral.core.books import Core, Fail, Grant, Load, Request, Stop
+    from corral.core.books import Core
     from corral.core.policy import POLICIES
+    from corral.core.requests import Fail, Grant, Load, Request, Stop
     from corral.core.spec import RunnerSpec
 
     rng = random.Random(SEED)

@@ -16,8 +16,9 @@ import random
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 
-from corral.core.books import Core, Fail, Grant, Load, Request, Stop
+from corral.core.books import Core
 from corral.core.policy import POLICIES, Candidate, Policy, Snapshot
+from corral.core.requests import Fail, Grant, Load, Request, Stop
 from corral.core.spec import RunnerSpec
 
 CHAT, EMBED = "chat", "embed"

@@ -43,9 +43,9 @@ from __future__ import annotations
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 
-from corral.core.books import Fit, Placer
 from corral.core.devices import CPU, GPU_CONTEXT_BYTES, Device
 from corral.core.estimate import Estimate
+from corral.core.requests import Fit, Placer
 from corral.core.spec import Layout
 
 

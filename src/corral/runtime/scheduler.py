@@ -26,8 +26,11 @@ from collections.abc import Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol
 
-from corral.core.books import (
-    Core,
+from corral.core.books import Core
+from corral.core.devices import CPU, GPU_CONTEXT_BYTES, Device
+from corral.core.estimate import RUNNER_CODE_BYTES
+from corral.core.policy import DEFAULT_POLICY, POLICIES
+from corral.core.requests import (
     Fail,
     Grant,
     Load,
@@ -39,9 +42,6 @@ from corral.core.books import (
     cpu_placer,
     scaled_placer,
 )
-from corral.core.devices import CPU, GPU_CONTEXT_BYTES, Device
-from corral.core.estimate import RUNNER_CODE_BYTES
-from corral.core.policy import DEFAULT_POLICY, POLICIES
 from corral.core.spec import Layout, RunnerSpec
 from corral.runtime.journal import Journal, Listener
 from corral.runtime.measure import Measure, Record, Refresh
