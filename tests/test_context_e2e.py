@@ -58,6 +58,14 @@ ROUTES: dict[str, Callable[[str, str], tuple[str, dict[str, Any]]]] = {
                                {"model": m, "input": p, "max_output_tokens": 16}),
     "llama.cpp completion": lambda m, p: ("/completion",
                                           {"model": m, "prompt": p, "n_predict": 2}),
+    # corral's own renderings: choices fanned out, legacy logprobs
+    "openai chat n=2": lambda m, p: ("/v1/chat/completions",
+                                     {"model": m, "messages": user(p), "max_tokens": 2, "n": 2}),
+    "openai chat n=2 stream": lambda m, p: ("/v1/chat/completions", {
+        "model": m, "messages": user(p), "max_tokens": 2, "n": 2, "stream": True}),
+    "openai completions logprobs": lambda m, p: ("/v1/completions",
+                                                 {"model": m, "prompt": p, "max_tokens": 2,
+                                                  "logprobs": 1}),
 }  # fmt: skip
 
 

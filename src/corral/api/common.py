@@ -7,7 +7,7 @@ import asyncio
 import contextlib
 import datetime as dt
 import math
-from collections.abc import Awaitable
+from collections.abc import Awaitable, Callable
 from typing import Any, TypeVar
 
 import orjson
@@ -145,8 +145,12 @@ def option_value(values: dict[str, Any], opt: Option, prefix: str, param: str | 
     return value
 
 
-async def until_disconnect(request: Request, work: Awaitable[T]) -> T:
-    """Run `work`, cancelling it if the client goes away first (frees the runner slot at once)."""
+async def until_disconnect(
+    request: Request, work: Awaitable[T], undo: Callable[[T], object] | None = None
+) -> T:
+    """Run `work`, cancelling it if the client goes away first (frees the runner slot at once).
+    If the caller itself is cancelled (e.g. one of n choices failed), so is `work`, and `undo`
+    gives back what it won just before (a lease granted as the caller was cancelled)."""
     task = asyncio.ensure_future(work)
 
     async def watch() -> None:
@@ -158,6 +162,13 @@ async def until_disconnect(request: Request, work: Awaitable[T]) -> T:
     watcher = asyncio.ensure_future(watch())
     try:
         await asyncio.wait({task, watcher}, return_when=asyncio.FIRST_COMPLETED)
+    except asyncio.CancelledError:
+        task.cancel()
+        if undo is not None:
+            task.add_done_callback(
+                lambda t: undo(t.result()) if not t.cancelled() and t.exception() is None else None
+            )
+        raise
     finally:
         watcher.cancel()
     if not task.done():

@@ -54,6 +54,7 @@ from corral.api.openai_checks import (
 from corral.api.service import Resolved, Service
 from corral.api.stream import RelayResponse, json_response
 from corral.errors import ApiError
+from corral.runtime.client import RunnerStream
 from corral.runtime.meter import whole_tokens
 from corral.runtime.scheduler import Lease
 
@@ -266,11 +267,17 @@ class OpenAI:
         payload: dict[str, Any],
         legacy: _Legacy | None = None,
     ) -> dict[str, Any]:
-        async with await self.svc.lease(request, r, {}, None) as lease:
-            if legacy is not None:
-                await legacy.prepare(self.svc, lease)
-            data: dict[str, Any] = await self.svc.client.post_json(lease.runner, path, payload)
-            lease.tally.settle(whole_tokens(data))
+
+        async def send(lease: Lease) -> dict[str, Any]:
+            async with lease:
+                if legacy is not None:
+                    await legacy.prepare(self.svc, lease)
+                out: dict[str, Any] = await self.svc.client.post_json(lease.runner, path, payload)
+                lease.tally.settle(whole_tokens(out))
+                return out
+
+        # a prompt longer than the runner's context reloads it bigger and is sent again
+        data = await self.svc.leased(request, r, {}, None, payload, send)
         if legacy is not None:
             legacy.whole(data)
         return data
@@ -283,11 +290,16 @@ class OpenAI:
         payload: dict[str, Any],
         legacy: _Legacy | None = None,
     ) -> AsyncIterator[dict[str, Any]]:
-        async with await self.svc.lease(request, r, {}, None) as lease:
+        payload = {**payload, "stream_options": {"include_usage": True}}
+
+        async def open_stream(lease: Lease) -> tuple[Lease, RunnerStream]:
             if legacy is not None:
                 await legacy.prepare(self.svc, lease)
-            payload = {**payload, "stream_options": {"include_usage": True}}
-            resp = await self.svc.client.stream(lease.runner, path, payload)
+            return lease, await self.svc.client.stream(lease.runner, path, payload)
+
+        # a prompt longer than the runner's context reloads it bigger and is sent again
+        lease, resp = await self.svc.leased(request, r, {}, None, payload, open_stream)
+        async with lease:
             try:
                 if legacy is not None:
                     for c in legacy.head():

@@ -228,7 +228,7 @@ class Service:
             if ticket.fut.done():  # a warm runner had a free slot: no need to watch the client
                 lease = await self.scheduler.wait(ticket)
             else:
-                lease = await until_disconnect(request, self.scheduler.wait(ticket))
+                lease = await until_disconnect(request, self.scheduler.wait(ticket), Lease.release)
         except SchedulerError as e:
             raise ApiError(e.status, e.message, retry_after=e.retry_after) from None
         if auto:
