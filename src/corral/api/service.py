@@ -52,6 +52,7 @@ from corral.runtime.scheduler import Lease, Scheduler, SchedulerError
 from corral.runtime.view import SchedulerView
 
 T = TypeVar("T")
+Sizings = tuple[Sizing, ...]
 log = logging.getLogger(__name__)
 
 
@@ -90,6 +91,8 @@ class Service:
         self._estimates = Estimates()
         # (spec at the floor, model info, room per device, booking factor) -> auto context
         self._auto: dict[tuple[Any, ...], tuple[ModelInfo, int]] = {}
+        # (spec, num_gpu, main_gpu, devices) -> (model info, parts, the runners it may load)
+        self._sizings: dict[tuple[Any, ...], tuple[ModelInfo, tuple[Any, ...], Sizings]] = {}
         # model -> the context its runner served an auto request with, until the journal says
         # a runner of it loads or stops: auto's answer without a view of the scheduler
         self._served_ctx: dict[str, int] = {}
@@ -207,16 +210,7 @@ class Service:
         )
         if auto:
             spec = dataclasses.replace(spec, n_ctx=self.auto_ctx(r, spec, chosen))
-        # With an automatic slot count, the runners with fewer slots the scheduler may load
-        # where memory is short (best first; the first that fits is loaded).
-        sizes = []
-        for s in slot_choices(spec):
-            est = self._estimates.get(r.info, s, *self.parts(r))
-            sizes.append(Sizing(
-                s, est.total + est.process, process=est.process,
-                place=placer(est, self.devices, chosen.get("num_gpu"), chosen.get("main_gpu"),
-                             r.entry.devices),
-            ))  # fmt: skip
+        sizes = self.sizings(r, spec, chosen)
         best = sizes[0]
         try:
             ticket = self.scheduler.submit(
@@ -234,6 +228,34 @@ class Service:
         if auto:
             self._served(r.name, lease.runner.spec.n_ctx)
         return lease
+
+    def sizings(
+        self, r: Resolved, spec: RunnerSpec, chosen: Mapping[str, Any]
+    ) -> tuple[Sizing, ...]:
+        """The runners the scheduler may load for `spec`, best first, each with its booking
+        and placer: with an automatic slot count, fewer slots where memory is short (the first
+        that fits is loaded). Built once per model file and runner shape: every request asks,
+        warm ones too."""
+        parts = self.parts(r)
+        key = (spec, chosen.get("num_gpu"), chosen.get("main_gpu"), r.entry.devices)
+        hit = self._sizings.get(key)
+        # read_model_info (and the parts' readers) return a new object when a file changed
+        if hit is not None and hit[0] is r.info and all(
+            a is b for a, b in zip(hit[1], parts, strict=True)
+        ):
+            return hit[2]
+        sizes = []
+        for s in slot_choices(spec):
+            est = self._estimates.get(r.info, s, *parts)
+            sizes.append(Sizing(
+                s, est.total + est.process, process=est.process,
+                place=placer(est, self.devices, chosen.get("num_gpu"), chosen.get("main_gpu"),
+                             r.entry.devices),
+            ))  # fmt: skip
+        if len(self._sizings) > Estimates.LIMIT:
+            self._sizings.clear()
+        self._sizings[key] = (r.info, parts, tuple(sizes))
+        return tuple(sizes)
 
     def _served(self, model: str, n_ctx: int) -> None:
         if not self._listening:
