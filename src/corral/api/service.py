@@ -331,13 +331,9 @@ class Service:
         do."""
         lease = await self.lease(request, r, options, keep_alive)
         try:
-            return await start(lease)
+            return await _owned(lease, start)
         except ContextOverflow as e:
-            lease.release()
             overflow = e
-        except BaseException:
-            lease.release()
-            raise
         n_ctx = grown_context(overflow.prompt_tokens, output_tokens(payload),
                               r.info.context_length)  # fmt: skip
         if n_ctx is None or n_ctx <= overflow.n_ctx:
@@ -358,13 +354,9 @@ class Service:
                 "smaller model",
             ) from None  # fmt: skip
         try:
-            return await start(lease)
+            return await _owned(lease, start)
         except ContextOverflow as e:
-            lease.release()
             raise too_long(r, e.prompt_tokens, e.n_ctx) from None
-        except BaseException:
-            lease.release()
-            raise
 
     # ---- talking to a runner -----------------------------------------------------------------
     async def pass_through(
@@ -606,6 +598,16 @@ def output_tokens(payload: Mapping[str, Any]) -> int:
         if isinstance(n, int) and not isinstance(n, bool) and n > 0:
             return n
     return DEFAULT_OUTPUT
+
+
+async def _owned(lease: Lease, start: Callable[[Lease], Awaitable[T]]) -> T:
+    """`start(lease)`, which owns the lease once it returns; the lease is given back if it
+    fails."""
+    try:
+        return await start(lease)
+    except BaseException:
+        lease.release()
+        raise
 
 
 def too_long(r: Resolved, tokens: int, limit: int | None = None) -> ApiError:
