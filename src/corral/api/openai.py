@@ -272,7 +272,9 @@ class OpenAI:
             async with lease:
                 if legacy is not None:
                     await legacy.prepare(self.svc, lease)
-                out: dict[str, Any] = await self.svc.client.post_json(lease.runner, path, payload)
+                out: dict[str, Any] = await self.svc.client.post_json(
+                    lease.runner, path, payload, lease
+                )
                 lease.tally.settle(whole_tokens(out))
                 return out
 
@@ -295,7 +297,7 @@ class OpenAI:
         async def open_stream(lease: Lease) -> tuple[Lease, RunnerStream]:
             if legacy is not None:
                 await legacy.prepare(self.svc, lease)
-            return lease, await self.svc.client.stream(lease.runner, path, payload)
+            return lease, await self.svc.client.stream(lease.runner, path, payload, lease)
 
         # a prompt longer than the runner's context reloads it bigger and is sent again
         lease, resp = await self.svc.leased(request, r, {}, None, payload, open_stream)

@@ -372,7 +372,7 @@ class Service:
         model renamed to the one the client asked for."""
 
         async def send(lease: Lease) -> tuple[Lease, Any]:
-            return lease, await self.client.post(lease.runner, path, body)
+            return lease, await self.client.post(lease.runner, path, body, lease)
 
         lease, resp = await self.leased(request, r, {}, None, body, send)
         # llama.cpp names the model by the runner's alias (the registry name); clients expect
@@ -543,7 +543,7 @@ class Service:
         stop: list[str] | None,
         tools: frozenset[str] | None = None,
     ) -> Generation:
-        resp = await self.client.stream(lease.runner, path, payload)
+        resp = await self.client.stream(lease.runner, path, payload, lease)
         explain = lease.runner.why_failed
         return Generation(lease, resp, mode, stop or [], explain, tools)
 

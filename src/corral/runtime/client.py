@@ -20,6 +20,7 @@ import os
 import re
 import socket
 import time
+import weakref
 from typing import Any, cast
 from urllib.parse import urlsplit
 
@@ -27,7 +28,8 @@ import aiohttp
 import orjson
 
 from corral.errors import ApiError
-from corral.runtime.kvcache import GENERATION_PATHS, KVCache
+from corral.runtime.affinity import GENERATION_PATHS, Holder, Slots, prompt_pieces
+from corral.runtime.kvcache import KVCache
 from corral.runtime.runner import Runner
 
 # A read in the first half of this window after the previous one waits out the rest of it, so
@@ -49,18 +51,24 @@ UPSTREAM_ERRORS = (aiohttp.ClientError, OSError, asyncio.IncompleteReadError, Ru
 
 
 class RunnerClient:
-    """Requests to runners. With a KV cache (server.kv_cache), a reloaded runner's first
-    requests get the saved conversation they continue restored first."""
+    """Requests to runners. A generation sent under a lease to a runner of several slots goes
+    to the slot that holds most of its prompt (runtime/affinity). With a KV cache
+    (server.kv_cache), a reloaded runner's first requests get the saved conversation they
+    continue restored first."""
 
     def __init__(self, kvcache: KVCache | None = None) -> None:
         self.kvcache = kvcache
+        self._slots: weakref.WeakKeyDictionary[Runner, Slots] = weakref.WeakKeyDictionary()
 
     async def post(
-        self, runner: Runner, path: str, payload: dict[str, Any]
+        self, runner: Runner, path: str, payload: dict[str, Any], lease: Holder | None = None
     ) -> aiohttp.ClientResponse | RunnerStream:
         """POST to the runner; a non-200 answer becomes an ApiError with llama.cpp's message.
-        A streamed request (`"stream": true`) gets a RunnerStream (see `stream`)."""
+        A streamed request (`"stream": true`) gets a RunnerStream (see `stream`). `lease`: the
+        slot's lease the request is sent under (a generation is pinned to a slot for it)."""
         assert runner.session is not None
+        if lease is not None and runner.spec.num_parallel > 1 and path in GENERATION_PATHS:
+            payload = self._pinned(runner, path, payload, lease)
         if self.kvcache is not None and path in GENERATION_PATHS and self.kvcache.wants(runner):
             # Among a runner's first requests: restore the saved conversation this prompt
             # continues, if any, and pin the request to its slot.
@@ -82,11 +90,25 @@ class RunnerClient:
             raise runner_error(body, resp.status)
         return resp
 
-    async def stream(self, runner: Runner, path: str, payload: dict[str, Any]) -> RunnerStream:
+    def _pinned(
+        self, runner: Runner, path: str, payload: dict[str, Any], lease: Holder
+    ) -> dict[str, Any]:
+        slots = self._slots.get(runner)
+        if slots is None:
+            spec = runner.spec
+            slots = self._slots[runner] = Slots(
+                spec.num_parallel, spec.n_ctx if spec.kv_unified else None
+            )
+        slot = slots.claim(lease, prompt_pieces(path, payload))
+        return payload if slot is None else {**payload, "id_slot": slot}
+
+    async def stream(
+        self, runner: Runner, path: str, payload: dict[str, Any], lease: Holder | None = None
+    ) -> RunnerStream:
         """POST a streamed request to the runner: its answer comes on a connection of its own
         (llama.cpp closes it after a streamed answer), read by a RunnerStream, which relays a
         fast runner's tokens a few at a time."""
-        resp = await self.post(runner, path, {**payload, "stream": True})
+        resp = await self.post(runner, path, {**payload, "stream": True}, lease)
         assert isinstance(resp, RunnerStream)
         return resp
 
@@ -107,9 +129,11 @@ class RunnerClient:
             raise runner_error(body, resp.status)
         return resp
 
-    async def post_json(self, runner: Runner, path: str, payload: dict[str, Any]) -> Any:
+    async def post_json(
+        self, runner: Runner, path: str, payload: dict[str, Any], lease: Holder | None = None
+    ) -> Any:
         """POST a request whose answer is one JSON document, parsed."""
-        resp = await self.post(runner, path, payload)
+        resp = await self.post(runner, path, payload, lease)
         try:
             return orjson.loads(await resp.read())
         except (aiohttp.ClientError, OSError):

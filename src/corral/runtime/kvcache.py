@@ -65,8 +65,6 @@ log = logging.getLogger(__name__)
 SUFFIX = ".slot"
 TMP_PREFIX = "tmp-"
 
-# The runner paths that generate from a prompt (the ones worth a restore).
-GENERATION_PATHS = frozenset({"/v1/chat/completions", "/completion", "/v1/completions"})
 CHAT_PATHS = frozenset({"/v1/chat/completions"})
 
 MIN_TOKENS = 64  # a conversation shorter than this is not saved: re-reading it costs nothing

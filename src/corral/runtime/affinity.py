@@ -1,0 +1,130 @@
+"""Conversations keep their slot: which of a runner's slots a generation is sent to.
+
+A runner of several slots keeps each slot's last prompt in its KV cache, and evaluates only what
+a new prompt adds to the cache of the slot it lands on. llama.cpp picks a slot itself by prompt
+similarity, but among the slots that hold something only: with a conversation in one slot and
+three empty ones, a second conversation that shares the first's system prompt lands on the
+first's slot and replaces its history, and the two then take turns re-reading their own (agents
+run side by side with one system prompt and one set of tools). So corral picks, and pins the
+request to its pick (`id_slot`):
+
+- a slot whose whole content the prompt continues (the conversation's own slot) destroys
+  nothing: the one with most of the prompt wins;
+- else an empty slot, rather than destroy a conversation that may come back, where the cache
+  the slots share (llama.cpp's unified KV cache) holds one more;
+- else the slot where what the prompt reuses most outweighs what it destroys (least recently
+  used first among equals): llama.cpp, short of cells, would clear the first idle slot.
+
+What a slot holds is known from what corral sent there: the prompt's pieces (each message, the
+tools after the system message, or a raw prompt), in characters, a stand-in for tokens that
+needs no tokenizing. A slot is busy while the lease that claimed it is not released, so two
+requests are never pinned to one slot (which would make one wait for the other).
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Mapping, Sequence
+from typing import Any, Protocol
+
+import orjson
+
+# Prompt bytes per token, low (English is about 4, code 3), so a cache is thought full early
+# rather than late: a slot shared wrongly re-reads a conversation, a cache overfilled makes
+# llama.cpp clear an idle slot, whichever comes first.
+BYTES_PER_TOKEN = 3
+# The runner paths that read a prompt into a slot's cache.
+GENERATION_PATHS = frozenset({"/v1/chat/completions", "/completion", "/v1/completions"})
+
+
+class Holder(Protocol):
+    """What claims a slot (a scheduler Lease): the slot is free again once it is released."""
+
+    released: bool
+
+
+def prompt_pieces(path: str, payload: Mapping[str, Any]) -> tuple[bytes, ...]:
+    """The prompt of a request to a runner, as pieces in the order its template renders them
+    (near enough): a chat's system message, its tools, then each other message; a raw prompt
+    whole (strings and token ids alike)."""
+    if path == "/v1/chat/completions":
+        messages = payload.get("messages") or ()
+        out = [orjson.dumps(m) for m in messages]
+        if payload.get("tools"):
+            at = 1 if messages and isinstance(messages[0], dict) and messages[0].get(
+                "role") in ("system", "developer") else 0  # fmt: skip
+            out.insert(at, orjson.dumps(payload["tools"]))
+        return tuple(out)
+    prompt = payload.get("prompt")
+    return () if prompt is None else (orjson.dumps(prompt),)
+
+
+def shared_length(a: Sequence[bytes], b: Sequence[bytes]) -> int:
+    """Bytes at the start of two prompts' pieces that are the same: whole equal pieces, then
+    the common start of the first pieces that differ."""
+    n = 0
+    for x, y in zip(a, b, strict=False):
+        if x == y:
+            n += len(x)
+            continue
+        lo, hi = 0, min(len(x), len(y))  # the longest common start, by halving
+        while lo < hi:
+            mid = (lo + hi + 1) // 2
+            if x[:mid] == y[:mid]:
+                lo = mid
+            else:
+                hi = mid - 1
+        return n + lo
+    return n
+
+
+class Slots:
+    """One runner's slots as corral hands them out: who holds each, and what each last read.
+    `capacity`: the tokens all slots share (a unified KV cache), None when each has its own."""
+
+    def __init__(self, n: int, capacity: int | None = None) -> None:
+        self.n = n
+        self.capacity = capacity
+        self._holders: list[Holder | None] = [None] * n
+        self._held: list[tuple[bytes, ...]] = [()] * n  # each slot's last prompt
+        self._sizes = [0] * n  # its bytes
+        self._used = [0] * n  # when each was last claimed (a counter, for least recent use)
+        self._clock = itertools.count(1)
+
+    def free(self, holder: Holder | None = None) -> list[int]:
+        """The slots no unreleased lease holds (but `holder`, whose next prompt replaces its
+        last)."""
+        return [i for i, h in enumerate(self._holders) if h is None or h.released or h is holder]
+
+    def claim(self, holder: Holder, pieces: tuple[bytes, ...]) -> int | None:
+        """The slot for a prompt (see the module's rules), now `holder`'s; None when every slot
+        is held (corral grants no more requests than slots: only a request sent twice under one
+        lease meets that, and llama.cpp then picks)."""
+        free = self.free(holder)
+        if not free:
+            return None
+        size = sum(len(p) for p in pieces)
+        shared = {i: shared_length(self._held[i], pieces) if self._sizes[i] else 0 for i in free}
+        own = [i for i in free if self._sizes[i] and shared[i] == self._sizes[i]]
+        empty = [i for i in free if not self._sizes[i]]
+        if own:
+            slot = max(own, key=lambda i: (shared[i], -self._used[i]))
+        elif empty and self._fits(size):
+            slot = empty[0]
+        else:
+            # A shared cache too full for one more conversation: llama.cpp would clear an idle
+            # slot for it, whichever comes first; corral picks the one whose loss costs least,
+            # what the prompt reuses of it less what it destroys (least recently used first).
+            pool = [i for i in free if self._sizes[i]] or free
+            slot = max(pool, key=lambda i: (2 * shared[i] - self._sizes[i], -self._used[i]))
+        self._holders[slot] = holder
+        self._held[slot] = pieces
+        self._sizes[slot] = size
+        self._used[slot] = next(self._clock)
+        return slot
+
+    def _fits(self, size: int) -> bool:
+        """Whether a prompt of `size` bytes fits beside what every slot holds."""
+        if self.capacity is None:
+            return True
+        return (sum(self._sizes) + size) / BYTES_PER_TOKEN <= self.capacity
