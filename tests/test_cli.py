@@ -171,6 +171,8 @@ def test_format_stats() -> None:
         ("[::1]:9000", "http://[::1]:9000"),
         ("::1", "http://[::1]:11434"),
         ("  localhost:1  ", "http://localhost:1"),
+        ("21997", "http://127.0.0.1:21997"),  # a port alone
+        ("ftp://example.com", "ftp://example.com:11434"),  # Ollama's default port for others
     ],
 )
 def test_base_url(host: str, url: str) -> None:
