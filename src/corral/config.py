@@ -7,7 +7,6 @@ keyed by the same variable name, so there is one table of defaults and one place
 from __future__ import annotations
 
 import os
-import re
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path

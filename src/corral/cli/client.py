@@ -16,7 +16,12 @@ JSON = dict[str, Any]
 
 
 class CLIError(Exception):
-    """A failure reported as `Error: <message>` with exit status 1, never as a traceback."""
+    """A failure reported as `Error: <message>` with exit status 1, never as a traceback;
+    `status` is the HTTP status of a server's error answer, when it was one."""
+
+    def __init__(self, message: str, status: int | None = None) -> None:
+        super().__init__(message)
+        self.status = status
 
 
 class Unreachable(CLIError):
@@ -120,7 +125,9 @@ class Client:
 
 def _checked(resp: httpx.Response) -> httpx.Response:
     if resp.status_code >= 400:
-        raise CLIError(error_message(resp.status_code, resp.reason_phrase, resp.text))
+        raise CLIError(
+            error_message(resp.status_code, resp.reason_phrase, resp.text), resp.status_code
+        )
     return resp
 
 
