@@ -689,6 +689,8 @@ def test_close_models() -> None:
     assert suggest.close_models("smolm2", names) == ["smollm2:135m"]
     assert suggest.close_models("SMOLLM2:135", names) == ["smollm2:135m"]
     assert suggest.close_models("hf.co/o/llama-gguf", names) == ["hf.co/o/llama-gguf:q4_k_m"]
+    assert suggest.close_models("llama-gguf", names) == ["hf.co/o/llama-gguf:q4_k_m"]
+    assert suggest.close_models("lama-gguf", names) == ["hf.co/o/llama-gguf:q4_k_m"]
     assert suggest.close_models("nothing-like-it", names) == []
     assert suggest.close_models("tiny", names)[:1] == ["tiny:latest"]
 

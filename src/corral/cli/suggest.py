@@ -11,25 +11,32 @@ def close_words(word: str, choices: Iterable[str], n: int = 3) -> list[str]:
     return difflib.get_close_matches(word, list(dict.fromkeys(choices)), n=n, cutoff=0.6)
 
 
+def _forms(name: str) -> list[str]:
+    """What a name may be typed as: whole, without its tag, its last path part (`run-gguf` of
+    `hf.co/owner/run-gguf:q4_k_m`)."""
+    stem = name.lower().split(":")[0]
+    return list(dict.fromkeys([name.lower(), stem, stem.rsplit("/", 1)[-1]]))
+
+
 def close_models(name: str, names: Iterable[str], n: int = 3) -> list[str]:
-    """Model names close to `name`: those a tag or prefix away first (`smollm2` ->
-    `smollm2:135m`, `llama` -> `llama3.2:1b`), then difflib's nearest to the whole name or to
-    its part before the tag (`smolm2` -> `smollm2:135m`)."""
+    """Model names close to `name`: those a tag or a suffix away first (`smollm2` ->
+    `smollm2:135m`, `llama` -> `llama3.2:1b`, `run-gguf` -> `hf.co/owner/run-gguf:latest`),
+    then difflib's nearest to any form of a name (`smolm2` -> `smollm2:135m`)."""
     listed = list(dict.fromkeys(names))
     want = name.strip().lower()
     if not want:
         return []
     base = want.removesuffix(":latest")
-    out = [m for m in listed if m.lower().split(":")[0] == base]
-    out += [m for m in listed if m.lower().startswith(base) and m not in out]
-    # Each name's part before the tag is compared too, so a short name's tag does not hide it.
-    stems: dict[str, str] = {}
+    out = [m for m in listed if base in _forms(m)[1:]]
+    out += [m for m in listed if any(f.startswith(base) for f in _forms(m)) and m not in out]
+    # Each form of each name is compared, so a long tag or path does not hide a close name.
+    forms: dict[str, str] = {}
     for m in listed:
-        stems.setdefault(m.lower().split(":")[0], m)
-        stems.setdefault(m.lower(), m)
-    for match in difflib.get_close_matches(base, list(stems), n=2 * n, cutoff=0.6):
-        if stems[match] not in out:
-            out.append(stems[match])
+        for f in _forms(m):
+            forms.setdefault(f, m)
+    for match in difflib.get_close_matches(base, list(forms), n=3 * n, cutoff=0.6):
+        if forms[match] not in out:
+            out.append(forms[match])
     return [m for m in out if m.lower() != want][:n]
 
 
