@@ -164,12 +164,15 @@ def hinted_input(prompt: str) -> str:
     empty line: the first key is read raw, the hint wiped, and the key handed to readline."""
     import readline
 
+    if prompt != ">>> ":  # a message's second line on: no hint, as in Ollama
+        return input(prompt)
     fd = sys.stdin.fileno()
     old = termios.tcgetattr(fd)
-    sys.stdout.write(f"{prompt}\x1b[2m{HINT}\x1b[0m\x1b[{len(HINT)}D")
-    sys.stdout.flush()
     try:
+        # raw before the hint is drawn, so that no key typed after it is echoed by the terminal
         tty.setraw(fd, termios.TCSANOW)
+        sys.stdout.write(f"{prompt}\x1b[2m{HINT}\x1b[0m\x1b[{len(HINT)}D")
+        sys.stdout.flush()
         key = os.read(fd, 1)
         # the rest of an escape sequence or a multi-byte character, sent with its first byte
         while (key[:1] == b"\x1b" or key[0] >= 0xC0) and len(key) < 8:
@@ -286,7 +289,7 @@ class Repl:
                 self._forget_line()
             if not text.strip():
                 continue
-            if text.startswith("/") and not text.startswith('"""'):
+            if text.startswith("/"):
                 if self.command(text) == "bye":
                     return 0
                 continue
