@@ -678,6 +678,7 @@ def test_did_you_mean_a_command(capsys: pytest.CaptureFixture[str]) -> None:
         'Error: unknown command "lst" for "corral"\n\nDid you mean this?\n\tlist\n\tls\n\n'
         "Run 'corral --help' for usage.\n"
     )
+    assert cli.main(["help"]) == 0 and "usage: corral" in capsys.readouterr().out
     assert cli.main(["frobnicate"]) == 1
     err = capsys.readouterr().err
     assert err.startswith('Error: unknown command "frobnicate"') and "Did you mean" not in err

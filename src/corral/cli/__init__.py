@@ -150,6 +150,9 @@ def main(argv: list[str] | None = None) -> int:
         return bench_main(args_in[1:])
     parser = build_parser()
     commands = _commands(parser)
+    if args_in[:1] == ["help"]:  # as `ollama help`
+        parser.print_help()
+        return 0
     if args_in and not args_in[0].startswith("-") and args_in[0] not in [*commands, "bench"]:
         sys.stderr.write(unknown_command(args_in[0], [*commands, "bench"]))
         return 1
