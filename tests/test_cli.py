@@ -17,7 +17,7 @@ from typing import Any
 import pytest
 
 from corral import __version__, cli
-from corral.cli import chat, client, display, models, serve
+from corral.cli import chat, client, display, models, repl, serve, suggest
 from corral.config import DEFAULTS, ConfigError
 from corral.runtime.runner import free_port
 
@@ -171,6 +171,8 @@ def test_format_stats() -> None:
         ("[::1]:9000", "http://[::1]:9000"),
         ("::1", "http://[::1]:11434"),
         ("  localhost:1  ", "http://localhost:1"),
+        ("21997", "http://127.0.0.1:21997"),  # a port alone
+        ("ftp://example.com", "ftp://example.com:11434"),  # Ollama's default port for others
     ],
 )
 def test_base_url(host: str, url: str) -> None:
@@ -239,10 +241,18 @@ def test_token_printer_wraps_words() -> None:
 
 
 def test_read_message_multiline() -> None:
-    lines = iter(['"""first', "second", 'third"""'])
-    assert chat.read_message(lambda prompt: next(lines)) == "first\nsecond\nthird"
-    assert chat.read_message(lambda prompt: '"""one line"""') == "one line"
-    assert chat.read_message(lambda prompt: "plain") == "plain"
+    def read(*lines: str) -> str:
+        it = iter(lines)
+        return repl.unquote(repl.read_message(lambda prompt: next(it)))
+
+    assert read('"""first', "second", 'third"""') == "first\nsecond\nthird"
+    assert read('"""one line"""') == "one line"
+    assert read("plain") == "plain"
+    # /set system takes triple quotes too; the command gets them to strip
+    it = iter(['/set system """You are', 'a pirate."""'])
+    entry = repl.read_message(lambda prompt: next(it))
+    assert entry == '/set system """You are\na pirate."""'
+    assert repl.read_message(lambda prompt: '/set system """brief"""') == '/set system """brief"""'
 
 
 def test_format_show() -> None:
@@ -606,11 +616,84 @@ def test_run_unknown_model_fails_before_prompt(
     server: FakeServer, capsys: pytest.CaptureFixture[str]
 ) -> None:
     server.routes["POST", "/api/generate"] = lambda body: (404, {"error": "model 'x' not found"})
+    # not a name the server pulls (corral: 400, not hf.co/...): the model is just not there
+    server.routes["POST", "/api/pull"] = lambda body: (400, {"error": "not a Hugging Face name"})
+    server.routes["GET", "/api/tags"] = lambda _: (200, {"models": [{"name": "y:latest"}]})
     assert cli.main(["run", "x", "hello"]) == 1
     captured = capsys.readouterr()
-    assert captured.err == "Error: model 'x' not found\n"
+    assert captured.err == "Error: model 'x' not found\n"  # nothing close to it
     assert captured.out == ""
-    assert len(server.requests) == 1  # only the load request was made
+    # the load, the pull it tried, the list for a suggestion: no prompt was sent
+    assert [path for _, path, _ in server.requests] == ["/api/generate", "/api/pull", "/api/tags"]
+
+
+def test_run_pulls_a_missing_model_first(
+    server: FakeServer, capsys: pytest.CaptureFixture[str]
+) -> None:
+    pulled: list[str] = []
+
+    def generate(body: Any) -> Reply:
+        if not pulled:
+            return 404, {"error": f"model '{body['model']}' not found"}
+        return _generate_route([*TOKENS, FINAL])(body)
+
+    def pull(body: Any) -> Reply:
+        pulled.append(body["model"])
+        return 200, [
+            {"status": "pulling manifest"},
+            {"status": "pulling abc", "digest": "sha256:abc", "total": 10, "completed": 10},
+            {"status": "success"},
+        ]
+
+    server.routes["POST", "/api/generate"] = generate
+    server.routes["POST", "/api/pull"] = pull
+    assert cli.main(["run", "hf.co/o/r", "hi"]) == 0
+    captured = capsys.readouterr()
+    assert pulled == ["hf.co/o/r"]
+    assert "pulling manifest" in captured.err and "success" in captured.err
+    assert captured.out == "Hello, world!\n"
+    # a pull that fails says why (its own error, not the load's)
+    pulled.clear()
+    server.routes["POST", "/api/pull"] = lambda body: (404, {"error": "no repository 'o/x'"})
+    assert cli.main(["run", "hf.co/o/x", "hi"]) == 1
+    assert capsys.readouterr().err == "Error: no repository 'o/x'\n"
+
+
+def test_did_you_mean_a_model(server: FakeServer, capsys: pytest.CaptureFixture[str]) -> None:
+    names = ["smollm2:135m", "tiny:latest", "tiny2:latest", "qwen2.5:0.5b"]
+    server.routes["GET", "/api/tags"] = lambda _: (200, {"models": [{"name": n} for n in names]})
+    missing = lambda b: (404, {"error": f"model '{b['model']}' not found"})  # noqa: E731
+    server.routes["POST", "/api/show"] = missing
+    assert cli.main(["show", "smollm2"]) == 1
+    assert capsys.readouterr().err == (
+        "Error: model 'smollm2' not found\n\nDid you mean this?\n\tsmollm2:135m\n"
+    )
+    assert cli.main(["show", "tinyy"]) == 1
+    assert "Did you mean this?\n\ttiny:latest\n\ttiny2:latest\n" in capsys.readouterr().err
+
+
+def test_did_you_mean_a_command(capsys: pytest.CaptureFixture[str]) -> None:
+    assert cli.main(["lst"]) == 1
+    assert capsys.readouterr().err == (
+        'Error: unknown command "lst" for "corral"\n\nDid you mean this?\n\tlist\n\tls\n\n'
+        "Run 'corral --help' for usage.\n"
+    )
+    assert cli.main(["help"]) == 0 and "usage: corral" in capsys.readouterr().out
+    assert cli.main(["frobnicate"]) == 1
+    err = capsys.readouterr().err
+    assert err.startswith('Error: unknown command "frobnicate"') and "Did you mean" not in err
+
+
+def test_close_models() -> None:
+    names = ["smollm2:135m", "tiny:latest", "tiny2:latest", "hf.co/o/llama-gguf:q4_k_m"]
+    assert suggest.close_models("smollm2", names) == ["smollm2:135m"]
+    assert suggest.close_models("smolm2", names) == ["smollm2:135m"]
+    assert suggest.close_models("SMOLLM2:135", names) == ["smollm2:135m"]
+    assert suggest.close_models("hf.co/o/llama-gguf", names) == ["hf.co/o/llama-gguf:q4_k_m"]
+    assert suggest.close_models("llama-gguf", names) == ["hf.co/o/llama-gguf:q4_k_m"]
+    assert suggest.close_models("lama-gguf", names) == ["hf.co/o/llama-gguf:q4_k_m"]
+    assert suggest.close_models("nothing-like-it", names) == []
+    assert suggest.close_models("tiny", names)[:1] == ["tiny:latest"]
 
 
 def test_error_mid_stream(server: FakeServer, capsys: pytest.CaptureFixture[str]) -> None:
@@ -619,7 +702,7 @@ def test_error_mid_stream(server: FakeServer, capsys: pytest.CaptureFixture[str]
     )
     assert cli.main(["run", "m", "hi"]) == 1
     captured = capsys.readouterr()
-    assert captured.out == "Hello"
+    assert captured.out == "Hello\n"  # the error starts on a line of its own
     assert captured.err == "Error: runner crashed\n"
 
 
@@ -705,7 +788,7 @@ def test_interactive_chat(
     server.routes["POST", "/api/generate"] = _generate_route([])
     server.routes["POST", "/api/chat"] = chat
     # Pretend stdin and stdout are a terminal (stderr is not, so no spinner).
-    monkeypatch.setattr("corral.cli.chat._isatty", lambda s: s is sys.stdin or s is sys.stdout)
+    monkeypatch.setattr("corral.cli.run._isatty", lambda s: s is sys.stdin or s is sys.stdout)
     lines = iter(["hello", "/?", "", "again", "/clear", "/bogus"])
 
     def fake_input(prompt: str) -> str:
@@ -719,10 +802,95 @@ def test_interactive_chat(
     captured = capsys.readouterr()
     assert "Hi there.\n\n" in captured.out
     assert "Bye.\n\n" in captured.out
-    assert "Available Commands:" in captured.out
+    assert "Available Commands:" in captured.err  # help goes to stderr, as ollama's does
     assert "Cleared session context" in captured.out
     assert "Unknown command '/bogus'. Type /? for help" in captured.out
     assert "eval rate:            3.00 tokens/s" in captured.err
     chats = [body for _, path, body in server.requests if path == "/api/chat"]
     assert [m["content"] for m in chats[1]["messages"]] == ["hello", "Hi there.", "again"]
     assert chats[1]["stream"] is True
+
+
+def test_interactive_commands(
+    server: FakeServer, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """/set, /unset, /show, /save and /load as Ollama's REPL has them, against canned answers."""
+    chats: list[Any] = []
+
+    def chat(body: Any) -> Reply:
+        chats.append(body)
+        return 200, [{"model": "m", "message": {"role": "assistant", "content": "Arr."},
+                      "done": True}]  # fmt: skip
+
+    def generate(body: Any) -> Reply:
+        if body["model"] == "absent":
+            return 404, {"error": "model 'absent' not found"}
+        return _generate_route([])(body)
+
+    server.routes["POST", "/api/generate"] = generate
+    server.routes["POST", "/api/chat"] = chat
+    server.routes["POST", "/api/show"] = lambda body: (200, SHOW)
+    created: list[Any] = []
+    server.routes["POST", "/api/create"] = lambda body: (
+        created.append(body) or (200, [{"status": "success"}])
+    )
+    monkeypatch.setattr("corral.cli.run._isatty", lambda s: s is sys.stdin or s is sys.stdout)
+    lines = iter([
+        "/set parameter temperature 0.5", "/set parameter num_predict x",
+        "/set parameter bogus 1", "/set parameter stop <a> <b>", "/set parameter seed 7",
+        '/set system """You are', 'a pirate."""', "/set format json", "/set verbose",
+        "/show system", "/show parameters", "/show template", "/show license", "/show bogus",
+        "/show modelfile", "hello", "/save pirate", "/unset format", "/unset parameter seed",
+        "/load absent", "/load other", "/set bogus",
+    ])  # fmt: skip
+
+    def fake_input(prompt: str) -> str:
+        try:
+            return next(lines)
+        except StopIteration:
+            raise EOFError from None
+
+    monkeypatch.setattr("builtins.input", fake_input)
+    assert cli.main(["run", "m", "--nowordwrap"]) == 0
+    out = capsys.readouterr().out
+    for text in (
+        "Set parameter 'temperature' to '0.5'",
+        'Couldn\'t set parameter: "invalid int value [x]"',
+        'Couldn\'t set parameter: "unknown parameter \'bogus\'"',
+        "Set parameter 'stop' to '<a>, <b>'",
+        "Set system message.",
+        "Set format to 'json' mode.",
+        "Set 'verbose' mode.",
+        "You are\na pirate.\n\n",  # /show system: the session's
+        "Model defined parameters:\n  stop ",
+        "User defined parameters:\n  temperature                    0.5\n"
+        "  stop                           [<a> <b>]\n  seed                           7\n",
+        "{{ .Prompt }}\n",
+        "LLAMA 3.2 COMMUNITY LICENSE AGREEMENT",
+        "Unknown command '/show bogus'. Type /? for help",
+        'FROM /models/llama.gguf\nSYSTEM """You are\na pirate."""\nPARAMETER temperature 0.5\n'
+        'PARAMETER stop "<a>"\nPARAMETER stop "<b>"\nPARAMETER seed 7\n',
+        "Arr.",
+        "Created new model 'pirate'",
+        "Disabled format.",
+        "Unset parameter 'seed'.",
+        "Loading model 'absent'\nCouldn't find model 'absent'",
+        "Loading model 'other'",
+        "Unknown command '/set bogus'. Type /? for help",
+    ):
+        assert text in out, text
+    (body,) = chats
+    assert body["model"] == "m" and body["format"] == "json"
+    assert body["options"] == {"temperature": 0.5, "stop": ["<a>", "<b>"], "seed": 7}
+    assert body["messages"] == [
+        {"role": "system", "content": "You are\na pirate."},
+        {"role": "user", "content": "hello"},
+    ]
+    assert created == [{
+        "model": "pirate", "from": "m", "stream": True, "system": "You are\na pirate.",
+        "parameters": {"temperature": 0.5, "stop": ["<a>", "<b>"], "seed": 7},
+        "messages": [{"role": "user", "content": "hello"},
+                     {"role": "assistant", "content": "Arr."}],
+    }]  # fmt: skip
+    loads = [b["model"] for _, path, b in server.requests if path == "/api/generate"]
+    assert loads == ["m", "absent", "other"]

@@ -8,7 +8,14 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from corral.config import ConfigError, Settings, parse_duration, parse_host, parse_size
+from corral.config import (
+    ConfigError,
+    Settings,
+    host_variable,
+    parse_duration,
+    parse_host,
+    parse_size,
+)
 
 
 @pytest.mark.parametrize(
@@ -75,6 +82,10 @@ def test_seconds_roundtrip(n: int) -> None:
         ("0.0.0.0", ("0.0.0.0", 11434)),
         ("http://localhost:9000/", ("localhost", 9000)),
         ("[::1]:7000", ("::1", 7000)),
+        ("21997", ("127.0.0.1", 21997)),  # a port alone
+        ("http://0.0.0.0", ("0.0.0.0", 80)),  # a URL's scheme sets the default port
+        ("https://example.com/x", ("example.com", 443)),
+        ("'localhost:9'", ("localhost", 9)),  # quotes around it, as Ollama strips them
     ],
 )
 def test_hosts(text: str, expected: tuple[str, int]) -> None:
@@ -89,6 +100,19 @@ def test_settings_defaults_env_and_overrides() -> None:
     env = {"CORRAL_KEEP_ALIVE": "-1", "CORRAL_MEMORY_LIMIT": "2GiB", "CORRAL_NUM_PARALLEL": "4"}
     s = Settings.load({"CORRAL_NUM_PARALLEL": "2"}, environ=env)
     assert s.keep_alive == math.inf and s.memory_limit == 2 * 2**30 and s.num_parallel == 2
+
+
+def test_ollama_host_is_read_when_corral_host_is_unset() -> None:
+    s = Settings.load(environ={"OLLAMA_HOST": "0.0.0.0:21997"})
+    assert (s.host, s.port) == ("0.0.0.0", 21997)
+    s = Settings.load(environ={"OLLAMA_HOST": "0.0.0.0:21997", "CORRAL_HOST": "21998"})
+    assert (s.host, s.port) == ("127.0.0.1", 21998)
+    s = Settings.load({"CORRAL_HOST": ":7"}, environ={"OLLAMA_HOST": "0.0.0.0:21997"})
+    assert (s.host, s.port) == ("127.0.0.1", 7)  # `corral serve --host` first
+    with pytest.raises(ConfigError, match="OLLAMA_HOST: invalid port"):
+        Settings.load(environ={"OLLAMA_HOST": "localhost:x"})
+    assert host_variable({"CORRAL_HOST": " ", "OLLAMA_HOST": "h"}) == ("OLLAMA_HOST", "h")
+    assert host_variable({}) == ("CORRAL_HOST", "")
 
 
 def test_the_context_length_is_auto_or_a_number() -> None:

@@ -55,10 +55,10 @@ def corral(
 
 
 def from_line(modelfile: str | None) -> str:
-    """The model file a Modelfile's FROM names, relative to the models directory (absolute to
-    an authorized client: only its name is compared)."""
-    line = next(ln for ln in (modelfile or "").splitlines() if ln.startswith("FROM "))
-    return Path(line.removeprefix("FROM ")).name if line.startswith("FROM /") else line[5:]
+    """The model file a Modelfile names in its comment (its FROM names the model), relative to
+    the models directory (absolute to an authorized client: only its name is compared)."""
+    line = next(ln for ln in (modelfile or "").splitlines() if ln.startswith("# FROM "))
+    return Path(line.removeprefix("# FROM ")).name
 
 
 def system_of(server: CorralServer, model: str) -> str | None:

@@ -42,6 +42,7 @@ def files(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
         "cli": synth.write_llama_model(d / "cli.gguf", seed=27),
         "router": synth.write_llama_model(d / "router.gguf", seed=28),
         "leave": synth.write_llama_model(d / "leave.gguf", seed=29),
+        "run": synth.write_llama_model(d / "run.gguf", seed=30),
     }
     split = d / "split"
     split.mkdir()
@@ -60,7 +61,7 @@ def hub(files: dict[str, Path]) -> Iterator[FakeHub]:
     with FakeHub() as h:
         h.add_repo(REPO, {Q4: files[Q4], Q8: files[Q8], MMPROJ: files[MMPROJ],
                           "README.md": b"# a test repo\n"})  # fmt: skip
-        for key in ("resume", "retry", "corrupt", "chat", "cli", "router", "leave"):
+        for key in ("resume", "retry", "corrupt", "chat", "cli", "router", "leave", "run"):
             h.add_repo(f"corral-test/{key}-GGUF", {f"{key}-Q4_K_M.gguf": files[key]})
         parts = {p.name: p for p in files["split"].parent.iterdir()}
         h.add_repo("corral-test/Big-GGUF", parts)
@@ -307,6 +308,33 @@ def test_cli_pull_shows_progress(server: CorralServer, models: Path) -> None:
     )  # fmt: skip
     assert r.returncode == 1
     assert "Error: model 'hf.co/corral-test/nothing-here' not found" in r.stderr
+
+
+def test_cli_run_pulls_a_missing_model_first(server: CorralServer) -> None:
+    """`corral run` of a model not there but with a pullable name pulls it, with progress,
+    then loads it, as `ollama run` does; a name nothing can pull is just not found."""
+    env = {**os.environ, "CORRAL_HOST": server.host}
+
+    def corral(*args: str) -> subprocess.CompletedProcess[str]:
+        return subprocess.run([sys.executable, "-m", "corral", *args], env=env,
+                              capture_output=True, text=True, timeout=120)  # fmt: skip
+
+    name = "hf.co/corral-test/run-GGUF"
+    r = corral("run", name)  # no prompt, no terminal: pull and load only
+    assert r.returncode == 0, r.stderr
+    for word in ("pulling manifest", "verifying sha256 digest", "success"):
+        assert word in r.stderr
+    assert "hf.co/corral-test/run-gguf:latest" in {m["model"] for m in server.ps()}
+    r = corral("run", name)  # there now: no pull
+    assert r.returncode == 0 and "pulling manifest" not in r.stderr, r.stderr
+    r = corral("run", "hf.co/corral-test/not-there-GGUF", "hi")
+    assert r.returncode == 1
+    assert "Error: model 'hf.co/corral-test/not-there-GGUF' not found" in r.stderr
+    r = corral("run", "run-gguf", "hi")  # not a name corral pulls
+    assert r.returncode == 1 and "pulling" not in r.stderr
+    assert r.stderr.startswith("Error: model 'run-gguf' not found")
+    assert "Did you mean this?\n\thf.co/corral-test/run-gguf:latest\n" in r.stderr
+    corral("stop", name)
 
 
 def test_router_download_and_delete(server: CorralServer, models: Path) -> None:

@@ -7,7 +7,6 @@ keyed by the same variable name, so there is one table of defaults and one place
 from __future__ import annotations
 
 import os
-import re
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -17,26 +16,74 @@ from typing import Any
 from corral.core.units import FOREVER, ConfigError, parse_duration, parse_size
 
 
-def parse_host(value: str) -> tuple[str, int]:
-    """("127.0.0.1", 11434) from "host:port", ":port", "host", or "http://host:port"."""
-    text = value.strip()
-    text = re.sub(r"^[a-zA-Z]+://", "", text).rstrip("/")
-    host, port = text, 11434
-    if text.startswith("["):  # [::1]:port
-        end = text.find("]")
-        host, rest = text[1:end], text[end + 1 :]
-        if rest.startswith(":"):
-            port = _port(rest[1:], value)
-    elif text.count(":") == 1:
-        host, p = text.split(":")
-        port = _port(p, value)
-    return host or "127.0.0.1", port
+@dataclass(frozen=True)
+class Address:
+    """Where the server listens, or where a client finds it, as OLLAMA_HOST spells it."""
+
+    scheme: str  # "http" unless a URL says otherwise
+    host: str
+    port: int
+    path: str = ""  # a prefix after the address (a server behind a proxy), no slashes around
+
+    def url(self) -> str:
+        """The client's base URL: a server listening on every interface is reached through
+        loopback."""
+        name = {"": "127.0.0.1", "0.0.0.0": "127.0.0.1", "::": "::1"}.get(self.host, self.host)
+        netloc = f"[{name}]:{self.port}" if ":" in name else f"{name}:{self.port}"
+        return f"{self.scheme}://{netloc}" + (f"/{self.path}" if self.path else "")
 
 
-def _port(text: str, original: str) -> int:
-    if not text.isdigit() or not 0 < int(text) < 65536:
-        raise ConfigError(f"CORRAL_HOST: invalid port in {original!r}")
-    return int(text)
+DEFAULT_PORT = 11434
+# Read when CORRAL_HOST is not set, so a machine set up for Ollama finds corral unchanged.
+HOST_FALLBACK = "OLLAMA_HOST"
+
+
+def parse_address(value: str, name: str = "CORRAL_HOST") -> Address:
+    """An address as Ollama's envconfig.Host reads OLLAMA_HOST: "host:port", ":port", "host",
+    "[v6]:port", or a URL "scheme://host[:port][/path]" (http's default port 80, https's 443,
+    otherwise 11434); empty: 127.0.0.1:11434. Two departures: a port alone ("21997") means
+    127.0.0.1 on that port (Ollama takes it for a host name), and a bad port is an error
+    naming the variable (Ollama quietly uses the default)."""
+    text = value.strip().strip("\"'")
+    scheme, sep, rest = text.partition("://")
+    default_port = DEFAULT_PORT
+    if sep:
+        scheme = scheme.lower()
+        default_port = {"http": 80, "https": 443}.get(scheme, DEFAULT_PORT)
+    else:
+        scheme, rest = "http", text
+    hostport, _, path = rest.partition("/")
+    if hostport.isdigit():  # a port alone
+        hostport = f":{hostport}"
+    if hostport.startswith("["):  # [v6] or [v6]:port
+        host, _, tail = hostport[1:].partition("]")
+        if tail and not tail.startswith(":"):
+            raise ConfigError(f"{name}: invalid address {value!r}")
+        port_text = tail[1:]
+    elif hostport.count(":") == 1:
+        host, port_text = hostport.split(":")
+    else:  # a bare name, or an IPv6 literal without brackets (and so without a port)
+        host, port_text = hostport, ""
+    if port_text and not (port_text.isdigit() and 0 < int(port_text) < 65536):
+        raise ConfigError(f"{name}: invalid port in {value!r}")
+    port = int(port_text) if port_text else default_port
+    return Address(scheme, host or "127.0.0.1", port, path.strip("/"))
+
+
+def host_variable(environ: Mapping[str, str] | None = None) -> tuple[str, str]:
+    """(variable, value) of the address setting: CORRAL_HOST, else OLLAMA_HOST when that is
+    set, else CORRAL_HOST's default."""
+    env = os.environ if environ is None else environ
+    for variable in ("CORRAL_HOST", HOST_FALLBACK):
+        if env.get(variable, "").strip():
+            return variable, env[variable]
+    return "CORRAL_HOST", ""
+
+
+def parse_host(value: str, name: str = "CORRAL_HOST") -> tuple[str, int]:
+    """("127.0.0.1", 11434) from any form `parse_address` takes: where the server listens."""
+    address = parse_address(value, name)
+    return address.host, address.port
 
 
 def _policy(text: str) -> str:
@@ -145,8 +192,9 @@ class Setting:
 # The one table of settings: Settings.load, DEFAULTS, `corral serve`'s flags and its --help are
 # derived from it, and tests/test_config.py checks the README's table against it.
 SETTINGS: tuple[Setting, ...] = (
-    Setting("CORRAL_HOST", "127.0.0.1:11434", "address", lambda t, n: parse_host(t),
-            "--host", "HOST", "address to listen on, host:port"),
+    # OLLAMA_HOST when unset (host_variable); a port alone means 127.0.0.1 on it
+    Setting("CORRAL_HOST", "127.0.0.1:11434", "address", lambda t, n: parse_host(t, n),
+            "--host", "HOST", "address to listen on, host:port or a port"),
     Setting("CORRAL_MODELS", "~/.corral/models", "models_dir", _path("~/.corral/models"),
             "--models", "DIR", "directory of GGUF models"),
     Setting("CORRAL_KEEP_ALIVE", "5m", "keep_alive", parse_duration,
@@ -249,11 +297,16 @@ class Settings:
     ) -> Settings:
         env = os.environ if environ is None else environ
         raw = {k: env.get(k, d) for k, d in DEFAULTS.items()}
+        names = {k: k for k in DEFAULTS}  # the variable a bad value is reported under
+        variable, host = host_variable(env)
+        if host:
+            raw["CORRAL_HOST"], names["CORRAL_HOST"] = host, variable
         unknown = set(overrides or {}) - DEFAULTS.keys()
         if unknown:
             raise ConfigError(f"unknown settings: {', '.join(sorted(unknown))}")
         raw.update(overrides or {})
-        values = {st.field: st.parse(raw[st.variable], st.variable) for st in SETTINGS}
+        names.update({k: k for k in overrides or {}})
+        values = {st.field: st.parse(raw[st.variable], names[st.variable]) for st in SETTINGS}
         values["host"], values["port"] = values.pop("address")
         # a keep-alive never longer than the longest a request may ask for
         most = values["keep_alive_max"]

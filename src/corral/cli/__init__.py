@@ -10,11 +10,11 @@ from __future__ import annotations
 import argparse
 import contextlib
 import os
+import re
 import sys
 from collections.abc import Callable
 
-from corral.cli.chat import cmd_run
-from corral.cli.client import CLIError
+from corral.cli.client import CLIError, connect
 from corral.cli.models import (
     cmd_cp,
     cmd_create,
@@ -26,7 +26,9 @@ from corral.cli.models import (
     cmd_stop,
     cmd_version,
 )
+from corral.cli.run import cmd_run
 from corral.cli.serve import SERVE_FLAGS, cmd_serve
+from corral.cli.suggest import close_models, close_words, did_you_mean
 from corral.config import DEFAULTS
 
 
@@ -34,7 +36,8 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="corral",
         description="Serve GGUF models through the Ollama and OpenAI APIs, and talk to the server."
-        " Client commands reach the server at CORRAL_HOST (default 127.0.0.1:11434).",
+        " Client commands reach the server at CORRAL_HOST (else OLLAMA_HOST; default"
+        " 127.0.0.1:11434).",
     )
     parser.add_argument("--version", action="store_true", help="show client and server versions")
     sub = parser.add_subparsers(title="commands", metavar="COMMAND")
@@ -105,6 +108,40 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def _commands(parser: argparse.ArgumentParser) -> list[str]:
+    """The command names (aliases too) the parser knows."""
+    for action in parser._actions:
+        if isinstance(action, argparse._SubParsersAction):
+            return list(action.choices)
+    return []
+
+
+def unknown_command(word: str, commands: list[str]) -> str:
+    """Cobra's answer to a mistyped command, as `ollama lst` prints it."""
+    return (
+        f'Error: unknown command "{word}" for "corral"\n'
+        + did_you_mean(close_words(word, commands))
+        + "\nRun 'corral --help' for usage.\n"
+    )
+
+
+NOT_FOUND = re.compile(r"^model '(.+)' not found$")
+
+
+def suggest_models(message: str) -> str:
+    """For a "model 'x' not found" error, the names the server has that are closest to x."""
+    m = NOT_FOUND.match(message)
+    if not m:
+        return ""
+    try:
+        with connect() as client:
+            listed = client.get("/api/tags").get("models") or []
+    except CLIError:
+        return ""
+    names = [str(x.get("name") or x.get("model") or "") for x in listed if isinstance(x, dict)]
+    return did_you_mean(close_models(m.group(1), [n for n in names if n]))
+
+
 def main(argv: list[str] | None = None) -> int:
     args_in = sys.argv[1:] if argv is None else argv
     if args_in[:1] == ["bench"]:
@@ -112,6 +149,13 @@ def main(argv: list[str] | None = None) -> int:
 
         return bench_main(args_in[1:])
     parser = build_parser()
+    commands = _commands(parser)
+    if args_in[:1] == ["help"]:  # as `ollama help`
+        parser.print_help()
+        return 0
+    if args_in and not args_in[0].startswith("-") and args_in[0] not in [*commands, "bench"]:
+        sys.stderr.write(unknown_command(args_in[0], [*commands, "bench"]))
+        return 1
     try:
         args, extra = parser.parse_known_args(argv)
         # argparse stops filling PROMPT at the first option (`run m --verbose hi`); ollama
@@ -133,6 +177,8 @@ def main(argv: list[str] | None = None) -> int:
         return func(args)
     except CLIError as e:
         print(f"Error: {e}", file=sys.stderr)
+        if hint := suggest_models(str(e)):
+            sys.stderr.write(hint)
         return 1
     except KeyboardInterrupt:
         print(file=sys.stderr)

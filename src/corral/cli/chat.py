@@ -1,13 +1,12 @@
-"""`corral run`: answer a prompt or chat, streaming tokens with word wrap."""
+"""What `corral run` streams with: tokens with word wrap, a spinner, the load's progress bar,
+Ollama's --verbose stats."""
 
 from __future__ import annotations
 
-import argparse
 import contextlib
-import shutil
 import sys
 import threading
-from collections.abc import Callable, Mapping
+from collections.abc import Iterator, Mapping
 from types import TracebackType
 from typing import Any, TextIO
 from urllib.parse import quote
@@ -25,15 +24,8 @@ from rich.progress import (
 )
 from rich.spinner import Spinner
 
-from corral.cli.client import JSON, Client, CLIError, Unreachable, connect
+from corral.cli.client import JSON, Client, CLIError, connect
 from corral.cli.display import _int, _isatty, go_duration
-
-CHAT_HELP = '''Available Commands:
-  /clear          Clear session context
-  /bye            Exit
-  /?, /help       Help for a command
-
-Use """ to begin a multi-line message.'''
 
 
 def format_stats(final: Mapping[str, Any]) -> list[str]:
@@ -216,6 +208,16 @@ def _read_stdin() -> str:
         return ""
 
 
+def _ending_lines(chunks: Iterator[JSON], printer: TokenPrinter) -> Iterator[JSON]:
+    """The chunks; an error that ends the stream first ends the answer's line, so that its
+    message starts on a line of its own."""
+    try:
+        yield from chunks
+    except CLIError:
+        printer.end_line()
+        raise
+
+
 def stream_reply(
     client: Client, path: str, body: Mapping[str, Any], printer: TokenPrinter, spin: bool
 ) -> tuple[str, JSON | None]:
@@ -224,7 +226,7 @@ def stream_reply(
     final: JSON | None = None
     thinking = False
     with _Waiting(spin) as waiting, contextlib.closing(client.stream(path, body)) as chunks:
-        for chunk in chunks:
+        for chunk in _ending_lines(chunks, printer):
             waiting.stop()
             source = (chunk.get("message") or {}) if path == "/api/chat" else chunk
             think, content = source.get("thinking"), source.get("content", source.get("response"))
@@ -245,113 +247,17 @@ def stream_reply(
     return "".join(parts), final
 
 
-def _print_stats(final: JSON | None) -> None:
+def print_stats(final: JSON | None) -> None:
     for line in format_stats(final or {}):
         print(line, file=sys.stderr)
 
 
-def read_message(read: Callable[[str], str]) -> str:
-    """One user message; text between triple quotes may span lines, as in ollama."""
-    line = read(">>> ")
-    if not line.startswith('"""'):
-        return line
-    first = line[3:]
-    if first.rstrip().endswith('"""'):
-        return first.rstrip()[:-3]
-    parts = [first]
-    while True:
-        nxt = read("... ")
-        if nxt.rstrip().endswith('"""'):
-            parts.append(nxt.rstrip()[:-3])
-            return "\n".join(parts).strip("\n")
-        parts.append(nxt)
-
-
-def chat_loop(client: Client, args: argparse.Namespace, options: JSON, wrap: int | None) -> int:
-    with contextlib.suppress(ImportError):
-        import readline  # noqa: F401  (line editing and history for input())
-    messages: list[JSON] = []
-    printer = TokenPrinter(sys.stdout, wrap)
-    spin = _isatty(sys.stderr)
-    while True:
-        try:
-            text = read_message(input)
-        except EOFError:
-            print()
-            return 0
-        except KeyboardInterrupt:
-            print("\nUse Ctrl + d or /bye to exit.")
-            continue
-        if not text.strip():
-            continue
-        if text.startswith("/"):
-            command = text.split()[0]
-            if command in ("/bye", "/exit"):
-                return 0
-            if command == "/clear":
-                messages.clear()
-                print("Cleared session context")
-            elif command in ("/?", "/help"):
-                print(CHAT_HELP)
-            else:
-                print(f"Unknown command '{command}'. Type /? for help")
-            continue
-        messages.append({"role": "user", "content": text})
-        body = {"model": args.model, "messages": messages, "stream": True, **options}
-        try:
-            reply, final = stream_reply(client, "/api/chat", body, printer, spin)
-        except KeyboardInterrupt:  # stop this answer; forget the unanswered question
-            messages.pop()
-            printer.end_line()
-            print()
-            continue
-        except Unreachable:
-            raise
-        except CLIError as e:  # keep the session; the server may accept the next message
-            messages.pop()
-            printer.end_line()
-            print(f"Error: {e}", file=sys.stderr)
-            continue
-        messages.append({"role": "assistant", "content": reply})
-        printer.end_line()
-        print()
-        if args.verbose:
-            _print_stats(final)
-
-
-def cmd_run(args: argparse.Namespace) -> int:
-    stdin_tty = _isatty(sys.stdin)
-    words = list(args.prompt)
-    if not stdin_tty and (piped := _read_stdin()):  # piped text comes before the arguments
-        words.insert(0, piped)
-    prompt = " ".join(words)
-    interactive = not words and stdin_tty and _isatty(sys.stdout)
-    wrap = None
-    if stdin_tty and _isatty(sys.stdout) and not args.nowordwrap:
-        wrap = shutil.get_terminal_size().columns
-
-    options: JSON = {}
-    if args.keepalive is not None:
-        options["keep_alive"] = keep_alive_value(args.keepalive)
-    with connect() as client:
-        # Load first, so an unknown model or a failed load is reported before any prompt.
-        with _LoadProgress(args.model, _isatty(sys.stderr)):
-            for _ in client.stream("/api/generate", {"model": args.model, **options}):
-                pass
-        if args.format:
-            options["format"] = args.format
-        if interactive:
-            return chat_loop(client, args, options, wrap)
-        if not prompt:
-            return 0
-        printer = TokenPrinter(sys.stdout, wrap)
-        body = {"model": args.model, "prompt": prompt, "stream": True, **options}
-        try:
-            _, final = stream_reply(client, "/api/generate", body, printer, _isatty(sys.stderr))
-        except KeyboardInterrupt:
-            printer.end_line()
-            return 130
-        printer.end_line()
-        if args.verbose:
-            _print_stats(final)
-    return 0
+def load_model(client: Client, model: str, keep_alive: Any = None) -> None:
+    """Load a model (a generate request without a prompt), with a progress bar on a terminal;
+    CLIError (with the server's status) if it cannot be."""
+    body: JSON = {"model": model}
+    if keep_alive is not None:
+        body["keep_alive"] = keep_alive
+    with _LoadProgress(model, _isatty(sys.stderr)):
+        for _ in client.stream("/api/generate", body):
+            pass

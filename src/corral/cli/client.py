@@ -10,14 +10,18 @@ from typing import Any
 
 import httpx
 
+from corral.config import host_variable, parse_address
+
 JSON = dict[str, Any]
 
 
-DEFAULT_HOST = "127.0.0.1:11434"
-
-
 class CLIError(Exception):
-    """A failure reported as `Error: <message>` with exit status 1, never as a traceback."""
+    """A failure reported as `Error: <message>` with exit status 1, never as a traceback;
+    `status` is the HTTP status of a server's error answer, when it was one."""
+
+    def __init__(self, message: str, status: int | None = None) -> None:
+        super().__init__(message)
+        self.status = status
 
 
 class Unreachable(CLIError):
@@ -28,37 +32,12 @@ class Unreachable(CLIError):
         )
 
 
-def base_url(host: str) -> str:
-    """Client URL for a CORRAL_HOST value: "host:port", ":port", "host" or "http(s)://host[:port]".
-
-    Follows OLLAMA_HOST: bare values mean http on port 11434, a URL's scheme sets its default
-    port, and a path after the address is kept (for servers behind a prefix).
-    """
-    text = host.strip() or DEFAULT_HOST
-    scheme, sep, rest = text.partition("://")
-    if sep:
-        scheme = scheme.lower()
-        default_port = 443 if scheme == "https" else 80
-    else:
-        scheme, rest, default_port = "http", text, 11434
-    hostport, _, path = rest.partition("/")
-    if hostport.startswith("["):  # [v6]:port
-        name, _, tail = hostport[1:].partition("]")
-        if tail and not tail.startswith(":"):
-            raise ValueError(f"invalid address {host!r}")
-        port_text = tail[1:]
-    elif hostport.count(":") == 1:
-        name, port_text = hostport.split(":")
-    else:  # a bare name, or an IPv6 literal without brackets or port
-        name, port_text = hostport, ""
-    if port_text and not (port_text.isdigit() and 0 < int(port_text) < 65536):
-        raise ValueError(f"invalid port in {host!r}")
-    port = int(port_text) if port_text else default_port
-    # A server listening on every interface is reached through loopback.
-    name = {"": "127.0.0.1", "0.0.0.0": "127.0.0.1", "::": "::1"}.get(name, name)
-    netloc = f"[{name}]:{port}" if ":" in name else f"{name}:{port}"
-    path = path.strip("/")
-    return f"{scheme}://{netloc}" + (f"/{path}" if path else "")
+def base_url(host: str, name: str = "CORRAL_HOST") -> str:
+    """The client's URL for an address setting, read as Ollama reads OLLAMA_HOST (see
+    corral.config.parse_address): bare values mean http on port 11434, a port alone means
+    127.0.0.1, a URL's scheme sets its default port, and a path after the address is kept
+    (for servers behind a prefix). ValueError (a ConfigError) for a bad one."""
+    return parse_address(host, name).url()
 
 
 def error_message(status: int, reason: str, body: str) -> str:
@@ -146,7 +125,9 @@ class Client:
 
 def _checked(resp: httpx.Response) -> httpx.Response:
     if resp.status_code >= 400:
-        raise CLIError(error_message(resp.status_code, resp.reason_phrase, resp.text))
+        raise CLIError(
+            error_message(resp.status_code, resp.reason_phrase, resp.text), resp.status_code
+        )
     return resp
 
 
@@ -170,8 +151,9 @@ def api_key(value: str | None = None) -> str | None:
 
 
 def connect() -> Client:
-    host = os.environ.get("CORRAL_HOST", "")
+    """A client of the server at CORRAL_HOST, else OLLAMA_HOST, else 127.0.0.1:11434."""
+    variable, host = host_variable()
     try:
-        return Client(base_url(host), api_key())
+        return Client(base_url(host, variable), api_key())
     except ValueError as e:
-        raise CLIError(f"CORRAL_HOST: {e}") from None
+        raise CLIError(str(e)) from None

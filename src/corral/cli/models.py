@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import argparse
 import hashlib
+import itertools
 import sys
 from collections.abc import Iterable, Iterator, Mapping, Sequence
 from datetime import datetime
@@ -216,10 +217,15 @@ def _progress() -> Progress:
 
 
 def show_progress(chunks: Iterable[Mapping[str, Any]]) -> None:
-    """Ollama's progress lines: a bar per file (`digest` with `total`), other statuses as text."""
+    """Ollama's progress lines: a bar per file (`digest` with `total`), other statuses as text.
+    Nothing is drawn until the first line is in: a request refused at once leaves no trace."""
+    lines = iter(chunks)
+    first = next(lines, None)
+    if first is None:
+        return
     with _progress() as bar:
         tasks: dict[str, TaskID] = {}
-        for chunk in chunks:
+        for chunk in itertools.chain([first], lines):
             status = str(chunk.get("status", ""))
             digest, total = chunk.get("digest"), chunk.get("total")
             if digest and total:
