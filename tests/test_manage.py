@@ -225,6 +225,14 @@ def test_copy_and_delete(ollama_client: ollama.Client, server: CorralServer, mod
     # a copy of the user's own file refers to it; deleting the copy leaves the file alone
     assert ollama_client.copy("tiny", "tiny-alias").status == "success"
     assert from_line(ollama_client.show("tiny-alias").modelfile) == "tiny.gguf"
+    # Each name made from one file is a model of its own: its own ID, made when it was made.
+    os.utime(models / "tiny.gguf", (1e9, 1e9))  # the file is old (2001)
+    tags = {m["name"]: m for m in server.client.get("/api/tags").json()["models"]}
+    ids = [tags[n]["digest"] for n in ("tiny:latest", "tiny-alias:latest", "captain:latest",
+                                       "captain-copy:latest")]  # fmt: skip
+    assert len(set(ids)) == 4, ids
+    assert tags["tiny:latest"]["modified_at"].startswith("2001-")
+    assert not tags["tiny-alias:latest"]["modified_at"].startswith("2001-")
     assert ollama_client.delete("tiny-alias").status == "success"
     assert (models / "tiny.gguf").is_file() and "tiny:latest" in names(ollama_client)
     assert "tiny-alias:latest" not in names(ollama_client)

@@ -7,6 +7,7 @@ called through the runner client (runtime/client, `Service.client`).
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import hashlib
 import logging
@@ -68,8 +69,12 @@ class Resolved:
 
     @property
     def digest(self) -> str:
-        # An identity for the file (path, size, mtime), not a content hash: hashing gigabytes
-        # on every listing would be too slow.
+        # A model corral made (pull, create, cp) is its manifest, as Ollama's ID is: two names
+        # made from one file differ. Another is its file's identity (path, size, mtime), not a
+        # content hash: hashing gigabytes on every listing would be too slow.
+        if self.entry.manifest is not None:
+            with contextlib.suppress(OSError):
+                return hashlib.sha256(self.entry.manifest.read_bytes()).hexdigest()
         st = self.entry.path.stat()
         key = f"{self.entry.path}:{st.st_size}:{st.st_mtime_ns}"
         return hashlib.sha256(key.encode()).hexdigest()

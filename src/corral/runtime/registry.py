@@ -89,8 +89,10 @@ class ModelEntry:
 
     @property
     def modified_at(self) -> float:
+        """When the model was made: its manifest's time for a model corral made (a copy is
+        new, whatever its file's age), else its file's."""
         try:
-            return self.path.stat().st_mtime
+            return (self.manifest or self.path).stat().st_mtime
         except OSError:
             return 0.0
 
