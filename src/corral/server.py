@@ -25,6 +25,7 @@ from uvicorn.protocols.http.auto import AutoHTTPProtocol
 
 import corral
 from corral import logs
+from corral.api.activity import Activity, RequestLog, note_error
 from corral.api.anthropic import Anthropic
 from corral.api.dashboard import Dashboard, wants_html
 from corral.api.family import OLLAMA, Families, FamilyRoute
@@ -143,7 +144,8 @@ def create_app(settings: Settings, devices: list[Device] | None = None) -> Starl
 
     async def api_error(request: Request, exc: Exception) -> Response:
         assert isinstance(exc, ApiError)
-        if exc.status == 499:  # the client is gone; nobody reads this
+        if exc.status == 499:  # the client is gone; nobody reads this but the log
+            note_error(exc)
             return Response(status_code=499)
         return families.response(request, exc)
 
@@ -176,10 +178,12 @@ def create_app(settings: Settings, devices: list[Device] | None = None) -> Starl
         await scheduler.shutdown()
 
     manage = Manage(service)
+    activity = Activity()  # the last requests, for the dashboard's activity view
     routes = [
         FamilyRoute(OLLAMA, "/", root, ["GET", "HEAD"]),
         FamilyRoute(OLLAMA, "/health", health, ["GET"]),
         FamilyRoute(OLLAMA, "/metrics", metrics.endpoint, ["GET"]),
+        FamilyRoute(OLLAMA, "/api/corral/activity", activity.endpoint, ["GET"]),
         *Ollama(service).routes(),
         *OpenAI(service).routes(),
         *Anthropic(service).routes(),
@@ -196,6 +200,7 @@ def create_app(settings: Settings, devices: list[Device] | None = None) -> Starl
         lifespan=lifespan,
         exception_handlers={ApiError: api_error, HTTPException: http_error},
         middleware=[
+            Middleware(RequestLog, activity=activity),  # outermost: it sees every request
             Middleware(MeasureRequests, metrics=metrics),
             Middleware(
                 Guard,
@@ -212,6 +217,7 @@ def create_app(settings: Settings, devices: list[Device] | None = None) -> Starl
     app.state.service = service
     app.state.scheduler = scheduler
     app.state.gate = gate
+    app.state.activity = activity
     return app
 
 
@@ -292,7 +298,8 @@ def serve(overrides: Mapping[str, str] | None = None) -> None:
         log.info("at most %d connections (open files limit %d)", max_connections, open_files)
     config = uvicorn.Config(
         app, host=settings.host, port=settings.port, log_level=settings.log_level,
-        access_log=settings.log_level == "debug", timeout_graceful_shutdown=5,
+        # corral.request logs every request (api/activity.py): uvicorn's own line would repeat it
+        access_log=False, timeout_graceful_shutdown=5,
         # httptools' protocol (h11's without it) with timeouts for headers and a connection cap
         http=guarded_protocol(
             AutoHTTPProtocol, settings.read_timeout, max_connections, settings.idle_timeout
