@@ -222,8 +222,9 @@ def create_app(settings: Settings, devices: list[Device] | None = None) -> Starl
 
 
 class _Server(uvicorn.Server):
-    """uvicorn's server with a graceful stop. The first SIGTERM drains: new requests get 503
-    with Retry-After while those in flight finish, for up to the shutdown grace; then the
+    """uvicorn's server with a graceful stop. The first SIGTERM drains: new requests, and those
+    still waiting for a slot or a load (which is abandoned), get 503 with Retry-After while those
+    generating finish, for up to the shutdown grace; then the
     scheduler stops every runner (streams still open end with "server is shutting down") and
     uvicorn exits. SIGINT (Ctrl-C), a second SIGTERM, or a grace of 0 stop at once: waiting
     requests get 503, loading runners die and streams end with an error, so the connections
@@ -256,6 +257,9 @@ class _Server(uvicorn.Server):
         loop.call_soon_threadsafe(self.scheduler.begin_shutdown)
 
     def _start_drain(self, sig: int) -> None:
+        # Requests still waiting for a slot (a model loading, a full runner) get 503 now and
+        # loads under way are abandoned: only those already generating keep the grace.
+        self.scheduler.begin_drain()
         log.info(
             "stopping: no new requests; %d in flight may take up to %gs to finish",
             self.gate.in_flight,
