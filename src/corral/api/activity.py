@@ -114,16 +114,7 @@ class Record:
 
     def fields(self) -> dict[str, Any]:
         """Its fields as the log's JSON object has them (the log line's own time is its end)."""
-        out = self.json()
-        del out["id"], out["time"]
-        return out
-
-    def json(self) -> dict[str, Any]:
         return {
-            "id": self.id,
-            "time": datetime.fromtimestamp(self.time, timezone.utc).isoformat(
-                timespec="milliseconds"
-            ),
             "client": self.client, "method": self.method, "route": self.route,
             "model": self.model, "status": self.status, "prompt_tokens": self.prompt_tokens,
             "generated_tokens": self.generated_tokens,
@@ -131,6 +122,11 @@ class Record:
             "tokens_per_second": _round(self.tokens_per_second, 2),
             "duration": _round(self.duration), "error": self.error,
         }  # fmt: skip
+
+    def json(self) -> dict[str, Any]:
+        """As `GET /api/corral/activity` shows it."""
+        when = datetime.fromtimestamp(self.time, timezone.utc).isoformat(timespec="milliseconds")
+        return {"id": self.id, "time": when, **self.fields()}
 
     def line(self) -> str:
         """The text log line: status, duration, client, method and route, model, then the
@@ -297,9 +293,11 @@ class RequestLog:
     def _done(self, entry: Entry) -> None:
         rec = record(entry, self.activity.next_id(), time.monotonic())
         quiet = rec.status < 400 and (rec.route in QUIET_PATHS or rec.route.startswith("/ui"))
+        # The JSON formatter asks for the fields (logs.JsonFormatter); text lines never build them.
         if quiet:
             if log.isEnabledFor(logging.DEBUG):
-                log.debug("%s", rec.line(), extra={"fields": rec.fields()})
+                log.debug("%s", rec.line(), extra={"fields": rec.fields})
             return
-        log.info("%s", rec.line(), extra={"fields": rec.fields()})
+        if log.isEnabledFor(logging.INFO):
+            log.info("%s", rec.line(), extra={"fields": rec.fields})
         self.activity.add(rec)
