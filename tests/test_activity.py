@@ -141,6 +141,12 @@ def test_a_failed_pull_is_logged_however_it_fails(server: CorralServer) -> None:
     assert "error: " in line and "digest mismatch" in line
 
 
+def test_a_list_of_models_names_none(server: CorralServer) -> None:
+    for path in ("/api/tags", "/v1/models"):
+        assert server.client.get(path).status_code == 200
+        assert logged(server, f"| GET {path} |").endswith(f"| GET {path} | -")
+
+
 def test_the_guards_refusals_are_logged(server: CorralServer) -> None:
     r = server.client.post("/api/chat", json={}, headers={"origin": "https://evil.example"})
     assert r.status_code == 403

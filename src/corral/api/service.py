@@ -103,7 +103,6 @@ class Service:
 
     # ---- models ----------------------------------------------------------------------------
     def entry(self, name: str) -> ModelEntry:
-        note_model(name)  # the request log names the model asked for, found or not
         entry = self.registry.get(name)
         if entry is None:
             raise ApiError(404, f"model '{name}' not found", "model")
