@@ -3,14 +3,14 @@ the last ones (`GET /api/corral/activity`, which the dashboard's activity view r
 
 `RequestLog` (ASGI middleware, the outermost) opens an `Entry` for each request and keeps it
 in a context variable while the request is served, so whatever serves it adds what it learns
-without being handed anything: the service notes the model (`note_model`) and each lease
-(`note_lease`: its tally counts the tokens and holds llama.cpp's timings), and every error a
-client hears, whole or ending a stream, is noted where its family renders it
-(`api/family.py`). The middleware's call returns once the response's last byte was sent (or
-the client left), so the line is written then, with the final counts: time, client, method,
-route, model, status, prompt and generated tokens, time to first token, tokens per second,
-duration and, for an error, its message. With CORRAL_LOG_FORMAT=json the same fields are keys
-of the line's object.
+without being handed anything: the model as the body names it (`common.model_field`) and as
+resolved, each lease (`Service.lease` -> `note_lease`: its tally counts the tokens and holds
+llama.cpp's timings), and every error a client hears, whole or ending a stream, where its
+family renders it (`api/family.py`). The middleware's call returns once the response's last
+byte was sent (or the client left), so the line is written then, with the final counts: time,
+client, method, route, model, status, prompt and generated tokens, time to first token, tokens
+per second, duration and, for an error, its message. With CORRAL_LOG_FORMAT=json the same
+fields are keys of the line's object.
 
 Requests a page or a probe makes on its own all the time (the dashboard's state, assets,
 health, metrics) are logged at debug level and not kept, unless they fail.
