@@ -1,10 +1,13 @@
 """Test-only helpers, kept out of the product: fake device sets (what the placement and
-scheduler tests run on instead of this machine's devices) and the allocation in a whole runner
-log. Imported from the tests directory (`from helpers import ...`)."""
+scheduler tests run on instead of this machine's devices), the allocation in a whole runner
+log, a runner held still before its load. Imported from the tests directory (`from helpers
+import ...`)."""
 
 from __future__ import annotations
 
+import os
 import re
+from pathlib import Path
 
 from corral.core.devices import CPU, Device
 from corral.core.memreport import Allocation, AllocationParser
@@ -51,3 +54,30 @@ def parse_log(text: str) -> Allocation | None:
     for line in text.splitlines():
         p.feed(line)
     return p.allocation
+
+
+# A sitecustomize that holds a runner still before it loads: a runner child (python -m
+# corral.runtime.runner_child) whose command line names CORRAL_TEST_HOLD's text stops itself
+# with SIGSTOP as its interpreter starts. (sys.argv is not set yet when site runs: /proc is.)
+_HOLD = """\
+import os, signal
+_hold = os.environ.get("CORRAL_TEST_HOLD")
+if _hold:
+    try:
+        with open("/proc/self/cmdline", "rb") as _f:
+            _cmd = _f.read()
+    except OSError:
+        _cmd = b""
+    if b"corral.runtime.runner_child" in _cmd and _hold.encode() in _cmd:
+        os.kill(os.getpid(), signal.SIGSTOP)
+"""
+
+
+def held_runner_env(directory: Path, text: str) -> dict[str, str]:
+    """Environment for `corral serve` under which a runner whose command line holds `text`
+    (e.g. its model's file name) stops itself before it loads, and stays so until it gets
+    SIGCONT or SIGKILL: a load held still, whatever the machine's speed (Linux)."""
+    directory.mkdir(parents=True, exist_ok=True)
+    (directory / "sitecustomize.py").write_text(_HOLD)
+    path = os.pathsep.join(p for p in (str(directory), os.environ.get("PYTHONPATH")) if p)
+    return {"PYTHONPATH": path, "CORRAL_TEST_HOLD": text}

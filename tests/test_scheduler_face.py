@@ -1,12 +1,13 @@
 """The scheduler shell's narrow face: the rest of corral asks it with `submit`, `wait`,
 `acquire` and `unload`, reads it through `view()` (a plain snapshot) and `listen`, and ends it
-with `begin_shutdown`, `shutdown` and `kill_all`; nothing outside the shell's own modules
-reads its attributes or imports its insides. What it works with (the runner factory, the clock,
-the hooks) is given at its construction."""
+with `begin_drain`, `begin_shutdown`, `shutdown` and `kill_all`; nothing outside the shell's own
+modules reads its attributes or imports its insides. What it works with (the runner factory,
+the clock, the hooks) is given at its construction."""
 
 from __future__ import annotations
 
 import ast
+import asyncio
 import math
 from collections.abc import Iterator
 from pathlib import Path
@@ -20,7 +21,7 @@ from corral.runtime.scheduler import Scheduler, SchedulerError
 
 FACE = {
     "submit", "wait", "acquire", "unload", "view", "listen",
-    "begin_shutdown", "shutdown", "kill_all",
+    "begin_drain", "begin_shutdown", "shutdown", "kill_all",
 }  # fmt: skip
 # The shell and the modules it is made of.
 SHELL = {"runtime/scheduler.py", "runtime/measure.py", "runtime/view.py"}
@@ -106,5 +107,45 @@ async def test_what_the_shell_works_with_comes_through_its_constructor(tmp_path:
         assert made == ["m"]
         v = s.view()
         assert v.runners == () and [e.kind for e in v.events] == ["load", "load_failed"]
+    finally:
+        await s.shutdown()
+
+
+async def test_a_drain_refuses_who_waits_and_abandons_the_load(tmp_path: Path) -> None:
+    """begin_drain (SIGTERM): a request waiting for its model's load gets 503 with Retry-After
+    at once, the load is abandoned (its runner killed, its booking freed), and new requests
+    are refused."""
+    loading, killed = asyncio.Event(), asyncio.Event()
+
+    class Held(Runner):  # a load that never ends on its own
+        async def start(self, timeout: float) -> None:
+            loading.set()
+            await killed.wait()
+            raise RunnerError("killed")
+
+        def kill_now(self) -> None:
+            killed.set()
+
+    s = Scheduler({"cpu": 2**30}, measure_interval=math.inf, runners=Held)
+    spec = RunnerSpec(path=str(tmp_path / "m.gguf"), n_ctx=512, num_parallel=1)
+    try:
+        waiting = asyncio.ensure_future(s.acquire("m", spec, size=2**20))
+        await loading.wait()
+        assert [r.state for r in s.view().runners] == ["loading"]
+        s.begin_drain()
+        with pytest.raises(SchedulerError) as e:
+            await waiting
+        assert (e.value.status, e.value.message) == (503, "server is shutting down")
+        assert e.value.retry_after and e.value.retry_after >= 1
+        assert killed.is_set()
+        for _ in range(100):  # the load's task sees its runner fail, then frees the books
+            if not s.view().runners:
+                break
+            await asyncio.sleep(0.01)
+        v = s.view()
+        assert v.runners == () and sum(v.booked.values()) == sum(v.reserved.values())
+        assert [e.kind for e in v.events] == ["load"]  # abandoned: not a failed load
+        with pytest.raises(SchedulerError, match="shutting down"):
+            s.submit("m", spec, size=2**20)
     finally:
         await s.shutdown()

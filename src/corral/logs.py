@@ -1,5 +1,6 @@
 """Log output: plain lines for people, or one JSON object per line for log shippers
-(CORRAL_LOG_FORMAT=json)."""
+(CORRAL_LOG_FORMAT=json). A record logged with `extra={"fields": ...}` (a dict, or a function
+that returns one: each request's line) has those fields as keys of its JSON object too."""
 
 from __future__ import annotations
 
@@ -21,6 +22,11 @@ class JsonFormatter(logging.Formatter):
             "logger": record.name,
             "message": record.getMessage(),
         }
+        fields = getattr(record, "fields", None)  # a request's (api/activity.py): keys of its own
+        if callable(fields):  # built only when a JSON line is written
+            fields = fields()
+        if isinstance(fields, dict):
+            out.update((k, v) for k, v in fields.items() if k not in out)
         if record.exc_info:
             out["exception"] = self.formatException(record.exc_info)
         return orjson.dumps(out).decode()

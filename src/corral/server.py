@@ -25,6 +25,7 @@ from uvicorn.protocols.http.auto import AutoHTTPProtocol
 
 import corral
 from corral import logs
+from corral.api.activity import Activity, RequestLog, note_error
 from corral.api.anthropic import Anthropic
 from corral.api.dashboard import Dashboard, wants_html
 from corral.api.family import OLLAMA, Families, FamilyRoute
@@ -143,7 +144,8 @@ def create_app(settings: Settings, devices: list[Device] | None = None) -> Starl
 
     async def api_error(request: Request, exc: Exception) -> Response:
         assert isinstance(exc, ApiError)
-        if exc.status == 499:  # the client is gone; nobody reads this
+        if exc.status == 499:  # the client is gone; nobody reads this but the log
+            note_error(exc)
             return Response(status_code=499)
         return families.response(request, exc)
 
@@ -176,10 +178,12 @@ def create_app(settings: Settings, devices: list[Device] | None = None) -> Starl
         await scheduler.shutdown()
 
     manage = Manage(service)
+    activity = Activity()  # the last requests, for the dashboard's activity view
     routes = [
         FamilyRoute(OLLAMA, "/", root, ["GET", "HEAD"]),
         FamilyRoute(OLLAMA, "/health", health, ["GET"]),
         FamilyRoute(OLLAMA, "/metrics", metrics.endpoint, ["GET"]),
+        FamilyRoute(OLLAMA, "/api/corral/activity", activity.endpoint, ["GET"]),
         *Ollama(service).routes(),
         *OpenAI(service).routes(),
         *Anthropic(service).routes(),
@@ -196,6 +200,7 @@ def create_app(settings: Settings, devices: list[Device] | None = None) -> Starl
         lifespan=lifespan,
         exception_handlers={ApiError: api_error, HTTPException: http_error},
         middleware=[
+            Middleware(RequestLog, activity=activity),  # outermost: it sees every request
             Middleware(MeasureRequests, metrics=metrics),
             Middleware(
                 Guard,
@@ -212,12 +217,14 @@ def create_app(settings: Settings, devices: list[Device] | None = None) -> Starl
     app.state.service = service
     app.state.scheduler = scheduler
     app.state.gate = gate
+    app.state.activity = activity
     return app
 
 
 class _Server(uvicorn.Server):
-    """uvicorn's server with a graceful stop. The first SIGTERM drains: new requests get 503
-    with Retry-After while those in flight finish, for up to the shutdown grace; then the
+    """uvicorn's server with a graceful stop. The first SIGTERM drains: new requests, and those
+    still waiting for a slot or a load (which is abandoned), get 503 with Retry-After while those
+    generating finish, for up to the shutdown grace; then the
     scheduler stops every runner (streams still open end with "server is shutting down") and
     uvicorn exits. SIGINT (Ctrl-C), a second SIGTERM, or a grace of 0 stop at once: waiting
     requests get 503, loading runners die and streams end with an error, so the connections
@@ -250,6 +257,9 @@ class _Server(uvicorn.Server):
         loop.call_soon_threadsafe(self.scheduler.begin_shutdown)
 
     def _start_drain(self, sig: int) -> None:
+        # Requests still waiting for a slot (a model loading, a full runner) get 503 now and
+        # loads under way are abandoned: only those already generating keep the grace.
+        self.scheduler.begin_drain()
         log.info(
             "stopping: no new requests; %d in flight may take up to %gs to finish",
             self.gate.in_flight,
@@ -292,7 +302,8 @@ def serve(overrides: Mapping[str, str] | None = None) -> None:
         log.info("at most %d connections (open files limit %d)", max_connections, open_files)
     config = uvicorn.Config(
         app, host=settings.host, port=settings.port, log_level=settings.log_level,
-        access_log=settings.log_level == "debug", timeout_graceful_shutdown=5,
+        # corral.request logs every request (api/activity.py): uvicorn's own line would repeat it
+        access_log=False, timeout_graceful_shutdown=5,
         # httptools' protocol (h11's without it) with timeouts for headers and a connection cap
         http=guarded_protocol(
             AutoHTTPProtocol, settings.read_timeout, max_connections, settings.idle_timeout

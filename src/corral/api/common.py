@@ -13,6 +13,7 @@ from typing import Any, TypeVar
 import orjson
 from starlette.requests import Request
 
+from corral.api.activity import note_model
 from corral.core.options import REQUEST_OPTIONS, Option
 from corral.errors import ApiError
 
@@ -107,9 +108,11 @@ def field(
 
 
 def model_field(body: dict[str, Any]) -> str:
+    """The request's `model` (also the model its log line names)."""
     name = field(body, "model", str)
     if not name or not name.strip():
         raise ApiError(400, "'model' is required", "model")
+    note_model(name)
     return name
 
 

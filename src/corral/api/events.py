@@ -456,7 +456,7 @@ class SSE:
             lines, self.tail, self.ended = [self.tail], b"", True
         plain = self.plain
         tokens = 0  # generated tokens among these events (one a chunk; `token_events`)
-        final: Any = None  # llama.cpp's own count, from the timings at the end
+        final: Any = None  # llama.cpp's timings at the end (its own count among them)
         for line in lines:
             if plain and line.startswith(PLAIN_HEAD) and (text := self._plain(line)):
                 self.pending.append(text)
@@ -476,14 +476,14 @@ class SSE:
                 self.pending.append(obj)
                 tokens += token_events(line)
                 if type(obj) is dict and type(timings := obj.get("timings")) is dict:
-                    final = timings.get("predicted_n")
+                    final = timings
             elif line.startswith(b"error: "):
                 self.pending.append(ApiError(500, runner_error_message(line[7:], 500)))
                 break
         if self.tally is not None:
             self.tally.add(tokens)
-            if type(final) is int:
-                self.tally.settle(final)
+            if final is not None:
+                self.tally.timed(final)
 
     def _plain(self, line: bytes) -> bytes | None:
         """The JSON string of a plain content delta (PLAIN_HEAD...), None if it is not one

@@ -22,6 +22,7 @@ from starlette.responses import Response
 from starlette.routing import BaseRoute, Match, Route
 from starlette.types import Scope
 
+from corral.api.activity import note_error
 from corral.errors import ApiError
 
 NDJSON = "application/x-ndjson"
@@ -30,19 +31,27 @@ SSE = "text/event-stream"
 
 @dataclass(frozen=True)
 class Family:
-    """An API family's errors: `body` the JSON of a whole-body error, `event` the bytes that
-    end one of its streams (`media_type`) with the error."""
+    """An API family's errors: `body` the JSON of a whole-body error, `ending` the bytes that
+    end one of its streams (`media_type`) with the error. Both are rendered through `response`
+    and `event`, which also note the error on the request's log record (api/activity.py)."""
 
     name: str
     body: Callable[[ApiError], Any]
-    event: Callable[[ApiError], bytes]
+    ending: Callable[[ApiError], bytes]
     media_type: str = SSE
 
     def response(self, e: ApiError) -> Response:
+        """The error as a whole response."""
+        note_error(e)
         response = Response(orjson.dumps(self.body(e)), e.status, media_type="application/json")
         if e.retry_after is not None:  # the OpenAI and Anthropic SDKs wait this long to retry
             response.headers["Retry-After"] = str(max(1, math.ceil(e.retry_after)))
         return response
+
+    def event(self, e: ApiError) -> bytes:
+        """The bytes that end a stream under way with the error."""
+        note_error(e)
+        return self.ending(e)
 
 
 def sse(event: str, data: Any) -> bytes:

@@ -25,6 +25,7 @@ from starlette.requests import Request
 from starlette.responses import Response
 from starlette.routing import Route
 
+from corral.api.activity import note_model
 from corral.api.common import field, option_value, read_json, until_disconnect
 from corral.api.family import NDJSON, OLLAMA, FamilyRoute
 from corral.api.service import Service
@@ -53,6 +54,8 @@ def model_name(body: dict[str, Any], key: str = "model") -> str:
     name = field(body, key, str) or (field(body, "name", str) if key == "model" else None)
     if not name or not name.strip():
         raise ApiError(400, f"'{key}' is required", key)
+    if key in ("model", "source"):  # the model the request log names
+        note_model(name.strip())
     return name.strip()
 
 
@@ -388,6 +391,7 @@ class Manage:
 
     async def _unload(self, model: str) -> bool:
         """Unload the model if it is loaded; wait (a while) until its runner has gone."""
+
         def loaded() -> bool:
             return any(canonical_name(r.model) == model for r in self.svc.scheduler.view().runners)
 

@@ -25,6 +25,7 @@ from starlette.routing import Route
 
 import corral
 from corral.api import defaults
+from corral.api.activity import note_model
 from corral.api.common import (
     check_options,
     field,
@@ -351,6 +352,7 @@ class Ollama:
         name = field(body, "model", str) or field(body, "name", str)
         if not name:
             raise ApiError(400, "'model' is required", "model")
+        note_model(name)
         verbose = field(body, "verbose", bool, False)
         r = self.svc.resolve(name)
         # A created model's own template, system prompt, parameters and messages come first.

@@ -55,7 +55,7 @@ from corral.api.service import Resolved, Service
 from corral.api.stream import RelayResponse, json_response
 from corral.errors import ApiError
 from corral.runtime.client import RunnerStream
-from corral.runtime.meter import whole_tokens
+from corral.runtime.meter import settle_whole
 from corral.runtime.scheduler import Lease
 
 T = TypeVar("T")
@@ -275,7 +275,7 @@ class OpenAI:
                 out: dict[str, Any] = await self.svc.client.post_json(
                     lease.runner, path, payload, lease
                 )
-                lease.tally.settle(whole_tokens(out))
+                settle_whole(lease.tally, out)
                 return out
 
         # a prompt longer than the runner's context reloads it bigger and is sent again

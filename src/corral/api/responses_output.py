@@ -13,6 +13,7 @@ from typing import Any
 
 import orjson
 
+from corral.api.activity import note_error
 from corral.api.events import Done, Event, Text, Thinking, ToolCall, Usage, new_id
 from corral.api.family import sse
 from corral.errors import ApiError
@@ -334,6 +335,7 @@ class Builder:
                 for e in self.feed(ev):
                     yield sse(e["type"], e)
         except ApiError as err:  # the runner failed mid-stream: the headers are long gone
+            note_error(err)  # rendered here, not by the family: the log says it too
             for e in self.fail(err.message):
                 yield sse(e["type"], e)
             return

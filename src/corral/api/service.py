@@ -20,9 +20,10 @@ from starlette.requests import Request
 from starlette.responses import Response
 
 from corral.api import defaults
+from corral.api.activity import note_lease, note_model
 from corral.api.common import until_disconnect
 from corral.api.events import Chat, Generation, forced_schema, tool_name
-from corral.api.metrics import note_model
+from corral.api.metrics import note_model as note_scope_model
 from corral.api.stream import LeasedStream
 from corral.api.toolprompt import fallback_grammar, template_body
 from corral.config import Settings
@@ -47,7 +48,7 @@ from corral.errors import ApiError
 from corral.runtime.client import ContextOverflow, RunnerClient, RunnerStream
 from corral.runtime.devices import cpu_cores
 from corral.runtime.journal import Event
-from corral.runtime.meter import predicted_tokens
+from corral.runtime.meter import last_timings
 from corral.runtime.registry import ModelEntry, Registry, canonical_name
 from corral.runtime.scheduler import Lease, Scheduler, SchedulerError
 from corral.runtime.view import SchedulerView
@@ -196,7 +197,8 @@ class Service:
     ) -> Lease:
         """Wait for a runner slot. A client that leaves while waiting (queued, or while its
         model loads) takes its queue entry with it."""
-        note_model(request.scope, r.name)  # labels the request's metrics
+        note_model(r.name)  # the request log's model: the one resolved
+        note_scope_model(request.scope, r.name)  # labels the request's metrics
         spec, explicit = self.runner_spec(r, options)
         try:
             check_kv_cache_type(r.info, spec.kv_cache_type)
@@ -230,6 +232,7 @@ class Service:
                 lease = await until_disconnect(request, self.scheduler.wait(ticket), Lease.release)
         except SchedulerError as e:
             raise ApiError(e.status, e.message, retry_after=e.retry_after) from None
+        note_lease(lease.tally)  # the request log's tokens and timings
         if auto:
             self._served(r.name, lease.runner.spec.n_ctx)
         return lease
@@ -391,7 +394,7 @@ class Service:
         assert not isinstance(resp, RunnerStream)
         try:
             data = await until_disconnect(request, resp.read())
-            lease.tally.settle(predicted_tokens(data))  # a whole answer's tokens, at once
+            lease.tally.timed(last_timings(data))  # a whole answer's tokens, at once
         finally:
             resp.release()
             lease.release()

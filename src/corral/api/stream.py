@@ -21,6 +21,7 @@ import orjson
 from starlette.responses import Response
 from starlette.types import Message, Receive, Scope, Send
 
+from corral.api.activity import note_error
 from corral.api.family import OPENAI, Family
 from corral.errors import ApiError
 from corral.runtime.client import UPSTREAM_ERRORS, RunnerStream, runner_error_message
@@ -104,6 +105,7 @@ class RelayResponse(Response):
             if not state["gone"]:
                 raise
             task.uncancel()  # the client left: the response is over, not the server's task
+            note_error("client disconnected")
         finally:
             state["active"] = False
             watch.cancel()

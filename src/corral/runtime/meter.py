@@ -13,8 +13,11 @@ free index when a stream's first token passes), not llama.cpp's slot id.
 from __future__ import annotations
 
 from collections import deque
-from collections.abc import Callable, Hashable
+from collections.abc import Callable, Hashable, Mapping
 from dataclasses import dataclass
+from typing import Any
+
+import orjson
 
 WINDOW = 5.0  # seconds of relayed tokens a rate spans
 
@@ -42,9 +45,23 @@ def count_events(tally: Tally, events: bytes) -> None:
     """Count the tokens of whole SSE events of llama.cpp's as they are relayed; the stream's
     last events (which carry its timings) settle the count with llama.cpp's own."""
     tally.add(token_events(events))
-    i = events.rfind(b'"predicted_n":')
-    if i >= 0:
-        tally.settle(_number(events, i + 14))
+    if b'"timings":{' in events:  # only the last events: one scan of the others
+        tally.timed(last_timings(events))
+
+
+def last_timings(data: bytes) -> dict[str, Any] | None:
+    """The last `"timings":{...}` object of llama.cpp's in `data` (a whole answer, or whole
+    events of a stream); None if there is none. llama.cpp's timings hold numbers only, so the
+    object ends at the first closing brace."""
+    i = data.rfind(b'"timings":{')
+    j = data.find(b"}", i)
+    if i < 0 or j < 0:
+        return None
+    try:
+        out = orjson.loads(data[i + 10 : j + 1])
+    except orjson.JSONDecodeError:
+        return None
+    return out if isinstance(out, dict) else None
 
 
 def predicted_tokens(data: bytes) -> int | None:
@@ -61,7 +78,7 @@ def _number(data: bytes, i: int) -> int | None:
     return int(data[i:j]) if j > i else None
 
 
-def whole_tokens(data: dict[str, object]) -> int | None:
+def whole_tokens(data: Mapping[str, object]) -> int | None:
     """The generated tokens of a whole (non-streamed) answer of llama.cpp's: its usage, else
     its timings, else /completion's `tokens_predicted`."""
     usage = data.get("usage")
@@ -74,11 +91,30 @@ def whole_tokens(data: dict[str, object]) -> int | None:
     return n if isinstance(n, int) else None
 
 
+def settle_whole(tally: Tally, data: Mapping[str, Any]) -> None:
+    """Settle a tally with a whole (non-streamed) answer of llama.cpp's: its generated tokens,
+    and its timings or usage for the request log."""
+    tally.settle(whole_tokens(data))
+    tally.timed(data.get("timings"))
+    usage = data.get("usage")
+    if tally.prompt is None and isinstance(usage, dict):
+        n = usage.get("prompt_tokens")
+        tally.prompt = n if isinstance(n, int) and not isinstance(n, bool) else None
+
+
+def _int(x: object) -> int | None:
+    return x if isinstance(x, int) and not isinstance(x, bool) else None
+
+
+def _ms(x: object) -> float | None:
+    return float(x) if isinstance(x, (int, float)) and not isinstance(x, bool) else None
+
+
 class Tally:
     """One request's generated tokens as they pass to its client."""
 
-    __slots__ = ("_meter", "ended", "held", "model", "n0", "runner", "slot", "t0", "times",
-                 "total")  # fmt: skip
+    __slots__ = ("_meter", "ended", "held", "model", "n0", "predicted_ms", "prompt", "prompt_ms",
+                 "runner", "slot", "t0", "times", "total")  # fmt: skip
 
     def __init__(self, meter: Meter, runner: Hashable, model: str) -> None:
         self._meter = meter
@@ -91,6 +127,12 @@ class Tally:
         self.times: deque[tuple[float, int]] = deque()  # (when, tokens) within the window
         self.held = 0  # tokens in `times`
         self.ended = False
+        # From llama.cpp's timings at the end (the request log's figures): the prompt's
+        # tokens (read now or taken from its cache), the time it took to read them and the
+        # time spent generating.
+        self.prompt: int | None = None
+        self.prompt_ms: float | None = None
+        self.predicted_ms: float | None = None
 
     def add(self, n: int) -> None:
         """`n` more tokens went to the client now."""
@@ -114,6 +156,22 @@ class Tally:
         those not counted as they passed are added now."""
         if total is not None and total > self.total:
             self.add(total - self.total)
+
+    def timed(self, timings: object) -> None:
+        """llama.cpp's timings at the end of the request (`prompt_n`, `cache_n`, `prompt_ms`,
+        `predicted_n`, `predicted_ms`): the count settled with its own, the rest kept."""
+        if not isinstance(timings, dict):
+            return
+        self.settle(_int(timings.get("predicted_n")))
+        read = _int(timings.get("prompt_n"))
+        if read is not None:
+            self.prompt = read + (_int(timings.get("cache_n")) or 0)
+        self.prompt_ms = _ms(timings.get("prompt_ms"))
+        self.predicted_ms = _ms(timings.get("predicted_ms"))
+
+    def since_first(self) -> float | None:
+        """Seconds since its first tokens passed to the client; None if none has."""
+        return self._meter.clock() - self.t0 if self.slot >= 0 else None
 
     def end(self) -> None:
         """The request is over (its lease went back)."""

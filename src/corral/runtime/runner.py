@@ -160,6 +160,8 @@ class Runner:
             env=runner_env(os.environ, self.layout.env, self.short_spin),
             preexec_fn=_runner_preexec,
         )
+        if self.shutting_down:  # the server began to stop while it was being spawned
+            self.kill_now()
         assert self.proc.stdout is not None and self.proc.stderr is not None
         self._readers = [
             asyncio.create_task(self._read(self.proc.stdout, ready=not self.llama_server)),

@@ -7,9 +7,9 @@ with another synchronous event.
 
 Its whole face: `submit`, `wait` (and `acquire`, both at once) and `unload` change the books;
 `view()` (a plain snapshot, runtime/view.py) and `listen` (the journal's events) read them;
-`begin_shutdown`, `shutdown` and `kill_all` end it. What it works with (how a runner is
-made, the clock, the hooks the rest of corral plugs in) is given at construction; what it
-measures lives in runtime/measure.py.
+`begin_drain` (SIGTERM's grace), `begin_shutdown`, `shutdown` and `kill_all` end it. What it
+works with (how a runner is made, the clock, the hooks the rest of corral plugs in) is given at
+construction; what it measures lives in runtime/measure.py.
 """
 
 from __future__ import annotations
@@ -176,6 +176,7 @@ class Scheduler:
         self._timer: asyncio.TimerHandle | None = None
         self._timer_at = math.inf
         self._tasks: set[asyncio.Task[Any]] = set()
+        self._draining = False  # no new work: granted requests finish, nothing else starts
         self._closing = False
 
     # ---- the API's side ----------------------------------------------------------------------
@@ -197,7 +198,7 @@ class Scheduler:
         them the runner process's own; `smaller`: runners with fewer slots that serve it too,
         loaded where `spec`'s does not fit). Synchronous: when the model's runner has a free
         slot the ticket is granted on return. SchedulerError if refused."""
-        if self._closing:
+        if self._closing or self._draining:
             raise SchedulerError(503, "server is shutting down", SHUTDOWN_RETRY_AFTER)
         k = self._measure.raised.get(model)
         if k is not None:  # it ran out of memory before: ask for more room this time
@@ -259,7 +260,8 @@ class Scheduler:
         """The books, the runners and what was measured of them, as a plain snapshot."""
         return snapshot(
             self._core, self._runners, self._measure, self._meter.read(),
-            tuple(self._journal.recent), closing=self._closing, now=self._clock(),
+            tuple(self._journal.recent), closing=self._closing or self._draining,
+            now=self._clock(),
         )  # fmt: skip
 
     def listen(self, fn: Listener) -> Callable[[], None]:
@@ -341,8 +343,10 @@ class Scheduler:
 
     async def _load(self, rid: int, rec: Record) -> None:
         runner = rec.runner
-        if self._closing:  # a load decided while the server stops: nobody will use it
+        if self._closing or self._draining:  # decided as the server stops: nobody will use it
             self._runners.pop(rid, None)
+            self._core.load_failed(rid, "server is shutting down", self._clock())
+            self._apply()
             return
         # How much of the file is cached as the load starts (read beside the spawn: the child
         # takes far longer to reach the file than mincore takes to answer).
@@ -560,6 +564,32 @@ class Scheduler:
         self._timer = None
         self._core.tick(self._clock())
         self._apply()
+
+    def begin_drain(self) -> None:
+        """The server stops taking work (SIGTERM, before its grace): requests still waiting for
+        a slot get 503 with Retry-After at once, loads under way are abandoned (their runners
+        killed; the books free their memory once they are gone), and new requests are refused.
+        Requests already granted keep their runners until they end or `begin_shutdown`."""
+        if self._draining or self._closing:
+            return
+        self._draining = True
+        now = self._clock()
+        waiters, self._waiters = self._waiters, {}
+        for rid, fut in waiters.items():
+            self._core.cancel(rid, now)  # out of the queue: no load starts for it
+            if not fut.done():  # one exception each: a shared one would gather tracebacks
+                fut.set_exception(
+                    SchedulerError(503, "server is shutting down", SHUTDOWN_RETRY_AFTER)
+                )
+        self._apply()  # a load the cancels started is dropped by `_load`
+        for rid, rec in list(self._runners.items()):
+            book = self._core.runners.get(rid)
+            if book is not None and book.state == "loading":
+                log.info(
+                    "abandoning the load of '%s': the server is shutting down", rec.runner.name
+                )
+                rec.runner.shutting_down = True
+                rec.runner.kill_now()  # `_load` sees it fail, and frees its books
 
     def begin_shutdown(self) -> None:
         """The server is exiting (called as soon as the signal arrives): waiting requests get
