@@ -64,6 +64,10 @@ class Harness:
             elif isinstance(a, Stop):
                 r = self.core.runners[a.runner]
                 assert r.inflight == 0, "a serving runner was stopped"
+                if a.room_for is not None and r.held_until > self.now:
+                    # a runner held for an agent's turn makes room only once its hold yields
+                    q = next(q for q in self.core.queue if q.model == a.room_for)
+                    assert self.core._hold_end(r, q.arrived) <= self.now, "hold ignored"
             elif isinstance(a, Load):
                 assert a.runner in self.core.runners
         self.check()
@@ -134,9 +138,10 @@ class Harness:
         self.apply()
         return rid
 
-    def release(self, rid: int) -> None:
+    def release(self, rid: int, hold: float = 0.0) -> None:
+        """`hold`: its answer ended in a tool call (the runner is held that long)."""
         self.active.discard(rid)
-        self.core.release(rid, self.now)
+        self.core.release(rid, self.now, hold)
         self.apply()
 
     def cancel(self, rid: int) -> None:
@@ -198,6 +203,7 @@ ops = st.lists(
             st.sampled_from([None, 0.0, 2.0, math.inf]),
         ),
         st.tuples(st.just("release"), st.integers(0, 50)),
+        st.tuples(st.just("tool_call"), st.integers(0, 50), st.sampled_from([1.0, 30.0])),
         st.tuples(st.just("cancel"), st.integers(0, 50)),
         st.tuples(st.just("load"), st.integers(0, 20), st.booleans()),
         st.tuples(st.just("exit"), st.integers(0, 20)),
@@ -221,6 +227,8 @@ def test_random_event_sequences_keep_the_invariants(ops, policy: str, max_loaded
             h.request(op[1], op[2], op[3])
         elif kind == "release" and h.active:
             h.release(sorted(h.active)[op[1] % len(h.active)])
+        elif kind == "tool_call" and h.active:  # held for the agent's next turn
+            h.release(sorted(h.active)[op[1] % len(h.active)], op[2])
         elif kind == "cancel" and (h.active or h.pending):
             ids = sorted(h.active | h.pending)
             h.cancel(ids[op[1] % len(ids)])

@@ -5,7 +5,7 @@ from __future__ import annotations
 import math
 
 from corral.core.books import Core
-from corral.core.policy import Candidate, Snapshot, cost_aware, lru, ollama_like
+from corral.core.policy import POLICIES, Candidate, Snapshot, cost_aware, lru, ollama_like
 
 
 def cand(
@@ -18,6 +18,7 @@ def cand(
     load_cost: float = 1.0,
     expires_at: float = math.inf,
     priority: int = 0,
+    held_until: float = -math.inf,
 ) -> Candidate:
     return Candidate(
         id=i,
@@ -29,6 +30,7 @@ def cand(
         expires_at=expires_at,
         priority=priority,
         heat=heat,
+        held_until=held_until,
     )
 
 
@@ -76,3 +78,16 @@ def test_cost_aware_spares_models_with_waiting_requests_and_high_priority() -> N
     assert cost_aware(cs, waiting)[0] == 2
     cs = [cand(1, "a", heat=0.1, priority=5), cand(2, "b", heat=5.0)]
     assert cost_aware(cs, SNAP)[0] == 2
+
+
+def test_every_policy_offers_a_runner_held_for_an_agents_turn_last() -> None:
+    """Its last answer ended in a tool call (held until 130, now is 100): whatever else makes
+    it the first victim, it comes after the others; once the hold is over it is ordinary."""
+    held = cand(1, "agent", last_used=1, heat=0.01, load_cost=0.01, expires_at=101,
+                held_until=130)  # fmt: skip
+    others = [cand(2, "b", last_used=50, heat=9.0, load_cost=9.0, expires_at=500),
+              cand(3, "c", last_used=60, heat=9.0, load_cost=9.0, expires_at=600)]  # fmt: skip
+    for name, policy in POLICIES.items():
+        assert policy([held, *others], SNAP)[-1] == 1, name
+        after = Snapshot(now=130.0, need=100, waiting_models=frozenset())
+        assert policy([held, *others], after)[0] == 1, name

@@ -13,7 +13,10 @@ Rules, in order of importance:
 - loads are started first-come, first-served; a load that does not fit evicts idle runners in
   the policy's order, or waits for requests to finish;
 - a request whose runner-shaping options differ from the loaded runner drains it (no new
-  grants) and reloads it once idle, so it cannot be starved by a stream of other requests.
+  grants) and reloads it once idle, so it cannot be starved by a stream of other requests;
+- a runner whose last answer ended in a tool call is held for the agent's next turn
+  (`RunnerBook.held_until`): other loads take other idle victims first, and wait for it no
+  longer than its reload would take (see `_hold_end`).
 """
 
 from __future__ import annotations
@@ -50,6 +53,10 @@ class RunnerBook:
     pinned: bool = False
     priority: int = 0
     process: int = 0  # its process's own memory, booked beside llama.cpp's allocation once loaded
+    # Its last answer ended in a tool call: the agent is likely back within seconds with the
+    # result, so until then other loads take other idle victims first (Core._hold_end). Ends
+    # early on the model's next request or an unload; its keep-alive still runs.
+    held_until: float = -math.inf
 
     @property
     def size(self) -> int:
@@ -100,6 +107,9 @@ class Core:
     _reloading: set[str] = field(default_factory=set)
     _arrivals: int = 0
     _next_runner: int = 1
+    # When the hold that keeps the first waiting load from its victims ends (Core._hold_end):
+    # set by the last _pump, so that the timer wakes for it.
+    _hold_wake: float = math.inf
 
     # ---- queries ---------------------------------------------------------------------------
     def used(self) -> dict[str, int]:
@@ -154,19 +164,23 @@ class Core:
     def _memory_wait(self, req: Request, now: float) -> float | None:
         """Seconds until req's load has room: 0 if it fits now or once idle runners are
         evicted; else when enough busy runners will have served what they hold and what waits
-        for them (from their models' service times). None where that cannot be told (a busy
-        model not measured yet, or room that only loading or pinned runners hold). Loads
-        queued ahead of req are not counted: a low estimate, so that refusals stay sure (and
-        its smallest runner is the one counted)."""
+        for them (from their models' service times), and held runners' holds have yielded.
+        None where that cannot be told (a busy model not measured yet, or room that only
+        loading or pinned runners hold). Loads queued ahead of req are not counted: a low
+        estimate, so that refusals stay sure (and its smallest runner is the one counted)."""
         req = req.least
-        free = [r for r in self.runners.values()
-                if r.state == "unloading" or (r.state == "ready" and r.inflight == 0
-                                              and not r.pinned)]  # fmt: skip
+        free = [r for r in self.runners.values() if r.state == "unloading" or (
+            r.state == "ready" and r.inflight == 0 and not r.pinned and r.held_until <= now
+        )]  # fmt: skip
         if self._fit(req, _sum_devices(free), len(free)) is not None:
             return 0.0
         busy: list[tuple[float, RunnerBook]] = []
         for r in self.runners.values():
-            if r.state != "ready" or r.inflight == 0 or r.pinned:
+            if r.state != "ready" or r.pinned:
+                continue
+            if r.inflight == 0:
+                if r.held_until > now:  # held for an agent's turn: free once the hold yields
+                    busy.append((max(0.0, self._hold_end(r, now) - now), r))
                 continue
             s = self._service.get(r.model)
             if s is None:
@@ -195,7 +209,16 @@ class Core:
         for r in self.runners.values():
             if r.state == "ready" and r.inflight == 0:
                 t = min(t, r.expires_at)
-        return t
+        return min(t, self._hold_wake)
+
+    def _hold_end(self, r: RunnerBook, arrived: float) -> float:
+        """Until when idle held runner `r` is kept from a load whose request arrived at
+        `arrived`: the hold's end, but no later than the runner's reload time after the load
+        began to wait for it (ski rental: waiting for the agent's turn costs the load at most
+        what evicting the runner would cost that turn), nor than starve_after after the
+        request came (a model whose agent keeps coming back cannot starve other loads)."""
+        waits_from = max(arrived, r.last_used)  # when it went idle: its last release
+        return min(r.held_until, waits_from + r.load_cost, arrived + self.starve_after)
 
     def heat(self, model: str) -> float:
         """Recency-weighted request frequency: +1 per request, decaying per later request.
@@ -213,6 +236,8 @@ class Core:
         self._heat[req.model] = (self.heat(req.model) + 1.0, self._arrivals)
         self._arrivals += 1
         r = self.current(req.model)
+        if r is not None:
+            r.held_until = -math.inf  # the turn it was held for has come back
         ready = r is not None and r.state == "ready" and not r.draining and compatible(r.spec, req)
         if not (ready and r is not None and r.inflight < r.spec.num_parallel):
             wait = self.expected_wait(req, now)
@@ -242,8 +267,9 @@ class Core:
             return 1.0
         return max(1.0, s / (r.spec.num_parallel if r is not None else 1))
 
-    def release(self, request_id: int, now: float) -> None:
-        """A granted request finished (or its client went away)."""
+    def release(self, request_id: int, now: float, hold: float = 0.0) -> None:
+        """A granted request finished (or its client went away). `hold`: its answer ended in
+        a tool call; hold the runner that long for the agent's next turn."""
         rid = self.granted.pop(request_id, None)
         r = self.runners.get(rid) if rid is not None else None
         at = self._granted_at.pop(request_id, None)
@@ -254,6 +280,8 @@ class Core:
         if r is not None:
             r.inflight -= 1
             r.last_used = now
+            if hold > 0:
+                r.held_until = max(r.held_until, now + hold)
             if r.inflight == 0:
                 r.expires_at = now + r.keep_alive
                 if r.state == "ready" and r.keep_alive <= 0:
@@ -380,6 +408,7 @@ class Core:
                 found = True
                 r.keep_alive = 0.0
                 r.expires_at = now
+                r.held_until = -math.inf
                 if r.inflight == 0 and r.state == "ready":
                     self._stop(r, "unload requested")
         self._pump(now)
@@ -442,6 +471,7 @@ class Core:
         # arrived after it; every other runner keeps serving.
         held: set[int] = set()
         cutoff = math.inf
+        self._hold_wake = math.inf
         for q in self.queue:
             if self.current(q.model) is None:
                 if now - q.arrived > self.starve_after:
@@ -543,6 +573,11 @@ class Core:
             return None
         stopping = [r for r in self.runners.values() if r.state == "unloading"]
         idle = [r for r in self.runners.values() if r.state == "ready" and r.inflight == 0]
+        # Runners held for an agent's next turn are no victims while the hold lasts for q:
+        # other idle runners (or fewer slots) first, else q waits for the hold to yield.
+        ends = [e for r in idle if not r.pinned and (e := self._hold_end(r, q.arrived)) > now]
+        if ends:
+            idle = [r for r in idle if self._hold_end(r, q.arrived) <= now]
         for c in q.choices:
             if self._fit(c, _sum_devices(stopping), len(stopping)) is not None:
                 return None  # enough is already on its way out
@@ -553,7 +588,9 @@ class Core:
                 self.evictions += 1
                 self._stop(v, f"evicted to make room for '{q.model}'", "memory", q.model)
             return None  # the load starts once the victims have exited
-        return None  # busy runners hold the room: wait for them
+        if ends:  # perhaps a held runner is what it waits for: look again when a hold yields
+            self._hold_wake = min(self._hold_wake, *ends)
+        return None  # busy (or held) runners hold the room: wait for them
 
     def _victims(self, q: Request, pool: list[RunnerBook], now: float) -> list[RunnerBook] | None:
         """Unpinned runners from `pool` whose eviction makes room for q, in the policy's order
@@ -601,6 +638,7 @@ def _candidate(r: RunnerBook, heat: float) -> Candidate:
         expires_at=r.expires_at,
         priority=r.priority,
         heat=heat,
+        held_until=r.held_until,
     )
 
 

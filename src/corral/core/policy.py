@@ -2,11 +2,13 @@
 
 The scheduler core asks a policy only when a load does not fit; it evicts candidates in the
 returned order until the load fits. Candidates are always idle (no request in flight) and
-unpinned: a policy cannot evict a serving runner because it is never offered one.
+unpinned: a policy cannot evict a serving runner because it is never offered one. A runner
+held for an agent's next turn (`Candidate.held_until`) comes last in every order.
 """
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
@@ -22,6 +24,13 @@ class Candidate:
     expires_at: float  # when its keep-alive runs out (math.inf = never)
     priority: int  # from models.toml; higher stays longer
     heat: float = 0.0  # the model's recency-weighted request frequency (see Core.heat)
+    held_until: float = -math.inf  # its last answer was a tool call: held for the next turn
+
+
+def held(c: Candidate, snap: Snapshot) -> bool:
+    """Whether c is held for an agent's next turn (its last answer ended in a tool call):
+    every policy offers such runners last."""
+    return c.held_until > snap.now
 
 
 @dataclass(frozen=True)
@@ -36,12 +45,14 @@ Policy = Callable[[Sequence[Candidate], Snapshot], list[int]]
 
 def lru(candidates: Sequence[Candidate], snap: Snapshot) -> list[int]:
     """Least recently used first."""
-    return [c.id for c in sorted(candidates, key=lambda c: c.last_used)]
+    return [c.id for c in sorted(candidates, key=lambda c: (held(c, snap), c.last_used))]
 
 
 def ollama_like(candidates: Sequence[Candidate], snap: Snapshot) -> list[int]:
     """Ollama's choice: the runner whose keep-alive would run out soonest."""
-    return [c.id for c in sorted(candidates, key=lambda c: (c.expires_at, c.last_used))]
+    return [
+        c.id for c in sorted(candidates, key=lambda c: (held(c, snap), c.expires_at, c.last_used))
+    ]
 
 
 def cost_aware(candidates: Sequence[Candidate], snap: Snapshot) -> list[int]:
@@ -49,12 +60,13 @@ def cost_aware(candidates: Sequence[Candidate], snap: Snapshot) -> list[int]:
 
     In the spirit of GreedyDual-Size-Frequency: value = heat x reload seconds / bytes held,
     where heat is the model's request frequency with exponential decay (so a burst fades and a
-    steady favourite stays). Models with queued requests and higher priority go last.
+    steady favourite stays). Models with queued requests, then those held for an agent's turn,
+    and higher priority go last.
     """
 
-    def score(c: Candidate) -> tuple[bool, int, float, float]:
+    def score(c: Candidate) -> tuple[bool, bool, int, float, float]:
         value = c.heat * max(c.load_cost, 1e-3) / max(c.size, 1)
-        return (c.model in snap.waiting_models, c.priority, value, c.last_used)
+        return (c.model in snap.waiting_models, held(c, snap), c.priority, value, c.last_used)
 
     return [c.id for c in sorted(candidates, key=score)]
 
