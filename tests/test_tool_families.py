@@ -384,20 +384,43 @@ def _cases(families: Sequence[str]) -> list[Any]:
     return [pytest.param(f, api, id=f"{f}-{api}") for f in families for api in APIS]
 
 
+def _held_for(server: CorralServer, model: str) -> float:
+    """Seconds /api/ps says `model` is held for an agent's turn, once its answer's lease is
+    back (released just after the client has the answer)."""
+
+    def idle() -> dict[str, Any] | None:
+        for m in server.ps():
+            if m["name"].removesuffix(":latest") == model and m["requests_in_flight"] == 0:
+                return m
+        return None
+
+    server.wait_for(lambda: idle() is not None, 30, f"{model} idle")
+    m = idle()
+    assert m is not None
+    return float(m["held_for"])
+
+
 @pytest.mark.parametrize("stream", [False, True], ids=["whole", "stream"])
 @pytest.mark.parametrize(("family", "api"), _cases(TOOL_FAMILIES))
-def test_auto_tool_call(http: httpx.Client, family: str, api: str, stream: bool) -> None:
+def test_auto_tool_call(
+    http: httpx.Client, families_server: CorralServer, family: str, api: str, stream: bool
+) -> None:
     answer = CLIENTS[api](http, family, [{"role": "user", "content": USER}], True, stream)
     assert answer.calls == [CALL], answer
     assert answer.text.strip() == ""
     assert answer.stop == CALL_STOP[api]
+    # The agent will be back with the tool's result: every API holds the model for it.
+    assert _held_for(families_server, family) > 0
 
 
 @pytest.mark.parametrize("stream", [False, True], ids=["whole", "stream"])
 @pytest.mark.parametrize(("family", "api"), _cases(FAMILIES))
-def test_reply_without_tools(http: httpx.Client, family: str, api: str, stream: bool) -> None:
+def test_reply_without_tools(
+    http: httpx.Client, families_server: CorralServer, family: str, api: str, stream: bool
+) -> None:
     answer = CLIENTS[api](http, family, [{"role": "user", "content": USER}], False, stream)
     assert (answer.text, answer.calls, answer.stop) == (SCRIPT.reply, [], TEXT_STOP[api])
+    assert _held_for(families_server, family) == 0  # a hold from an earlier call ends too
 
 
 @pytest.mark.parametrize("stream", [False, True], ids=["whole", "stream"])

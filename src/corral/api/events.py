@@ -4,7 +4,9 @@ runner, one stream of neutral events comes back up, and each family only renders
 A request's path: the adapter builds a `Chat` (OpenAI chat messages, which is what llama.cpp's
 templates take, plus tools and sampling parameters), `Service.generate` leases a runner slot and
 starts the upstream call, and `Generation` yields `Text`, `Thinking`, `ToolCall` and finally
-`Done` events. The lease is returned however the response ends (`Generation.response`).
+`Done` events. The lease is returned however the response ends (`Generation.response`); an
+answer that ended in tool calls marks it (`Lease.tool_call`), so the runner is held for the
+agent's next turn.
 
 Forced tool use (`tool_choice` "required" or a named function) does not rely on the model's
 template being one llama.cpp knows how to constrain: the prompt is rendered with the tools by
@@ -194,6 +196,8 @@ class Generation:
                 else self._completion_events()
             )  # fmt: skip
             async for ev in source:
+                if type(ev) is Done and ev.reason == "tool_calls":
+                    self.lease.tool_call = True  # the agent comes back: hold its runner
                 yield [ev]
             return
         reason, usage = "stop", Usage()
@@ -235,6 +239,8 @@ class Generation:
             if out:
                 yield out
         rest = scan.flush()
+        if reason == "tool_calls":
+            self.lease.tool_call = True  # the agent comes back with the result: hold its runner
         yield [Text(rest), Done(reason, usage)] if rest else [Done(reason, usage)]
 
     async def _completion_events(self) -> AsyncIterator[Event]:

@@ -324,6 +324,9 @@ class Ollama:
                 # the effective keep-alive in seconds (-1: forever), after models.toml and
                 # CORRAL_KEEP_ALIVE_MAX had their say
                 "keep_alive": run.keep_alive if math.isfinite(run.keep_alive) else -1,
+                # seconds it is still held for an agent's next turn, its last answer having
+                # been a tool call (CORRAL_TOOL_HOLD; -1: until its keep-alive ends)
+                "held_for": round(run.held_for, 1) if math.isfinite(run.held_for) else -1,
                 "devices": [{"id": d, "bytes": n} for d, n in run.devices.items() if n],
                 # what the runner process really holds in system memory (PSS), last measured
                 "measured_bytes": run.measured,

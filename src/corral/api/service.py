@@ -24,7 +24,7 @@ from corral.api.activity import note_lease, note_model
 from corral.api.common import until_disconnect
 from corral.api.events import Chat, Generation, forced_schema, tool_name
 from corral.api.metrics import note_model as note_scope_model
-from corral.api.stream import LeasedStream
+from corral.api.stream import TOOL_CALLS_END, LeasedStream
 from corral.api.toolprompt import fallback_grammar, template_body
 from corral.config import Settings
 from corral.core.context import DEFAULT_OUTPUT, UNKNOWN_TRAINED_CAP, auto_context, grown_context
@@ -395,6 +395,7 @@ class Service:
         try:
             data = await until_disconnect(request, resp.read())
             lease.tally.timed(last_timings(data))  # a whole answer's tokens, at once
+            lease.tool_call = TOOL_CALLS_END in data  # the agent comes back: hold its runner
         finally:
             resp.release()
             lease.release()

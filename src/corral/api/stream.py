@@ -33,6 +33,9 @@ SSE_DONE = b"data: [DONE]"
 # data event holding only an error object
 SSE_ERROR = b'data: {"error":'
 MAX_HELD = 1 << 20  # an "event" longer than this without its blank line passes on as it is
+# How llama.cpp's OpenAI chat answer (whole or streamed) says it ended in tool calls; generated
+# text cannot hold it (JSON escapes its quotes)
+TOOL_CALLS_END = b'"finish_reason":"tool_calls"'
 
 
 def json_response(data: Any, status: int = 200) -> Response:
@@ -135,7 +138,8 @@ class LeasedStream(RelayResponse):
     `data: {"error": {...}}` (what OpenAI sends, and its SDK raises as an APIError) saying why,
     never a bare close. `rename` replaces the runner's `"model":...` pair by the client's
     (applied to whole events, so a pair is never split). The generated tokens are counted as
-    they pass (`lease.tally`)."""
+    they pass (`lease.tally`); an answer that ends in tool calls marks the lease
+    (`Lease.tool_call`)."""
 
     family: Family = OPENAI  # whose error event ends a stream the runner cut short
 
@@ -179,6 +183,8 @@ class LeasedStream(RelayResponse):
                 if not out.isspace():
                     tail = out
                 count_events(tally, out)
+                if TOOL_CALLS_END in out:  # the agent comes back: hold its runner
+                    self.lease.tool_call = True
                 yield out
         except UPSTREAM_ERRORS:
             failed = True
@@ -192,6 +198,8 @@ class LeasedStream(RelayResponse):
                 if not held.isspace():
                     tail = held
                 count_events(tally, held)
+                if TOOL_CALLS_END in held:
+                    self.lease.tool_call = True
                 yield held
         last = tail.rstrip().rsplit(b"\n", 1)[-1].strip()  # the last line with any text
         if not failed and (last == SSE_DONE or last.startswith(SSE_ERROR)):

@@ -105,12 +105,15 @@ class Lease:
     loaded: bool  # this request waited for its runner to load
     tally: Tally  # its generated tokens, counted as they are relayed to its client
     released: bool = False
+    # The answer ended in a tool call (set by the API layer as the end passes): the agent will
+    # be back with the result, so the runner is held for that turn on release.
+    tool_call: bool = False
 
     def release(self) -> None:
         if not self.released:
             self.released = True
             self.tally.end()
-            self.scheduler._release(self.request_id)
+            self.scheduler._release(self.request_id, self.tool_call)
 
     # `async with await service.lease(...) as lease:` returns it however the block ends.
     async def __aenter__(self) -> Lease:
@@ -131,6 +134,7 @@ class Scheduler:
         load_timeout: float = 300.0,
         queue_timeout: float = math.inf,
         policy: str = DEFAULT_POLICY,
+        tool_hold: float = 0.0,
         devices: list[Device] | None = None,
         refresh: Refresh | None = None,
         recovery_timeout: float = 5.0,
@@ -144,7 +148,8 @@ class Scheduler:
     ) -> None:
         """`runners` makes a runner process; `clock` is the time of the books and of every
         deadline the shell keeps (a runner stamps its start with time.monotonic, the default);
-        `prefetch`: read a waiting load's file ahead while its victims exit."""
+        `prefetch`: read a waiting load's file ahead while its victims exit; `tool_hold`:
+        seconds a runner whose answer ended in a tool call is held for the agent's turn."""
         self._core = Core(
             budgets=budgets,
             max_loaded=max_loaded,
@@ -154,6 +159,7 @@ class Scheduler:
             # The runners' shared code, resident once for all of them (raised if measured more)
             reserved={CPU: RUNNER_CODE_BYTES} if CPU in budgets else {},
         )
+        self._tool_hold = tool_hold
         self._load_timeout = load_timeout
         self._queue_timeout = queue_timeout
         self._devices = devices or []
@@ -247,8 +253,9 @@ class Scheduler:
     async def acquire(self, model: str, spec: RunnerSpec, **kw: Any) -> Lease:
         return await self.wait(self.submit(model, spec, **kw))
 
-    def _release(self, request_id: int) -> None:
-        self._core.release(request_id, self._clock())
+    def _release(self, request_id: int, tool_call: bool = False) -> None:
+        hold = self._tool_hold if tool_call else 0.0
+        self._core.release(request_id, self._clock(), hold)
         self._apply()
 
     def unload(self, model: str) -> bool:

@@ -33,6 +33,8 @@ class RunnerView:
     inflight: int  # requests it serves
     keep_alive: float  # seconds; inf: forever
     expires_in: float  # seconds until its keep-alive ends (meaningful while idle and ready)
+    # seconds it is still held for an agent's next turn (its last answer was a tool call); 0: not
+    held_for: float
     pinned: bool
     priority: int
     uses: int
@@ -105,6 +107,7 @@ def snapshot(
             slots=b.spec.num_parallel, context_length=b.spec.n_ctx, inflight=b.inflight,
             keep_alive=b.keep_alive,
             expires_in=b.expires_at - now if math.isfinite(b.expires_at) else math.inf,
+            held_for=max(0.0, b.held_until - now) if b.inflight == 0 else 0.0,
             pinned=b.pinned, priority=b.priority, uses=b.uses, load_cost=b.load_cost,
             progress=progress, loading_for=loading_for, load_seconds=load_seconds,
             measured=rec.own if rec else None,

@@ -287,7 +287,9 @@ function keepAliveCell(m) {
   else if (r.expires_in != null) text = duration(r.expires_in - since());
   else text = duration(r.keep_alive);
   const of = r.keep_alive == null ? "" : `<div class="under">of ${esc(duration(r.keep_alive))}${m.keep_alive_fixed ? " (fixed)" : ""}</div>`;
-  return `<span>${esc(text)}</span>${of}`;
+  // held for an agent's next turn: its last answer was a tool call
+  const held = r.held_for ? `<div class="under">held for the agent's turn</div>` : "";
+  return `<span>${esc(text)}</span>${of}${held}`;
 }
 
 function slotsCell(m) {
