@@ -173,3 +173,24 @@ def test_a_held_runner_still_expires_and_an_unload_ends_the_hold() -> None:
     assert b.core.unload("y", b.now)  # keep_alive 0, `corral stop`: it goes at once
     b.actions += b.core.drain()
     assert b.stopped() == [b.runner("y")]
+
+
+def test_an_expected_wait_counts_the_hold_a_load_would_wait_for() -> None:
+    b = Books()
+    z = b.load("z", 600, took=2.0)  # z's load and service times are measured
+    b.at(3.0)
+    b.release(z)
+    x = b.request("x", 600)  # evicts z
+    b.exit(b.runner("z"))
+    b.at(5.0)
+    b.core.loaded(b.runner("x"), b.now)  # a reload of x would take 2 s
+    b.actions += b.core.drain()
+    assert b.granted(x)
+    b.at(6.0)
+    b.release(x, HOLD)
+    b.at(6.5)
+    spec = RunnerSpec(path="/m/z.gguf", n_ctx=1024, num_parallel=1)
+    later = Request(99, "z", spec, frozenset(), 600, None, b.now)
+    # the hold yields 2 s (x's reload time) after z would begin to wait, then z loads (2 s)
+    assert b.core.expected_wait(later, b.now) == 2.0 + 2.0
+    assert b.core.runners[b.runner("x")].held_until == 6.0 + HOLD
