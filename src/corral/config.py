@@ -254,6 +254,8 @@ SETTINGS: tuple[Setting, ...] = (
             "--idle-timeout", "DURATION", "close kept-alive connections idle this long"),
     Setting("CORRAL_MAX_CONNECTIONS", "4096", "max_connections", _int(16),
             "--max-connections", "N", "most open connections"),
+    # the dashboard's charts: one sample of the scheduler's view this often, an hour kept
+    Setting("CORRAL_HISTORY_INTERVAL", "5s", "history_interval", _positive),
     # a Ray cluster to serve as one endpoint ("auto", or the head's address); empty: this machine
     Setting("CORRAL_RAY_ADDRESS", "", "ray_address", _optional(lambda t, n: t),
             "--ray", "ADDRESS", "serve a Ray cluster: 'auto' or the head's address"),
@@ -296,6 +298,7 @@ class Settings:
     idle_timeout: float  # a kept-alive connection's wait for its next request
     max_connections: int  # lowered at start-up to what the open-files limit allows
     ray_address: str | None  # cluster mode (corral.cluster): the Ray cluster to join
+    history_interval: float = 5.0  # seconds between the dashboard's history samples
 
     @classmethod
     def load(

@@ -21,6 +21,7 @@ import time
 from collections import deque
 from collections.abc import AsyncIterator, Callable
 from importlib import resources
+from pathlib import Path
 from typing import Any
 
 import orjson
@@ -30,15 +31,24 @@ from starlette.routing import BaseRoute
 
 import corral
 from corral.api.family import OLLAMA, SSE, FamilyRoute
+from corral.api.guard import shown_path
+from corral.api.history import History
 from corral.api.service import Service
 from corral.api.stream import RelayResponse, json_response
+from corral.core.gguf import split_parts
 from corral.errors import ApiError
 from corral.runtime.journal import Event
 from corral.runtime.registry import canonical_name
 from corral.runtime.scheduler import Scheduler
 from corral.runtime.view import RunnerView
 
-ASSETS = {"app.js": "text/javascript", "style.css": "text/css"}
+ASSETS = {
+    "app.js": "text/javascript",
+    "charts.js": "text/javascript",
+    "models.js": "text/javascript",
+    "playground.js": "text/javascript",
+    "style.css": "text/css",
+}
 # The page and its files come from corral itself and nothing else.
 UI_HEADERS = {
     "Cache-Control": "no-cache",
@@ -91,6 +101,17 @@ class Dashboard:
         self.scheduler = service.scheduler
         self._rates = _Rates()
         self._details: dict[tuple[str, float, int], dict[str, Any]] = {}
+        interval = getattr(service.settings, "history_interval", None) or 5.0
+        self.history = History(self.scheduler.view, interval=interval)
+        self.scheduler.listen(self._on_event)
+
+    def _on_event(self, ev: Event) -> None:
+        self.history.on_event(ev)
+        self.history.start()  # on the loop now: the sampler runs from the first decision on
+
+    def close(self) -> None:
+        """Stop the history's sampler (it also stops by itself once the server is closing)."""
+        self.history.stop()
 
     def routes(self) -> list[BaseRoute]:
         return [
@@ -100,10 +121,13 @@ class Dashboard:
             FamilyRoute(OLLAMA, "/api/corral/state", self.state_endpoint, ["GET"]),
             FamilyRoute(OLLAMA, "/api/corral/books", self.books_endpoint, ["GET"]),
             FamilyRoute(OLLAMA, "/api/corral/events", self.events_endpoint, ["GET"]),
+            FamilyRoute(OLLAMA, "/api/corral/history", self.history_endpoint, ["GET"]),
+            FamilyRoute(OLLAMA, "/api/corral/model", self.model_endpoint, ["GET"]),
         ]
 
     # ---- the page -----------------------------------------------------------------------------
     async def page(self, request: Request) -> Response:
+        self.history.start()
         return Response(ui_file("index.html"), media_type="text/html", headers=UI_HEADERS)
 
     async def asset(self, request: Request) -> Response:
@@ -245,6 +269,69 @@ class Dashboard:
         body = orjson.dumps(state, option=orjson.OPT_NON_STR_KEYS)
         return Response(body, media_type="application/json", headers={"Cache-Control": "no-cache"})
 
+    async def history_endpoint(self, request: Request) -> Response:
+        """The charts' data: the last hour of samples as columns, and the journal's marks
+        (`?since=` a wall time: only what came after it)."""
+        self.history.start()
+        since: float | None = None
+        if raw := request.query_params.get("since"):
+            try:
+                since = float(raw)
+            except ValueError:
+                raise ApiError(400, "invalid 'since': expected seconds since the epoch") from None
+            if not math.isfinite(since):
+                raise ApiError(400, "invalid 'since': expected seconds since the epoch")
+        return json_response(self.history.document(since))
+
+    async def model_endpoint(self, request: Request) -> Response:
+        """What the page's detail view adds to /api/show: the model's files with their sizes
+        and digests, the context it trained on and the one its runner has, and its loads."""
+        name = request.query_params.get("name") or request.query_params.get("model")
+        if not name:
+            raise ApiError(400, "'name' is required")
+        r = self.svc.resolve(name)
+        models_dir = self.svc.registry.models_dir
+        files = []
+        named: list[tuple[str, Path]] = [
+            ("model" if i == 0 else "part", p) for i, p in enumerate(split_parts(r.entry.path))
+        ]
+        if r.entry.projector is not None:
+            named.append(("projector", r.entry.projector))
+        named += [("adapter", Path(a.path)) for a in r.entry.adapters]
+        for role, path in named:
+            try:
+                size: int | None = path.stat().st_size
+            except OSError:
+                size = None
+            # Blobs in corral's store are named by their sha256; other files are not hashed
+            # here (reading gigabytes for a page would be too slow).
+            digest = path.name.replace("sha256-", "sha256:") if path.name.startswith(
+                "sha256-") else None  # fmt: skip
+            files.append({"role": role, "file": shown_path(request, path, models_dir),
+                          "size": size, "digest": digest})  # fmt: skip
+        v = self.scheduler.view()
+        runners = [
+            {"id": run.id, "state": run.state, "context_length": run.context_length,
+             "slots": run.slots, "booked": run.size, "measured": run.measured}
+            for run in v.runners if run.model == r.name
+        ]  # fmt: skip
+        seen = {(m["at"], m["kind"]) for m in self.history.marks if m["model"] == r.name}
+        loads = [dict(m) for m in self.history.marks if m["model"] == r.name]
+        for ev in v.events:  # the journal's ring may hold what came before the history
+            if ev.model == r.name and ev.kind != "refused" and (ev.at, ev.kind) not in seen:
+                detail = {k: x for k, x in ev.detail.items() if k != "devices"}
+                loads.append({"at": ev.at, "kind": ev.kind, "model": ev.model, **detail})
+        loads.sort(key=lambda m: m["at"])
+        return json_response({
+            "name": r.name,
+            "digest": r.digest,
+            "files": files,
+            "context": {"trained": r.info.context_length or None,
+                        "default": r.entry.options.get("num_ctx")},
+            "runners": runners,
+            "journal": loads[-100:],
+        })  # fmt: skip
+
     async def books_endpoint(self, request: Request) -> Response:
         """The scheduler's budgets and what it holds for all runners at once (their shared
         code), per device: what a cluster's entry needs of a node's books besides /api/ps."""
@@ -255,6 +342,7 @@ class Dashboard:
     async def events_endpoint(self, request: Request) -> Response:
         """The state document as server-sent events: now, every second, and right after each
         journal event (`event: state`); each journal event itself too (`event: journal`)."""
+        self.history.start()
 
         async def stream() -> AsyncIterator[bytes]:
             async with journal_events(self.scheduler) as q:
