@@ -178,7 +178,7 @@ class History:
             "interval": self.interval,
             "window": self.window,
             "now": now,
-            "time": [round(s.at, 3) for s in rows],
+            "time": [s.at for s in rows],
             "devices": devices,
             "tokens_per_second": rates,
             "in_flight": [s.in_flight for s in rows],

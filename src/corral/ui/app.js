@@ -16,7 +16,9 @@ const PALETTE = ["#3b6cf6", "#14a05a", "#d98a06", "#8b5cf6", "#0ea5b7", "#e0527a
 let apiKey = localStorage.getItem(KEY_STORE) || "";
 let last = null;            // the last state document
 let receivedAt = 0;         // when it came (ms, performance.now())
-const pending = new Map();  // model -> "load" | "unload" while a button's request runs
+const pending = new Map();  // model -> "load" | "unload" | "delete" while its request runs
+const stateHooks = [];      // the other files' renderers, called with each state document
+let confirming = null;      // the model whose Delete button asks for a second click
 
 const $ = (id) => document.getElementById(id);
 
@@ -189,6 +191,7 @@ function render() {
   renderDevices(s);
   renderModels(s);
   renderEvents(s);
+  for (const f of stateHooks) f(s);
 }
 
 function renderSummary(s) {
@@ -311,14 +314,20 @@ function tokensCell(m) {
 
 function actionCell(m) {
   const busy = pending.get(m.name);
-  if (busy) return `<button class="btn" disabled>${busy === "load" ? "Loading…" : "Unloading…"}</button>`;
+  const word = { load: "Loading…", unload: "Unloading…", delete: "Deleting…" };
+  if (busy) return `<button class="btn" disabled>${word[busy]}</button>`;
+  const del = !m.registered ? "" : confirming === m.name
+    ? `<button class="btn bad" data-act="delete" data-model="${esc(m.name)}">Delete ${esc(m.name)}?</button>`
+    : `<button class="btn quiet" data-act="ask-delete" data-model="${esc(m.name)}" title="delete this model">Delete</button>`;
+  let main = "";
   if (m.state === "not_loaded") {
-    if (!m.registered || m.error) return "";
-    return `<button class="btn primary" data-act="load" data-model="${esc(m.name)}">Load</button>`;
+    if (m.registered && !m.error) main = `<button class="btn primary" data-act="load" data-model="${esc(m.name)}">Load</button>`;
+  } else if (m.state === "loading") {
+    main = `<button class="btn" disabled>Loading…</button>`;
+  } else if (m.state !== "unloading") {
+    main = `<button class="btn danger" data-act="unload" data-model="${esc(m.name)}">Unload</button>`;
   }
-  if (m.state === "unloading") return "";
-  if (m.state === "loading") return `<button class="btn" disabled>Loading…</button>`;
-  return `<button class="btn danger" data-act="unload" data-model="${esc(m.name)}">Unload</button>`;
+  return `<div class="acts">${main}${del}</div>`;
 }
 
 function renderModels(s) {
@@ -341,7 +350,7 @@ function renderModels(s) {
     const queue = m.queued ? `<span class="queue-hot">${esc(m.queued)}</span>` : '<span class="faint">0</span>';
     return `
       <tr class="${loaded ? "loaded" : ""}" data-model="${esc(m.name)}" data-state="${esc(m.state)}" style="--c:${loaded ? colour(m.name) : "transparent"}">
-        <td><div class="mname">${esc(m.name)}</div><div class="msub">${facts ? `<span>${facts}</span>` : ""}${tags.join("")}</div></td>
+        <td><div class="mname"><a href="#" data-detail="${esc(m.name)}" title="details">${esc(m.name)}</a></div><div class="msub">${facts ? `<span>${facts}</span>` : ""}${tags.join("")}</div></td>
         <td class="state">${stateCell(m)}</td>
         <td class="memory">${memoryCell(m)}</td>
         <td class="num">${slotsCell(m)}</td>
@@ -397,7 +406,7 @@ function renderEvents(s) {
 // ---- wiring ----------------------------------------------------------------------------------
 document.addEventListener("click", (ev) => {
   const b = ev.target.closest("button[data-act]");
-  if (b) act(b.dataset.act, b.dataset.model);
+  if (b && (b.dataset.act === "load" || b.dataset.act === "unload")) act(b.dataset.act, b.dataset.model);
 });
 $("keyform").addEventListener("submit", (ev) => {
   ev.preventDefault();

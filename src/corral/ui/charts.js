@@ -1,0 +1,125 @@
+// corral dashboard, the last hour: reads /api/corral/history (samples of the scheduler's view
+// every few seconds, and the journal's marks) and draws small SVG charts, no library.
+"use strict";
+
+const SVG = "http://www.w3.org/2000/svg";
+const CHART_H = 120;
+const PAD = { l: 58, r: 10, t: 8, b: 18 };
+const MARK_COLOUR = {
+  load: "var(--loading)", ready: "var(--ready)", unload: "var(--unloading)",
+  crash: "var(--bad)", load_failed: "var(--bad)", stall: "var(--bad)", oom: "var(--bad)",
+};
+let hist = null;  // the last history document
+
+async function pollHistory() {
+  for (;;) {
+    let doc = null;
+    try {
+      const res = await fetch("/api/corral/history", { headers: headers(), cache: "no-store" });
+      if (res.ok) doc = await res.json();
+    } catch (e) {
+      // the state stream says when corral is down; try again later
+    }
+    if (doc) {
+      hist = doc;
+      drawCharts();
+    }
+    await sleep(doc ? Math.min(5000, Math.max(500, doc.interval * 1000)) : 5000);
+  }
+}
+
+function el(name, attrs, text) {
+  const e = document.createElementNS(SVG, name);
+  for (const [k, v] of Object.entries(attrs || {})) e.setAttribute(k, v);
+  if (text != null) e.textContent = text;
+  return e;
+}
+
+function count(x) { return x >= 100 ? x.toFixed(0) : x >= 10 ? x.toFixed(1) : String(+x.toFixed(2)); }
+
+// One chart: series [{name, values, colour, dash?, fill?}] over the shared time axis.
+function chart(title, key, series, fmt, marks, extra) {
+  const h = hist;
+  const box = document.createElement("div");
+  box.className = "chart";
+  box.dataset.chart = key;
+  const width = Math.max(320, ($("charts").clientWidth || 900) / ($("charts").clientWidth > 900 ? 2 : 1) - 12);
+  const t1 = h.now;
+  const t0 = h.time.length ? Math.max(t1 - h.window, Math.min(h.time[0], t1 - 60)) : t1 - 60;
+  const W = width - PAD.l - PAD.r;
+  const H = CHART_H - PAD.t - PAD.b;
+  let top = 0;
+  for (const s of series) for (const v of s.values) if (v != null && v > top) top = v;
+  // A budget far above what is used would flatten every line: then it is only named.
+  const level = extra != null && extra <= Math.max(top, 1) * 1.5 ? extra : null;
+  if (level != null && level > top) top = level;
+  top = top > 0 ? top * 1.08 : 1;
+  const x = (t) => PAD.l + ((t - t0) / (t1 - t0)) * W;
+  const y = (v) => PAD.t + H - (v / top) * H;
+  const svg = el("svg", { viewBox: `0 0 ${width} ${CHART_H}`, width, height: CHART_H, role: "img", "aria-label": title });
+  // grid: the top, the middle and the zero line, with their values
+  for (const f of [1, 0.5, 0]) {
+    const yy = PAD.t + H - f * H;
+    svg.appendChild(el("line", { x1: PAD.l, x2: PAD.l + W, y1: yy, y2: yy, class: "grid" }));
+    svg.appendChild(el("text", { x: PAD.l - 6, y: yy + 4, class: "tick", "text-anchor": "end" }, fmt((top / 1.08) * f)));
+  }
+  const span = t1 - t0;
+  svg.appendChild(el("text", { x: PAD.l, y: CHART_H - 4, class: "tick" }, span >= 90 ? `−${Math.round(span / 60)} min` : `−${Math.round(span)} s`));
+  svg.appendChild(el("text", { x: PAD.l + W, y: CHART_H - 4, class: "tick", "text-anchor": "end" }, "now"));
+  if (level != null) {  // a budget: a dashed level
+    svg.appendChild(el("line", { x1: PAD.l, x2: PAD.l + W, y1: y(level), y2: y(level), class: "budget-line" }));
+  }
+  for (const m of marks) {
+    if (m.at < t0) continue;
+    const g = el("g", { class: "mark", "data-kind": m.kind });
+    g.appendChild(el("line", { x1: x(m.at), x2: x(m.at), y1: PAD.t, y2: PAD.t + H, stroke: MARK_COLOUR[m.kind] || "var(--muted)" }));
+    g.appendChild(el("title", {}, `${clock(m.at)} ${m.kind} ${m.model}${m.reason ? " (" + m.reason + ")" : ""}${m.room_for ? " for " + m.room_for : ""}`));
+    svg.appendChild(g);
+  }
+  for (const s of series) {
+    const pts = [];
+    s.values.forEach((v, i) => { if (v != null) pts.push(`${x(h.time[i]).toFixed(1)},${y(v).toFixed(1)}`); });
+    if (s.fill && pts.length > 1) {
+      const first = pts[0].split(",")[0];
+      const lastX = pts[pts.length - 1].split(",")[0];
+      svg.appendChild(el("polygon", { points: `${first},${PAD.t + H} ${pts.join(" ")} ${lastX},${PAD.t + H}`, fill: s.colour, class: "area" }));
+    }
+    const line = el("polyline", { points: pts.join(" "), stroke: s.colour, class: "series" + (s.dash ? " dash" : ""), "data-series": s.name, "data-points": pts.length });
+    line.appendChild(el("title", {}, s.name));
+    svg.appendChild(line);
+  }
+  const lastOf = (s) => { for (let i = s.values.length - 1; i >= 0; i--) if (s.values[i] != null) return s.values[i]; return null; };
+  const legend = series.map((s) => `<span><i style="background:${s.colour}"></i>${esc(s.name)} <b>${esc(lastOf(s) == null ? "—" : fmt(lastOf(s)))}</b></span>`).join("");
+  const budget = extra != null ? `<span><i class="budget"></i>budget <b>${esc(fmt(extra))}</b></span>` : "";
+  box.innerHTML = `<div class="chart-head"><span class="chart-title">${esc(title)}</span><span class="chart-legend">${legend}${budget}</span></div>`;
+  box.appendChild(svg);
+  return box;
+}
+
+function drawCharts() {
+  const h = hist;
+  if (!h) return;
+  $("no-history").hidden = h.time.length > 1;
+  const marks = h.marks || [];
+  const boxes = [];
+  for (const [id, d] of Object.entries(h.devices)) {
+    const name = d.name && d.name !== id ? `${id} · ${d.name}` : id;
+    boxes.push(chart(`Memory on ${name}`, "memory-" + id, [
+      { name: "in use (all programs)", values: d.in_use, colour: "var(--inuse)", fill: true },
+      { name: "booked", values: d.booked, colour: "var(--accent)" },
+      { name: "measured", values: d.measured, colour: "var(--measured)", dash: true },
+    ], bytes, marks, d.budget));
+  }
+  const models = Object.keys(h.tokens_per_second).sort();
+  boxes.push(chart("Generated tokens/s", "tokens", models.length
+    ? models.map((m) => ({ name: m, values: h.tokens_per_second[m], colour: colour(m) }))
+    : [{ name: "all models", values: h.time.map(() => 0), colour: "var(--faint)" }], count, marks));
+  boxes.push(chart("Requests", "requests", [
+    { name: "in flight", values: h.in_flight, colour: "var(--ready)" },
+    { name: "queued", values: h.queued, colour: "var(--draining)" },
+  ], count, marks));
+  $("charts").replaceChildren(...boxes);
+}
+
+window.addEventListener("resize", () => drawCharts());
+pollHistory();
