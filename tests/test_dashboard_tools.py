@@ -5,6 +5,7 @@ built-in SmolLM2 with its stats and the request as curl), a model's detail view,
 
 from __future__ import annotations
 
+import hashlib
 import shutil
 from collections.abc import Iterator
 from pathlib import Path
@@ -22,11 +23,15 @@ PULLED = "hf.co/corral-test/dash-gguf:q4_k_m"
 
 
 @pytest.fixture(scope="module")
-def hub(tmp_path_factory: pytest.TempPathFactory) -> Iterator[FakeHub]:
+def hub_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
     d = tmp_path_factory.mktemp("dashhub")
-    model = synth.write_llama_model(d / "Dash-Q4_K_M.gguf", n_layer=2, seed=41)
+    return synth.write_llama_model(d / "Dash-Q4_K_M.gguf", n_layer=2, seed=41)
+
+
+@pytest.fixture(scope="module")
+def hub(hub_model: Path) -> Iterator[FakeHub]:
     with FakeHub() as h:
-        h.add_repo(REPO, {"Dash-Q4_K_M.gguf": model})
+        h.add_repo(REPO, {hub_model.name: hub_model})
         yield h
 
 
@@ -167,20 +172,24 @@ def test_playground_streams_an_answer(dash: CorralServer, page: Any, tmp_path: P
     assert page.locator(".pg-msg").count() == 0
 
 
-def test_a_models_detail_view(dash: CorralServer, page: Any) -> None:
+def test_a_models_detail_view(dash: CorralServer, page: Any, tmp_path: Path) -> None:
+    page.wait_for_selector("tr[data-model='tiny:latest'][data-state='ready']")
     page.locator("a[data-detail='tiny:latest']").click()
     body = page.locator("#detail-body")
     body.locator("table.files").wait_for()
     text = body.inner_text().lower()  # (headings are upper case on the page)
     assert "tiny.gguf" in text and "template" in text and "context" in text
-    assert "2048" in text  # the context it trained on
+    assert "of 2048 trained" in text  # the context its runner has, of the trained one
+    assert "ready in" in body.locator("ol.events").inner_text()  # its loads, from the journal
+    page.screenshot(path=str(tmp_path / "detail.png"))
+    print(f"detail screenshot: {tmp_path / 'detail.png'}")
     page.click("#detail-chat")  # on to the playground with this model
     assert page.locator("#pg-model").input_value() == "tiny:latest"
     assert not page.locator("#detail").get_attribute("open")
 
 
 def test_pull_and_delete_from_the_page(
-    dash: CorralServer, hub: FakeHub, page: Any, tmp_path: Path
+    dash: CorralServer, hub: FakeHub, hub_model: Path, page: Any, tmp_path: Path
 ) -> None:
     hub.throttle = 0.02  # 64 KiB per 20 ms: a few progress lines
     try:
@@ -200,6 +209,8 @@ def test_pull_and_delete_from_the_page(
     page.screenshot(path=str(tmp_path / "pulled.png"), full_page=True)
     print(f"pull screenshot: {tmp_path / 'pulled.png'}")
     assert PULLED in {m["name"] for m in dash.client.get("/api/tags").json()["models"]}
+    (blob,) = dash.client.get("/api/corral/model", params={"name": PULLED}).json()["files"]
+    assert blob["digest"] == "sha256:" + hashlib.sha256(hub_model.read_bytes()).hexdigest()
 
     # Delete asks once more, then removes it.
     page.click(f"tr[data-model='{PULLED}'] button[data-act='ask-delete']")
