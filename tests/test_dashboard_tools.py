@@ -6,6 +6,7 @@ built-in SmolLM2 with its stats and the request as curl), a model's detail view,
 from __future__ import annotations
 
 import hashlib
+import re
 import shutil
 from collections.abc import Iterator
 from pathlib import Path
@@ -110,6 +111,18 @@ def test_history_and_model_documents(dash: CorralServer) -> None:
     assert dash.client.get("/api/corral/model", params={"name": "nope"}).status_code == 404
 
 
+def test_the_pages_scripts_come_from_corral(dash: CorralServer) -> None:
+    page = dash.client.get("/ui").text
+    scripts = re.findall(r'<script src="([^"]+)"', page)
+    assert {"/ui/app.js", "/ui/charts.js", "/ui/models.js", "/ui/playground.js"} <= set(scripts)
+    for src in scripts:
+        r = dash.client.get(src)
+        assert r.status_code == 200 and r.headers["content-type"].startswith("text/javascript")
+        # nothing fetched from elsewhere (the SVG namespace is a name, not a fetch)
+        assert re.findall(r"https?://[^\s\"'`]+", r.text) in ([], ["http://www.w3.org/2000/svg"])
+    assert 'id="activity"' in page  # the activity view's place
+
+
 # ---- in a browser -----------------------------------------------------------------------------
 def test_charts_have_points_after_traffic(dash: CorralServer, page: Any, tmp_path: Path) -> None:
     r = dash.client.post("/api/generate", json={"model": "tiny", "prompt": "count", "stream": False,
@@ -192,6 +205,14 @@ def test_pull_and_delete_from_the_page(
     dash: CorralServer, hub: FakeHub, hub_model: Path, page: Any, tmp_path: Path
 ) -> None:
     hub.throttle = 0.02  # 64 KiB per 20 ms: a few progress lines
+    # Every share the page shows, as it shows it.
+    page.evaluate("""() => {
+      window.__seen = [];
+      new MutationObserver(() => document.querySelectorAll('.pull-file').forEach(
+        (r) => window.__seen.push(r.dataset.percent))
+      ).observe(document.getElementById('pull-files'),
+                {subtree: true, childList: true, attributes: true});
+    }""")
     try:
         page.fill("#pull-name", f"hf.co/{REPO}:Q4_K_M")
         page.click("#pull-go")
@@ -201,6 +222,8 @@ def test_pull_and_delete_from_the_page(
         hub.throttle = 0.0
     row = page.locator(".pull-file").first
     assert row.get_attribute("data-percent") == "100"
+    seen = page.evaluate("window.__seen")
+    assert seen[0] == "0" and seen[-1] == "100", seen  # from the start to the end
     assert "pulling" in row.inner_text() and "MiB" in row.inner_text()
     log = page.locator("#pull-log").inner_text()
     assert "pulling manifest" in log and "verifying sha256 digest" in log and "success" in log

@@ -121,8 +121,8 @@ def test_the_sampler_runs_on_the_loop_and_stops() -> None:
         h = History(read, interval=0.05)
         h.start()
         h.start()  # idempotent
-        assert len(h.samples) == 1 and h.running
-        for _ in range(2):  # the timer takes the next samples by itself
+        assert len(h.samples) == 0 and h.running  # not inside the caller: soon after it
+        for _ in range(3):  # the timer takes the samples by itself
             reads[:] = [asyncio.Event()]
             await reads[0].wait()
         h.stop()
@@ -134,7 +134,10 @@ def test_the_sampler_runs_on_the_loop_and_stops() -> None:
         reads.clear()
         h2 = History(read, interval=0.05)
         closing = True
+        reads[:] = [asyncio.Event()]
         h2.start()
+        await reads[0].wait()  # (the tick that read the view has run to its end)
+        reads.clear()
         assert not h2.running
         h2.start()  # and does not start again
         assert not h2.running and len(h2.samples) == 1

@@ -94,7 +94,7 @@ class History:
         self.budgets: dict[str, int] = {}
         self.totals: dict[str, int] = {}
         self.closing = False
-        self._timer: asyncio.TimerHandle | None = None
+        self._timer: asyncio.Handle | None = None
         self._stopped = False
 
     # ---- feeding ---------------------------------------------------------------------------
@@ -122,10 +122,13 @@ class History:
 
     # ---- the sampler -----------------------------------------------------------------------
     def start(self) -> None:
-        """Arm the sampler on the running loop (idempotent); a first sample at once."""
+        """Arm the sampler on the running loop (idempotent): a first sample as soon as the
+        caller is done (it may be the scheduler, in the middle of a decision), then one every
+        `interval`."""
         if self._timer is not None or self._stopped:
             return
-        self._tick()
+        with contextlib.suppress(RuntimeError):  # no running loop: sampled on demand only
+            self._timer = asyncio.get_running_loop().call_soon(self._tick)
 
     def stop(self) -> None:
         self._stopped = True
