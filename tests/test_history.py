@@ -24,7 +24,7 @@ def runner(model: str, inflight: int) -> RunnerView:
         expires_in=math.inf, pinned=False, priority=0, uses=1, load_cost=1.0, progress=None,
         loading_for=None, load_seconds=1.0, measured=GiB // 2, measured_devices={},
         page_cache=None, page_cache_at_load=None, tokens_per_second=0.0,
-        slot_tokens_per_second=(0.0, 0.0),
+        slot_tokens_per_second=(0.0, 0.0), held_for=0.0,
     )  # fmt: skip
 
 
