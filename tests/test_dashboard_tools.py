@@ -6,12 +6,14 @@ built-in SmolLM2 with its stats and the request as curl), a model's detail view,
 from __future__ import annotations
 
 import hashlib
+import json
 import re
 import shutil
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+import httpx
 import pytest
 from hubstub import FakeHub
 
@@ -111,6 +113,27 @@ def test_history_and_model_documents(dash: CorralServer) -> None:
     assert dash.client.get("/api/corral/model", params={"name": "nope"}).status_code == 404
 
 
+def test_the_event_stream_brings_the_history(dash: CorralServer) -> None:
+    """All of it first, then only what is new: the page's charts need no polling."""
+    got: list[dict[str, Any]] = []
+    with httpx.stream("GET", dash.url + "/api/corral/events", timeout=30) as r:
+        kind, states = "", 0
+        for line in r.iter_lines():
+            if line.startswith("event: "):
+                kind = line[7:]
+                states += kind == "state"
+            elif line.startswith("data: ") and kind == "history":
+                got.append(json.loads(line[6:]))
+            if len(got) >= 3 or states > 60:
+                break
+    full, *deltas = got
+    assert full["full"] is True and len(full["time"]) >= 2 and full["devices"]["cpu"]["budget"]
+    assert deltas and all(d["full"] is False for d in deltas)
+    times = full["time"] + [t for d in deltas for t in d["time"]]
+    assert times == sorted(set(times))  # no sample twice, none out of order
+    assert all(len(d["in_flight"]) == len(d["time"]) for d in deltas)
+
+
 def test_the_pages_scripts_come_from_corral(dash: CorralServer) -> None:
     page = dash.client.get("/ui").text
     scripts = re.findall(r'<script src="([^"]+)"', page)
@@ -125,6 +148,13 @@ def test_the_pages_scripts_come_from_corral(dash: CorralServer) -> None:
 
 # ---- in a browser -----------------------------------------------------------------------------
 def test_charts_have_points_after_traffic(dash: CorralServer, page: Any, tmp_path: Path) -> None:
+    fetched: list[str] = []
+    page.on("request", lambda r: fetched.append(r.url))
+
+    def logged() -> list[str]:  # the routes in the activity ring
+        return [r["route"] for r in dash.client.get("/api/corral/activity").json()["requests"]]
+
+    before = logged().count("/api/corral/history")
     r = dash.client.post("/api/generate", json={"model": "tiny", "prompt": "count", "stream": False,
                                                 "options": {"num_predict": 64}})  # fmt: skip
     assert r.status_code == 200, r.text
@@ -148,6 +178,10 @@ def test_charts_have_points_after_traffic(dash: CorralServer, page: Any, tmp_pat
     assert "booked" in legend and "MiB" in legend
     # the activity view's place is in the layout, left to it
     assert page.locator("section#activity").count() == 1
+    # The history came with the state stream: the page polled nothing, the request log and
+    # the activity ring hold no line for it.
+    assert not [u for u in fetched if "/api/corral/history" in u]
+    assert logged().count("/api/corral/history") == before
     page.locator("#history").screenshot(path=str(tmp_path / "charts.png"))
     print(f"charts screenshot: {tmp_path / 'charts.png'}")
 

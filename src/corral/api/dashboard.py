@@ -9,7 +9,8 @@ tokens per second (generated ones counted as corral relays them, per runner and 
 per device (budget, booked by corral, in use as the device reports it); the journal's recent
 decisions. The events stream pushes that document every second and
 at once after each journal event (load, ready, eviction, crash, refusal), so the page updates
-without a reload and without polling.
+without a reload and without polling; and the last hour's history (api/history.py) for the
+page's charts. `GET /api/corral/model` adds to /api/show what the page's detail view shows.
 """
 
 from __future__ import annotations
@@ -341,15 +342,24 @@ class Dashboard:
     # ---- streams ------------------------------------------------------------------------------
     async def events_endpoint(self, request: Request) -> Response:
         """The state document as server-sent events: now, every second, and right after each
-        journal event (`event: state`); each journal event itself too (`event: journal`)."""
+        journal event (`event: state`); each journal event itself too (`event: journal`); and
+        the history (`event: history`): all of it first (`"full": true`), then what is new,
+        with the state when there is something (so the page's charts need no polling, and
+        the request log no line every few seconds)."""
         self.history.start()
 
         async def stream() -> AsyncIterator[bytes]:
             async with journal_events(self.scheduler) as q:
                 yield b"retry: 2000\n\n"
+                sent: float | None = None  # the history up to this time is with the client
                 while not stopping(request, self.scheduler):
                     state = orjson.dumps(self.state(), option=orjson.OPT_NON_STR_KEYS)
                     yield b"event: state\ndata: " + state + b"\n\n"
+                    doc = self.history.document(sent)
+                    if sent is None or doc["time"] or doc["marks"]:
+                        # Everything later is stamped after `now` (one clock, one loop).
+                        sent, doc["full"] = doc["now"], sent is None
+                        yield b"event: history\ndata: " + orjson.dumps(doc) + b"\n\n"
                     try:
                         ev = await asyncio.wait_for(q.get(), STATE_INTERVAL)
                     except asyncio.TimeoutError:

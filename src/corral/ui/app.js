@@ -18,6 +18,7 @@ let last = null;            // the last state document
 let receivedAt = 0;         // when it came (ms, performance.now())
 const pending = new Map();  // model -> "load" | "unload" | "delete" while its request runs
 const stateHooks = [];      // the other files' renderers, called with each state document
+const eventHooks = {};      // event name -> the other files' reader of that event's data
 let confirming = null;      // the model whose Delete button asks for a second click
 
 const $ = (id) => document.getElementById(id);
@@ -128,6 +129,7 @@ async function stream() {
         else if (line.startsWith("data:")) data.push(line.slice(5).replace(/^ /, ""));
       }
       if (event === "state" && data.length) update(JSON.parse(data.join("\n")));
+      else if (eventHooks[event] && data.length) eventHooks[event](JSON.parse(data.join("\n")));
     }
   }
 }

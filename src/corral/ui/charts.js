@@ -9,24 +9,67 @@ const MARK_COLOUR = {
   load: "var(--loading)", ready: "var(--ready)", unload: "var(--unloading)",
   crash: "var(--bad)", load_failed: "var(--bad)", stall: "var(--bad)", oom: "var(--bad)",
 };
-let hist = null;  // the last history document
+let hist = null;  // the history document: in full from the event stream, then what is new
+let histAt = 0;   // when it last came (performance.now())
 
+// The state stream brings the history; only while it is down is the history fetched.
 async function pollHistory() {
   for (;;) {
-    let doc = null;
+    await sleep(5000);
+    if ($("conn").dataset.state === "live" && performance.now() - histAt < 60000) continue;
     try {
       const res = await fetch("/api/corral/history", { headers: headers(), cache: "no-store" });
-      if (res.ok) doc = await res.json();
+      if (res.ok) applyHistory(Object.assign(await res.json(), { full: true }));
     } catch (e) {
       // the state stream says when corral is down; try again later
     }
-    if (doc) {
-      hist = doc;
-      drawCharts();
-    }
-    await sleep(doc ? Math.min(5000, Math.max(500, doc.interval * 1000)) : 5000);
   }
 }
+
+// A delta: its samples and marks go after those the page has, and what left the window goes.
+function applyHistory(doc) {
+  histAt = performance.now();
+  if (doc.full || !hist) {
+    hist = doc;
+  } else {
+    const n0 = hist.time.length;
+    const n1 = doc.time.length;
+    const pad = (old, add, fill) => (old || Array(n0).fill(fill)).concat(add || Array(n1).fill(fill));
+    for (const id of new Set([...Object.keys(hist.devices), ...Object.keys(doc.devices)])) {
+      const a = hist.devices[id] || {};
+      const b = doc.devices[id] || {};
+      const d = Object.assign({}, a, b);
+      for (const k of ["booked", "measured", "in_use"]) d[k] = pad(a[k], b[k], null);
+      hist.devices[id] = d;
+    }
+    const rates = hist.tokens_per_second;
+    for (const m of new Set([...Object.keys(rates), ...Object.keys(doc.tokens_per_second)])) {
+      rates[m] = pad(rates[m], doc.tokens_per_second[m], 0);
+    }
+    hist.in_flight = hist.in_flight.concat(doc.in_flight);
+    hist.queued = hist.queued.concat(doc.queued);
+    hist.time = hist.time.concat(doc.time);
+    hist.marks = hist.marks.concat(doc.marks);
+    Object.assign(hist, { now: doc.now, interval: doc.interval, window: doc.window });
+    const start = hist.now - hist.window;
+    let k = 0;
+    while (k < hist.time.length && hist.time[k] < start) k++;
+    if (k) {
+      const cut = (xs) => xs.slice(k);
+      hist.time = cut(hist.time);
+      hist.in_flight = cut(hist.in_flight);
+      hist.queued = cut(hist.queued);
+      for (const d of Object.values(hist.devices)) for (const s of ["booked", "measured", "in_use"]) d[s] = cut(d[s]);
+      for (const m of Object.keys(rates)) {
+        rates[m] = cut(rates[m]);
+        if (!rates[m].some((x) => x > 0)) delete rates[m];
+      }
+    }
+    hist.marks = hist.marks.filter((m) => m.at >= start);
+  }
+  drawCharts();
+}
+eventHooks.history = applyHistory;
 
 function el(name, attrs, text) {
   const e = document.createElementNS(SVG, name);
