@@ -147,11 +147,15 @@ function drawCharts() {
   const boxes = [];
   for (const [id, d] of Object.entries(h.devices)) {
     const name = d.name && d.name !== id ? `${id} · ${d.name}` : id;
-    boxes.push(chart(`Memory on ${name}`, "memory-" + id, [
-      { name: "in use (all programs)", values: d.in_use, colour: "var(--inuse)", fill: true },
+    // Under a budget far below the device (CORRAL_MEMORY_LIMIT), what all programs use would
+    // flatten corral's lines: it is left out, as the device's bar leaves it out.
+    const small = d.total && d.budget && d.budget < d.total / 2;
+    const series = [
       { name: "booked", values: d.booked, colour: "var(--accent)" },
       { name: "measured", values: d.measured, colour: "var(--measured)", dash: true },
-    ], bytes, marks, d.budget));
+    ];
+    if (!small) series.unshift({ name: "in use (all programs)", values: d.in_use, colour: "var(--inuse)", fill: true });
+    boxes.push(chart(`Memory on ${name}`, "memory-" + id, series, bytes, marks, d.budget));
   }
   const models = Object.keys(h.tokens_per_second).sort();
   boxes.push(chart("Generated tokens/s", "tokens", models.length
