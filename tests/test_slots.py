@@ -4,6 +4,7 @@ of 4..1 that fits the budget without stopping a busy runner)."""
 
 from __future__ import annotations
 
+import itertools
 import json
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -15,10 +16,18 @@ from hypothesis import strategies as st
 
 from corral.config import ConfigError, Settings
 from corral.core.books import Core
-from corral.core.estimate import N_UBATCH, SWA_PAD, estimate, llama_params
+from corral.core.estimate import N_UBATCH, SWA_PAD, estimate, llama_params, process_bytes
 from corral.core.gguf import ModelInfo, read_model_info
 from corral.core.requests import Fail, Grant, Load, Request, Sizing, Stop
-from corral.core.spec import AUTO_PARALLEL, Adapter, RunnerSpec, runner_spec, slot_choices
+from corral.core.spec import (
+    AUTO_PARALLEL,
+    EMBED_PARALLEL,
+    Adapter,
+    RunnerSpec,
+    runner_spec,
+    slot_choices,
+    slot_counts,
+)
 from corral.testing import synth
 
 # ---- the setting and the spec ----------------------------------------------------------------
@@ -59,14 +68,19 @@ def spec_for(info: ModelInfo, env: dict[str, str], **own: Any) -> RunnerSpec:
     return runner_spec(model, info, {}, Settings.load(environ=env), 4)[0]
 
 
-@pytest.mark.parametrize("name", ["llama", "bert"])
+@pytest.mark.parametrize(
+    ("name", "most", "counts"),
+    [("llama", AUTO_PARALLEL, [4, 3, 2, 1]), ("bert", EMBED_PARALLEL, [32, 16, 8, 4, 3, 2, 1])],
+)
 def test_auto_gives_up_to_4_slots_on_one_cache_and_a_number_keeps_a_cache_per_slot(
-    models: dict[str, ModelInfo], name: str
+    models: dict[str, ModelInfo], name: str, most: int, counts: list[int]
 ) -> None:
-    info = models[name]  # embedding models get slots too: llama.cpp batches them
+    """Embedding models get more: llama.cpp batches the inputs of all their slots at once, and
+    a slot costs them an output row."""
+    info = models[name]
     auto = spec_for(info, {})
-    assert (auto.num_parallel, auto.kv_unified) == (AUTO_PARALLEL, True)
-    assert [s.num_parallel for s in slot_choices(auto)] == [4, 3, 2, 1]
+    assert (auto.num_parallel, auto.kv_unified) == (most, True)
+    assert [s.num_parallel for s in slot_choices(auto)] == counts
     assert all(s.kv_unified and s.n_ctx == auto.n_ctx for s in slot_choices(auto))
     fixed = spec_for(info, {"CORRAL_NUM_PARALLEL": "2"})
     assert (fixed.num_parallel, fixed.kv_unified) == (2, False)
@@ -74,6 +88,33 @@ def test_auto_gives_up_to_4_slots_on_one_cache_and_a_number_keeps_a_cache_per_sl
     own = spec_for(info, {}, num_parallel=3)  # models.toml fixes it too
     assert (own.num_parallel, own.kv_unified) == (3, False)
     assert slot_choices(own) == (own,)
+
+
+@given(st.integers(1, 300))
+def test_slot_counts_run_from_the_most_down_to_one_every_count_up_to_4(most: int) -> None:
+    counts = slot_counts(most)
+    assert counts[0] == most and counts[-1] == 1
+    assert all(a > b for a, b in itertools.pairwise(counts))  # best first, no repeat
+    assert set(range(1, min(most, AUTO_PARALLEL) + 1)) <= set(counts)
+    # above 4 each step halves (to no fewer than 4): few choices for a big count
+    assert all(
+        b == max(a // 2, AUTO_PARALLEL) for a, b in itertools.pairwise(counts) if a > AUTO_PARALLEL
+    )
+    assert len(counts) <= AUTO_PARALLEL + most.bit_length()
+
+
+def test_an_embedding_slot_books_no_sampler(models: dict[str, ModelInfo]) -> None:
+    """A generating model's slot books a sampler over its vocabulary; an embedding model's slot
+    gets none (llama.cpp makes one only for a task that samples): 32 of them cost less than
+    4 of a chat model with the same vocabulary."""
+    bert, llama = models["bert"], models["llama"]
+    assert bert.n_vocab == llama.n_vocab
+    per_bert_slot = process_bytes(bert, 2) - process_bytes(bert, 1)
+    per_llama_slot = process_bytes(llama, 2) - process_bytes(llama, 1)
+    assert 0 < per_bert_slot < per_llama_slot / 10
+    assert process_bytes(bert, EMBED_PARALLEL) - process_bytes(bert, 1) < (
+        process_bytes(llama, AUTO_PARALLEL) - process_bytes(llama, 1)
+    )
 
 
 # ---- the estimate of a unified cache ---------------------------------------------------------
@@ -297,7 +338,7 @@ def test_two_clients_of_one_model_generate_at_once_with_no_settings(auto_server:
     r = s.client.post("/api/embed", json={"model": "embed", "input": ["a", "b"]})
     assert r.status_code == 200, r.text
     (e,) = [m for m in s.ps() if m["model"] == "embed:latest"]
-    assert e["num_parallel"] == AUTO_PARALLEL
+    assert e["num_parallel"] == EMBED_PARALLEL
 
 
 def test_parallel_streams_that_fill_their_shared_context_end_with_an_error(

@@ -149,7 +149,8 @@ def _context(text: str, name: str) -> int | None:
 
 def _parallel(text: str, name: str) -> int:
     """A number of slots, or 0 for `auto` (or empty): as many as memory allows, up to
-    corral.core.spec.AUTO_PARALLEL, on one KV cache the slots share."""
+    corral.core.spec.AUTO_PARALLEL (EMBED_PARALLEL for embedding models), on one KV cache the
+    slots share."""
     if text.strip().lower() in ("", "auto"):
         return 0
     return _int(1)(text.strip(), name)

@@ -24,7 +24,7 @@ from starlette.responses import Response
 from starlette.routing import Route
 
 import corral
-from corral.api import defaults
+from corral.api import defaults, embed
 from corral.api.activity import note_model
 from corral.api.common import (
     check_options,
@@ -245,18 +245,13 @@ class Ollama:
         self.svc.require(r, "embedding", "embeddings")
         start = time.monotonic()
         async with await self.svc.lease(request, r, options, keep_alive) as lease:
-            if not inputs:
-                vectors: list[list[float]] = []
-                tokens = 0
-            else:
-                fitted = await self.svc.fit_embedding_inputs(lease, inputs, cut)
-                embed = self.svc.client.post_json(lease.runner, "/v1/embeddings", {"input": fitted})
-                data = await until_disconnect(request, embed)
-                items = sorted(data["data"], key=lambda d: d["index"])
-                vectors = [truncate(d["embedding"], dims) for d in items]
-                tokens = data.get("usage", {}).get("prompt_tokens", 0)
+            # in chunks over the runner's slots, the vectors decoded by numpy (api/embed.py)
+            fitted = await embed.fit(self.svc.client, lease.runner, inputs, cut)
+            work = embed.embed(self.svc.client, lease.runner, fitted)
+            vectors, tokens = await until_disconnect(request, work)
+        rows = embed.as_json_numbers(embed.shorten(vectors, dims))
         return json_response({
-            "model": r.requested, "embeddings": vectors,
+            "model": r.requested, "embeddings": rows if len(rows) else [],
             "total_duration": ns(time.monotonic() - start),
             "load_duration": ns(lease.waited) if lease.loaded else 0,
             "prompt_eval_count": tokens,
@@ -274,10 +269,10 @@ class Ollama:
             if not prompt:
                 return json_response({"embedding": []})
             # Cut to what the runner embeds at once, as /api/embed does by default.
-            fitted = await self.svc.fit_embedding_inputs(lease, [prompt], True)
-            embed = self.svc.client.post_json(lease.runner, "/v1/embeddings", {"input": fitted})
-            data = await until_disconnect(request, embed)
-        return json_response({"embedding": data["data"][0]["embedding"]})
+            fitted = await embed.fit(self.svc.client, lease.runner, [prompt], True)
+            work = embed.embed(self.svc.client, lease.runner, fitted)
+            vectors, _ = await until_disconnect(request, work)
+        return json_response({"embedding": embed.as_json_numbers(vectors)[0]})
 
     # ---- model listing ---------------------------------------------------------------------
     async def tags(self, request: Request) -> Response:
@@ -516,14 +511,6 @@ def tool_call(tc: Any, at: str, call_id: str) -> dict[str, Any]:
     args = field(fn, "arguments", (dict, str), {}, prefix=f"{at}.function.")
     text = args if isinstance(args, str) else orjson.dumps(args).decode()
     return {"id": call_id, "type": "function", "function": {"name": name, "arguments": text}}
-
-
-def truncate(vec: list[float], dims: int | None) -> list[float]:
-    if not dims or dims >= len(vec):
-        return vec
-    cut = vec[:dims]
-    norm = math.sqrt(sum(x * x for x in cut)) or 1.0
-    return [x / norm for x in cut]
 
 
 def background(work: Awaitable[T]) -> asyncio.Future[T]:

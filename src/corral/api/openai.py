@@ -15,20 +15,18 @@ and rebuilt here:
 from __future__ import annotations
 
 import asyncio
-import base64
 import codecs
 import sys
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from typing import Any, TypeVar
 
-import numpy as np
 import orjson
 from starlette.requests import Request
 from starlette.responses import Response
 from starlette.routing import Route
 
-from corral.api import anthropic, defaults
+from corral.api import anthropic, defaults, embed
 from corral.api.common import field, model_field, read_json, until_disconnect
 from corral.api.events import (
     Chat,
@@ -228,8 +226,8 @@ class OpenAI:
         inputs = body.get("input")
         if not inputs or not isinstance(inputs, str | list):
             raise ApiError(400, "'input' is required: a string or array", "input")
-        if isinstance(inputs, list):
-            check_prompts(inputs, "input")  # strings, tokens or token arrays, as for completions
+        # strings, tokens or token arrays, as for completions
+        prompts = check_prompts(inputs, "input") if isinstance(inputs, list) else [inputs]
         field(body, "user", str)
         dims = field(body, "dimensions", int)
         if dims is not None and dims < 1:
@@ -239,24 +237,26 @@ class OpenAI:
             raise ApiError(400, "'encoding_format' must be 'float' or 'base64'", "encoding_format")
         r = self.svc.resolve(model_field(body))
         self.svc.require(r, "embedding", "embeddings")
-        if dims is None and (fmt == "float" or sys.byteorder == "little"):
-            # llama.cpp encodes base64 itself, from its floats in host byte order.
+        if (
+            len(prompts) <= embed.CHUNK_MIN
+            and dims is None
+            and (fmt == "float" or sys.byteorder == "little")
+        ):
+            # llama.cpp's answer as it is (it encodes base64 itself, in host byte order).
             return await self.svc.pass_through(request, r, "/v1/embeddings", body, False)
-        payload = {k: v for k, v in body.items() if k not in ("dimensions", "encoding_format")}
-        data = await self._raw_whole(request, r, "/v1/embeddings", payload)
-        for item in data.get("data") or ():
-            vec = np.asarray(item["embedding"], dtype=np.float64)
-            if dims is not None and dims < vec.shape[-1]:
-                # Matryoshka truncation: the leading dimensions, scaled back to unit length.
-                vec = vec[..., :dims]
-                norm = np.linalg.norm(vec, axis=-1, keepdims=True)
-                vec = np.divide(vec, norm, out=vec, where=norm > 0)
-            f32 = vec.astype("<f4")  # little-endian float32, as OpenAI encodes base64
-            item["embedding"] = (
-                base64.b64encode(f32.tobytes()).decode() if fmt == "base64" else f32.tolist()
-            )
-        data["model"] = r.requested
-        return json_response(data)
+        # Many inputs: in chunks over the runner's slots, decoded and written by numpy.
+        extra = {k: v for k, v in body.items() if k not in ("input", "dimensions",
+                                                             "encoding_format")}  # fmt: skip
+
+        async def send(lease: Lease) -> tuple[Any, int]:
+            async with lease:
+                work = embed.embed(self.svc.client, lease.runner, prompts, extra)
+                return await until_disconnect(request, work)
+
+        # an input longer than the runner's context reloads it bigger and all are sent again
+        vectors, tokens = await self.svc.leased(request, r, {}, None, body, send)
+        out = embed.openai_body(r.requested, vectors, tokens, fmt, dims)
+        return Response(out, media_type="application/json")
 
     # ---- talking to the runner ---------------------------------------------------------------
     async def _raw_whole(

@@ -401,34 +401,6 @@ class Service:
             lease.release()
         return Response(data.replace(old, new), media_type="application/json")
 
-    async def fit_embedding_inputs(
-        self, lease: Lease, inputs: list[str], truncate: bool
-    ) -> list[str | list[int]]:
-        """Inputs an embedding runner can take whole: llama.cpp embeds one input in one
-        physical batch and fails on longer ones, so those are cut to it (as token ids) or, with
-        `truncate` false, refused. Only inputs with more bytes than the limit are tokenized:
-        a token is never shorter than a byte."""
-        limit = min(lease.runner.spec.n_ctx, EMBED_BATCH)
-        out: list[str | list[int]] = []
-        for i, text in enumerate(inputs):
-            if len(text.encode()) + 2 <= limit:  # + the specials the model adds ([CLS], [SEP])
-                out.append(text)
-                continue
-            toks = (await self.client.post_json(
-                lease.runner, "/tokenize", {"content": text, "add_special": True}
-            ))["tokens"]  # fmt: skip
-            if len(toks) <= limit:
-                out.append(text)
-            elif truncate:
-                out.append(toks[:limit])
-            else:
-                raise ApiError(
-                    400, f"input {i} is {len(toks)} tokens, more than the {limit} this model "
-                    "embeds at once; send \"truncate\": true to cut it",
-                    "input",
-                )  # fmt: skip
-        return out
-
     # ---- generating ------------------------------------------------------------------------
     def check_chat(self, r: Resolved, messages: list[dict[str, Any]]) -> None:
         """400 unless the model can take these messages: it chats, and sees images if sent."""
@@ -631,9 +603,6 @@ def too_long(r: Resolved, tokens: int, limit: int | None = None) -> ApiError:
         f"({why}): shorten the prompt or use a model with a longer context",
     )  # fmt: skip
 
-
-# llama.cpp's default physical batch (n_ubatch): the most tokens one embedding input may have.
-EMBED_BATCH = 512
 
 # llama.cpp /completion parameters a chat request may carry (forced tool calls go there).
 COMPLETION_PARAMS = frozenset({

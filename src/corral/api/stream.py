@@ -39,7 +39,10 @@ TOOL_CALLS_END = b'"finish_reason":"tool_calls"'
 
 
 def json_response(data: Any, status: int = 200) -> Response:
-    return Response(orjson.dumps(data), status, media_type="application/json")
+    # numpy arrays too: embeddings are written straight from their matrix (api/embed.py)
+    return Response(
+        orjson.dumps(data, option=orjson.OPT_SERIALIZE_NUMPY), status, media_type="application/json"
+    )
 
 
 async def _disconnected(receive: Receive) -> None:

@@ -77,6 +77,10 @@ PROCESS_BASE = 16 * 2**20
 PROCESS_PER_SLOT = 2**19
 PROCESS_PER_TOKEN = 416  # bytes per vocabulary token (tokens, merges, lookup tables) ...
 PROCESS_PER_TOKEN_SLOT = 48  # ... and per token and slot (each slot's sampler candidates)
+# An embedding or rerank model's slot: no sampler is made for it (llama.cpp makes one only for
+# a task that samples), only the slot's state and a task's buffers. Measured on a synthetic bert
+# (SmolLM2's vocabulary): 30 KiB a slot idle, 1 to 64 slots.
+PROCESS_PER_EMBED_SLOT = 2**16
 RUNNER_CODE_BYTES = 28 * 2**20
 GGUF_ALIGNMENT = 32  # general.alignment default: each tensor's data may be padded to it
 # Architectures whose feed-forward is not gated (up -> act -> down): one n_ff activation, not
@@ -372,8 +376,11 @@ def estimate(
 def process_bytes(info: ModelInfo, num_parallel: int = 1) -> int:
     """A runner process's own memory beyond llama.cpp's buffers (see PROCESS_BASE)."""
     slots = max(1, num_parallel)
+    vocab = max(0, info.n_vocab)
+    if {"embedding", "rerank"} & set(info.capabilities):  # no sampler in any slot
+        return PROCESS_BASE + PROCESS_PER_EMBED_SLOT * slots + vocab * PROCESS_PER_TOKEN
     per_token = PROCESS_PER_TOKEN + PROCESS_PER_TOKEN_SLOT * slots
-    return PROCESS_BASE + PROCESS_PER_SLOT * slots + max(0, info.n_vocab) * per_token
+    return PROCESS_BASE + PROCESS_PER_SLOT * slots + vocab * per_token
 
 
 def estimate_bytes(info: ModelInfo, n_ctx: int, num_parallel: int, kv_type: str = "f16") -> int:

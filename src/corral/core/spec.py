@@ -26,6 +26,12 @@ MIN_CTX = 256
 # auto): this many, or fewer where memory is short (`slot_choices`), as Ollama's scheduler
 # tries 4 down to 1 (server/sched.go defaultParallel).
 AUTO_PARALLEL = 4
+# Slots an embedding or rerank model gets with an automatic count. llama.cpp makes each input
+# of a request a task and puts the inputs of all busy slots into one batch (up to n_ubatch,
+# 512 tokens): with 4 slots a batch of short inputs holds some 40 tokens, with 32 it fills.
+# A slot costs such a model almost nothing: an encoder keeps no KV cache (a causal one shares
+# the unified cache), no sampler is made for it, only an output row (n_vocab + n_embd floats).
+EMBED_PARALLEL = 32
 
 
 @dataclass(frozen=True)
@@ -110,6 +116,7 @@ def runner_spec(
     `info`), and which spec fields the request pinned; TemplateError if the model's own
     template cannot be translated. `cores`: the CPU cores corral may run on."""
     embedding = "embedding" in info.capabilities or "rerank" in info.capabilities
+    auto_slots = EMBED_PARALLEL if embedding else AUTO_PARALLEL
     own = model.options
     spec: dict[str, Any] = {
         o.runner: own[o.name] for o in OPTIONS if o.runner is not None and o.name in own
@@ -120,7 +127,7 @@ def runner_spec(
         "n_ctx": spec.get("n_ctx") or _server_ctx(server) or info.context_length,
         # A fixed number of slots (the model's, the server's) keeps a context per slot; an
         # automatic one shares one cache, and slot_choices offers fewer where memory is short.
-        "num_parallel": spec.get("num_parallel") or server.num_parallel or AUTO_PARALLEL,
+        "num_parallel": spec.get("num_parallel") or server.num_parallel or auto_slots,
         "kv_unified": not (spec.get("num_parallel") or server.num_parallel),
         "kv_cache_type": spec.get("kv_cache_type") or server.kv_cache_type,
         "flash_attn": spec.get("flash_attn") or "auto",
@@ -159,11 +166,21 @@ def _server_ctx(server: ServerDefaults) -> int:
 
 def slot_choices(spec: RunnerSpec) -> tuple[RunnerSpec, ...]:
     """The runners the scheduler may load for `spec`, best first: with an automatic slot count
-    (a unified cache) AUTO_PARALLEL slots down to 1, the first whose memory fits is loaded;
-    with a fixed count, only `spec`."""
+    (a unified cache) its slots down to 1 (`slot_counts`), the first whose memory fits is
+    loaded; with a fixed count, only `spec`."""
     if not spec.kv_unified:
         return (spec,)
-    return tuple(replace(spec, num_parallel=n) for n in range(spec.num_parallel, 0, -1))
+    return tuple(replace(spec, num_parallel=n) for n in slot_counts(spec.num_parallel))
+
+
+def slot_counts(most: int) -> tuple[int, ...]:
+    """The slot counts tried from `most` down: every count up to AUTO_PARALLEL, halving above
+    it (32, 16, 8, 4, 3, 2, 1), so an embedding model's choices stay few."""
+    counts = [most]
+    while counts[-1] > AUTO_PARALLEL:
+        counts.append(max(counts[-1] // 2, AUTO_PARALLEL))
+    counts += range(min(counts[-1], AUTO_PARALLEL) - 1, 0, -1)
+    return tuple(counts)
 
 
 @functools.lru_cache(maxsize=256)
