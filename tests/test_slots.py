@@ -70,7 +70,7 @@ def spec_for(info: ModelInfo, env: dict[str, str], **own: Any) -> RunnerSpec:
 
 @pytest.mark.parametrize(
     ("name", "most", "counts"),
-    [("llama", AUTO_PARALLEL, [4, 3, 2, 1]), ("bert", EMBED_PARALLEL, [32, 16, 8, 4, 3, 2, 1])],
+    [("llama", AUTO_PARALLEL, [4, 3, 2, 1]), ("bert", EMBED_PARALLEL, [16, 8, 4, 3, 2, 1])],
 )
 def test_auto_gives_up_to_4_slots_on_one_cache_and_a_number_keeps_a_cache_per_slot(
     models: dict[str, ModelInfo], name: str, most: int, counts: list[int]
@@ -105,7 +105,7 @@ def test_slot_counts_run_from_the_most_down_to_one_every_count_up_to_4(most: int
 
 def test_an_embedding_slot_books_no_sampler(models: dict[str, ModelInfo]) -> None:
     """A generating model's slot books a sampler over its vocabulary; an embedding model's slot
-    gets none (llama.cpp makes one only for a task that samples): 32 of them cost less than
+    gets none (llama.cpp makes one only for a task that samples): 16 of them cost less than
     4 of a chat model with the same vocabulary."""
     bert, llama = models["bert"], models["llama"]
     assert bert.n_vocab == llama.n_vocab

@@ -38,7 +38,7 @@ EMBED_BATCH = 512
 CHUNK_PER_SLOT = 8
 CHUNK_MIN = 64
 # Chunks in flight: while one ends (its last inputs in a few slots) the next one's fill the
-# others, and a third is on its way.
+# others, and a third is on its way (tokenized by the runner's HTTP threads meanwhile).
 CONCURRENT = 3
 # Long inputs tokenized at once to check their length (llama.cpp tokenizes on its HTTP threads).
 TOKENIZE_CONCURRENT = 8
