@@ -191,3 +191,22 @@ def test_smoke_run_of_every_section(tmp_path: Path) -> None:
     again = tmp_path / "again.md"
     assert main(["all", "--from-json", str(out), "--docs", str(again)]) == 0
     assert again.read_text() == text
+
+
+@pytest.mark.e2e
+def test_smoke_run_of_the_embed_section(tmp_path: Path) -> None:
+    """`corral bench embed` (run only when named): corral's two routes, beside llama-server
+    where one is built, and its block in the docs."""
+    from corral.bench import main
+
+    out, docs = tmp_path / "bench.json", tmp_path / "benchmarks.md"
+    argv = ["embed", "--smoke", "--json", str(out), "--write-docs", "--docs", str(docs)]
+    assert main(["--workdir", str(tmp_path / "work"), *argv]) == 0
+    sec = json.loads(out.read_text())["sections"]["embed"]
+    assert sec["error"] is None
+    (table,) = sec["tables"]
+    variants = [row[0] for row in table["rows"]]
+    assert variants[:2] == ["corral /api/embed", "corral /v1/embeddings"]
+    assert len(variants) == 3 or "no llama-server" in " ".join(sec["notes"])
+    text = docs.read_text()
+    assert "## 8. Embeddings in bulk" in text and "<!-- bench:results:embed -->" in text

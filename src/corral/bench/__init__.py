@@ -1,4 +1,4 @@
-"""corral's benchmarks: `corral bench [all|proxy|cold|swap|estimates|soak] [--quick]
+"""corral's benchmarks: `corral bench [all|proxy|cold|swap|estimates|soak|embed|...] [--quick]
 [--json PATH] [--write-docs]` (also `python -m corral.bench`, `make bench`).
 
 Every figure in docs/benchmarks.md comes from here. Benchmarks print figures; they are not

@@ -19,7 +19,7 @@ if TYPE_CHECKING:
 
 SECTIONS = ("proxy", "cold", "swap", "estimates")  # what `all` runs
 # Run only when named: the soak is a stress test of a minute or more, with chaos.
-EXTRA = ("soak", "prefetch", "resume", "agent", "agentswap")
+EXTRA = ("soak", "prefetch", "resume", "agent", "agentswap", "embed")
 TITLES = {
     "proxy": "Proxy overhead",
     "cold": "Cold start",
@@ -30,6 +30,7 @@ TITLES = {
     "resume": "Resumed conversations after an eviction",
     "agent": "An agent session: prompt cache across turns",
     "agentswap": "Two models used in turn by agents: the hold after a tool call",
+    "embed": "Embeddings in bulk",
 }
 
 
@@ -125,6 +126,10 @@ def run_section(name: str, scale: Scale, work: Path, say: Say) -> Section:
         from corral.bench import agentswap
 
         runners[name] = agentswap.run
+    elif name == "embed":
+        from corral.bench import embed
+
+        runners[name] = embed.run
     t0 = time.monotonic()
     try:
         sec = runners[name](scale, work, say)

@@ -14,8 +14,9 @@ from typing import Any
 
 from corral.bench.common import Section, machine_line
 
-ORDER = ("proxy", "cold", "swap", "estimates", "soak", "resume", "agent")
-OPTIONAL = ("soak", "resume", "agent")  # on the page once measured (`all` does not run them)
+ORDER = ("proxy", "cold", "swap", "estimates", "soak", "resume", "agent", "embed")
+# on the page once measured (`all` does not run them)
+OPTIONAL = ("soak", "resume", "agent", "embed")
 # Hand-written blocks (`<!-- bench:notes:NAME -->`) a run keeps as they are, after the goals.
 NOTES = {
     "misses": "What the misses mean",
@@ -31,6 +32,7 @@ TITLES = {
     "soak": "5. Soak under a memory limit, with chaos",
     "resume": "6. Resumed conversations after an eviction",
     "agent": "7. An agent session: prompt cache across turns",
+    "embed": "8. Embeddings in bulk",
 }
 
 INTRO = """\
@@ -145,6 +147,14 @@ history with a system message inside `messages` every fifth turn. Usage per turn
 tokens, what llama.cpp evaluated (`input_tokens`) and read from the slot's cache
 (`cache_read_input_tokens`). Beside it, interleaved, the same sessions with the first block
 renamed so that corral keeps it: what a per-request text at the prompt's start costs.""",
+    "embed": """\
+One request of many short inputs, as RAG indexing sends them (`corral bench embed
+--write-docs`: 10,000 inputs of 6-14 words), through corral's `/api/embed` and
+`/v1/embeddings` and to llama.cpp's own `llama-server` on the same GGUF, each with its defaults
+(corral with no settings; `llama-server -m MODEL --embeddings`), in interleaved rounds.
+inputs/s: the inputs over the request's wall time, from sending it to the answer's last byte.
+Models: a synthetic bert, and a real embedding GGUF named by `CORRAL_BENCH_EMBED_MODEL`.
+llama-server is found as for the swap traces; without one corral is measured alone.""",
     "estimates": """\
 corral's memory estimate (`corral.core.estimate`) against what llama.cpp reports it allocated, for
 synthetic and real models at several contexts, slots and KV cache types
