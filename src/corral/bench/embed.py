@@ -12,6 +12,11 @@ llama-server within each round.
 The model: a synthetic bert (corral.testing.synth), and a real embedding GGUF where
 `CORRAL_BENCH_EMBED_MODEL` names one. llama-server is found as for the swap benchmark
 (`corral.bench.llama_build.find_llama_server`); without one corral is measured alone.
+
+`CORRAL_BENCH_EMBED_THREADS=N` runs both sides with N compute threads (models.toml
+`num_thread`, llama-server `-t N`) instead of their defaults: on a machine other work keeps
+busy, llama.cpp's threads spin at their barriers while the one they wait for is off the CPU,
+and a round's figures swing by 5-10x; with one thread they hold still.
 """
 
 from __future__ import annotations
@@ -46,6 +51,7 @@ from corral.testing.server import start_corral
 
 SYNTH = "bench-embed"
 ENV_MODEL = "CORRAL_BENCH_EMBED_MODEL"  # a real embedding GGUF to measure too
+ENV_THREADS = "CORRAL_BENCH_EMBED_THREADS"  # both sides with this many threads (default: theirs)
 INPUTS = {"smoke": 200, "quick": 2000, "full": 10_000}  # inputs per request
 ROUNDS = {"smoke": 1, "quick": 3, "full": 5}
 WARMUP = 64  # inputs in each side's first, unmeasured request
@@ -90,14 +96,17 @@ def send(http: Http, v: Variant, model: str, inputs: list[str]) -> float:
 
 
 @contextlib.contextmanager
-def llama_server(binary: Path, model: Path, log: Path) -> Any:
-    """`llama-server` with its defaults and embeddings on, serving `model`; its URL."""
+def llama_server(binary: Path, model: Path, log: Path, threads: int = 0) -> Any:
+    """`llama-server` with its defaults and embeddings on, serving `model` (with `threads`
+    compute threads, if given); its URL."""
     import httpx
 
     port = free_port()
     url = f"http://127.0.0.1:{port}"
     cmd = [str(binary), "-m", str(model), "--embeddings", "--host", "127.0.0.1",
            "--port", str(port), "--no-webui"]  # fmt: skip
+    if threads:
+        cmd += ["-t", str(threads)]
     with open(log, "wb") as out:
         proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT)
     try:
@@ -125,7 +134,9 @@ def slots_of(http: Http, v: Variant, model: str) -> int | None:
     with contextlib.suppress(Exception):
         if v.side == "corral":
             ps = http.get_json("/api/ps")["models"]
-            return next(int(m["num_parallel"]) for m in ps if m["name"] == model)
+            return next(
+                int(m["num_parallel"]) for m in ps if m["name"] in (model, model + ":latest")
+            )
         return int(http.get_json("/props")["total_slots"])
     return None
 
@@ -137,12 +148,15 @@ def measure(
     """Every variant on one model, interleaved rounds; a table row per variant."""
     n, rounds = INPUTS[scale.name], ROUNDS[scale.name]
     inputs = texts(n)
+    threads = threads_setting()
     models_dir = work / f"embed-models-{label}"
-    models_dir.mkdir(parents=True, exist_ok=True)
-    link = models_dir / f"{label}.gguf"
+    (models_dir / "files").mkdir(parents=True, exist_ok=True)
+    link = models_dir / "files" / f"{label}.gguf"
     if not link.exists():
         link.symlink_to(model_path.resolve())
-    model = f"{label}:latest"
+    model = label
+    toml = f'[models."{label}"]\nfile = "files/{label}.gguf"\n'
+    (models_dir / "models.toml").write_text(toml + (f"num_thread = {threads}\n" if threads else ""))
     server = start_corral(
         models_dir, work / f"embed-corral-{label}.log",
         {"CORRAL_KEEP_ALIVE": "-1", "CORRAL_BUILTIN_MODELS": "0"},
@@ -156,7 +170,7 @@ def measure(
             urls = {"corral": server.url}
             if binary is not None:
                 log = work / f"embed-llama-server-{label}.log"
-                urls["llama-server"] = stack.enter_context(llama_server(binary, link, log))
+                urls["llama-server"] = stack.enter_context(llama_server(binary, link, log, threads))
             clients = {side: Http(url, timeout=1800) for side, url in urls.items()}
             for c in clients.values():
                 stack.callback(c.close)
@@ -200,6 +214,16 @@ def measure(
     sec.tables.append(table)
 
 
+def threads_setting() -> int:
+    """CORRAL_BENCH_EMBED_THREADS, or 0: each side's default."""
+    text = os.environ.get(ENV_THREADS, "").strip()
+    if not text:
+        return 0
+    if not text.isdigit() or int(text) < 1:
+        raise ValueError(f"{ENV_THREADS}={text!r}: expected a number of threads")
+    return int(text)
+
+
 def run(scale: Scale, work: Path, say: Say) -> Section:
     from corral.bench.llama_build import find_llama_server
 
@@ -221,6 +245,8 @@ def run(scale: Scale, work: Path, say: Say) -> Section:
         sec.notes.append(f"synthetic model only ({ENV_MODEL} names a real embedding GGUF)")
     for path, label in models:
         measure(path, label, scale, work, say, sec, binary)
+    if threads_setting():
+        sec.notes.append(f"both sides with {threads_setting()} compute threads ({ENV_THREADS})")
     sec.notes.append(
         "inputs/s: inputs over the wall time of one request holding them all, from sending it "
         "to the last byte of the answer (every vector counted); 'paired' is the median over "

@@ -29,8 +29,8 @@ AUTO_PARALLEL = 4
 # Slots an embedding or rerank model gets with an automatic count. llama.cpp makes each input
 # of a request a task and puts the inputs of all busy slots into one batch (up to n_ubatch,
 # 512 tokens): with 4 slots a batch of short inputs holds some 50 tokens, with 16 some 200.
-# A slot costs such a model almost nothing: an encoder keeps no KV cache (a causal one shares
-# the unified cache), no sampler is made for it, only an output row (n_vocab + n_embd floats).
+# A slot costs such a model little: an encoder keeps no KV cache (a causal one shares the
+# unified cache), no sampler is made for it; an output row, an HTTP thread's buffers (~1 MiB).
 # Measured on a synthetic bert, one thread: CPU per short input 4 slots 420 us, 16 and 32
 # 340 us; beyond, an encoder's attention over the whole batch (each input masked from the
 # others) costs each input more.
