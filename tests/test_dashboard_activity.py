@@ -16,8 +16,12 @@ from typing import Any
 
 import httpx
 import pytest
+from helpers import fake_devices
+from starlette.testclient import TestClient
 
 from corral import logs
+from corral.config import Settings
+from corral.server import create_app
 from corral.testing.server import CorralServer
 
 CHROMIUM = shutil.which("chromium") or "/usr/bin/chromium"
@@ -108,6 +112,17 @@ def test_setup_installs_the_ring_after_the_output() -> None:
     finally:
         root.handlers[:] = saved
         root.setLevel(level)
+
+
+def test_the_history_sampler_stops_with_the_server(tmp_path: Path) -> None:
+    settings = Settings.load({"CORRAL_MODELS": str(tmp_path), "CORRAL_KV_CACHE_SIZE": "0",
+                              "CORRAL_BUILTIN_MODELS": "0"}, {})  # fmt: skip
+    app = create_app(settings, fake_devices("cpu=8GiB"))
+    history = app.state.dashboard.history
+    with TestClient(app, base_url="http://127.0.0.1") as client:
+        assert client.get("/ui").status_code == 200  # the page starts the sampler
+        assert history.running
+    assert not history.running  # the lifespan's end stopped it (Dashboard.close)
 
 
 # ---- the events stream ------------------------------------------------------------------------
@@ -211,10 +226,10 @@ def test_requests_appear_live_and_filter(server: CorralServer, page: Any, tmp_pa
     assert row_ok.get_attribute("data-status") == "200"
     text = row_ok.inner_text()
     assert "POST /api/generate" in text and "127.0.0.1" in text and "/ 4" in text, text
-    assert row_ok.locator("a[data-detail='tiny:latest']").count() == 1  # its model, linked
+    assert row_ok.locator("a[data-open='tiny:latest']").count() == 1  # its model, linked
     assert row_bad.get_attribute("data-status") == "404"
     assert f"model '{missing}' not found" in row_bad.locator(".act-error").inner_text()
-    assert row_bad.locator("a[data-detail]").count() == 0  # no such model to link
+    assert row_bad.locator("a[data-open]").count() == 0  # no such model to link
 
     def shown() -> list[tuple[str, str]]:
         return page.eval_on_selector_all(
@@ -253,7 +268,7 @@ def test_requests_appear_live_and_filter(server: CorralServer, page: Any, tmp_pa
     assert mine.count() == 1
 
     # A row's model opens its detail view.
-    row_ok.locator("a[data-detail]").click()
+    row_ok.locator("a[data-open]").click()
     page.locator("#detail-body table.files").wait_for()
     assert page.locator("#detail-name").inner_text() == TINY
     # Nothing was polled: the activity came with the events stream.

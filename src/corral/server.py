@@ -221,6 +221,7 @@ def create_app(settings: Settings, devices: list[Device] | None = None) -> Starl
     app.state.scheduler = scheduler
     app.state.gate = gate
     app.state.activity = activity
+    app.state.dashboard = dashboard
     return app
 
 

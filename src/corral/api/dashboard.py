@@ -370,14 +370,9 @@ class Dashboard:
             loop = asyncio.get_running_loop()
             with self._feed(loop) as q:
                 yield b"retry: 2000\n\n"
-                if self.activity is not None:
-                    recent = itertools.islice(self.activity.find(), REQUESTS_SHOWN)
-                    yield _sse("activity", {"full": True, "requests": [r.json() for r in recent]})
-                if self.log_ring is not None:
-                    kept = self.log_ring.recent(LINES_SHOWN)
-                    yield _sse("log", {"full": True, "lines": [x.json() for x in kept]})
                 sent: float | None = None  # the history up to this time is with the client
                 due = 0.0  # when the state goes next (loop time)
+                first = True
                 while not stopping(request, self.scheduler):
                     if loop.time() >= due:
                         state = orjson.dumps(self.state(), option=orjson.OPT_NON_STR_KEYS)
@@ -387,6 +382,10 @@ class Dashboard:
                             # Everything later is stamped after `now` (one clock, one loop).
                             sent, doc["full"] = doc["now"], sent is None
                             yield _sse("history", doc)
+                        if first:  # what is kept, after the first state
+                            first = False
+                            for chunk in self._kept():
+                                yield chunk
                         due = loop.time() + STATE_INTERVAL
                     try:
                         item = await asyncio.wait_for(q.get(), max(0.0, due - loop.time()))
@@ -412,6 +411,15 @@ class Dashboard:
                         yield _sse("log", {"lines": [x.json() for x in lines]})
 
         return RelayResponse(stream(), SSE, headers=SSE_HEADERS)
+
+    def _kept(self) -> Iterator[bytes]:
+        """The last requests and log lines, as the events stream starts with them."""
+        if self.activity is not None:
+            recent = itertools.islice(self.activity.find(), REQUESTS_SHOWN)
+            yield _sse("activity", {"full": True, "requests": [r.json() for r in recent]})
+        if self.log_ring is not None:
+            kept = self.log_ring.recent(LINES_SHOWN)
+            yield _sse("log", {"full": True, "lines": [x.json() for x in kept]})
 
     @contextlib.contextmanager
     def _feed(self, loop: asyncio.AbstractEventLoop) -> Iterator[asyncio.Queue[tuple[str, Any]]]:

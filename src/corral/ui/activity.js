@@ -32,7 +32,7 @@ function seconds(x) {
 
 function requestRow(r, names) {
   const model = !r.model ? '<span class="faint">—</span>'
-    : names.has(r.model) ? `<a href="#" data-detail="${esc(r.model)}" title="details">${esc(r.model)}</a>`
+    : names.has(r.model) ? `<a href="#" data-open="${esc(r.model)}" title="details">${esc(r.model)}</a>`
     : esc(r.model);
   const cls = r.status >= 500 ? "s5" : r.status >= 400 ? "s4" : "s2";
   const err = r.error ? `<div class="act-error">${esc(r.error)}</div>` : "";
@@ -123,6 +123,14 @@ eventHooks.log = (doc) => {
   appendLog(doc.full ? logLines : doc.lines, doc.full);
 };
 
+// a row's model opens its detail view (models.js)
+$("act-rows").addEventListener("click", (ev) => {
+  const a = ev.target.closest("a[data-open]");
+  if (a) {
+    ev.preventDefault();
+    showDetail(a.dataset.open);
+  }
+});
 $("act-model").addEventListener("change", renderActivity);
 $("act-status").addEventListener("change", renderActivity);
 $("log-level").addEventListener("change", () => appendLog(logLines, true));
