@@ -176,10 +176,12 @@ def create_app(settings: Settings, devices: list[Device] | None = None) -> Starl
             books,
         )
         yield
+        dashboard.close()  # the history's sampler
         await scheduler.shutdown()
 
     manage = Manage(service)
     activity = Activity()  # the last requests, for the dashboard's activity view
+    dashboard = Dashboard(service, activity)  # its events stream pushes them and the log lines
     routes = [
         FamilyRoute(OLLAMA, "/", root, ["GET", "HEAD"]),
         FamilyRoute(OLLAMA, "/health", health, ["GET"]),
@@ -193,7 +195,7 @@ def create_app(settings: Settings, devices: list[Device] | None = None) -> Starl
         *Router(service, manage).routes(),
         *Native(service).routes(),
         *manage.routes(),
-        *Dashboard(service).routes(),
+        *dashboard.routes(),
     ]
     families = Families(routes)
     app = Starlette(
@@ -219,6 +221,7 @@ def create_app(settings: Settings, devices: list[Device] | None = None) -> Starl
     app.state.scheduler = scheduler
     app.state.gate = gate
     app.state.activity = activity
+    app.state.dashboard = dashboard
     return app
 
 
@@ -313,6 +316,7 @@ def serve(overrides: Mapping[str, str] | None = None) -> None:
         # JSON logs: uvicorn's loggers go through the root handler too, not its own format
         log_config=None if settings.log_format == "json" else uvicorn.config.LOGGING_CONFIG,
     )  # fmt: skip
+    logs.keep_lines_of(logging.getLogger("uvicorn"))  # its own log config: the pane shows it too
     with contextlib.suppress(KeyboardInterrupt):
         # picks uvloop when installed
         server = _Server(config, app.state.scheduler, app.state.gate, settings.shutdown_grace)

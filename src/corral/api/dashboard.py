@@ -9,18 +9,22 @@ tokens per second (generated ones counted as corral relays them, per runner and 
 per device (budget, booked by corral, in use as the device reports it); the journal's recent
 decisions. The events stream pushes that document every second and
 at once after each journal event (load, ready, eviction, crash, refusal), so the page updates
-without a reload and without polling; and the last hour's history (api/history.py) for the
-page's charts. `GET /api/corral/model` adds to /api/show what the page's detail view shows.
+without a reload and without polling; the last hour's history (api/history.py) for the
+page's charts; the requests as they end (the activity ring, api/activity.py) and the server's
+log lines (logs.RING), for the activity view and the log pane. `GET /api/corral/model` adds to
+/api/show what the page's detail view shows.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import itertools
 import math
+import threading
 import time
 from collections import deque
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable, Iterator
 from importlib import resources
 from pathlib import Path
 from typing import Any
@@ -31,6 +35,8 @@ from starlette.responses import Response
 from starlette.routing import BaseRoute
 
 import corral
+from corral import logs
+from corral.api.activity import Activity, Record
 from corral.api.family import OLLAMA, SSE, FamilyRoute
 from corral.api.guard import shown_path
 from corral.api.history import History
@@ -45,6 +51,7 @@ from corral.runtime.view import RunnerView
 
 ASSETS = {
     "app.js": "text/javascript",
+    "activity.js": "text/javascript",
     "charts.js": "text/javascript",
     "models.js": "text/javascript",
     "playground.js": "text/javascript",
@@ -62,6 +69,10 @@ STATE_INTERVAL = 1.0  # seconds between state pushes on /api/corral/events
 PING_INTERVAL = 15.0  # an SSE comment this often, so a dead connection is noticed
 RATE_WINDOW = 10.0  # seconds of token counts a tokens/s figure spans
 EVENTS_SHOWN = 60  # journal events in the state document
+REQUESTS_SHOWN = 200  # finished requests the events stream starts with
+LINES_SHOWN = 500  # log lines the events stream starts with
+FEED_MAX = 5000  # what may wait for a slow page (then the newest is dropped)
+BATCH = 0.05  # seconds what comes together waits to go in one event
 SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
 
 
@@ -97,8 +108,13 @@ class _Rates:
 
 
 class Dashboard:
-    def __init__(self, service: Service) -> None:
+    def __init__(
+        self, service: Service, activity: Activity | None = None,
+        log_ring: logs.LogRing | None = logs.RING,
+    ) -> None:  # fmt: skip
         self.svc = service
+        self.activity = activity
+        self.log_ring = log_ring
         self.scheduler = service.scheduler
         self._rates = _Rates()
         self._details: dict[tuple[str, float, int], dict[str, Any]] = {}
@@ -342,36 +358,102 @@ class Dashboard:
     # ---- streams ------------------------------------------------------------------------------
     async def events_endpoint(self, request: Request) -> Response:
         """The state document as server-sent events: now, every second, and right after each
-        journal event (`event: state`); each journal event itself too (`event: journal`); and
-        the history (`event: history`): all of it first (`"full": true`), then what is new,
-        with the state when there is something (so the page's charts need no polling, and
-        the request log no line every few seconds)."""
+        journal event (`event: state`); each journal event itself too (`event: journal`); the
+        history (`event: history`): all of it first (`"full": true`), then what is new, with
+        the state when there is something (so the page's charts need no polling, and the
+        request log no line every few seconds); the finished requests (`event: activity`,
+        newest first) and the log lines (`event: log`, oldest first): the last ones kept
+        first (`"full": true`), then each as it comes, a burst in one event."""
         self.history.start()
 
         async def stream() -> AsyncIterator[bytes]:
-            async with journal_events(self.scheduler) as q:
+            loop = asyncio.get_running_loop()
+            with self._feed(loop) as q:
                 yield b"retry: 2000\n\n"
                 sent: float | None = None  # the history up to this time is with the client
+                due = 0.0  # when the state goes next (loop time)
+                first = True
                 while not stopping(request, self.scheduler):
-                    state = orjson.dumps(self.state(), option=orjson.OPT_NON_STR_KEYS)
-                    yield b"event: state\ndata: " + state + b"\n\n"
-                    doc = self.history.document(sent)
-                    if sent is None or doc["time"] or doc["marks"]:
-                        # Everything later is stamped after `now` (one clock, one loop).
-                        sent, doc["full"] = doc["now"], sent is None
-                        yield b"event: history\ndata: " + orjson.dumps(doc) + b"\n\n"
+                    if loop.time() >= due:
+                        state = orjson.dumps(self.state(), option=orjson.OPT_NON_STR_KEYS)
+                        yield b"event: state\ndata: " + state + b"\n\n"
+                        doc = self.history.document(sent)
+                        if sent is None or doc["time"] or doc["marks"]:
+                            # Everything later is stamped after `now` (one clock, one loop).
+                            sent, doc["full"] = doc["now"], sent is None
+                            yield _sse("history", doc)
+                        if first:  # what is kept, after the first state
+                            first = False
+                            for chunk in self._kept():
+                                yield chunk
+                        due = loop.time() + STATE_INTERVAL
                     try:
-                        ev = await asyncio.wait_for(q.get(), STATE_INTERVAL)
+                        item = await asyncio.wait_for(q.get(), max(0.0, due - loop.time()))
                     except asyncio.TimeoutError:
                         continue
-                    evs = [ev]
-                    await asyncio.sleep(0.05)  # what one decision sets off comes together
+                    items = [item]
+                    await asyncio.sleep(BATCH)  # what one decision or burst sets off comes together
                     while not q.empty():
-                        evs.append(q.get_nowait())
-                    for e in evs:
-                        yield b"event: journal\ndata: " + orjson.dumps(e.as_dict()) + b"\n\n"
+                        items.append(q.get_nowait())
+                    reqs: list[Record] = []
+                    lines: list[logs.Line] = []
+                    for kind, x in items:
+                        if kind == "journal":
+                            yield _sse("journal", x.as_dict())
+                            due = 0.0  # the state at once after a decision
+                        elif kind == "activity":
+                            reqs.append(x)
+                        else:
+                            lines.append(x)
+                    if reqs:
+                        yield _sse("activity", {"requests": [r.json() for r in reversed(reqs)]})
+                    if lines:
+                        yield _sse("log", {"lines": [x.json() for x in lines]})
 
         return RelayResponse(stream(), SSE, headers=SSE_HEADERS)
+
+    def _kept(self) -> Iterator[bytes]:
+        """The last requests and log lines, as the events stream starts with them."""
+        if self.activity is not None:
+            recent = itertools.islice(self.activity.find(), REQUESTS_SHOWN)
+            yield _sse("activity", {"full": True, "requests": [r.json() for r in recent]})
+        if self.log_ring is not None:
+            kept = self.log_ring.recent(LINES_SHOWN)
+            yield _sse("log", {"full": True, "lines": [x.json() for x in kept]})
+
+    @contextlib.contextmanager
+    def _feed(self, loop: asyncio.AbstractEventLoop) -> Iterator[asyncio.Queue[tuple[str, Any]]]:
+        """Journal events, finished requests and log lines from now on, in one queue (what does
+        not fit is dropped: listeners must not block). A line may be logged on another thread:
+        it comes to the loop's."""
+        q: asyncio.Queue[tuple[str, Any]] = asyncio.Queue(maxsize=FEED_MAX)
+        loop_thread = threading.get_ident()
+
+        def put(item: tuple[str, Any]) -> None:
+            with contextlib.suppress(asyncio.QueueFull):
+                q.put_nowait(item)
+
+        def put_line(line: logs.Line) -> None:
+            if threading.get_ident() == loop_thread:
+                put(("log", line))
+            else:
+                with contextlib.suppress(RuntimeError):  # the loop is closed: nobody reads
+                    loop.call_soon_threadsafe(put, ("log", line))
+
+        stops: list[Callable[[], Any]] = [self.scheduler.listen(lambda e: put(("journal", e)))]
+        if self.activity is not None:
+            stops.append(self.activity.listen(lambda r: put(("activity", r))))
+        if self.log_ring is not None:
+            stops.append(self.log_ring.listen(put_line))
+        try:
+            yield q
+        finally:
+            for stop in stops:
+                stop()
+
+
+def _sse(event: str, data: Any) -> bytes:
+    return b"event: " + event.encode() + b"\ndata: " + orjson.dumps(data) + b"\n\n"
 
 
 def wants_html(request: Request) -> bool:
