@@ -233,7 +233,7 @@ def test_requests_appear_live_and_filter(server: CorralServer, page: Any, tmp_pa
 
     def shown() -> list[tuple[str, str]]:
         return page.eval_on_selector_all(
-            "#act-rows tr", "rows => rows.map(r => [r.dataset.status, r.dataset.model])"
+            "#act-rows tr", "rows => rows.map(r => [r.dataset.status, r.dataset.requestModel])"
         )
 
     page.select_option("#act-status", "error")

@@ -37,7 +37,7 @@ function requestRow(r, names) {
   const cls = r.status >= 500 ? "s5" : r.status >= 400 ? "s4" : "s2";
   const err = r.error ? `<div class="act-error">${esc(r.error)}</div>` : "";
   const t = new Date(r.time);
-  return `<tr data-id="${esc(r.id)}" data-status="${esc(r.status)}" data-model="${esc(r.model || "")}">
+  return `<tr data-id="${esc(r.id)}" data-status="${esc(r.status)}" data-request-model="${esc(r.model || "")}">
     <td class="mono" title="${esc(r.time)}">${esc(t.toLocaleTimeString([], { hour12: false }))}</td>
     <td class="mono">${esc(r.client || "—")}</td>
     <td><span class="mono">${esc(r.method)} ${esc(r.route)}</span>${err}</td>
