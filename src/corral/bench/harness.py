@@ -19,7 +19,7 @@ if TYPE_CHECKING:
 
 SECTIONS = ("proxy", "cold", "swap", "estimates")  # what `all` runs
 # Run only when named: the soak is a stress test of a minute or more, with chaos.
-EXTRA = ("soak", "prefetch", "resume", "agent")
+EXTRA = ("soak", "prefetch", "resume", "agent", "concurrency")
 TITLES = {
     "proxy": "Proxy overhead",
     "cold": "Cold start",
@@ -29,6 +29,7 @@ TITLES = {
     "prefetch": "Prefetch while a load waits for an eviction",
     "resume": "Resumed conversations after an eviction",
     "agent": "An agent session: prompt cache across turns",
+    "concurrency": "Many clients on one model: corral against llama-server",
 }
 
 
@@ -120,6 +121,10 @@ def run_section(name: str, scale: Scale, work: Path, say: Say) -> Section:
         from corral.bench import agent
 
         runners[name] = agent.run
+    elif name == "concurrency":
+        from corral.bench import concurrency
+
+        runners[name] = concurrency.run
     t0 = time.monotonic()
     try:
         sec = runners[name](scale, work, say)

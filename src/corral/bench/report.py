@@ -14,8 +14,9 @@ from typing import Any
 
 from corral.bench.common import Section, machine_line
 
-ORDER = ("proxy", "cold", "swap", "estimates", "soak", "resume", "agent")
-OPTIONAL = ("soak", "resume", "agent")  # on the page once measured (`all` does not run them)
+ORDER = ("proxy", "cold", "swap", "estimates", "soak", "resume", "agent", "concurrency")
+# On the page once measured (`all` does not run them).
+OPTIONAL = ("soak", "resume", "agent", "concurrency")
 # Hand-written blocks (`<!-- bench:notes:NAME -->`) a run keeps as they are, after the goals.
 NOTES = {
     "misses": "What the misses mean",
@@ -31,6 +32,7 @@ TITLES = {
     "soak": "5. Soak under a memory limit, with chaos",
     "resume": "6. Resumed conversations after an eviction",
     "agent": "7. An agent session: prompt cache across turns",
+    "concurrency": "8. Many clients on one model: corral against llama-server",
 }
 
 INTRO = """\
@@ -45,14 +47,15 @@ corral bench proxy --quick                   # one section, fewer repetitions, p
 python -m corral.bench swap --json swap.json
 ```
 
-Sections: `proxy`, `cold`, `swap`, `estimates` (or `all`), and `soak`, run only when named
-(`corral bench soak --write-docs`: a stress test of a minute or more). `--quick` takes a few
-minutes, `--smoke` (what CI runs, tests/test_bench_smoke.py) seconds with meaningless figures;
-the default full run is what this page should report. `--write-docs` rewrites only the sections
-it measured. Each comparison runs both sides in one process tree on one machine, interleaved
-(alternating which goes first), several times; tables give medians and p99. Benchmarks print
-figures, they do not pass or fail; goals are checked in "Goals vs measured".
-Timings on a machine shared with other work are noisy: compare ratios, and rerun on a quiet
+Sections: `proxy`, `cold`, `swap`, `estimates` (or `all`), and `soak`, `prefetch`, `resume`,
+`agent`, `concurrency`, run only when named (`corral bench soak --write-docs`: a stress test of
+a minute or more). `--quick` takes a few minutes, `--smoke` (what CI runs,
+tests/test_bench_smoke.py) seconds with meaningless figures; the default full run is what this
+page should report. `--write-docs` rewrites only the sections it measured. Each comparison runs
+both sides in one process tree on one machine, interleaved (alternating which goes first),
+several times; tables give medians and p99. Benchmarks print figures, they do not pass or fail;
+goals are checked in "Goals vs measured". Timings on a machine shared with other work are
+noisy: compare ratios, and rerun on a quiet
 machine before drawing conclusions.
 """
 
@@ -145,6 +148,19 @@ history with a system message inside `messages` every fifth turn. Usage per turn
 tokens, what llama.cpp evaluated (`input_tokens`) and read from the slot's cache
 (`cache_read_input_tokens`). Beside it, interleaved, the same sessions with the first block
 renamed so that corral keeps it: what a per-request text at the prompt's start costs.""",
+    "concurrency": """\
+1, 4, 8 and 16 clients at once on one model (`corral bench concurrency --write-docs`), each
+streaming `/v1/chat/completions` answers of a fixed length (`ignore_eos`, temperature 0) one
+after another on its own connection, against corral with its defaults (no
+`CORRAL_NUM_PARALLEL`, no `CORRAL_CONTEXT_LENGTH`: automatic slots on a unified KV cache, the
+context sized to memory) and against llama.cpp's `llama-server -m MODEL` with its defaults (4
+slots on a unified KV cache, the trained context) on the same GGUF. Only one server runs at a
+time: a round starts it, sends one warm-up request and runs every level; rounds alternate which
+side goes first, and every figure is the median of the rounds' own. Tokens/s: all generated
+tokens over the time from the clients' common start to the last answer's end. Models: SmolLM2-135M
+and a synthetic llama trained for 64k tokens. `llama-server` is found as for the swap traces
+(`CORRAL_BENCH_LLAMA_SERVER`, `~/.cache/corral/llama-server`, `--build-llama-server`). Goal:
+corral >= 1.0x llama-server's tokens/s at every level.""",
     "estimates": """\
 corral's memory estimate (`corral.core.estimate`) against what llama.cpp reports it allocated, for
 synthetic and real models at several contexts, slots and KV cache types
