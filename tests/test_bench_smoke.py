@@ -207,6 +207,17 @@ def test_concurrency_table_and_goal_give_corral_over_llama_server() -> None:
     assert throughput_goal("SmolLM2", [1, 4], alone).met is None
 
 
+def test_concurrency_names_the_cpu_features_a_build_uses() -> None:
+    from corral.bench.concurrency import built_for
+
+    log = (
+        "main: system_info: n_threads = 2 (n_threads_batch = 2) / 2 | CPU : SSE3 = 1 | "
+        "AVX2 = 1 | AVX512 = 0 | AMX_INT8 = 1 | REPACK = 1 | \nsrv  init: ready\n"
+    )
+    assert built_for(log) == "SSE3, AVX2, AMX_INT8, REPACK"
+    assert built_for("no such line") == "unknown"
+
+
 def test_agent_reads_usage_and_text_from_the_stream() -> None:
     from corral.bench.agent import streamed_turn
 

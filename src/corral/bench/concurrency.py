@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import re
 import subprocess
 import threading
 import time
@@ -74,6 +75,27 @@ ENV = {"CORRAL_NUM_PARALLEL": "auto", "CORRAL_CONTEXT_LENGTH": "auto",
        "CORRAL_BUILTIN_MODELS": "1"}  # fmt: skip
 PROMPT = "Write a long story about a lighthouse keeper, the sea and a storm."
 POLL_EVERY = 0.25  # seconds between /api/ps polls while corral serves
+# llama.cpp's list of the CPU features its kernels were built for ("CPU : SSE3 = 1 | ...").
+_CPU_FEATURES = re.compile(r"CPU : ((?:\w+ = \d+ \| )*\w+ = \d+)")
+
+
+def built_for(system_info: str) -> str:
+    """The CPU features a llama.cpp build's system info says are on ('AVX2, FMA, ...')."""
+    m = _CPU_FEATURES.search(system_info)
+    if not m:
+        return "unknown"
+    pairs = [p.split(" = ") for p in m.group(1).split(" | ")]
+    return ", ".join(k for k, v in pairs if v.strip() != "0")
+
+
+def runner_features() -> str:
+    """What corral's runners (the xllamacpp wheel) were built for."""
+    try:
+        import xllamacpp
+
+        return built_for(str(xllamacpp.get_system_info()))
+    except (ImportError, AttributeError):
+        return "unknown"
 
 
 def chosen_models() -> list[str]:
@@ -370,6 +392,7 @@ def run(scale: Scale, work: Path, say: Say) -> Section:
             targets.append((f"synthetic, {SYNTH_CONTEXT // 1024}k context, "
                             f"{gguf.stat().st_size / MIB:.0f} MiB", gguf.stem, gguf))  # fmt: skip
     sides = list(SIDES) if binary is not None else ["corral"]
+    llama_log: Path | None = None
     for label, name, gguf in targets:
         bursts: dict[str, list[dict[int, Burst]]] = {s: [] for s in sides}
         loaded: dict[str, set[str]] = {s: set() for s in sides}
@@ -400,6 +423,8 @@ def run(scale: Scale, work: Path, say: Say) -> Section:
             finally:
                 served.stop()
             loaded[side].add(f"{served.slots} slots, context {served.context}")
+            if side == "llama-server":
+                llama_log = log
         figures = {
             s: {n: over_rounds([r[n].figures() for r in rounds]) for n in levels}
             for s, rounds in bursts.items()
@@ -424,6 +449,12 @@ def run(scale: Scale, work: Path, say: Say) -> Section:
             "bursts": {s: [{str(n): b.__dict__ for n, b in r.items()} for r in rs]
                        for s, rs in bursts.items()},
         }  # fmt: skip
+    if llama_log is not None:
+        sec.notes.append(
+            f"CPU kernels: corral's runners (xllamacpp) are built for {runner_features()}; "
+            f"llama-server for {built_for(llama_log.read_text(errors='replace'))}: a "
+            "difference here is the builds', not the servers'"
+        )
     if binary is None:
         sec.notes.append(
             f"llama-server: not measured ({origin}; set CORRAL_BENCH_LLAMA_SERVER to a "
