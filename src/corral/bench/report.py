@@ -141,13 +141,19 @@ restore times, the wait before the request (rendering, tokenizing, restore) and 
 logged as reused from corral's log. The same on a synthetic gemma3 whose layers see a
 512-token sliding window (5 of its 6 layers).""",
     "agent": """\
-Two Claude Code-shaped sessions at once on SmolLM2-135M (two slots), 20 turns each
-(`corral bench agent --write-docs`): a ~2,000-token system prompt whose first block is Claude
-Code's `x-anthropic-billing-header` (different on every request), ten tools, the growing
-history with a system message inside `messages` every fifth turn. Usage per turn: prompt
-tokens, what llama.cpp evaluated (`input_tokens`) and read from the slot's cache
-(`cache_read_input_tokens`). Beside it, interleaved, the same sessions with the first block
-renamed so that corral keeps it: what a per-request text at the prompt's start costs.""",
+Two Claude Code-shaped sessions at once on one model, 20 turns each, corral with its defaults
+(automatic slots on a unified KV cache, automatic context; `corral bench agent --write-docs`):
+a system prompt whose first block is Claude Code's `x-anthropic-billing-header` (different on
+every request), tools, the growing history with a system message inside `messages` every
+fifth turn, each turn streamed on `/v1/messages`. Per turn: time to first token as the client
+sees it, prompt tokens, and what the stream's closing usage says llama.cpp evaluated
+(`input_tokens`) and read from the slot's cache (`cache_read_input_tokens`). Cases: SmolLM2-135M
+(trained for 8,192 tokens) with a ~2,000-token system prompt and ten tools; beside it,
+interleaved, the same sessions with the first block renamed so that corral keeps it (what a
+per-request text at the prompt's start costs); and Claude Code's real size, a ~12,000-token
+system prompt and 18 long tool schemas, on a synthetic llama trained for 64k tokens (its
+sessions send a fixed answer back in the history: a random-weight model's tokens do not survive
+detokenizing and tokenizing again).""",
     "concurrency": """\
 1, 4, 8 and 16 clients at once on one model (`corral bench concurrency --write-docs`), each
 streaming `/v1/chat/completions` answers of a fixed length (`ignore_eos`, temperature 0) one
