@@ -120,6 +120,7 @@ class Burst:
     tokens: int  # generated, summed over every answer
     latencies: list[float] = field(default_factory=list)
     ttfts: list[float] = field(default_factory=list)
+    short: int = 0  # answers that ended before the tokens asked for (ignore_eos not honoured)
 
     def figures(self) -> dict[str, float]:
         return {
@@ -325,9 +326,10 @@ def burst(url: str, model: str, clients: int, requests: int, tokens: int) -> Bur
     wall = time.perf_counter() - t0
     if errors:
         raise errors[0]
+    counts = [completion_tokens(t.body) for t in results]
     return Burst(
-        clients, wall, sum(completion_tokens(t.body) for t in results),
-        [t.latency for t in results], [t.ttft for t in results],
+        clients, wall, sum(counts), [t.latency for t in results], [t.ttft for t in results],
+        short=sum(n < tokens for n in counts),
     )  # fmt: skip
 
 
@@ -378,7 +380,6 @@ def run(scale: Scale, work: Path, say: Say) -> Section:
     models_dir = work / "concurrency-models"
     models_dir.mkdir(parents=True, exist_ok=True)
     binary, origin = llama_server(say)
-    levels = LEVELS[scale.name]
     targets: list[tuple[str, str, Path]] = []  # (label, corral's name, the GGUF)
     for m in chosen_models():
         if m == "smollm2":
@@ -391,77 +392,21 @@ def run(scale: Scale, work: Path, say: Say) -> Section:
             gguf = synth_model(models_dir, scale, say)
             targets.append((f"synthetic, {SYNTH_CONTEXT // 1024}k context, "
                             f"{gguf.stat().st_size / MIB:.0f} MiB", gguf.stem, gguf))  # fmt: skip
-    sides = list(SIDES) if binary is not None else ["corral"]
-    llama_log: Path | None = None
     for label, name, gguf in targets:
-        bursts: dict[str, list[dict[int, Burst]]] = {s: [] for s in sides}
-        loaded: dict[str, set[str]] = {s: set() for s in sides}
-        in_flight: dict[int, dict[str, int]] = {}
-        for i, side in interleave(ROUNDS[scale.name], sides):
-            say(f"concurrency: {label}, round {i + 1}, {side}: {', '.join(map(str, levels))} "
-                "clients")  # fmt: skip
-            log = work / f"concurrency-{name}-{side}-{i}.log"
-            if side == "corral":
-                served = start_corral_side(models_dir, name, log)
-            else:
-                assert binary is not None
-                served = start_llama_side(binary, gguf, log)
-            try:
-                if side == "corral":
-                    with PsPoller(served.url, _ps_name(name)) as poller:
-                        bursts[side].append(one_round(served, levels, scale, poller))
-                    for n, s in poller.seen.items():
-                        seen = in_flight.setdefault(n, {"in_flight": 0, "queued": 0})
-                        seen["in_flight"] = max(seen["in_flight"], s["in_flight"])
-                        seen["queued"] = max(seen["queued"], s["queued"])
-                    ps = served.extra["server"].ps()
-                    mine: dict[str, Any] = next((x for x in ps if x["name"] == _ps_name(name)), {})
-                    served.slots = int(mine.get("num_parallel", 0))
-                    served.context = int(mine.get("context_length", 0))
-                else:
-                    bursts[side].append(one_round(served, levels, scale, None))
-            finally:
-                served.stop()
-            loaded[side].add(f"{served.slots} slots, context {served.context}")
-            if side == "llama-server":
-                llama_log = log
-        figures = {
-            s: {n: over_rounds([r[n].figures() for r in rounds]) for n in levels}
-            for s, rounds in bursts.items()
-        }  # fmt: skip
-        rounds = ROUNDS[scale.name]
-        sec.tables.append(level_table(
-            f"{label}: {TOKENS[scale.name]} tokens a request, median of {rounds} interleaved "
-            f"round{'s' if rounds > 1 else ''}", levels, figures,
-        ))  # fmt: skip
-        sec.goals.append(throughput_goal(label, levels, figures))
-        sec.summary.append(
-            f"{label}: corral loaded {' / '.join(sorted(loaded['corral']))}"
-            + (f"; llama-server {' / '.join(sorted(loaded['llama-server']))}"
-               if "llama-server" in loaded else "")
-            + "; corral's /api/ps at most in flight / queued per level: "
-            + ", ".join(f"{n}: {s['in_flight']} / {s['queued']}"
-                        for n, s in sorted(in_flight.items()))
-        )  # fmt: skip
-        sec.data[name] = {
-            "label": label, "figures": figures, "loaded": {s: sorted(v) for s, v in loaded.items()},
-            "corral_ps": in_flight,
-            "bursts": {s: [{str(n): b.__dict__ for n, b in r.items()} for r in rs]
-                       for s, rs in bursts.items()},
-        }  # fmt: skip
-    if llama_log is not None:
+        measure(sec, scale, work, say, models_dir, label, name, gguf, binary)
+    if binary is not None:
+        logs = sorted(work.glob("concurrency-*-llama-server-*.log"))
         sec.notes.append(
             f"CPU kernels: corral's runners (xllamacpp) are built for {runner_features()}; "
-            f"llama-server for {built_for(llama_log.read_text(errors='replace'))}: a "
-            "difference here is the builds', not the servers'"
+            f"llama-server for {built_for(logs[0].read_text(errors='replace')) if logs else '?'}"
+            ": a difference here is the builds', not the servers'"
         )
-    if binary is None:
+        sec.notes.append(f"llama-server: {binary} ({origin}), run as `llama-server -m MODEL`")
+    else:
         sec.notes.append(
             f"llama-server: not measured ({origin}; set CORRAL_BENCH_LLAMA_SERVER to a "
             "llama-server binary or pass --build-llama-server)"
         )
-    else:
-        sec.notes.append(f"llama-server: {binary} ({origin}), run as `llama-server -m MODEL`")
     sec.notes.append(
         "each client streams /v1/chat/completions (ignore_eos, temperature 0) on its own "
         "keep-alive connection and sends its next request when one ends; tokens/s = all "
@@ -471,6 +416,69 @@ def run(scale: Scale, work: Path, say: Say) -> Section:
         "then every level); only one server runs at a time"
     )
     return sec
+
+
+def measure(
+    sec: Section, scale: Scale, work: Path, say: Say, models_dir: Path, label: str, name: str,
+    gguf: Path, binary: Path | None,
+) -> None:  # fmt: skip
+    """One model's rounds on both sides (corral only without a llama-server binary): its
+    table, goal, summary line and data, added to `sec`."""
+    levels = LEVELS[scale.name]
+    sides = list(SIDES) if binary is not None else ["corral"]
+    bursts: dict[str, list[dict[int, Burst]]] = {s: [] for s in sides}
+    loaded: dict[str, set[str]] = {s: set() for s in sides}
+    in_flight: dict[int, dict[str, int]] = {}
+    for i, side in interleave(ROUNDS[scale.name], sides):
+        say(f"concurrency: {label}, round {i + 1}, {side}: {', '.join(map(str, levels))} clients")
+        log = work / f"concurrency-{name.replace(':', '-')}-{side}-{i}.log"
+        if side == "corral":
+            served = start_corral_side(models_dir, name, log)
+        else:
+            assert binary is not None
+            served = start_llama_side(binary, gguf, log)
+        try:
+            if side == "corral":
+                with PsPoller(served.url, _ps_name(name)) as poller:
+                    bursts[side].append(one_round(served, levels, scale, poller))
+                for n, s in poller.seen.items():
+                    seen = in_flight.setdefault(n, {"in_flight": 0, "queued": 0})
+                    seen["in_flight"] = max(seen["in_flight"], s["in_flight"])
+                    seen["queued"] = max(seen["queued"], s["queued"])
+                ps = served.extra["server"].ps()
+                mine: dict[str, Any] = next((x for x in ps if x["name"] == _ps_name(name)), {})
+                served.slots = int(mine.get("num_parallel", 0))
+                served.context = int(mine.get("context_length", 0))
+            else:
+                bursts[side].append(one_round(served, levels, scale, None))
+        finally:
+            served.stop()
+        loaded[side].add(f"{served.slots} slots, context {served.context}")
+    figures = {
+        s: {n: over_rounds([r[n].figures() for r in rounds]) for n in levels}
+        for s, rounds in bursts.items()
+    }  # fmt: skip
+    rounds = ROUNDS[scale.name]
+    sec.tables.append(level_table(
+        f"{label}: {TOKENS[scale.name]} tokens a request, median of {rounds} interleaved "
+        f"round{'s' if rounds > 1 else ''}", levels, figures,
+    ))  # fmt: skip
+    sec.goals.append(throughput_goal(label, levels, figures))
+    short = {s: sum(b.short for r in rs for b in r.values()) for s, rs in bursts.items()}
+    sec.summary.append(
+        f"{label}: " + "; ".join(f"{s} loaded {' / '.join(sorted(v))}" for s, v in loaded.items())
+        + "; corral's /api/ps at most in flight / queued per level: "
+        + ", ".join(f"{n}: {s['in_flight']} / {s['queued']}"
+                    for n, s in sorted(in_flight.items()))
+        + "".join(f"; {n} {s} answers ended before {TOKENS[scale.name]} tokens"
+                  for s, n in short.items() if n)
+    )  # fmt: skip
+    sec.data[name] = {
+        "label": label, "figures": figures, "loaded": {s: sorted(v) for s, v in loaded.items()},
+        "corral_ps": in_flight,
+        "bursts": {s: [{str(n): b.__dict__ for n, b in r.items()} for r in rs]
+                   for s, rs in bursts.items()},
+    }  # fmt: skip
 
 
 def _ps_name(name: str) -> str:
