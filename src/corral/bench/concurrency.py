@@ -88,6 +88,21 @@ def built_for(system_info: str) -> str:
     return ", ".join(k for k, v in pairs if v.strip() != "0")
 
 
+def build_features(binary: Path) -> str:
+    """What a llama-server build was compiled for, from its CMake cache (a build made by
+    corral.bench.llama_build: BUILD/bin/llama-server beside BUILD/CMakeCache.txt)."""
+    cache = binary.parent.parent / "CMakeCache.txt"
+    try:
+        text = cache.read_text(errors="replace")
+    except OSError:
+        return "unknown (no CMake cache beside it)"
+    opts = dict(re.findall(r"^(GGML_NATIVE|CMAKE_CXX_FLAGS):[A-Z]+=(.*)$", text, re.M))
+    if opts.get("GGML_NATIVE") == "ON":
+        extra = opts.get("CMAKE_CXX_FLAGS", "").strip()
+        return "this CPU's own features (-march=native" + (f" {extra})" if extra else ")")
+    return "the features its CMake options chose (GGML_NATIVE off)"
+
+
 def runner_features() -> str:
     """What corral's runners (the xllamacpp wheel) were built for."""
     try:
@@ -395,11 +410,10 @@ def run(scale: Scale, work: Path, say: Say) -> Section:
     for label, name, gguf in targets:
         measure(sec, scale, work, say, models_dir, label, name, gguf, binary)
     if binary is not None:
-        logs = sorted(work.glob("concurrency-*-llama-server-*.log"))
         sec.notes.append(
-            f"CPU kernels: corral's runners (xllamacpp) are built for {runner_features()}; "
-            f"llama-server for {built_for(logs[0].read_text(errors='replace')) if logs else '?'}"
-            ": a difference here is the builds', not the servers'"
+            f"CPU kernels: corral's runners (the xllamacpp wheel) are built for "
+            f"{runner_features()}; llama-server for {build_features(binary)}: a difference "
+            "there is the builds', not the servers'"
         )
         sec.notes.append(f"llama-server: {binary} ({origin}), run as `llama-server -m MODEL`")
     else:
