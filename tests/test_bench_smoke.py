@@ -241,6 +241,18 @@ def test_agent_reads_usage_and_text_from_the_stream() -> None:
         streamed_turn(error)
 
 
+def test_agent_cases_by_name(monkeypatch: pytest.MonkeyPatch) -> None:
+    from corral.bench.agent import CASES, chosen_cases
+
+    monkeypatch.delenv("CORRAL_BENCH_AGENT", raising=False)
+    assert chosen_cases() == list(CASES)
+    monkeypatch.setenv("CORRAL_BENCH_AGENT", "side, 12k")
+    assert [c.key for c in chosen_cases()] == ["12k", "side"]
+    monkeypatch.setenv("CORRAL_BENCH_AGENT", "12k,nope")
+    with pytest.raises(ValueError, match="nope"):
+        chosen_cases()
+
+
 def test_agent_turn_figures() -> None:
     from corral.bench.agent import case_summary, turn_table
 

@@ -21,12 +21,19 @@ Cases, interleaved:
   changes nothing here (what is measured is the prompt cache and the time to first token), but
   their tokens do not survive detokenizing and tokenizing again, so its sessions send a fixed
   answer back in the history in place of the model's.
+
+- The same with a side request after every turn (a title or a sub-agent's first turn: the same
+  instructions, no tools, a message of its own), which shares the first few thousand tokens of
+  the sessions' prompts: does a session keep its slot's cache?
+
+`CORRAL_BENCH_AGENT=smollm2,kept,12k,side` (a comma list) runs only those cases.
 """
 
 from __future__ import annotations
 
+import os
 import threading
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -64,6 +71,7 @@ SHOWN_TURNS = (1, 2, 3, 5, 10, 20)
 
 @dataclass(frozen=True)
 class Case:
+    key: str  # its name in CORRAL_BENCH_AGENT
     label: str
     model: str  # corral's name for it
     header: bool  # the first block is Claude Code's billing header (corral drops it)
@@ -75,13 +83,33 @@ class Case:
     # (a real model's text does), so its next prompt would differ from the cache one token
     # early: the cache's business, not a miss of corral's.
     echo: bool = True
+    # After every turn, a side request (a title, a sub-agent's first turn) with the same
+    # instructions but no tools and its own message, as agents send between turns: a slot
+    # chosen by the longest shared prefix would be the session's own, whose cache it cuts.
+    side: bool = False
 
 
 CASES = (
-    Case("SmolLM2, ~2k system, header dropped", SMOLLM2, True, 28, 10, 3),
-    Case("SmolLM2, ~2k system, varying first block kept", SMOLLM2, False, 28, 10, 3),
-    Case("~12k system and tools, header dropped", LONG_MODEL, True, 60, 18, 24, echo=False),
-)
+    Case("smollm2", "SmolLM2, ~2k system, header dropped", SMOLLM2, True, 28, 10, 3),
+    Case("kept", "SmolLM2, ~2k system, varying first block kept", SMOLLM2, False, 28, 10, 3),
+    Case("12k", "~12k system and tools, header dropped", LONG_MODEL, True, 60, 18, 24,
+         echo=False),
+    Case("side", "~12k, a side request after every turn", LONG_MODEL, True, 60, 18, 24,
+         echo=False, side=True),
+)  # fmt: skip
+
+
+def chosen_cases() -> list[Case]:
+    """CORRAL_BENCH_AGENT (a comma list of the cases' keys), or every case."""
+    raw = os.environ.get("CORRAL_BENCH_AGENT", "")
+    chosen = {k.strip() for k in raw.split(",") if k.strip()}
+    unknown = chosen - {c.key for c in CASES}
+    if unknown:
+        raise ValueError(
+            f"CORRAL_BENCH_AGENT: unknown {sorted(unknown)}; cases: {[c.key for c in CASES]}"
+        )
+    return [c for c in CASES if c.key in chosen] or list(CASES)
+
 
 _INSTRUCTIONS = (
     "You are an interactive CLI tool that helps users with software engineering tasks. Use "
@@ -104,14 +132,15 @@ def _tool(i: int, repeat: int) -> dict[str, Any]:
 
 
 def body(case: Case, session: int, turn: int, history: list[dict[str, Any]], rep: int = 0) -> bytes:
-    """Turn `turn`'s request; `rep` starts the instructions, so that no repetition's first turn
-    finds an earlier one's prompt in a slot."""
+    """Turn `turn`'s request; `rep` and the case start the instructions, so that no case's or
+    repetition's first turn finds another's prompt in a slot."""
     header = f"cc_version=2.1.197.{session}; cch={session:02d}{turn:03d};"
     first = ("x-anthropic-billing-header: " if case.header else "billing: ") + header
+    instructions = f"Run {rep}, {case.key}. " + _INSTRUCTIONS * case.instructions
     return orjson.dumps({
         "model": case.model, "max_tokens": MAX_TOKENS, "temperature": 0, "stream": True,
         "system": [{"type": "text", "text": first},
-                   {"type": "text", "text": f"Run {rep}. " + _INSTRUCTIONS * case.instructions,
+                   {"type": "text", "text": instructions,
                     "cache_control": {"type": "ephemeral"}}],
         "tools": [_tool(i, case.tool_text) for i in range(case.tools)], "messages": history,
     })  # fmt: skip
@@ -161,6 +190,14 @@ def session(
             })  # fmt: skip
             history.append({"role": "assistant", "content": (text if case.echo else "") or "ok"})
             previous = prompt
+            if case.side:
+                note = [{"role": "user", "content": f"Session {sid}, step {turn}: a title?"}]
+                side = replace(case, tools=0)
+                r = http.post(
+                    "/v1/messages", body(side, sid, turn, note, rep), token=ANTHROPIC_TOKEN
+                )
+                if r.status != 200:
+                    raise RuntimeError(f"side request {turn}: {r.status} {r.body[:300]!r}")
     finally:
         http.close()
 
@@ -234,11 +271,12 @@ def run(scale: Scale, work: Path, say: Say) -> Section:
     long_model(models, scale, say)
     server = start_corral(models, work / "agent.log", ENV)
     turns, reps = TURNS[scale.name], REPS[scale.name]
-    runs: dict[str, list[dict[str, Any]]] = {c.label: [] for c in CASES}
+    cases = chosen_cases()
+    runs: dict[str, list[dict[str, Any]]] = {c.label: [] for c in cases}
     loaded: dict[str, str] = {}
     try:
-        for i, label in interleave(reps, [c.label for c in CASES]):
-            case = next(c for c in CASES if c.label == label)
+        for i, label in interleave(reps, [c.label for c in cases]):
+            case = next(c for c in cases if c.label == label)
             say(f"agent: #{i + 1} {case.label}, two sessions of {turns} turns")
             outs: list[list[dict[str, Any]]] = [[], []]
             threads = [
@@ -260,7 +298,7 @@ def run(scale: Scale, work: Path, say: Say) -> Section:
         server.stop()
     sec.data = {"runs": runs, "loaded": loaded}
     sec.tables.append(turn_table(runs, turns))
-    for case in CASES:
+    for case in cases:
         line, share = case_summary(case.label, runs[case.label], turns)
         sec.summary.append(line)
         if case.header:

@@ -153,7 +153,10 @@ interleaved, the same sessions with the first block renamed so that corral keeps
 per-request text at the prompt's start costs); and Claude Code's real size, a ~12,000-token
 system prompt and 18 long tool schemas, on a synthetic llama trained for 64k tokens (its
 sessions send a fixed answer back in the history: a random-weight model's tokens do not survive
-detokenizing and tokenizing again).""",
+detokenizing and tokenizing again), alone and with a side request after every turn (a title or
+a sub-agent: the same instructions, no tools, a message of its own), which shares the first few
+thousand tokens of the sessions' prompts. `CORRAL_BENCH_AGENT=smollm2,kept,12k,side` picks
+cases.""",
     "concurrency": """\
 1, 4, 8 and 16 clients at once on one model (`corral bench concurrency --write-docs`), each
 streaming `/v1/chat/completions` answers of a fixed length (`ignore_eos`, temperature 0) one
