@@ -161,6 +161,120 @@ def test_docs_keep_the_sections_a_run_did_not_measure() -> None:
     assert render([cold2], host, "quick", "corral bench cold", second) == second
 
 
+# --------------------------------------------------------------------------- concurrency, agent
+
+
+def test_concurrency_figures_are_medians_of_each_rounds_own() -> None:
+    from corral.bench.concurrency import Burst, over_rounds
+
+    b = Burst(clients=2, wall=2.0, tokens=256, latencies=[1.0, 2.0, 1.5], ttfts=[0.1, 0.3, 0.2])
+    assert b.figures() == {"tok_s": 128.0, "p50": 1.5, "max": 2.0, "ttft_p50": 0.2}
+    rounds = [
+        {"tok_s": 100.0, "max": 9.0},
+        {"tok_s": 130.0, "max": 1.0},
+        {"tok_s": 120.0, "max": 2.0},
+    ]
+    assert over_rounds(rounds) == {"tok_s": 120.0, "max": 2.0}
+    assert over_rounds([]) == {}
+    empty = Burst(clients=1, wall=0.0, tokens=0).figures()
+    assert all(math.isnan(v) for v in empty.values())
+
+
+def test_concurrency_table_and_goal_give_corral_over_llama_server() -> None:
+    from corral.bench.concurrency import level_table, throughput_goal
+
+    def f(tok_s: float) -> dict[str, float]:
+        return {"tok_s": tok_s, "p50": 0.5, "max": 1.25, "ttft_p50": 0.05}
+
+    figures = {
+        "corral": {1: f(131.0), 4: f(150.0)},
+        "llama-server": {1: f(131.0), 4: f(120.0)},
+    }
+    table = level_table("SmolLM2", [1, 4], figures)
+    assert table.headers[:4] == ["clients", "llama-server tok/s", "corral tok/s",
+                                 "corral/llama-server"]  # fmt: skip
+    assert table.rows[0][:4] == ["1", "131", "131", "1.000x"]
+    assert table.rows[1][:4] == ["4", "120", "150", "1.250x"]
+    assert table.rows[1][4:] == ["500 ms / 500 ms", "1250 ms / 1250 ms", "50 ms / 50 ms"]
+    assert throughput_goal("SmolLM2", [1, 4], figures).met is True
+    figures["corral"][1] = f(104.8)
+    miss = throughput_goal("SmolLM2", [1, 4], figures)
+    assert miss.met is False and miss.detail == "1 clients 20% short"
+    assert miss.measured == "0.800x at 1 / 1.250x at 4"
+    # Without llama-server: corral's figures alone, the ratio and the goal not measured.
+    alone = {"corral": figures["corral"]}
+    assert level_table("SmolLM2", [1, 4], alone).rows[0][1:4] == ["n/a", "105", "n/a"]
+    assert throughput_goal("SmolLM2", [1, 4], alone).met is None
+
+
+def test_concurrency_names_the_cpu_features_a_build_uses() -> None:
+    from corral.bench.concurrency import built_for
+
+    log = (
+        "main: system_info: n_threads = 2 (n_threads_batch = 2) / 2 | CPU : SSE3 = 1 | "
+        "AVX2 = 1 | AVX512 = 0 | AMX_INT8 = 1 | REPACK = 1 | \nsrv  init: ready\n"
+    )
+    assert built_for(log) == "SSE3, AVX2, AMX_INT8, REPACK"
+    assert built_for("no such line") == "unknown"
+
+
+def test_agent_reads_usage_and_text_from_the_stream() -> None:
+    from corral.bench.agent import streamed_turn
+
+    events = [
+        ("message_start", {"type": "message_start", "message": {"usage": {"input_tokens": 9}}}),
+        ("content_block_delta", {"type": "content_block_delta", "index": 0,
+                                 "delta": {"type": "text_delta", "text": "Hel"}}),
+        ("content_block_delta", {"type": "content_block_delta", "index": 0,
+                                 "delta": {"type": "text_delta", "text": "lo"}}),
+        ("message_delta", {"type": "message_delta", "delta": {"stop_reason": "max_tokens"},
+                           "usage": {"input_tokens": 3, "cache_read_input_tokens": 40,
+                                     "output_tokens": 2}}),
+        ("message_stop", {"type": "message_stop"}),
+    ]  # fmt: skip
+    raw = b"".join(f"event: {k}\ndata: {json.dumps(v)}\n\n".encode() for k, v in events)
+    usage, text = streamed_turn(raw)
+    assert text == "Hello" and usage["input_tokens"] == 3
+    assert usage["cache_read_input_tokens"] == 40
+    error = b'event: error\ndata: {"type": "error", "error": {"message": "boom"}}\n\n'
+    with pytest.raises(RuntimeError, match="boom"):
+        streamed_turn(error)
+
+
+def test_agent_cases_by_name(monkeypatch: pytest.MonkeyPatch) -> None:
+    from corral.bench.agent import CASES, chosen_cases
+
+    monkeypatch.delenv("CORRAL_BENCH_AGENT", raising=False)
+    assert chosen_cases() == list(CASES)
+    monkeypatch.setenv("CORRAL_BENCH_AGENT", "side, 12k")
+    assert [c.key for c in chosen_cases()] == ["12k", "side"]
+    monkeypatch.setenv("CORRAL_BENCH_AGENT", "12k,nope")
+    with pytest.raises(ValueError, match="nope"):
+        chosen_cases()
+
+
+def test_agent_turn_figures() -> None:
+    from corral.bench.agent import case_summary, turn_table
+
+    def row(turn: int, prompt: int, evaluated: int, new: int, ttft: float) -> dict[str, float]:
+        return {"turn": turn, "prompt": prompt, "evaluated": evaluated,
+                "reused": prompt - evaluated, "new": new, "ttft": ttft}  # fmt: skip
+
+    rows = [
+        row(1, 1000, 1000, 1000, 4.0), row(1, 1002, 1002, 1002, 6.0),
+        row(2, 1030, 30, 30, 0.25), row(2, 1032, 1032, 30, 5.0),  # the second missed its cache
+        row(3, 1060, 30, 30, 0.5), row(3, 1062, 30, 30, 0.75),
+    ]  # fmt: skip
+    table = turn_table({"case": rows}, 3)
+    assert [r[0] for r in table.rows] == ["1", "2", "3"]
+    assert table.rows[0][1] == "1001 / 1001 / 0 / 5.00 s"
+    line, share = case_summary("case", rows, 3)
+    assert share == 0.75
+    assert line.startswith("case: 3 of 4 turns after the first evaluated only their new tokens")
+    assert "evaluated 1,122 of 4,184 prompt tokens (26.8%)" in line
+    assert "turn 1 5.00 s, turns 2-3 median 0.62 s, max 5.00 s" in line
+
+
 # --------------------------------------------------------------------------- smoke run
 
 

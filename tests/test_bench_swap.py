@@ -276,6 +276,14 @@ def test_llama_server_never_builds_unless_asked(
     assert llama_build.llama_server(print, build=True, env=env)[0] == binary  # cached: no build
 
 
+def test_native_x86_builds_leave_amx_out() -> None:
+    # A VM may list AMX without enabling it: llama-server died at its first matrix product.
+    x86 = llama_build.cmake_options("x86_64")
+    assert "-DGGML_NATIVE=ON" in x86
+    assert f"-DCMAKE_CXX_FLAGS={llama_build.NO_AMX}" in x86 and "-mno-amx-int8" in x86[-1]
+    assert llama_build.cmake_options("aarch64") == list(llama_build.CMAKE_OPTIONS)
+
+
 def test_sdist_url_resolves_a_relative_url() -> None:
     meta = {
         "info": {"version": "11434.0.0"},

@@ -1,5 +1,5 @@
-"""corral's benchmarks: `corral bench [all|proxy|cold|swap|estimates|soak|embed|...] [--quick]
-[--json PATH] [--write-docs]` (also `python -m corral.bench`, `make bench`).
+"""corral's benchmarks: `corral bench [all|proxy|cold|swap|estimates|soak|concurrency|embed|...]
+[--quick] [--json PATH] [--write-docs]` (also `python -m corral.bench`, `make bench`).
 
 Every figure in docs/benchmarks.md comes from here. Benchmarks print figures; they are not
 pass/fail tests (tests/test_bench_smoke.py runs a tiny version of each so they keep working).

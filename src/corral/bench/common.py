@@ -348,6 +348,8 @@ def machine_line(m: dict[str, Any]) -> str:
 # The start of a non-empty generated text in an SSE or NDJSON chunk (OpenAI delta content,
 # llama.cpp /completion content, Ollama response or message content).
 _TOKEN = re.compile(rb'"(?:content|response)":"(?:[^"\\]|\\.)')
+# ... and in an Anthropic Messages stream: a text, thinking or tool-input delta.
+ANTHROPIC_TOKEN = re.compile(rb'"(?:text|thinking|partial_json)":"(?:[^"\\]|\\.)')
 
 
 @dataclass
@@ -391,10 +393,14 @@ class Http:
             self.conn.close()
             self.conn = None
 
-    def post(self, path: str, body: bytes, *, close: bool = False) -> Timed:
+    def post(
+        self, path: str, body: bytes, *, close: bool = False, token: re.Pattern[bytes] = _TOKEN
+    ) -> Timed:
+        """`token`: what the first generated text looks like in the stream (its arrival is
+        `Timed.first`)."""
         for attempt in (0, 1):
             try:
-                return self._post(path, body, close)
+                return self._post(path, body, close, token)
             except (http.client.RemoteDisconnected, ConnectionResetError, BrokenPipeError):
                 # The server closed an idle keep-alive connection: retry once on a new one.
                 self.close()
@@ -402,7 +408,7 @@ class Http:
                     raise
         raise AssertionError("unreachable")
 
-    def _post(self, path: str, body: bytes, close: bool) -> Timed:
+    def _post(self, path: str, body: bytes, close: bool, token: re.Pattern[bytes]) -> Timed:
         conn = self._conn()
         headers = {"Content-Type": "application/json"}
         if close:
@@ -419,7 +425,7 @@ class Http:
                 break
             if math.isnan(first):
                 window = tail + data
-                if _TOKEN.search(window):
+                if token.search(window):
                     first = time.perf_counter()
                 tail = window[-64:]
             chunks.append(data)

@@ -19,7 +19,7 @@ if TYPE_CHECKING:
 
 SECTIONS = ("proxy", "cold", "swap", "estimates")  # what `all` runs
 # Run only when named: the soak is a stress test of a minute or more, with chaos.
-EXTRA = ("soak", "prefetch", "resume", "agent", "agentswap", "embed")
+EXTRA = ("soak", "prefetch", "resume", "agent", "agentswap", "concurrency", "embed")
 TITLES = {
     "proxy": "Proxy overhead",
     "cold": "Cold start",
@@ -31,6 +31,7 @@ TITLES = {
     "agent": "An agent session: prompt cache across turns",
     "agentswap": "Two models used in turn by agents: the hold after a tool call",
     "embed": "Embeddings in bulk",
+    "concurrency": "Many clients on one model: corral against llama-server",
 }
 
 
@@ -130,6 +131,10 @@ def run_section(name: str, scale: Scale, work: Path, say: Say) -> Section:
         from corral.bench import embed
 
         runners[name] = embed.run
+    elif name == "concurrency":
+        from corral.bench import concurrency
+
+        runners[name] = concurrency.run
     t0 = time.monotonic()
     try:
         sec = runners[name](scale, work, say)

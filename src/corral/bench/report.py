@@ -14,9 +14,9 @@ from typing import Any
 
 from corral.bench.common import Section, machine_line
 
-ORDER = ("proxy", "cold", "swap", "estimates", "soak", "resume", "agent", "embed")
-# on the page once measured (`all` does not run them)
-OPTIONAL = ("soak", "resume", "agent", "embed")
+ORDER = ("proxy", "cold", "swap", "estimates", "soak", "resume", "agent", "concurrency", "embed")
+# On the page once measured (`all` does not run them).
+OPTIONAL = ("soak", "resume", "agent", "concurrency", "embed")
 # Hand-written blocks (`<!-- bench:notes:NAME -->`) a run keeps as they are, after the goals.
 NOTES = {
     "misses": "What the misses mean",
@@ -32,7 +32,8 @@ TITLES = {
     "soak": "5. Soak under a memory limit, with chaos",
     "resume": "6. Resumed conversations after an eviction",
     "agent": "7. An agent session: prompt cache across turns",
-    "embed": "8. Embeddings in bulk",
+    "concurrency": "8. Many clients on one model: corral against llama-server",
+    "embed": "9. Embeddings in bulk",
 }
 
 INTRO = """\
@@ -47,14 +48,15 @@ corral bench proxy --quick                   # one section, fewer repetitions, p
 python -m corral.bench swap --json swap.json
 ```
 
-Sections: `proxy`, `cold`, `swap`, `estimates` (or `all`), and `soak`, run only when named
-(`corral bench soak --write-docs`: a stress test of a minute or more). `--quick` takes a few
-minutes, `--smoke` (what CI runs, tests/test_bench_smoke.py) seconds with meaningless figures;
-the default full run is what this page should report. `--write-docs` rewrites only the sections
-it measured. Each comparison runs both sides in one process tree on one machine, interleaved
-(alternating which goes first), several times; tables give medians and p99. Benchmarks print
-figures, they do not pass or fail; goals are checked in "Goals vs measured".
-Timings on a machine shared with other work are noisy: compare ratios, and rerun on a quiet
+Sections: `proxy`, `cold`, `swap`, `estimates` (or `all`), and `soak`, `prefetch`, `resume`,
+`agent`, `concurrency`, run only when named (`corral bench soak --write-docs`: a stress test of
+a minute or more). `--quick` takes a few minutes, `--smoke` (what CI runs,
+tests/test_bench_smoke.py) seconds with meaningless figures; the default full run is what this
+page should report. `--write-docs` rewrites only the sections it measured. Each comparison runs
+both sides in one process tree on one machine, interleaved (alternating which goes first),
+several times; tables give medians and p99. Benchmarks print figures, they do not pass or fail;
+goals are checked in "Goals vs measured". Timings on a machine shared with other work are
+noisy: compare ratios, and rerun on a quiet
 machine before drawing conclusions.
 """
 
@@ -140,13 +142,35 @@ restore times, the wait before the request (rendering, tokenizing, restore) and 
 logged as reused from corral's log. The same on a synthetic gemma3 whose layers see a
 512-token sliding window (5 of its 6 layers).""",
     "agent": """\
-Two Claude Code-shaped sessions at once on SmolLM2-135M (two slots), 20 turns each
-(`corral bench agent --write-docs`): a ~2,000-token system prompt whose first block is Claude
-Code's `x-anthropic-billing-header` (different on every request), ten tools, the growing
-history with a system message inside `messages` every fifth turn. Usage per turn: prompt
-tokens, what llama.cpp evaluated (`input_tokens`) and read from the slot's cache
-(`cache_read_input_tokens`). Beside it, interleaved, the same sessions with the first block
-renamed so that corral keeps it: what a per-request text at the prompt's start costs.""",
+Two Claude Code-shaped sessions at once on one model, 20 turns each, corral with its defaults
+(automatic slots on a unified KV cache, automatic context; `corral bench agent --write-docs`):
+a system prompt whose first block is Claude Code's `x-anthropic-billing-header` (different on
+every request), tools, the growing history with a system message inside `messages` every
+fifth turn, each turn streamed on `/v1/messages`. Per turn: time to first token as the client
+sees it, prompt tokens, and what the stream's closing usage says llama.cpp evaluated
+(`input_tokens`) and read from the slot's cache (`cache_read_input_tokens`). Cases: SmolLM2-135M
+(trained for 8,192 tokens) with a ~2,000-token system prompt and ten tools; beside it,
+interleaved, the same sessions with the first block renamed so that corral keeps it (what a
+per-request text at the prompt's start costs); and Claude Code's real size, a ~12,000-token
+system prompt and 18 long tool schemas, on a synthetic llama trained for 64k tokens (its
+sessions send a fixed answer back in the history: a random-weight model's tokens do not survive
+detokenizing and tokenizing again), alone and with a side request after every turn (a title or
+a sub-agent: the same instructions, no tools, a message of its own), which shares the first few
+thousand tokens of the sessions' prompts. `CORRAL_BENCH_AGENT=smollm2,kept,12k,side` picks
+cases.""",
+    "concurrency": """\
+1, 4, 8 and 16 clients at once on one model (`corral bench concurrency --write-docs`), each
+streaming `/v1/chat/completions` answers of a fixed length (`ignore_eos`, temperature 0) one
+after another on its own connection, against corral with its defaults (no
+`CORRAL_NUM_PARALLEL`, no `CORRAL_CONTEXT_LENGTH`: automatic slots on a unified KV cache, the
+context sized to memory) and against llama.cpp's `llama-server -m MODEL` with its defaults (4
+slots on a unified KV cache, the trained context) on the same GGUF. Only one server runs at a
+time: a round starts it, sends one warm-up request and runs every level; rounds alternate which
+side goes first, and every figure is the median of the rounds' own. Tokens/s: all generated
+tokens over the time from the clients' common start to the last answer's end. Models: SmolLM2-135M
+and a synthetic llama trained for 64k tokens. `llama-server` is found as for the swap traces
+(`CORRAL_BENCH_LLAMA_SERVER`, `~/.cache/corral/llama-server`, `--build-llama-server`). Goal:
+corral >= 1.0x llama-server's tokens/s at every level.""",
     "embed": """\
 One request of many short inputs, as RAG indexing sends them (`corral bench embed
 --write-docs`: 10,000 inputs of 6-14 words), through corral's `/api/embed` and
