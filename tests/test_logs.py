@@ -27,3 +27,13 @@ def test_json_logs_are_one_object_per_line(start_server, models_dir: Path) -> No
 def test_the_log_format_is_checked() -> None:
     with pytest.raises(ConfigError, match="CORRAL_LOG_FORMAT"):
         Settings.load({"CORRAL_LOG_FORMAT": "xml"})
+
+
+def test_the_start_up_log_says_what_was_found_and_where_the_dashboard_is(
+    start_server, models_dir: Path
+) -> None:
+    s = start_server(models_dir, CORRAL_BUILTIN_MODELS="1")
+    n = len(s.client.get("/api/tags").json()["models"])
+    log = s.log()
+    assert f"{n} models found, among them the built-in smollm2:135m" in log, log[:2000]
+    assert f"dashboard at {s.url}/ui" in log

@@ -53,7 +53,7 @@ from corral.errors import ApiError
 from corral.runtime.client import RunnerClient
 from corral.runtime.devices import discover, refresh
 from corral.runtime.kvcache import KVCache
-from corral.runtime.registry import Registry
+from corral.runtime.registry import BUILTIN_NAME, Registry
 from corral.runtime.runner import Runner
 from corral.runtime.scheduler import Hooks, Scheduler
 
@@ -175,6 +175,7 @@ def create_app(settings: Settings, devices: list[Device] | None = None) -> Starl
             settings.models_dir,
             books,
         )
+        log.info("%s; dashboard at %s", models_found(registry), dashboard_url(settings))
         yield
         dashboard.close()  # the history's sampler
         await scheduler.shutdown()
@@ -321,3 +322,18 @@ def serve(overrides: Mapping[str, str] | None = None) -> None:
         # picks uvloop when installed
         server = _Server(config, app.state.scheduler, app.state.gate, settings.shutdown_grace)
         server.run()
+
+
+def models_found(registry: Registry) -> str:
+    """What a newcomer wants to know at start-up: how many models, and the built-in one."""
+    names = [e.name for e in registry.all()]
+    found = f"{len(names)} model{'s' if len(names) != 1 else ''} found"
+    if BUILTIN_NAME in names:
+        return f"{found}, among them the built-in {BUILTIN_NAME} (try: corral run {BUILTIN_NAME})"
+    return found
+
+
+def dashboard_url(settings: Settings) -> str:
+    host = settings.host if settings.host not in ("0.0.0.0", "::", "") else "127.0.0.1"
+    host = f"[{host}]" if ":" in host else host
+    return f"http://{host}:{settings.port}/ui"
