@@ -118,6 +118,8 @@ def test_broken_model_files_give_clear_errors_and_others_keep_working(
     tags = http.get("/api/tags").json()["models"]
     broken = next(m for m in tags if m["name"] == f"{model}:latest")
     assert words in broken["error"]
+    # Logged when found, once (clients and the dashboard list it again and again).
+    assert server.log().count(f"model '{model}:latest' is unusable: ") == 1
 
 
 def test_generate_on_embedding_model_is_400(http: httpx.Client) -> None:

@@ -559,6 +559,14 @@ def test_list_and_ls(server: FakeServer, capsys: pytest.CaptureFixture[str]) -> 
         lines = capsys.readouterr().out.splitlines()
         assert lines[0].split() == ["NAME", "ID", "SIZE", "MODIFIED"]
         assert lines[1].split() == ["qwen:0.5b", "fedcba987654", "394", "MB", "2", "hours", "ago"]
+    # A file the server cannot use is listed with why.
+    models.append({"name": "broken:latest", "size": 10, "digest": "", "modified_at": modified,
+                   "details": {}, "error": "model 'broken' cannot be loaded: file is truncated"})
+    assert cli.main(["list"]) == 0
+    out = capsys.readouterr().out.splitlines()
+    assert out[-1] == (
+        "broken:latest is unusable: model 'broken' cannot be loaded: file is truncated"
+    )
 
 
 def test_show(server: FakeServer, capsys: pytest.CaptureFixture[str]) -> None:

@@ -13,6 +13,7 @@ import hashlib
 import logging
 from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any, TypeVar
 
 import orjson
@@ -104,6 +105,7 @@ class Service:
         self._served_ctx: dict[str, int] = {}
         self._listening = False
         self._vision: dict[Any, tuple[ModelInfo, ModelInfo]] = {}
+        self._unusable: set[tuple[Path, float]] = set()  # broken files logged, by modification
         self.client = client  # the hop to the runners
 
     # ---- models ----------------------------------------------------------------------------
@@ -122,10 +124,18 @@ class Service:
                 404, f"model '{name}' not found: {entry.path} is missing", "model"
             ) from None
         except GGUFError as e:
+            self._log_unusable(entry, str(e))
             raise ApiError(500, f"model '{name}' cannot be loaded: {e}") from None
         if entry.projector is not None:  # its projector reads images: "vision"
             info = self._with_vision(info)
         return Resolved(name, entry, info)
+
+    def _log_unusable(self, entry: ModelEntry, why: str) -> None:
+        """A broken file is logged once, when first found (per file and modification)."""
+        key = (entry.path, entry.modified_at)
+        if key not in self._unusable:
+            self._unusable.add(key)
+            log.warning("model '%s' is unusable: %s (%s)", entry.name, why, entry.path)
 
     def _with_vision(self, info: ModelInfo) -> ModelInfo:
         """`info` with the "vision" capability, the same object for the same `info` (the

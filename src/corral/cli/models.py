@@ -165,7 +165,11 @@ def cmd_ps(args: argparse.Namespace) -> int:
 def cmd_list(args: argparse.Namespace) -> int:
     with connect() as client:
         data = client.get("/api/tags")
-    print_table(["NAME", "ID", "SIZE", "MODIFIED"], list_rows(data.get("models") or []))
+    models = data.get("models") or []
+    print_table(["NAME", "ID", "SIZE", "MODIFIED"], list_rows(models))
+    for m in models:  # a file the server cannot use, and why (Ollama lists no such thing)
+        if m.get("error"):
+            print(f"{m.get('name')} is unusable: {m['error']}")
     return 0
 
 

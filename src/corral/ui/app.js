@@ -346,7 +346,7 @@ function renderModels(s) {
     if (m.pinned) tags.push('<span class="tag pin">pinned</span>');
     if (m.priority) tags.push(`<span class="tag">priority ${esc(m.priority)}</span>`);
     if (!m.registered) tags.push('<span class="tag err">file gone</span>');
-    if (m.error) tags.push(`<span class="tag err" title="${esc(m.error)}">unusable</span>`);
+    if (m.error) tags.push(`<span class="tag err">unusable</span><span class="why-unusable">${esc(m.error)}</span>`);
     for (const c of m.capabilities || []) if (c !== "completion") tags.push(`<span class="tag">${esc(c)}</span>`);
     const loaded = m.state !== "not_loaded";
     const queue = m.queued ? `<span class="queue-hot">${esc(m.queued)}</span>` : '<span class="faint">0</span>';
