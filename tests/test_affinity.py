@@ -34,11 +34,12 @@ def claim(slots: Slots, pieces: tuple[bytes, ...]) -> int:
 
 def test_a_conversations_next_turn_goes_back_to_its_slot() -> None:
     slots = Slots(4)
-    a = claim(slots, chat("fix the bug in a.py"))
-    b = claim(slots, chat("write tests for b.py"))  # shares the system prompt and tools with a
+    first_a, first_b = "fix the bug in a.py where it reads the file", "write tests for b.py, all"
+    a = claim(slots, chat(first_a))
+    b = claim(slots, chat(first_b))  # shares the system prompt and tools with a
     assert b != a  # an empty slot, not a's: a's history stays where it is
-    assert claim(slots, chat("write tests for b.py", "done", "now run them")) == b
-    assert claim(slots, chat("fix the bug in a.py", "fixed", "and the other one")) == a
+    assert claim(slots, chat(first_b, "done", "now run them")) == b
+    assert claim(slots, chat(first_a, "fixed", "and the other one")) == a
     # A short request of another kind (a title) takes an empty slot too.
     title = prompt_pieces("/v1/chat/completions", {"messages": [
         {"role": "user", "content": "a title for this conversation"}]})  # fmt: skip
@@ -77,13 +78,32 @@ def test_a_full_shared_cache_gives_up_the_slot_whose_loss_costs_least() -> None:
     assert claim(slots, chat("z" * 3000)) not in (a,)
 
 
+def test_a_raw_prompt_continued_goes_back_to_its_slot() -> None:
+    """A prompt rendered by corral (a template without tools, Ollama's context) is one text
+    that the next turn continues, give or take the end of the last turn."""
+    slots = Slots(4)
+    system = "<|im_start|>system\nYou are a coding agent." + " Use the tools." * 300
+
+    def raw(text: str) -> tuple[bytes, ...]:
+        return prompt_pieces("/completion", {"prompt": [system + text]})
+
+    a = claim(slots, raw("<|im_start|>user\nfix a.py<|im_end|>\n<|im_start|>assistant\n"))
+    b = claim(slots, raw("<|im_start|>user\ntest b.py<|im_end|>\n<|im_start|>assistant\n"))
+    assert a != b
+    later = raw("<|im_start|>user\nfix a.py<|im_end|>\n<|im_start|>assistant\n<think>\n\n"
+                "</think>\nDone.<|im_end|>\n<|im_start|>user\nthanks<|im_end|>\n")  # fmt: skip
+    assert claim(slots, later) == a
+    # Ollama's context: token ids before the text, each a piece of its own.
+    assert prompt_pieces("/completion", {"prompt": [1, 2, "hi"]}) == (b"1", b"2", b"hi")
+
+
 def test_the_prompt_is_its_messages_with_the_tools_after_the_system_message() -> None:
     msgs = [SYSTEM, {"role": "user", "content": "hi"}]
     pieces = prompt_pieces("/v1/chat/completions", {"messages": msgs, "tools": TOOLS})
     assert [p[:20] for p in pieces] == [
         b'{"role":"system","co', b'[{"type":"function",', b'{"role":"user","cont'
     ]
-    assert prompt_pieces("/completion", {"prompt": [1, 2, "text"]}) == (b'[1,2,"text"]',)
+    assert prompt_pieces("/completion", {"prompt": "text"}) == (b"text",)
     assert prompt_pieces("/completion", {}) == ()
 
 

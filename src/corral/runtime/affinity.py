@@ -8,8 +8,8 @@ first's slot and replaces its history, and the two then take turns re-reading th
 run side by side with one system prompt and one set of tools). So corral picks, and pins the
 request to its pick (`id_slot`):
 
-- a slot whose whole content the prompt continues (the conversation's own slot) destroys
-  nothing: the one with most of the prompt wins;
+- a slot whose content the prompt continues (the conversation's own slot; all but a few bytes
+  at its end) destroys nothing: the one with most of the prompt wins;
 - else an empty slot, rather than destroy a conversation that may come back, where the cache
   the slots share (llama.cpp's unified KV cache) holds one more;
 - else the slot where what the prompt reuses most outweighs what it destroys (least recently
@@ -29,6 +29,11 @@ from typing import Any, Protocol
 
 import orjson
 
+# A slot is a conversation's own when the prompt continues all it holds but this many bytes at
+# its end: a template may render the last turn's end differently once it is answered (e.g. an
+# empty thinking block). Small, so that another conversation sharing a long system prompt is
+# not taken for it.
+OWN_SLACK = 32
 # Prompt bytes per token, low (English is about 4, code 3), so a cache is thought full early
 # rather than late: a slot shared wrongly re-reads a conversation, a cache overfilled makes
 # llama.cpp clear an idle slot, whichever comes first.
@@ -56,7 +61,10 @@ def prompt_pieces(path: str, payload: Mapping[str, Any]) -> tuple[bytes, ...]:
             out.insert(at, orjson.dumps(payload["tools"]))
         return tuple(out)
     prompt = payload.get("prompt")
-    return () if prompt is None else (orjson.dumps(prompt),)
+    parts = prompt if isinstance(prompt, list) else () if prompt is None else [prompt]
+    # Text as its bytes, with no JSON around it: the next turn's prompt continues this one's
+    # text, and a closing quote would stand in the way.
+    return tuple(p.encode() if isinstance(p, str) else orjson.dumps(p) for p in parts)
 
 
 def shared_length(a: Sequence[bytes], b: Sequence[bytes]) -> int:
@@ -105,7 +113,7 @@ class Slots:
             return None
         size = sum(len(p) for p in pieces)
         shared = {i: shared_length(self._held[i], pieces) if self._sizes[i] else 0 for i in free}
-        own = [i for i in free if self._sizes[i] and shared[i] == self._sizes[i]]
+        own = [i for i in free if self._sizes[i] and self._sizes[i] - shared[i] <= OWN_SLACK]
         empty = [i for i in free if not self._sizes[i]]
         if own:
             slot = max(own, key=lambda i: (shared[i], -self._used[i]))
