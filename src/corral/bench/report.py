@@ -14,9 +14,12 @@ from typing import Any
 
 from corral.bench.common import Section, machine_line
 
-ORDER = ("proxy", "cold", "swap", "estimates", "soak", "resume", "agent", "concurrency", "embed")
+ORDER = (
+    "proxy", "cold", "swap", "estimates", "soak", "resume", "agent", "concurrency", "embed",
+    "agentswap",
+)  # fmt: skip
 # On the page once measured (`all` does not run them).
-OPTIONAL = ("soak", "resume", "agent", "concurrency", "embed")
+OPTIONAL = ("soak", "resume", "agent", "concurrency", "embed", "agentswap")
 # Hand-written blocks (`<!-- bench:notes:NAME -->`) a run keeps as they are, after the goals.
 NOTES = {
     "misses": "What the misses mean",
@@ -34,6 +37,7 @@ TITLES = {
     "agent": "7. An agent session: prompt cache across turns",
     "concurrency": "8. Many clients on one model: corral against llama-server",
     "embed": "9. Embeddings in bulk",
+    "agentswap": "10. Two models used in turn by agents: the hold after a tool call",
 }
 
 INTRO = """\
@@ -171,6 +175,16 @@ tokens over the time from the clients' common start to the last answer's end. Mo
 and a synthetic llama trained for 64k tokens. `llama-server` is found as for the swap traces
 (`CORRAL_BENCH_LLAMA_SERVER`, `~/.cache/corral/llama-server`, `--build-llama-server`). Goal:
 corral >= 1.0x llama-server's tokens/s at every level.""",
+    "agentswap": """\
+Two models that agents use in turn, under a memory limit that holds one and a half of them, with
+and without the hold of a model whose answer ended in a tool call (`CORRAL_TOOL_HOLD`; `corral
+bench agentswap --write-docs`). Every request is an agent's turn whose answer is a forced tool
+call; the agent then runs the tool (a short seeded think time) and sends its next turn. Two
+traces: two agents at once (a main agent on model A and a sub-agent on model B, their requests
+alternating), and one agent alternating A and B, where only one fits and every turn loads with
+or without the hold (what the hold costs there is the wait before each load). Loads come from
+corral's log; a turn's time is the agent's request as it sees it; both variants run on servers
+started alike, interleaved.""",
     "embed": """\
 One request of many short inputs, as RAG indexing sends them (`corral bench embed
 --write-docs`: 10,000 inputs of 6-14 words), through corral's `/api/embed` and
