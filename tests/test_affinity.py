@@ -97,6 +97,20 @@ def test_a_raw_prompt_continued_goes_back_to_its_slot() -> None:
     assert prompt_pieces("/completion", {"prompt": [1, 2, "hi"]}) == (b"1", b"2", b"hi")
 
 
+def test_with_no_slot_to_spare_a_side_request_takes_the_least_recently_used() -> None:
+    """Two agents' sessions in slots used just now, two older conversations in the others, and
+    a side request (a title) sharing nothing: it gives up an old conversation's slot, not a
+    live session's, however their sizes compare."""
+    slots = Slots(4)
+    old = [claim(slots, chat(f"an old conversation, number {i}, long done" + "x" * 2000))
+           for i in range(2)]  # fmt: skip
+    live = [claim(slots, chat(f"session {i}: an agent at work on its task")) for i in range(2)]
+    title = prompt_pieces("/v1/chat/completions", {"messages": [
+        {"role": "user", "content": "a title for this conversation, please"}]})  # fmt: skip
+    assert claim(slots, title) == old[0]
+    assert claim(slots, chat("session 0: an agent at work on its task", "ok", "go")) == live[0]
+
+
 def test_the_prompt_is_its_messages_with_the_tools_after_the_system_message() -> None:
     msgs = [SYSTEM, {"role": "user", "content": "hi"}]
     pieces = prompt_pieces("/v1/chat/completions", {"messages": msgs, "tools": TOOLS})

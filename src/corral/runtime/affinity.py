@@ -12,8 +12,10 @@ request to its pick (`id_slot`):
   at its end) destroys nothing: the one with most of the prompt wins;
 - else an empty slot, rather than destroy a conversation that may come back, where the cache
   the slots share (llama.cpp's unified KV cache) holds one more;
-- else the slot where what the prompt reuses most outweighs what it destroys (least recently
-  used first among equals): llama.cpp, short of cells, would clear the first idle slot.
+- else the slot where what the prompt reuses outweighs what it destroys, and failing that the
+  least recently used (llama.cpp, short of cells, would clear the first idle slot, whichever
+  that is; agents sharing a system prompt would otherwise give up a live session's slot for
+  a stale one's).
 
 What a slot holds is known from what corral sent there: the prompt's pieces (each message, the
 tools after the system message, or a raw prompt), in characters, a stand-in for tokens that
@@ -120,11 +122,16 @@ class Slots:
         elif empty and self._fits(size):
             slot = empty[0]
         else:
-            # A shared cache too full for one more conversation: llama.cpp would clear an idle
-            # slot for it, whichever comes first; corral picks the one whose loss costs least,
-            # what the prompt reuses of it less what it destroys (least recently used first).
+            # No empty slot, or a shared cache too full for one more conversation (llama.cpp
+            # would clear the first idle slot, whichever that is): the slot the prompt reuses
+            # more of than it destroys, else the least recently used, the conversation least
+            # likely to come back.
             pool = [i for i in free if self._sizes[i]] or free
-            slot = max(pool, key=lambda i: (2 * shared[i] - self._sizes[i], -self._used[i]))
+            gain = {i: 2 * shared[i] - self._sizes[i] for i in pool}
+            if max(gain.values()) > 0:
+                slot = max(pool, key=lambda i: (gain[i], -self._used[i]))
+            else:
+                slot = min(pool, key=lambda i: self._used[i])
         self._holders[slot] = holder
         self._held[slot] = pieces
         self._sizes[slot] = size
