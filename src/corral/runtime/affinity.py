@@ -93,7 +93,6 @@ class Slots:
     `capacity`: the tokens all slots share (a unified KV cache), None when each has its own."""
 
     def __init__(self, n: int, capacity: int | None = None) -> None:
-        self.n = n
         self.capacity = capacity
         self._holders: list[Holder | None] = [None] * n
         self._held: list[tuple[bytes, ...]] = [()] * n  # each slot's last prompt
