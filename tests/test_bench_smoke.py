@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 
 from corral.bench.common import Goal, Section, Table, goal_max, goal_min, percentile, summary
-from corral.bench.report import existing_blocks, render
+from corral.bench.report import TITLES, existing_blocks, render
 from corral.bench.trace import EMBED, generate_trace, simulate
 
 # --------------------------------------------------------------------------- traces
@@ -323,4 +323,4 @@ def test_smoke_run_of_the_embed_section(tmp_path: Path) -> None:
     assert variants[:2] == ["corral /api/embed", "corral /v1/embeddings"]
     assert len(variants) == 3 or "no llama-server" in " ".join(sec["notes"])
     text = docs.read_text()
-    assert "## 8. Embeddings in bulk" in text and "<!-- bench:results:embed -->" in text
+    assert f"## {TITLES['embed']}" in text and "<!-- bench:results:embed -->" in text

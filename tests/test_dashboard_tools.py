@@ -155,6 +155,10 @@ def test_charts_have_points_after_traffic(dash: CorralServer, page: Any, tmp_pat
         return [r["route"] for r in dash.client.get("/api/corral/activity").json()["requests"]]
 
     before = logged().count("/api/corral/history")
+    # A load while the page (and so the history's sampler) runs: another test may have loaded
+    # the model before the sampler started, leaving no mark of that load.
+    dash.client.post("/api/generate", json={"model": "tiny", "keep_alive": 0})
+    dash.wait_for(lambda: not [m for m in dash.ps() if m["name"] == "tiny:latest"], 30, "unload")
     r = dash.client.post("/api/generate", json={"model": "tiny", "prompt": "count", "stream": False,
                                                 "options": {"num_predict": 64}})  # fmt: skip
     assert r.status_code == 200, r.text
