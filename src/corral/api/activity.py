@@ -77,6 +77,11 @@ def note_model(model: str) -> None:
         entry.model = model
 
 
+def current() -> Entry | None:
+    """The request being served (None outside one)."""
+    return _current.get()
+
+
 def note_lease(tally: Tally) -> None:
     """The request being served was granted a runner slot; `tally` counts its tokens."""
     entry = _current.get()

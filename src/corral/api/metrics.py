@@ -17,7 +17,6 @@ import asyncio
 import re
 import time
 from collections.abc import Iterator
-from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
@@ -27,22 +26,16 @@ from starlette.responses import Response
 from starlette.routing import BaseRoute, Route
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
+from corral.api.activity import current
 from corral.runtime.journal import Event
 from corral.runtime.scheduler import Scheduler
 from corral.runtime.view import SchedulerView
 
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
-MODEL_KEY = "corral.model"  # scope key the service sets once it knows the request's model
 _LATENCY = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300)
 # Per-model histograms have fewer buckets: with 50 models their lines are most of a scrape.
 _WAIT = (0.01, 0.1, 0.5, 1, 2.5, 5, 10, 30, 60, 300)
 _LOAD = (0.25, 0.5, 1, 2, 5, 10, 30, 60, 120, 300)
-_STREAMS = (b"text/event-stream", b"application/x-ndjson")
-
-
-def note_model(scope: Scope, model: str) -> None:
-    """Tell the metrics which model a request is for (labels its time to first token)."""
-    scope[MODEL_KEY] = model
 
 
 class Metrics:
@@ -168,30 +161,23 @@ class MeasureRequests:
             await self.app(scope, receive, send)
             return
         start = time.perf_counter()
-        status = 500
-        stream = False
+        entry = current()  # the request log's record of it (api/activity): status, model
         first = True
 
         async def watch(message: Message) -> None:
-            nonlocal status, stream, first
-            if message["type"] == "http.response.start":
-                status = message["status"]
-                headers: Any = message.get("headers") or []
-                stream = any(
-                    k.lower() == b"content-type" and v.split(b";")[0].strip() in _STREAMS
-                    for k, v in headers
-                )
-            elif message["type"] == "http.response.body" and first and message.get("body"):
+            nonlocal first
+            if message["type"] == "http.response.body" and first and message.get("body"):
                 first = False
-                model = scope.get(MODEL_KEY)
-                if stream and status == 200 and model:
-                    self.metrics.ttft.labels(model).observe(time.perf_counter() - start)
+                # a generation's stream (its model was granted a slot): its first bytes
+                if entry and entry.streamed and entry.status == 200 and entry.granted:
+                    self.metrics.ttft.labels(entry.model).observe(time.perf_counter() - start)
             await send(message)
 
         try:
             await self.app(scope, receive, watch)
         finally:
             route = self.route(scope)
+            status = entry.status if entry and entry.status else 500
             self.metrics.requests.labels(route, str(status)).inc()
             self.metrics.latency.labels(route).observe(time.perf_counter() - start)
 

@@ -24,7 +24,6 @@ from corral.api import defaults
 from corral.api.activity import note_lease, note_model
 from corral.api.common import until_disconnect
 from corral.api.events import Chat, Generation, forced_schema, tool_name
-from corral.api.metrics import note_model as note_scope_model
 from corral.api.stream import TOOL_CALLS_END, LeasedStream
 from corral.api.toolprompt import fallback_grammar, template_body
 from corral.config import Settings
@@ -207,8 +206,7 @@ class Service:
     ) -> Lease:
         """Wait for a runner slot. A client that leaves while waiting (queued, or while its
         model loads) takes its queue entry with it."""
-        note_model(r.name)  # the request log's model: the one resolved
-        note_scope_model(request.scope, r.name)  # labels the request's metrics
+        note_model(r.name)  # the request's model (its log line, its metrics): the one resolved
         spec, explicit = self.runner_spec(r, options)
         try:
             check_kv_cache_type(r.info, spec.kv_cache_type)
