@@ -15,6 +15,7 @@ import platform
 import re
 import subprocess
 import sys
+import threading
 import time
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import asdict, dataclass, field
@@ -500,6 +501,39 @@ def runner_url(pid: int) -> str:
             host = c.laddr.ip if c.laddr.ip not in ("0.0.0.0", "::") else "127.0.0.1"
             return f"http://{host}:{c.laddr.port}"
     raise RuntimeError(f"runner pid {pid} listens on no TCP port")
+
+
+def at_once(
+    url: str, clients: int, work: Callable[[Http, int], list[Timed]]
+) -> tuple[float, list[Timed]]:
+    """`work(http, i)` in `clients` threads, each on a connection of its own to `url`, from a
+    common start: the wall time from that start to the last one's end, and every response
+    (the first error any of them raised is raised here)."""
+    results: list[Timed] = []
+    errors: list[BaseException] = []
+    start = threading.Barrier(clients + 1)
+
+    def client(i: int) -> None:
+        http = Http(url)
+        try:
+            start.wait()
+            results.extend(work(http, i))  # list.extend is atomic under the GIL
+        except BaseException as e:  # raised in the caller
+            errors.append(e)
+        finally:
+            http.close()
+
+    threads = [threading.Thread(target=client, args=(i,), daemon=True) for i in range(clients)]
+    for t in threads:
+        t.start()
+    start.wait()
+    t0 = time.perf_counter()
+    for t in threads:
+        t.join()
+    wall = time.perf_counter() - t0
+    if errors:
+        raise errors[0]
+    return wall, results
 
 
 def wait_until(predicate: Callable[[], bool], timeout: float, what: str) -> None:

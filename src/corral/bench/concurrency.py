@@ -28,9 +28,7 @@ from __future__ import annotations
 import contextlib
 import os
 import re
-import subprocess
 import threading
-import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -48,14 +46,15 @@ from corral.bench.common import (
     Section,
     Table,
     Timed,
+    at_once,
     completion_tokens,
     interleave,
     median,
     ms,
     ratio,
     safe_div,
-    wait_until,
 )
+from corral.bench.llama_build import HOW_TO_GET, serving
 
 SMOLLM2 = "smollm2:135m"
 SYNTH = "bench-ctx64k"
@@ -226,40 +225,15 @@ def start_corral_side(models_dir: Path, model: str, log: Path) -> Served:
 def start_llama_side(binary: Path, gguf: Path, log: Path) -> Served:
     import httpx
 
-    from corral.testing.server import free_port
-
-    port = free_port()
-    url = f"http://127.0.0.1:{port}"
-    with open(log, "wb") as out:
-        proc = subprocess.Popen(
-            [str(binary), "-m", str(gguf), "--host", "127.0.0.1", "--port", str(port)],
-            stdout=out, stderr=subprocess.STDOUT,
-        )  # fmt: skip
-
-    def stop() -> None:
-        if proc.poll() is None:
-            proc.terminate()
-            try:
-                proc.wait(20)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                proc.wait()
-
-    def healthy() -> bool:
-        if proc.poll() is not None:
-            raise RuntimeError(f"llama-server exited ({proc.returncode}); see {log}")
-        with contextlib.suppress(httpx.HTTPError):
-            return httpx.get(url + "/health", timeout=2).status_code == 200
-        return False
-
-    try:
-        wait_until(healthy, 120, "llama-server to load the model")
+    stack = contextlib.ExitStack()
+    with stack:
+        _, url = stack.enter_context(
+            serving(binary, ["-m", str(gguf)], log, what="llama-server to load the model")
+        )
         props = httpx.get(url + "/props", timeout=5).json()
-    except BaseException:
-        stop()
-        raise
+        stack = stack.pop_all()  # running until the Served is stopped
     settings = props.get("default_generation_settings") or {}
-    return Served(url, "model", stop, slots=int(props.get("total_slots") or 0),
+    return Served(url, "model", stack.close, slots=int(props.get("total_slots") or 0),
                   context=int(settings.get("n_ctx") or 0), log=log)  # fmt: skip
 
 
@@ -311,36 +285,17 @@ def chat_body(model: str, client: int, request: int, tokens: int) -> bytes:
 def burst(url: str, model: str, clients: int, requests: int, tokens: int) -> Burst:
     """`clients` threads, each on its own keep-alive connection, each sending `requests`
     streamed chats one after another from a common start."""
-    results: list[Timed] = []
-    errors: list[BaseException] = []
-    start = threading.Barrier(clients + 1)
-    lock = threading.Lock()
 
-    def client(c: int) -> None:
-        http = Http(url)
-        try:
-            start.wait()
-            for k in range(requests):
-                t = http.post("/v1/chat/completions", chat_body(model, c, k, tokens))
-                if t.status != 200:
-                    raise RuntimeError(f"answered {t.status}: {t.body[:300]!r}")
-                with lock:
-                    results.append(t)
-        except BaseException as e:  # raised in the caller
-            errors.append(e)
-        finally:
-            http.close()
+    def client(http: Http, c: int) -> list[Timed]:
+        out = []
+        for k in range(requests):
+            t = http.post("/v1/chat/completions", chat_body(model, c, k, tokens))
+            if t.status != 200:
+                raise RuntimeError(f"answered {t.status}: {t.body[:300]!r}")
+            out.append(t)
+        return out
 
-    threads = [threading.Thread(target=client, args=(c,), daemon=True) for c in range(clients)]
-    for t in threads:
-        t.start()
-    start.wait()
-    t0 = time.perf_counter()
-    for t in threads:
-        t.join()
-    wall = time.perf_counter() - t0
-    if errors:
-        raise errors[0]
+    wall, results = at_once(url, clients, client)
     counts = [completion_tokens(t.body) for t in results]
     return Burst(
         clients, wall, sum(counts), [t.latency for t in results], [t.ttft for t in results],
@@ -418,8 +373,7 @@ def run(scale: Scale, work: Path, say: Say) -> Section:
         sec.notes.append(f"llama-server: {binary} ({origin}), run as `llama-server -m MODEL`")
     else:
         sec.notes.append(
-            f"llama-server: not measured ({origin}; set CORRAL_BENCH_LLAMA_SERVER to a "
-            "llama-server binary or pass --build-llama-server)"
+            f"llama-server: not measured ({origin}; {HOW_TO_GET})"
         )
     sec.notes.append(
         "each client streams /v1/chat/completions (ignore_eos, temperature 0) on its own "

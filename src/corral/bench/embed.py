@@ -24,10 +24,9 @@ from __future__ import annotations
 import contextlib
 import os
 import random
-import subprocess
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
 
 import orjson
 
@@ -43,9 +42,8 @@ from corral.bench.common import (
     ratio,
     safe_div,
     summary,
-    wait_until,
 )
-from corral.runtime.runner import free_port
+from corral.bench.llama_build import serving
 from corral.testing import synth
 from corral.testing.server import start_corral
 
@@ -96,37 +94,14 @@ def send(http: Http, v: Variant, model: str, inputs: list[str]) -> float:
 
 
 @contextlib.contextmanager
-def llama_server(binary: Path, model: Path, log: Path, threads: int = 0) -> Any:
+def llama_server(binary: Path, model: Path, log: Path, threads: int = 0) -> Iterator[str]:
     """`llama-server` with its defaults and embeddings on, serving `model` (with `threads`
     compute threads, if given); its URL."""
-    import httpx
-
-    port = free_port()
-    url = f"http://127.0.0.1:{port}"
-    cmd = [str(binary), "-m", str(model), "--embeddings", "--host", "127.0.0.1",
-           "--port", str(port), "--no-webui"]  # fmt: skip
+    args = ["-m", str(model), "--embeddings", "--no-webui"]
     if threads:
-        cmd += ["-t", str(threads)]
-    with open(log, "wb") as out:
-        proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT)
-    try:
-
-        def healthy() -> bool:
-            if proc.poll() is not None:
-                raise RuntimeError(f"llama-server exited ({proc.returncode}); see {log}")
-            with contextlib.suppress(httpx.HTTPError):
-                return httpx.get(url + "/health", timeout=2).status_code == 200
-            return False
-
-        wait_until(healthy, 120, "llama-server to start")
+        args += ["-t", str(threads)]
+    with serving(binary, args, log) as (_, url):
         yield url
-    finally:
-        proc.terminate()
-        try:
-            proc.wait(20)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
 
 
 def slots_of(http: Http, v: Variant, model: str) -> int | None:

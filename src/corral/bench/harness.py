@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import importlib
 import json
 import math
 import os
@@ -94,50 +95,14 @@ def _jsonable(x: Any) -> Any:
 def run_section(name: str, scale: Scale, work: Path, say: Say) -> Section:
     from corral.bench.common import Section
 
-    runners: dict[str, Callable[[Scale, Path, Say], Section]] = {"estimates": run_estimates}
-    if name == "proxy":
-        from corral.bench import proxy
-
-        runners[name] = proxy.run
-    elif name == "cold":
-        from corral.bench import cold
-
-        runners[name] = cold.run
-    elif name == "swap":
-        from corral.bench import swap
-
-        runners[name] = swap.run
-    elif name == "soak":
-        from corral.bench import soak
-
-        runners[name] = soak.run
-    elif name == "prefetch":
-        from corral.bench import prefetch
-
-        runners[name] = prefetch.run
-    elif name == "resume":
-        from corral.bench import resume
-
-        runners[name] = resume.run
-    elif name == "agent":
-        from corral.bench import agent
-
-        runners[name] = agent.run
-    elif name == "agentswap":
-        from corral.bench import agentswap
-
-        runners[name] = agentswap.run
-    elif name == "embed":
-        from corral.bench import embed
-
-        runners[name] = embed.run
-    elif name == "concurrency":
-        from corral.bench import concurrency
-
-        runners[name] = concurrency.run
+    # Each bench's module `corral.bench.<name>` (its `run`), imported only when it runs.
+    run: Callable[[Scale, Path, Say], Section] = (
+        run_estimates if name == "estimates"
+        else importlib.import_module(f"corral.bench.{name}").run
+    )  # fmt: skip
     t0 = time.monotonic()
     try:
-        sec = runners[name](scale, work, say)
+        sec = run(scale, work, say)
     except Exception as e:  # one broken section must not lose the others' figures
         sec = Section(name, TITLES[name], error=f"{type(e).__name__}: {e}")
         say(traceback.format_exc())

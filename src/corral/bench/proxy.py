@@ -26,7 +26,6 @@ from __future__ import annotations
 import asyncio
 import math
 import os
-import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -46,6 +45,7 @@ from corral.bench.common import (
     Section,
     Table,
     Timed,
+    at_once,
     completion_tokens,
     goal_max,
     goal_min,
@@ -176,36 +176,13 @@ def measure_pairs(
 def burst(url: str, route: Route, side: str, clients: int) -> tuple[float, list[Timed]]:
     """`clients` streams of `route` at once, each on its own connection and thread: the wall
     time from their common start to the last one's end, and each response."""
-    results: list[Timed] = []
-    errors: list[BaseException] = []
-    start = threading.Barrier(clients + 1)
 
-    def one() -> None:
-        http = Http(url)
-        try:
-            start.wait()
-            if side == "direct":
-                results.append(
-                    _send(http, route.direct_path, route.direct_body, route.direct_stream)
-                )
-            else:
-                results.append(_send(http, route.corral_path, route.corral_body, False))
-        except BaseException as e:  # raised in the caller
-            errors.append(e)
-        finally:
-            http.close()
+    def one(http: Http, _: int) -> list[Timed]:
+        if side == "direct":
+            return [_send(http, route.direct_path, route.direct_body, route.direct_stream)]
+        return [_send(http, route.corral_path, route.corral_body, False)]
 
-    threads = [threading.Thread(target=one, daemon=True) for _ in range(clients)]
-    for t in threads:
-        t.start()
-    start.wait()
-    t0 = time.perf_counter()
-    for t in threads:
-        t.join()
-    wall = time.perf_counter() - t0
-    if errors:
-        raise errors[0]
-    return wall, results
+    return at_once(url, clients, one)
 
 
 def _load(server: CorralServer, model: str) -> str:

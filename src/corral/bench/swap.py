@@ -25,11 +25,9 @@ cannot cache the models it evicted).
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import math
 import os
 import re
-import subprocess
 import time
 from collections.abc import Mapping, Sequence
 from dataclasses import asdict, dataclass
@@ -52,12 +50,13 @@ from corral.bench.common import (
     summary,
     wait_until,
 )
+from corral.bench.llama_build import HOW_TO_GET, serving
 from corral.bench.pss import SAMPLE_EVERY, MemorySampler, drop_files
 from corral.bench.trace import CHAT, EMBED, OFFLINE, TraceEvent, generate_trace, simulate
 from corral.core.estimate import RUNNER_CODE_BYTES, Estimate
 from corral.core.policy import DEFAULT_POLICY
 from corral.testing import synth
-from corral.testing.server import free_port, start_corral
+from corral.testing.server import start_corral
 
 SEED = 20250101
 EMBED_NAME = "embed"
@@ -273,45 +272,27 @@ def replay_router(
     of its model instances is sampled against `limit` (corral's memory limit)."""
     import httpx
 
-    port = free_port()
-    url = f"http://127.0.0.1:{port}"
     # The embedding model needs --embeddings in its instance only: a models preset says so.
     preset = work / "swap-router-presets.ini"
     preset.write_text(f"version = 1\n\n[{EMBED_NAME}]\nembeddings = true\n")
-    cmd = [
-        binary, "--models-dir", str(models_dir), "--models-max", str(models_max),
-        "--models-preset", str(preset), "--host", "127.0.0.1", "--port", str(port),
-        "-c", ENV["CORRAL_CONTEXT_LENGTH"], "-np", "1",
+    args = [
+        "--models-dir", str(models_dir), "--models-max", str(models_max),
+        "--models-preset", str(preset), "-c", ENV["CORRAL_CONTEXT_LENGTH"], "-np", "1",
     ]  # fmt: skip
     if cold:
         drop_files(sorted(models_dir.glob("*.gguf")))
     load_avg = os.getloadavg()[0]
     log_path = work / f"swap-router-{models_max}{tag}.log"
-    with open(log_path, "wb") as log:
-        proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT)
-    sampler = MemorySampler(proc.pid, limit, drop_unmapped=cold)
-    try:
-
-        def healthy() -> bool:
-            if proc.poll() is not None:
-                raise RuntimeError(f"llama-server exited ({proc.returncode}); see {log_path}")
-            with contextlib.suppress(httpx.HTTPError):
-                return httpx.get(url + "/models", timeout=2).status_code == 200
-            return False
-
-        wait_until(healthy, 60, "llama-server (router mode) to start")
+    ready = "llama-server (router mode) to start"
+    with serving(binary, args, log_path, "/models", 60, ready) as (proc, url):
         listed = [str(m["id"]) for m in httpx.get(url + "/models", timeout=5).json()["data"]]
         ids = router_ids(listed, {e.model for e in trace})
+        sampler = MemorySampler(proc.pid, limit, drop_unmapped=cold)
         sampler.start()
-        results = asyncio.run(replay(url, trace, factor, ids))
-    finally:
-        memory = sampler.stop()
-        proc.terminate()
         try:
-            proc.wait(20)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
+            results = asyncio.run(replay(url, trace, factor, ids))
+        finally:
+            memory = sampler.stop()
     text = log_path.read_text(errors="replace")
     back = {v: k for k, v in ids.items()}
     stems = [back.get(m, m) for m in _ROUTER_LOAD.findall(text)]
@@ -515,8 +496,7 @@ def run(scale: Scale, work: Path, say: Say) -> Section:
         sec.notes.append(f"llama.cpp router mode: {binary} ({origin})")
     else:
         sec.notes.append(
-            f"llama.cpp router mode: skipped ({origin}; set CORRAL_BENCH_LLAMA_SERVER to a "
-            "llama-server binary or pass --build-llama-server)"
+            f"llama.cpp router mode: skipped ({origin}; {HOW_TO_GET})"
         )
     sec.notes.append(
         f"peak memory: the summed PSS of the server's child processes (corral's runners; the "
