@@ -4,9 +4,10 @@ or the module's own): raw HTTP and the real Ollama, OpenAI and Anthropic SDKs.""
 
 from __future__ import annotations
 
+import shutil
 from collections.abc import Callable, Iterator
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import pytest
 
@@ -126,3 +127,18 @@ def anthropic_client(server: CorralServer) -> anthropic.Anthropic:
     import anthropic
 
     return anthropic.Anthropic(base_url=server.url, api_key="x", max_retries=0)
+
+
+CHROMIUM = shutil.which("chromium") or "/usr/bin/chromium"
+
+
+@pytest.fixture(scope="session")
+def browser() -> Iterator[Any]:
+    """Debian's chromium under Playwright (never a downloaded browser), one for the session."""
+    sync_api = pytest.importorskip("playwright.sync_api")
+    if not Path(CHROMIUM).exists():
+        pytest.skip("chromium is not installed (.ci/run installs Debian's)")
+    with sync_api.sync_playwright() as p:
+        b = p.chromium.launch(executable_path=CHROMIUM, headless=True)
+        yield b
+        b.close()

@@ -5,9 +5,12 @@ import ...`)."""
 
 from __future__ import annotations
 
+import contextlib
 import os
 import re
+from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 from corral.core.devices import CPU, Device
 from corral.core.memreport import Allocation, AllocationParser
@@ -81,3 +84,23 @@ def held_runner_env(directory: Path, text: str) -> dict[str, str]:
     (directory / "sitecustomize.py").write_text(_HOLD)
     path = os.pathsep.join(p for p in (str(directory), os.environ.get("PYTHONPATH")) if p)
     return {"PYTHONPATH": path, "CORRAL_TEST_HOLD": text}
+
+
+@contextlib.contextmanager
+def live_dashboard(browser: Any, url: str) -> Iterator[Any]:
+    """The dashboard of the server at `url` in a new page, its event stream live; no console
+    error or failed request while it is used. `window.__sameDocument` is set, so a test can
+    tell that the page was never reloaded."""
+    pg = browser.new_page(viewport={"width": 1440, "height": 1000})
+    problems: list[str] = []
+    # (a refused request's status is logged by the browser; the page shows the error itself)
+    pg.on("console", lambda m: m.type in ("error", "warning")
+          and "the server responded with a status of 4" not in m.text
+          and problems.append(m.text))  # fmt: skip
+    pg.on("pageerror", lambda e: problems.append(str(e)))
+    pg.goto(url + "/ui")
+    pg.wait_for_selector("#conn[data-state='live']")
+    pg.evaluate("window.__sameDocument = true")
+    yield pg
+    pg.close()
+    assert problems == []

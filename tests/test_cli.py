@@ -775,6 +775,19 @@ def test_bad_host_and_usage_errors(
     assert "usage: corral" in capsys.readouterr().out
 
 
+def typed(monkeypatch: pytest.MonkeyPatch, lines: list[str]) -> None:
+    """`input()` answers with `lines`, one a call, then end of input (Ctrl-D)."""
+    it = iter(lines)
+
+    def fake_input(prompt: str) -> str:
+        try:
+            return next(it)
+        except StopIteration:
+            raise EOFError from None
+
+    monkeypatch.setattr("builtins.input", fake_input)
+
+
 def test_interactive_chat(
     server: FakeServer, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -797,15 +810,7 @@ def test_interactive_chat(
     server.routes["POST", "/api/chat"] = chat
     # Pretend stdin and stdout are a terminal (stderr is not, so no spinner).
     monkeypatch.setattr("corral.cli.run._isatty", lambda s: s is sys.stdin or s is sys.stdout)
-    lines = iter(["hello", "/?", "", "again", "/clear", "/bogus"])
-
-    def fake_input(prompt: str) -> str:
-        try:
-            return next(lines)
-        except StopIteration:
-            raise EOFError from None
-
-    monkeypatch.setattr("builtins.input", fake_input)
+    typed(monkeypatch, ["hello", "/?", "", "again", "/clear", "/bogus"])
     assert cli.main(["run", "m", "--nowordwrap", "--verbose"]) == 0
     captured = capsys.readouterr()
     assert "Hi there.\n\n" in captured.out
@@ -843,7 +848,7 @@ def test_interactive_commands(
         created.append(body) or (200, [{"status": "success"}])
     )
     monkeypatch.setattr("corral.cli.run._isatty", lambda s: s is sys.stdin or s is sys.stdout)
-    lines = iter([
+    typed(monkeypatch, [
         "/set parameter temperature 0.5", "/set parameter num_predict x",
         "/set parameter bogus 1", "/set parameter stop <a> <b>", "/set parameter seed 7",
         '/set system """You are', 'a pirate."""', "/set format json", "/set verbose",
@@ -851,14 +856,6 @@ def test_interactive_commands(
         "/show modelfile", "hello", "/save pirate", "/unset format", "/unset parameter seed",
         "/load absent", "/load other", "/set bogus",
     ])  # fmt: skip
-
-    def fake_input(prompt: str) -> str:
-        try:
-            return next(lines)
-        except StopIteration:
-            raise EOFError from None
-
-    monkeypatch.setattr("builtins.input", fake_input)
     assert cli.main(["run", "m", "--nowordwrap"]) == 0
     out = capsys.readouterr().out
     for text in (

@@ -8,10 +8,8 @@ from __future__ import annotations
 import json
 import os
 import re
-import shutil
 import signal
 import threading
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -21,7 +19,6 @@ import pytest
 from corral.core.estimate import RUNNER_CODE_BYTES
 from corral.testing.server import CorralServer
 
-CHROMIUM = shutil.which("chromium") or "/usr/bin/chromium"
 TINY = "tiny:latest"
 
 
@@ -105,15 +102,6 @@ def test_events_stream_pushes_state_and_journal(dash: CorralServer) -> None:
 
 
 # ---- in a browser -----------------------------------------------------------------------------
-@pytest.fixture(scope="module")
-def browser() -> Iterator[Any]:
-    sync_api = pytest.importorskip("playwright.sync_api")
-    if not Path(CHROMIUM).exists():
-        pytest.skip("chromium is not installed (.ci/run installs Debian's)")
-    with sync_api.sync_playwright() as p:
-        b = p.chromium.launch(executable_path=CHROMIUM, headless=True)
-        yield b
-        b.close()
 
 
 def test_dashboard_in_a_browser(dash: CorralServer, browser: Any, tmp_path: Path) -> None:

@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import json
 import logging
-import shutil
 import threading
 import uuid
 from collections.abc import Iterator
@@ -16,7 +15,7 @@ from typing import Any
 
 import httpx
 import pytest
-from helpers import fake_devices
+from helpers import fake_devices, live_dashboard
 from starlette.testclient import TestClient
 
 from corral import logs
@@ -24,7 +23,6 @@ from corral.config import Settings
 from corral.server import create_app
 from corral.testing.server import CorralServer
 
-CHROMIUM = shutil.which("chromium") or "/usr/bin/chromium"
 TINY = "tiny:latest"
 
 
@@ -161,32 +159,13 @@ def test_the_event_stream_brings_requests_and_log_lines(server: CorralServer) ->
 
 
 # ---- in a browser -----------------------------------------------------------------------------
-@pytest.fixture(scope="module")
-def browser() -> Iterator[Any]:
-    sync_api = pytest.importorskip("playwright.sync_api")
-    if not Path(CHROMIUM).exists():
-        pytest.skip("chromium is not installed (.ci/run installs Debian's)")
-    with sync_api.sync_playwright() as p:
-        b = p.chromium.launch(executable_path=CHROMIUM, headless=True)
-        yield b
-        b.close()
 
 
 @pytest.fixture()
 def page(server: CorralServer, browser: Any) -> Iterator[Any]:
     """The dashboard, live; no console error or failed request while a test uses it."""
-    pg = browser.new_page(viewport={"width": 1440, "height": 1000})
-    problems: list[str] = []
-    pg.on("console", lambda m: m.type in ("error", "warning")
-          and "the server responded with a status of 4" not in m.text
-          and problems.append(m.text))  # fmt: skip
-    pg.on("pageerror", lambda e: problems.append(str(e)))
-    pg.goto(server.url + "/ui")
-    pg.wait_for_selector("#conn[data-state='live']")
-    pg.evaluate("window.__sameDocument = true")
-    yield pg
-    pg.close()
-    assert problems == []
+    with live_dashboard(browser, server.url) as pg:
+        yield pg
 
 
 def newest_id(s: CorralServer, **params: str) -> int:

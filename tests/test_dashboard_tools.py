@@ -8,19 +8,18 @@ from __future__ import annotations
 import hashlib
 import json
 import re
-import shutil
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import httpx
 import pytest
+from helpers import live_dashboard
 from hubstub import FakeHub
 
 from corral.testing import synth
 from corral.testing.server import CorralServer
 
-CHROMIUM = shutil.which("chromium") or "/usr/bin/chromium"
 REPO = "corral-test/Dash-GGUF"
 PULLED = "hf.co/corral-test/dash-gguf:q4_k_m"
 
@@ -50,32 +49,13 @@ def dash(start_server, hub: FakeHub, tmp_path_factory: pytest.TempPathFactory) -
     )  # fmt: skip
 
 
-@pytest.fixture(scope="module")
-def browser() -> Iterator[Any]:
-    sync_api = pytest.importorskip("playwright.sync_api")
-    if not Path(CHROMIUM).exists():
-        pytest.skip("chromium is not installed (.ci/run installs Debian's)")
-    with sync_api.sync_playwright() as p:
-        b = p.chromium.launch(executable_path=CHROMIUM, headless=True)
-        yield b
-        b.close()
 
 
 @pytest.fixture()
 def page(dash: CorralServer, browser: Any) -> Iterator[Any]:
     """The dashboard, live; no console error or failed request while a test uses it."""
-    pg = browser.new_page(viewport={"width": 1440, "height": 1000})
-    problems: list[str] = []
-    # (a refused request's status is logged by the browser; the page shows the error itself)
-    pg.on("console", lambda m: m.type in ("error", "warning")
-          and "the server responded with a status of 4" not in m.text
-          and problems.append(m.text))  # fmt: skip
-    pg.on("pageerror", lambda e: problems.append(str(e)))
-    pg.goto(dash.url + "/ui")
-    pg.wait_for_selector("#conn[data-state='live']")
-    yield pg
-    pg.close()
-    assert problems == []
+    with live_dashboard(browser, dash.url) as pg:
+        yield pg
 
 
 # ---- without a browser ------------------------------------------------------------------------
