@@ -296,12 +296,15 @@ class RequestLog:
             self._done(entry)
 
     def _done(self, entry: Entry) -> None:
+        quiet = entry.status < 400 and (
+            entry.route in QUIET_PATHS or entry.route.startswith("/ui")
+        )
+        if quiet and not log.isEnabledFor(logging.DEBUG):
+            return  # a page's or a probe's own request: nothing to build
         rec = record(entry, self.activity.next_id(), time.monotonic())
-        quiet = rec.status < 400 and (rec.route in QUIET_PATHS or rec.route.startswith("/ui"))
         # The JSON formatter asks for the fields (logs.JsonFormatter); text lines never build them.
         if quiet:
-            if log.isEnabledFor(logging.DEBUG):
-                log.debug("%s", rec.line(), extra={"fields": rec.fields})
+            log.debug("%s", rec.line(), extra={"fields": rec.fields})
             return
         if log.isEnabledFor(logging.INFO):
             log.info("%s", rec.line(), extra={"fields": rec.fields})
