@@ -132,9 +132,11 @@ def anthropic_client(server: CorralServer) -> anthropic.Anthropic:
 CHROMIUM = shutil.which("chromium") or "/usr/bin/chromium"
 
 
-@pytest.fixture(scope="session")
+@pytest.fixture(scope="module")
 def browser() -> Iterator[Any]:
-    """Debian's chromium under Playwright (never a downloaded browser), one for the session."""
+    """Debian's chromium under Playwright (never a downloaded browser), one per module: while
+    Playwright's sync API runs, its event loop runs in this thread, so tests that start one of
+    their own (asyncio.run) must not come while it is open."""
     sync_api = pytest.importorskip("playwright.sync_api")
     if not Path(CHROMIUM).exists():
         pytest.skip("chromium is not installed (.ci/run installs Debian's)")
