@@ -249,6 +249,48 @@ def test_copy_and_delete(ollama_client: ollama.Client, server: CorralServer, mod
     assert e.value.status_code == 400
 
 
+def test_names_of_one_file_share_one_runner(
+    ollama_client: ollama.Client, server: CorralServer
+) -> None:
+    """Models made from one file with the same runner shape (create, cp) are served by one
+    runner, one process and one booking, known by the first of them made; each name keeps its
+    own system prompt and is named in its answers. One with its own runner options (pirate's
+    num_ctx, template) has its own runner."""
+    ollama_client.create(model="mate", from_="other", system=PIRATE)
+    ollama_client.create(model="lookout", from_="other", system="Be brief.")
+    assert ollama_client.copy("mate", "bosun").status == "success"
+    own = {m: chat(ollama_client, m, num_predict=2) for m in ("mate", "lookout", "bosun")}
+    plain = {s: chat(ollama_client, "other", system=s, num_predict=2)
+             for s in (PIRATE, "Be brief.")}  # fmt: skip
+    assert own["mate"].prompt_eval_count == plain[PIRATE].prompt_eval_count
+    assert own["bosun"].prompt_eval_count == plain[PIRATE].prompt_eval_count
+    assert own["lookout"].prompt_eval_count == plain["Be brief."].prompt_eval_count
+    assert plain[PIRATE].prompt_eval_count != plain["Be brief."].prompt_eval_count
+    assert {a.model for a in own.values()} == {"mate", "lookout", "bosun"}
+    answer = server.client.post("/v1/chat/completions", json={
+        "model": "lookout", "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 2,
+    }).json()  # fmt: skip
+    assert answer["model"] == "lookout"
+
+    rows = [m for m in server.client.get("/api/ps").json()["models"]
+            if {"mate:latest", "other:latest"} & set(m["models"])]  # fmt: skip
+    assert len(rows) == 1, rows  # one runner: one process, booked once
+    assert rows[0]["name"] == "other:latest" and rows[0]["pid"] in server.runners()
+    assert {"other:latest", "mate:latest", "lookout:latest", "bosun:latest"} <= set(
+        rows[0]["models"])  # fmt: skip
+    router = {m["id"]: m["status"]["value"] for m in server.client.get("/models").json()["data"]}
+    assert router["bosun:latest"] == router["other:latest"] == "loaded"
+    dash = {m["name"]: m for m in server.client.get("/api/corral/state").json()["models"]}
+    assert dash["mate:latest"]["state"] == "ready"
+    assert dash["mate:latest"]["runner"]["pid"] == rows[0]["pid"]
+
+    # `corral stop` (an unload) of any of its names stops the shared runner
+    r = server.client.post("/api/generate", json={"model": "bosun", "keep_alive": 0})
+    assert r.status_code == 200, r.text
+    server.wait_for(lambda: not [m for m in server.ps() if "bosun:latest" in m["models"]],
+                    what="the shared runner to stop")  # fmt: skip
+
+
 def test_delete_never_touches_files_corral_did_not_make(
     ollama_client: ollama.Client, server: CorralServer, models: Path
 ) -> None:

@@ -54,3 +54,23 @@ def test_bad_models_toml_is_reported_not_fatal(tmp_path: Path) -> None:
     reg = Registry(tmp_path, builtin=False)
     assert reg.get("ok") is not None
     assert reg.errors and "models.bad.file" in reg.errors[0]
+
+
+def test_names_of_one_file_and_runner_shape_share_a_runner(tmp_path: Path) -> None:
+    (tmp_path / "base.gguf").write_bytes(b"x")
+    os.utime(tmp_path / "base.gguf", (1e9, 1e9))  # made first
+    os.symlink(tmp_path / "base.gguf", tmp_path / "link.gguf")  # the same file by another path
+    (tmp_path / "models.toml").write_text(
+        '[models.alias]\nfile = "base.gguf"\n'
+        '[models.wide]\nfile = "base.gguf"\nnum_ctx = 8192\n'
+        '[models.wider]\nfile = "base.gguf"\nnum_ctx = 8192\n'
+    )
+    reg = Registry(tmp_path, builtin=False)
+    by = {e.name: reg.runner_name(e.name) for e in reg.all()}
+    # one file, no runner options of its own: one runner, known by the first name made (the
+    # file's time for all three: then by name)
+    assert by["alias:latest"] == by["link:latest"] == by["base:latest"] == "alias:latest"
+    # its own context: a runner of its own, shared with the name of the same shape
+    assert by["wide:latest"] == by["wider:latest"] == "wide:latest"
+    assert reg.sharing("alias:latest") == ["alias:latest", "base:latest", "link:latest"]
+    assert reg.runner_name("BASE") == "alias:latest"

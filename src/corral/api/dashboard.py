@@ -214,7 +214,8 @@ class Dashboard:
                     "prompt": prompt if prompt is not None else 0.0,
                     "generated": round(v.tokens_per_second.get(name, 0.0), 2),
                 }
-            r = shown.get(name)
+            # Models of one file and runner shape share one runner, named by the first of them
+            r = shown.get(name) or shown.get(self.svc.registry.runner_name(name))
             if r is None:
                 item |= {"state": "not_loaded", "runner": None}
                 models.append(item)
@@ -252,6 +253,8 @@ class Dashboard:
                 # generated tokens/s this runner relays now, in all and per slot
                 "tokens_per_second": round(r.tokens_per_second, 2),
                 "slot_tokens_per_second": [round(x, 2) for x in r.slot_tokens_per_second],
+                # every model it serves (one file, one runner shape), its own name first
+                "models": self.svc.registry.sharing(r.model),
             }
             models.append(item)
         last = {d.id: d for d in v.devices}
@@ -330,12 +333,12 @@ class Dashboard:
         runners = [
             {"id": run.id, "state": run.state, "context_length": run.context_length,
              "slots": run.slots, "booked": run.size, "measured": run.measured}
-            for run in v.runners if run.model == r.name
+            for run in v.runners if run.model == r.runner
         ]  # fmt: skip
-        seen = {(m["at"], m["kind"]) for m in self.history.marks if m["model"] == r.name}
-        loads = [dict(m) for m in self.history.marks if m["model"] == r.name]
+        seen = {(m["at"], m["kind"]) for m in self.history.marks if m["model"] == r.runner}
+        loads = [dict(m) for m in self.history.marks if m["model"] == r.runner]
         for ev in v.events:  # the journal's ring may hold what came before the history
-            if ev.model == r.name and ev.kind != "refused" and (ev.at, ev.kind) not in seen:
+            if ev.model == r.runner and ev.kind != "refused" and (ev.at, ev.kind) not in seen:
                 detail = {k: x for k, x in ev.detail.items() if k != "devices"}
                 loads.append({"at": ev.at, "kind": ev.kind, "model": ev.model, **detail})
         loads.sort(key=lambda m: m["at"])

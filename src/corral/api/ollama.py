@@ -316,6 +316,8 @@ class Ollama:
                 "state": run.state, "requests_in_flight": run.inflight,
                 "queued": view.queued.get(run.model, 0),
                 "num_parallel": run.slots, "pid": run.pid,
+                # every model it serves: models of one file and runner shape share a runner
+                "models": self.svc.registry.sharing(run.model),
                 # the effective keep-alive in seconds (-1: forever), after models.toml and
                 # CORRAL_KEEP_ALIVE_MAX had their say
                 "keep_alive": run.keep_alive if math.isfinite(run.keep_alive) else -1,

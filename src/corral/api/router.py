@@ -58,10 +58,12 @@ class Router:
 
     async def models(self, request: Request) -> Response:
         states = {r.model: r.state for r in self.svc.scheduler.view().runners}
+        reg = self.svc.registry
         data = [
             {"id": e.name, "object": "model", "owned_by": "corral", "created": int(e.modified_at),
-             "path": shown_path(request, e.path, self.svc.registry.models_dir),
-             "status": {"value": _router_state(states.get(e.name))}}
+             "path": shown_path(request, e.path, reg.models_dir),
+             # a model whose runner another name of its file loaded is loaded too
+             "status": {"value": _router_state(states.get(reg.runner_name(e.name)))}}
             for e in self.svc.registry.all()
         ]  # fmt: skip
         return json_response({"object": "list", "data": data})

@@ -63,6 +63,9 @@ class Resolved:
     requested: str  # the name as the client wrote it (echoed back, as Ollama does)
     entry: ModelEntry
     info: ModelInfo
+    # The name its runner is known by: models of one file and runner shape share one runner
+    # (runtime.registry.runner_names), the first of them made names it.
+    runner: str
 
     @property
     def name(self) -> str:
@@ -127,7 +130,7 @@ class Service:
             raise ApiError(500, f"model '{name}' cannot be loaded: {e}") from None
         if entry.projector is not None:  # its projector reads images: "vision"
             info = self._with_vision(info)
-        return Resolved(name, entry, info)
+        return Resolved(name, entry, info, self.registry.runner_name(entry.name))
 
     def _log_unusable(self, entry: ModelEntry, why: str) -> None:
         """A broken file is logged once, when first found (per file and modification)."""
@@ -164,7 +167,7 @@ class Service:
         loaded = {canonical_name(r.model): r.model for r in self.scheduler.view().runners}
         model = loaded.get(canonical_name(name))
         if model is None:
-            model = self.entry(name).name
+            model = self.registry.runner_name(self.entry(name).name)
         return self.scheduler.unload(model)
 
     def native_tools(self, r: Resolved) -> bool:
@@ -229,7 +232,7 @@ class Service:
         best = sizes[0]
         try:
             ticket = self.scheduler.submit(
-                r.name, spec, explicit=explicit, size=best.size,
+                r.runner, spec, explicit=explicit, size=best.size,
                 keep_alive=self.keep_alive(r.entry, keep_alive),
                 pinned=r.entry.pinned, priority=r.entry.priority,
                 place=best.place, process=best.process, smaller=sizes[1:],
@@ -242,7 +245,7 @@ class Service:
             raise ApiError(e.status, e.message, retry_after=e.retry_after) from None
         note_lease(lease.tally)  # the request log's tokens and timings
         if auto:
-            self._served(r.name, lease.runner.spec.n_ctx)
+            self._served(lease.runner.name, lease.runner.spec.n_ctx)
         return lease
 
     def sizings(
@@ -292,16 +295,17 @@ class Service:
         (core.context.auto_context) whose runner fits the memory that busy, loading and pinned
         runners of other models leave, with as many layers on GPUs as at the floor. So a load
         evicts only idle models, as any load may."""
-        served = self._served_ctx.get(r.name)
+        runner = r.runner
+        served = self._served_ctx.get(runner)
         if served is not None and served >= spec.n_ctx:
             return served
         view = self.scheduler.view()
-        loaded = [v.context_length for v in view.runners if v.model == r.name
+        loaded = [v.context_length for v in view.runners if v.model == runner
                   and v.state != "unloading" and not v.draining]  # fmt: skip
         if loaded and max(loaded) >= spec.n_ctx:
             return max(loaded)
-        room = _room(view, r.name)
-        factor = view.raised.get(r.name, 1.0)  # raised after the model ran out of memory
+        room = _room(view, runner)
+        factor = view.raised.get(runner, 1.0)  # raised after the model ran out of memory
         key = (spec, tuple(sorted(room.items())), factor)
         hit = self._auto.get(key)
         if hit is not None and hit[0] is r.info:
@@ -391,10 +395,12 @@ class Service:
             return lease, await self.client.post(lease.runner, path, body, lease)
 
         lease, resp = await self.leased(request, r, {}, None, body, send)
-        # llama.cpp names the model by the runner's alias (the registry name); clients expect
-        # the name they sent. Replacing the exact `"model":"<alias>"` pair is safe: the same
-        # bytes inside generated text would be escaped (`\"model\":...`), so cannot match.
-        old, new = b'"model":' + orjson.dumps(r.name), b'"model":' + orjson.dumps(r.requested)
+        # llama.cpp names the model by the runner's alias (the name the runner is known by,
+        # shared by every model of its files); clients expect the name they sent. Replacing the
+        # exact `"model":"<alias>"` pair is safe: the same bytes inside generated text would be
+        # escaped (`\"model\":...`), so cannot match.
+        old = b'"model":' + orjson.dumps(lease.runner.name)
+        new = b'"model":' + orjson.dumps(r.requested)
         if stream:
             assert isinstance(resp, RunnerStream)
             return relay(resp, lease, resp, "text/event-stream",

@@ -13,7 +13,7 @@ import importlib.util
 import logging
 import os
 import sys
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -105,6 +105,35 @@ class ModelEntry:
             return 0
 
 
+def sharing_key(entry: ModelEntry) -> tuple[Any, ...]:
+    """What a model's runner is made of: its files, its template and the runner options it
+    sets (models.toml's or a created model's num_ctx, num_gpu, ...). A system prompt, messages
+    and sampling parameters are not in it: corral applies those per request."""
+    def real(p: Path | str) -> str:
+        return os.path.realpath(p)
+
+    return (
+        real(entry.path), real(entry.projector) if entry.projector else None,
+        tuple((real(a.path), a.scale) for a in entry.adapters), entry.template,
+        repr(sorted(entry.options.items())), entry.devices,
+    )  # fmt: skip
+
+
+def runner_names(entries: Iterable[ModelEntry]) -> dict[str, str]:
+    """Model name -> the name its runner is known by. Models of one `sharing_key` (`corral
+    create pirate` from a model, `corral cp`, two models.toml names of one file) share one
+    runner, known by the first of them made (the earliest modified, then by name) so that a
+    name stays put while later ones come and go."""
+    groups: dict[tuple[Any, ...], list[ModelEntry]] = {}
+    for e in entries:
+        groups.setdefault(sharing_key(e), []).append(e)
+    out: dict[str, str] = {}
+    for group in groups.values():
+        first = min(group, key=lambda e: (e.modified_at, e.name)).name
+        out.update((e.name, first) for e in group)
+    return out
+
+
 class Registry:
     def __init__(self, models_dir: Path, builtin: bool = True) -> None:
         self.models_dir = models_dir
@@ -114,6 +143,7 @@ class Registry:
         self._models: dict[str, ModelEntry] = {}
         self._aliases: dict[str, str] = {}
         self._toml_names: set[str] = set()
+        self._runner_names: dict[str, str] = {}  # model -> the name its runner is known by
         self.errors: list[str] = []  # problems found in models.toml, shown in logs
 
     def _current_stamp(self) -> tuple[float, ...]:
@@ -172,6 +202,7 @@ class Registry:
                 del models[n]
         self._models, self._aliases, self.errors = models, aliases, errors
         self._toml_names = toml_names
+        self._runner_names = runner_names(models.values())
 
     def _folder_models(self) -> list[ModelEntry]:
         """Models in folders of the models directory, as llama.cpp's router lays them out: a
@@ -328,3 +359,17 @@ class Registry:
     def all(self) -> list[ModelEntry]:
         self._refresh()
         return sorted(self._models.values(), key=lambda e: e.name)
+
+    def runner_name(self, name: str) -> str:
+        """The name the scheduler knows model `name`'s runner by (`runner_names`): the model's
+        own unless another name of the same files and runner shape was made before it."""
+        self._refresh()
+        n = canonical_name(name)
+        n = self._aliases.get(n, n)
+        return self._runner_names.get(n, n)
+
+    def sharing(self, runner: str) -> list[str]:
+        """The models a runner known by `runner` serves (itself first, then by name)."""
+        self._refresh()
+        others = sorted(n for n, r in self._runner_names.items() if r == runner and n != runner)
+        return [runner, *others]

@@ -278,7 +278,10 @@ function memoryCell(m) {
     .map(([d, n]) => `<span class="dev"><b>${esc(bytes(n))}</b> ${esc(d)}</span>`)
     .join("");
   const measured = r.measured != null ? `<div class="under">measured ${esc(bytes(r.measured))}</div>` : "";
-  return `<div class="mem">${devs || '<span class="faint">—</span>'}</div>${measured}`;
+  // Names of one file and runner shape share one runner: its memory is counted once
+  const others = (r.models || []).filter((n) => n !== m.name);
+  const shared = others.length ? `<div class="under shared" title="${esc((r.models || []).join(", "))}">one runner with ${esc(others.length === 1 ? others[0] : others.length + " other names")}</div>` : "";
+  return `<div class="mem">${devs || '<span class="faint">—</span>'}</div>${measured}${shared}`;
 }
 
 function keepAliveCell(m) {
