@@ -57,7 +57,8 @@ def generate(server: CorralServer, model: str) -> str:
 
 
 def pid_of(server: CorralServer, model: str) -> int:
-    return next(int(m["pid"]) for m in server.ps() if m["name"] == model)
+    """The runner serving `model` (models of one file and runner shape share one)."""
+    return next(int(m["pid"]) for m in server.ps() if model in m["models"])
 
 
 # ---- files, registry, estimate ------------------------------------------------------------------

@@ -154,7 +154,7 @@ def long_model(tmp_path_factory: pytest.TempPathFactory) -> Resolved:
     path = synth.write_llama_model(
         tmp_path_factory.mktemp("ctx") / "long.gguf", n_layer=2, context_length=32768
     )
-    return Resolved("long", ModelEntry("long", path), read_model_info(path))
+    return Resolved("long", ModelEntry("long", path), read_model_info(path), "long")
 
 
 def size(r: Resolved, n_ctx: int) -> int:

@@ -30,7 +30,8 @@ def load(s: CorralServer, model: str, keep_alive: object = None) -> float:
         body["keep_alive"] = keep_alive
     r = s.client.post("/api/generate", json=body)
     assert r.status_code == 200, r.text
-    (m,) = [m for m in s.ps() if m["name"].startswith(model)]
+    # (the runner serving it: "own" shares one with long.gguf's own name)
+    (m,) = [m for m in s.ps() if f"{model}:latest" in m["models"]]
     return float(m["keep_alive"])
 
 
@@ -55,7 +56,7 @@ def test_a_fixed_keep_alive_ignores_the_client(ka_server: CorralServer) -> None:
                                "keep_alive": "1h", "options": {"num_predict": 1}},
     )  # fmt: skip
     assert r.status_code == 200
-    (m,) = [m for m in ka_server.ps() if m["name"].startswith("fixed")]
+    (m,) = [m for m in ka_server.ps() if "fixed:latest" in m["models"]]
     assert m["keep_alive"] == 30
 
 
@@ -64,7 +65,7 @@ def test_an_explicit_unload_still_unloads_a_fixed_model(ka_server: CorralServer)
     r = ka_server.client.post("/api/generate", json={"model": "fixed", "keep_alive": 0})
     assert r.status_code == 200 and r.json()["done_reason"] == "unload"
     ka_server.wait_for(
-        lambda: not [m for m in ka_server.ps() if m["name"].startswith("fixed")],
+        lambda: not [m for m in ka_server.ps() if "fixed:latest" in m["models"]],
         timeout=15, what="fixed unloaded",
     )  # fmt: skip
 

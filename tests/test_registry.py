@@ -74,3 +74,15 @@ def test_names_of_one_file_and_runner_shape_share_a_runner(tmp_path: Path) -> No
     assert by["wide:latest"] == by["wider:latest"] == "wide:latest"
     assert reg.sharing("alias:latest") == ["alias:latest", "base:latest", "link:latest"]
     assert reg.runner_name("BASE") == "alias:latest"
+
+
+def test_a_model_with_rules_of_its_own_keeps_its_own_runner(tmp_path: Path) -> None:
+    (tmp_path / "base.gguf").write_bytes(b"x")
+    (tmp_path / "models.toml").write_text(
+        '[models.fixed]\nfile = "base.gguf"\nkeep_alive = "30s"\nkeep_alive_fixed = true\n'
+        '[models.pinned]\nfile = "base.gguf"\npinned = true\n'
+    )
+    reg = Registry(tmp_path, builtin=False)
+    assert reg.runner_name("fixed") == "fixed:latest"  # clients of "base" cannot change it
+    assert reg.runner_name("pinned") == "pinned:latest"
+    assert reg.runner_name("base") == "base:latest"

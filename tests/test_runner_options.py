@@ -99,13 +99,13 @@ def service() -> Service:
 
 
 def resolved(path: Path, **entry: Any) -> Resolved:
-    return Resolved("m", ModelEntry("m:latest", path, **entry), read_model_info(path))
+    return Resolved("m", ModelEntry("m:latest", path, **entry), read_model_info(path), "m:latest")
 
 
 def test_spec_takes_model_defaults_then_request_options(opt_dir: Path) -> None:
     e = Registry(opt_dir, builtin=False).get("shaped")
     assert e is not None
-    r = Resolved("shaped", e, read_model_info(e.path))
+    r = Resolved("shaped", e, read_model_info(e.path), e.name)
     spec, explicit = service().runner_spec(r, {})
     assert (spec.n_batch, spec.threads, spec.use_mmap, spec.use_mlock) == (64, 1, False, False)
     assert (spec.flash_attn, spec.n_cpu_moe, spec.main_gpu) == ("off", 0, 0)  # no experts

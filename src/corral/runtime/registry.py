@@ -107,8 +107,10 @@ class ModelEntry:
 
 def sharing_key(entry: ModelEntry) -> tuple[Any, ...]:
     """What a model's runner is made of: its files, its template and the runner options it
-    sets (models.toml's or a created model's num_ctx, num_gpu, ...). A system prompt, messages
-    and sampling parameters are not in it: corral applies those per request."""
+    sets (models.toml's or a created model's num_ctx, num_gpu, ...), and the operator's rules
+    for it (models.toml's keep-alive, pin, priority: a model kept with rules of its own is not
+    shared with a name clients may use without them). A system prompt, messages and sampling
+    parameters are not in it: corral applies those per request."""
     def real(p: Path | str) -> str:
         return os.path.realpath(p)
 
@@ -116,6 +118,7 @@ def sharing_key(entry: ModelEntry) -> tuple[Any, ...]:
         real(entry.path), real(entry.projector) if entry.projector else None,
         tuple((real(a.path), a.scale) for a in entry.adapters), entry.template,
         repr(sorted(entry.options.items())), entry.devices,
+        entry.keep_alive, entry.keep_alive_fixed, entry.pinned, entry.priority,
     )  # fmt: skip
 
 
@@ -369,7 +372,8 @@ class Registry:
         return self._runner_names.get(n, n)
 
     def sharing(self, runner: str) -> list[str]:
-        """The models a runner known by `runner` serves (itself first, then by name)."""
+        """The models a runner known by `runner` serves (its own name first, then by name):
+        none for a runner left from before a change of the models (it serves nobody now)."""
         self._refresh()
-        others = sorted(n for n, r in self._runner_names.items() if r == runner and n != runner)
-        return [runner, *others]
+        names = [n for n, r in self._runner_names.items() if r == runner]
+        return sorted(names, key=lambda n: (n != runner, n))
