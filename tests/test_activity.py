@@ -147,6 +147,25 @@ def test_a_list_of_models_names_none(server: CorralServer) -> None:
         assert logged(server, f"| GET {path} |").endswith(f"| GET {path} | -")
 
 
+def test_an_embedding_is_logged_with_its_prompt_tokens_and_none_generated(
+    server: CorralServer,
+) -> None:
+    r = server.client.post("/v1/embeddings", json={"model": "embed", "input": ["a b c", "d e"]})
+    assert r.status_code == 200, r.text
+    tokens = r.json()["usage"]["prompt_tokens"]
+    line = logged(server, "| POST /v1/embeddings | embed:latest |")
+    assert line.endswith(f"| embed:latest | {tokens} prompt tokens"), line
+    (row,) = [a for a in activity(server, model="embed") if a["route"] == "/v1/embeddings"][:1]
+    assert row["prompt_tokens"] == tokens and row["generated_tokens"] is None
+
+
+def test_a_model_looked_up_by_name_is_logged_with_it(server: CorralServer) -> None:
+    assert server.client.get("/v1/models/tiny").status_code == 200
+    assert logged(server, "| GET /v1/models/tiny |").endswith("| GET /v1/models/tiny | tiny:latest")
+    assert server.client.get("/v1/models/nope").status_code == 404
+    assert "| nope | error: model 'nope' not found" in logged(server, "GET /v1/models/nope")
+
+
 def test_the_guards_refusals_are_logged(server: CorralServer) -> None:
     r = server.client.post("/api/chat", json={}, headers={"origin": "https://evil.example"})
     assert r.status_code == 403

@@ -63,6 +63,7 @@ class Entry:
     streamed: bool = False  # its body is a stream of events (SSE or NDJSON)
     granted: float | None = None  # time.monotonic() when its (first) lease was granted
     tallies: list[Tally] = field(default_factory=list)
+    embedded: int | None = None  # an embedding request's prompt tokens (it generates none)
 
 
 _current: contextvars.ContextVar[Entry | None] = contextvars.ContextVar(
@@ -89,6 +90,13 @@ def note_lease(tally: Tally) -> None:
         if entry.granted is None:
             entry.granted = time.monotonic()
         entry.tallies.append(tally)
+
+
+def note_embedded(tokens: int) -> None:
+    """The request being served embedded `tokens` prompt tokens and generates none."""
+    entry = _current.get()
+    if entry is not None:
+        entry.embedded = (entry.embedded or 0) + tokens
 
 
 def note_error(e: ApiError | str) -> None:
@@ -182,6 +190,8 @@ def record(entry: Entry, rid: int, now: float) -> Record:
             ttft = entry.granted - entry.arrived + min(read) / 1000
         rates = [t.total * 1000 / t.predicted_ms for t in tallies if t.predicted_ms]
         speed = sum(rates) if rates else None
+    if entry.embedded is not None:  # read, not generated: no tokens out, no first token
+        prompt, generated, ttft, speed = entry.embedded, None, None, None
     return Record(
         rid, entry.started, entry.client, entry.method, entry.route, entry.model,
         entry.status, prompt, generated, ttft, speed, now - entry.arrived, entry.error,

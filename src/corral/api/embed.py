@@ -25,6 +25,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 import orjson
 
+from corral.api.activity import note_embedded
 from corral.errors import ApiError
 
 if TYPE_CHECKING:
@@ -127,6 +128,7 @@ async def embed(
     dims = {m.shape[1] for m in done}
     if len(dims) != 1:
         raise ApiError(500, f"the runner answered vectors of {sorted(dims)} dimensions")
+    note_embedded(tokens)  # the request log's prompt tokens
     return np.vstack(done), tokens
 
 

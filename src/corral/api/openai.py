@@ -27,6 +27,7 @@ from starlette.responses import Response
 from starlette.routing import Route
 
 from corral.api import anthropic, defaults, embed
+from corral.api.activity import note_model
 from corral.api.common import field, model_field, read_json, until_disconnect
 from corral.api.events import (
     Chat,
@@ -386,10 +387,13 @@ class OpenAI:
         return json_response({"object": "list", "data": data})
 
     async def model(self, request: Request) -> Response:
+        name = request.path_params["model"]
+        note_model(name)  # the request log's model: as asked (a 404 too), then as found
+        entry = self.svc.entry(name)
+        note_model(entry.name)
         if "anthropic-version" in request.headers:
-            entry = self.svc.entry(request.path_params["model"])
             return json_response(anthropic.model_object(entry))
-        return json_response(self._model(request.path_params["model"]))
+        return json_response(self._model(entry.name))
 
 
 def _seeded(params: dict[str, Any], seed: int | None, i: int) -> dict[str, Any]:

@@ -21,7 +21,7 @@ from starlette.requests import Request
 from starlette.responses import Response
 
 from corral.api import defaults
-from corral.api.activity import note_lease, note_model
+from corral.api.activity import note_embedded, note_lease, note_model
 from corral.api.common import until_disconnect
 from corral.api.events import Chat, Generation, forced_schema, tool_name
 from corral.api.stream import TOOL_CALLS_END, LeasedStream
@@ -409,6 +409,8 @@ class Service:
         try:
             data = await until_disconnect(request, resp.read())
             lease.tally.timed(last_timings(data))  # a whole answer's tokens, at once
+            if path == "/v1/embeddings":  # the prompt tokens it read, from its usage
+                note_embedded(prompt_tokens(data))
             lease.tool_call = TOOL_CALLS_END in data  # the agent comes back: hold its runner
         finally:
             resp.release()
@@ -643,3 +645,18 @@ def has_images(messages: list[dict[str, Any]]) -> bool:
         for m in messages if isinstance(m.get("content"), list)
         for part in m["content"]
     )  # fmt: skip
+
+
+def prompt_tokens(data: bytes) -> int:
+    """The `"usage":{"prompt_tokens":N,...}` of a runner's whole answer (0 if it has none):
+    usage holds numbers only, so the object ends at its first closing brace."""
+    i = data.rfind(b'"usage":{')
+    j = data.find(b"}", i)
+    if i < 0 or j < 0:
+        return 0
+    try:
+        usage = orjson.loads(data[i + 8 : j + 1])
+    except orjson.JSONDecodeError:
+        return 0
+    n = usage.get("prompt_tokens") if isinstance(usage, dict) else None
+    return n if isinstance(n, int) else 0
