@@ -414,6 +414,26 @@ def test_auto_tool_call(
 
 
 @pytest.mark.parametrize("stream", [False, True], ids=["whole", "stream"])
+def test_several_choices_ending_in_tool_calls_hold_the_model(
+    http: httpx.Client, families_server: CorralServer, stream: bool
+) -> None:
+    """OpenAI's n > 1 (each choice a generation of its own) holds the model as one does."""
+    family = TOOL_FAMILIES[0]
+    body = {"model": family, "messages": [{"role": "user", "content": USER}], "n": 2,
+            "tools": [CHAT_TOOL], "stream": stream}  # fmt: skip
+    r = http.post("/v1/chat/completions", json=body)
+    assert r.status_code == 200, r.text
+    if stream:
+        reasons = [c["finish_reason"] for line in r.text.splitlines()
+                   if line.startswith("data: {") for c in json.loads(line[6:])["choices"]
+                   if c.get("finish_reason")]  # fmt: skip
+    else:
+        reasons = [c["finish_reason"] for c in r.json()["choices"]]
+    assert reasons == ["tool_calls", "tool_calls"]
+    assert _held_for(families_server, family) > 0
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["whole", "stream"])
 @pytest.mark.parametrize(("family", "api"), _cases(FAMILIES))
 def test_reply_without_tools(
     http: httpx.Client, families_server: CorralServer, family: str, api: str, stream: bool

@@ -277,6 +277,7 @@ class OpenAI:
                     lease.runner, path, payload, lease
                 )
                 settle_whole(lease.tally, out)
+                lease.tool_call = _ends_in_tool_calls(out)  # the agent comes back: hold it
                 return out
 
         # a prompt longer than the runner's context reloads it bigger and is sent again
@@ -312,6 +313,8 @@ class OpenAI:
                         continue
                     if legacy is not None:
                         legacy.chunk(data)
+                    if _ends_in_tool_calls(data):  # the agent comes back: hold its runner
+                        lease.tool_call = True
                     yield data
             finally:
                 resp.close()  # makes llama.cpp stop generating if we stop early
@@ -394,6 +397,12 @@ class OpenAI:
         if "anthropic-version" in request.headers:
             return json_response(anthropic.model_object(entry))
         return json_response(self._model(entry.name))
+
+
+def _ends_in_tool_calls(data: dict[str, Any]) -> bool:
+    """Whether a runner's answer (or chunk) ends a choice in tool calls."""
+    return any(isinstance(c, dict) and c.get("finish_reason") == "tool_calls"
+               for c in data.get("choices") or ())  # fmt: skip
 
 
 def _seeded(params: dict[str, Any], seed: int | None, i: int) -> dict[str, Any]:
