@@ -10,9 +10,11 @@ import shutil
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
 import ollama
 import pytest
+from helpers import live_dashboard
 
 from corral.cli import modelfile
 from corral.runtime.store import STORE_DIR
@@ -289,6 +291,23 @@ def test_names_of_one_file_share_one_runner(
     assert r.status_code == 200, r.text
     server.wait_for(lambda: not [m for m in server.ps() if "bosun:latest" in m["models"]],
                     what="the shared runner to stop")  # fmt: skip
+
+
+def test_the_dashboard_books_a_shared_runner_once(
+    ollama_client: ollama.Client, server: CorralServer, browser: Any
+) -> None:
+    ollama_client.create(model="cook", from_="other", system="You are the ship's cook.")
+    chat(ollama_client, "cook", num_predict=1)
+    with live_dashboard(browser, server.url) as page:
+        page.wait_for_selector("tr[data-model='cook:latest'][data-state='ready']")
+        cook = page.locator("tr[data-model='cook:latest'] td.memory").inner_text()
+        assert "in the runner of other:latest" in cook and "booked once" in cook
+        own = page.locator("tr[data-model='other:latest'] td.memory").inner_text()
+        assert "MiB" in own and "cook:latest" in own  # also serves ...
+        who = page.eval_on_selector_all(".device-foot .who", "es => es.map(e => e.textContent)")
+        assert [w for w in who if "other:latest" in w or "cook:latest" in w] == [
+            w for w in who if w.startswith("other:latest +")]  # fmt: skip
+        assert len([w for w in who if w.startswith("other:latest +")]) == 1
 
 
 def test_delete_never_touches_files_corral_did_not_make(

@@ -217,14 +217,16 @@ function renderDevices(s) {
       ? Math.max(d.budget * 1.1, d.booked || 0, d.measured || 0, 1)
       : Math.max(d.total || 0, d.budget || 0, d.booked || 0, 1);
     const pct = (n) => Math.min(100, (100 * (n || 0)) / scale).toFixed(2) + "%";
-    const owners = s.models.filter((m) => m.runner && m.runner.devices[d.id]);
+    // One segment per runner (names of one file share one), under the name it is known by
+    const owners = s.models.filter((m) => m.runner && m.runner.devices[d.id] && ownsRunner(m));
+    const label = (m) => m.name + (m.runner.models && m.runner.models.length > 1 ? ` +${m.runner.models.length - 1}` : "");
     const segs = owners.map((m) => {
       const n = m.runner.devices[d.id];
       const cls = m.state === "loading" ? "seg loading" : "seg";
-      return `<div class="${cls}" style="width:${pct(n)};background-color:${colour(m.name)}" title="${esc(m.name)}: ${esc(bytes(n))} booked"></div>`;
+      return `<div class="${cls}" style="width:${pct(n)};background-color:${colour(m.name)}" title="${esc((m.runner.models || [m.name]).join(", "))}: ${esc(bytes(n))} booked"></div>`;
     }).join("");
     const who = owners.map((m) =>
-      `<span class="who"><i style="background:${colour(m.name)}"></i>${esc(m.name)} ${esc(bytes(m.runner.devices[d.id]))}</span>`
+      `<span class="who"><i style="background:${colour(m.name)}"></i>${esc(label(m))} ${esc(bytes(m.runner.devices[d.id]))}</span>`
     ).join("");
     return `
       <div class="device" data-device="${esc(d.id)}">
@@ -271,16 +273,24 @@ function stateCell(m) {
   return html;
 }
 
+// Whether a model's row stands for its runner: the runner is known by its name (models of one
+// file and runner shape share one runner; the others' rows point to it).
+function ownsRunner(m) {
+  const names = (m.runner && m.runner.models) || [];
+  return !names.length || names[0] === m.name || !names.includes(m.name);
+}
+
 function memoryCell(m) {
   const r = m.runner;
   if (!r) return `<span class="faint small">${m.file_bytes != null ? esc(bytes(m.file_bytes)) + " on disk" : "—"}</span>`;
+  if (!ownsRunner(m)) return `<span class="shared" title="${esc(r.models.join(", "))}">in the runner of <b>${esc(r.models[0])}</b></span><div class="under">one process, booked once</div>`;
   const devs = Object.entries(r.devices)
     .map(([d, n]) => `<span class="dev"><b>${esc(bytes(n))}</b> ${esc(d)}</span>`)
     .join("");
   const measured = r.measured != null ? `<div class="under">measured ${esc(bytes(r.measured))}</div>` : "";
   // Names of one file and runner shape share one runner: its memory is counted once
   const others = (r.models || []).filter((n) => n !== m.name);
-  const shared = others.length ? `<div class="under shared" title="${esc((r.models || []).join(", "))}">one runner with ${esc(others.length === 1 ? others[0] : others.length + " other names")}</div>` : "";
+  const shared = others.length ? `<div class="under shared" title="${esc((r.models || []).join(", "))}">also serves ${esc(others.join(", "))}</div>` : "";
   return `<div class="mem">${devs || '<span class="faint">—</span>'}</div>${measured}${shared}`;
 }
 
