@@ -541,6 +541,24 @@ def test_ps_shows_the_tokens_per_second_corral_relays(
     assert models.rate_text({"name": "from-ollama"}) == "-"  # a server that does not say
 
 
+def test_ps_shows_the_names_a_shared_runner_serves(
+    server: FakeServer, capsys: pytest.CaptureFixture[str]
+) -> None:
+    now = datetime.now(timezone.utc)
+    base = {"size": 98_000_000, "digest": "0011223344556677", "size_vram": 0,
+            "context_length": 2048, "expires_at": _iso(now + timedelta(minutes=4))}  # fmt: skip
+    ps = [
+        {"name": "smollm2:135m", **base,
+         "models": ["smollm2:135m", "captain:latest", "pirate:latest"]},
+        {"name": "other:latest", **base, "models": ["other:latest"]},
+    ]  # fmt: skip
+    server.routes["GET", "/api/ps"] = lambda _: (200, {"models": ps})
+    assert cli.main(["ps"]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert lines[0].rstrip().endswith("ALSO SERVES")
+    assert lines[1].endswith("captain:latest, pirate:latest") and lines[2].endswith("-")
+
+
 def test_list_and_ls(server: FakeServer, capsys: pytest.CaptureFixture[str]) -> None:
     modified = _iso(datetime.now(timezone.utc) - timedelta(hours=2))
     models = [

@@ -155,6 +155,10 @@ def cmd_ps(args: argparse.Namespace) -> int:
     if any("num_parallel" in m for m in models):  # corral's own: slots in use / slots
         headers.append("SLOTS")
         rows = [[*row, slots_text(m)] for row, m in zip(rows, models, strict=True)]
+    if any(len(m.get("models") or ()) > 1 for m in models):  # one runner, several names
+        headers.append("ALSO SERVES")
+        rows = [[*row, ", ".join((m.get("models") or [])[1:]) or "-"]
+                for row, m in zip(rows, models, strict=True)]  # fmt: skip
     if any("node" in m for m in models):  # a cluster's entry (corral serve --ray)
         headers.append("NODE")
         rows = [[*row, str(m.get("node", ""))] for row, m in zip(rows, models, strict=True)]
