@@ -245,6 +245,13 @@ def test_requests_appear_live_and_filter(server: CorralServer, page: Any, tmp_pa
     )
     page.select_option("#log-level", "debug")
     assert mine.count() == 1
+    # Lines the server dropped for a page that fell behind (its queue for the page was full)
+    # leave a gap in the lines' numbers: the pane says so where they would have been.
+    page.evaluate("""() => eventHooks.log({lines: [{id: logLines[logLines.length - 1].id + 4,
+        time: Date.now() / 1000, level: "info", logger: "corral", message: "after a gap"}]})""")
+    gap = page.locator("#log-lines li", has_text="3 log lines not shown: the page fell behind")
+    assert gap.count() == 1 and gap.get_attribute("data-level") == "warning"
+    assert "after a gap" in page.locator("#log-lines li").last.inner_text()
 
     # A row's model opens its detail view.
     row_ok.locator("a[data-open]").click()

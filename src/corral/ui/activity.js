@@ -116,7 +116,25 @@ function appendLog(lines, full) {
   if (atEnd || full) box.scrollTop = box.scrollHeight;  // follow the end unless scrolled up
 }
 
+// Lines are numbered by the server: a gap means the page fell behind and the server dropped
+// what did not fit its queue for this page; say so where they would have been.
+function withGaps(lines, after) {
+  const out = [];
+  let last = after;
+  for (const x of lines) {
+    if (last != null && x.id > last + 1) {
+      const n = x.id - last - 1;
+      out.push({ id: x.id - 0.5, time: x.time, level: "warning", logger: "dashboard",
+                 message: `${n} log line${n === 1 ? "" : "s"} not shown: the page fell behind (all are in the server's own log)` });
+    }
+    out.push(x);
+    last = x.id;
+  }
+  return out;
+}
+
 eventHooks.log = (doc) => {
+  if (!doc.full) doc.lines = withGaps(doc.lines, logLines.length ? logLines[logLines.length - 1].id : null);
   if (doc.full) logLines = doc.lines;
   else logLines = logLines.concat(doc.lines);
   if (logLines.length > LOG_KEEP) logLines = logLines.slice(-LOG_KEEP);
