@@ -4,7 +4,9 @@ through corral's two routes against llama.cpp's own `llama-server`, on the same 
 Each side is started once with its defaults: corral with no settings (`CORRAL_NUM_PARALLEL`
 auto), `llama-server -m MODEL --embeddings` (its automatic slots, -np -1). A round sends the
 same list of inputs to every variant (corral `/api/embed`, corral `/v1/embeddings`,
-llama-server `/v1/embeddings`), the order rotating from round to round (`interleave`); the
+llama-server `/v1/embeddings`, and corral `/v1/embeddings` with that llama-server binary as its
+runner (`CORRAL_LLAMA_SERVER`), which tells corral's share of a difference from the build's),
+the order rotating from round to round (`interleave`); the
 first, smaller request to each is a warm-up. inputs/s = inputs over the request's wall time,
 from sending it to the last byte of the answer; "paired" is the median of corral over
 llama-server within each round.
@@ -73,10 +75,16 @@ class Variant:
     ollama: bool  # the answer is Ollama's {"embeddings": [...]}
 
 
+BASE = "llama-server /v1/embeddings"
+# corral with the very llama-server binary as its runner (CORRAL_LLAMA_SERVER): what is left of
+# the difference is corral's, not the build's (its runners are xllamacpp's wheel otherwise).
+SAME_BUILD = "corral-llama"
 VARIANTS = (
     Variant("corral /api/embed", "corral", "/api/embed", True),
     Variant("corral /v1/embeddings", "corral", "/v1/embeddings", False),
-    Variant("llama-server /v1/embeddings", "llama-server", "/v1/embeddings", False),
+    Variant("corral /v1/embeddings, llama-server as its runner", SAME_BUILD, "/v1/embeddings",
+            False),
+    Variant(BASE, "llama-server", "/v1/embeddings", False),
 )
 
 
@@ -107,7 +115,7 @@ def llama_server(binary: Path, model: Path, log: Path, threads: int = 0) -> Iter
 def slots_of(http: Http, v: Variant, model: str) -> int | None:
     """The slots the side serves the model with (corral's /api/ps, llama-server's /props)."""
     with contextlib.suppress(Exception):
-        if v.side == "corral":
+        if v.side != "llama-server":
             ps = http.get_json("/api/ps")["models"]
             return next(
                 int(m["num_parallel"]) for m in ps if m["name"] in (model, model + ":latest")
@@ -146,6 +154,13 @@ def measure(
             if binary is not None:
                 log = work / f"embed-llama-server-{label}.log"
                 urls["llama-server"] = stack.enter_context(llama_server(binary, link, log, threads))
+                same = start_corral(
+                    models_dir, work / f"embed-corral-llama-{label}.log",
+                    {"CORRAL_KEEP_ALIVE": "-1", "CORRAL_BUILTIN_MODELS": "0",
+                     "CORRAL_LLAMA_SERVER": str(binary)},
+                )  # fmt: skip
+                stack.callback(same.stop)
+                urls[SAME_BUILD] = same.url
             clients = {side: Http(url, timeout=1800) for side, url in urls.items()}
             for c in clients.values():
                 stack.callback(c.close)
@@ -167,7 +182,7 @@ def measure(
          "paired vs llama-server", "load average"],
     )  # fmt: skip
     rates = {name: [n / t for t in ts] for name, ts in times.items()}
-    base = VARIANTS[2].name if binary is not None else None
+    base = BASE if binary is not None else None
     for v in variants:
         r = rates[v.name]
         vs = paired = float("nan")
@@ -181,7 +196,7 @@ def measure(
             "inputs": n, "slots": slots.get(v.side), "inputs_per_s": summary(r),
             "vs_llama_server": vs, "paired": paired, "load_average": load,
         }  # fmt: skip
-        if base is not None and v.side == "corral":
+        if base is not None and v.side == "corral":  # corral as users run it
             sec.goals.append(goal_min(
                 f"inputs/s >= llama-server's ({v.name}, {label}, {n:,} inputs)", vs, 1.0,
                 ratio, lambda x: f"{x:.3f}",
