@@ -182,6 +182,28 @@ def test_a_slot_that_holds_less_of_the_prompt_than_another_idle_one_gets_its_sta
     assert 0 < p.held < p.shared and p.spared == p.shared - p.held
 
 
+def test_where_a_copy_pays_the_least_recently_used_gives_way_not_a_live_conversation() -> None:
+    """No empty slot, and a new session that shares the system prompt and tools with a live
+    one (more than that one holds besides): without copies it takes the live session's slot
+    (it reuses more than it destroys); where a copy pays, the least recently used slot takes
+    it, with a copy of the live session's state, and the live session keeps its slot."""
+    for pays, taken in ((None, "live"), (lambda spared, size: True, "old")):
+        slots = Slots(2)
+        old = pick(slots, prompt_pieces("/v1/chat/completions", {"messages": [
+            {"role": "user", "content": "a title for this conversation, please"}]}))  # fmt: skip
+        live = pick(slots, chat("an agent's session at work on its task"))
+        p = slots.pick(Lease(released=True), chat("another session of the agent"), pays)
+        assert p is not None
+        assert p.slot == {"live": live.slot, "old": old.slot}[taken]
+        assert p.source == (live.slot if taken == "old" else None)
+    # Where it does not pay, the pick is as without copies.
+    slots = Slots(2)
+    pick(slots, chat("an agent's session at work on its task"))
+    pick(slots, chat("x" * 20))
+    p = slots.pick(Lease(released=True), chat("another session"), lambda spared, size: False)
+    assert p is not None and p.source is None
+
+
 def test_no_source_whose_state_would_not_fit_in_a_full_shared_cache() -> None:
     one = chat("x" * 3000)
     size = sum(len(x) for x in one)

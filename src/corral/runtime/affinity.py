@@ -34,7 +34,7 @@ which on a CPU costs about a hundredth of evaluating it, on a GPU maybe more tha
 from __future__ import annotations
 
 import itertools
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol
 
@@ -54,6 +54,10 @@ GENERATION_PATHS = frozenset({"/v1/chat/completions", "/completion", "/v1/comple
 # What a copy between slots costs besides its bytes: two requests to the runner, each a task
 # in its queue (seconds).
 COPY_OVERHEAD_S = 0.002
+
+
+# Whether copying a slot's state into another pays: (prompt bytes it spares, bytes it copies).
+CopyPays = Callable[[int, int], bool]
 
 
 class Holder(Protocol):
@@ -156,8 +160,14 @@ class Slots:
         pick = self.pick(holder, pieces)
         return None if pick is None else pick.slot
 
-    def pick(self, holder: Holder, pieces: tuple[bytes, ...]) -> Pick | None:
-        """`claim`, with the idle slot to copy into the slot first, if any (see `Pick`)."""
+    def pick(
+        self, holder: Holder, pieces: tuple[bytes, ...], pays: CopyPays | None = None
+    ) -> Pick | None:
+        """`claim`, with the idle slot to copy into the slot first, if any (see `Pick`).
+        `pays(spared, source_size)`: whether a copy pays on this runner (`copy_pays` with its
+        figures); given, a source is named only where it does, and with no empty slot the least
+        recently used takes the prompt, a copy of what it shares with another slot's content
+        in front of it, rather than destroy that other conversation."""
         free = self.free(holder)
         if not free:
             return None
@@ -176,11 +186,15 @@ class Slots:
             # likely to come back.
             pool = [i for i in free if self._sizes[i]] or free
             gain = {i: 2 * shared[i] - self._sizes[i] for i in pool}
+            lru = min(pool, key=lambda i: self._used[i])
+            slot = lru
             if max(gain.values()) > 0:
                 slot = max(pool, key=lambda i: (gain[i], -self._used[i]))
-            else:
-                slot = min(pool, key=lambda i: self._used[i])
-        source = self._source(slot, free, shared)
+                # Where a copy pays, the least recently used gives way instead and gets what
+                # the prompt shares copied: both conversations are kept.
+                if pays is not None and self._source(lru, free, shared, pays) is not None:
+                    slot = lru
+        source = self._source(slot, free, shared, pays)
         pick = Pick(slot)
         if source is not None:
             pick = Pick(slot, source, shared[source], shared[slot], self._sizes[source])
@@ -190,10 +204,12 @@ class Slots:
         self._used[slot] = next(self._clock)
         return pick
 
-    def _source(self, slot: int, free: list[int], shared: dict[int, int]) -> int | None:
+    def _source(
+        self, slot: int, free: list[int], shared: dict[int, int], pays: CopyPays | None
+    ) -> int | None:
         """The idle slot that holds most of the prompt, if more than `slot` holds (the one
-        that holds least besides, the cheapest to copy), and fits beside what the others
-        hold: for a moment `slot` holds all of it."""
+        that holds least besides, the cheapest to copy), where its copy fits beside what the
+        others hold (for a moment `slot` holds all of it) and pays."""
         idle = [
             i for i in free if i != slot and self._sizes[i] and shared[i] > shared[slot]
             and ((h := self._holders[i]) is None or h.released)  # not the holder's own, busy
@@ -205,6 +221,8 @@ class Slots:
             after = sum(self._sizes) - self._sizes[slot] + self._sizes[source]
             if after / BYTES_PER_TOKEN > self.capacity:
                 return None
+        if pays is not None and not pays(shared[source] - shared[slot], self._sizes[source]):
+            return None
         return source
 
     def _fits(self, size: int) -> bool:

@@ -70,9 +70,12 @@ class RunnerClient:
         A streamed request (`"stream": true`) gets a RunnerStream (see `stream`). `lease`: the
         slot's lease the request is sent under (a generation is pinned to a slot for it)."""
         assert runner.session is not None
-        pick = None
+        pick, copier = None, None
         if lease is not None and runner.spec.num_parallel > 1 and path in GENERATION_PATHS:
-            payload, pick = self._pinned(runner, path, payload, lease)
+            if self.copier is not None and self.copier.wants(runner, path, payload):
+                copier = self.copier
+                await copier.refresh(runner)
+            payload, pick = self._pinned(runner, path, payload, lease, copier)
         if self.kvcache is not None and path in GENERATION_PATHS and self.kvcache.wants(runner):
             # Among a runner's first requests: restore the saved conversation this prompt
             # continues, if any, and pin the request to its slot.
@@ -80,11 +83,10 @@ class RunnerClient:
             if prepared is not payload:  # restored (a new payload, pinned to its slot)
                 pick = None
             payload = prepared
-        if pick is not None and pick.source is not None and self.copier is not None:
+        if pick is not None and pick.source is not None and copier is not None:
             # A new conversation on a slot of its own: start it from the idle slot that holds
-            # most of its prompt, where copying that costs less than evaluating it.
-            if self.copier.wants(runner, path, payload):
-                await self.copier.copy(runner, pick)
+            # most of its prompt (copying that costs less than evaluating it).
+            await copier.copy(runner, pick)
         if payload.get("stream"):
             return await self._open_stream(runner, path, payload)
         headers = {"Content-Type": "application/json"}
@@ -103,16 +105,20 @@ class RunnerClient:
         return resp
 
     def _pinned(
-        self, runner: Runner, path: str, payload: dict[str, Any], lease: Holder
-    ) -> tuple[dict[str, Any], Pick | None]:
+        self, runner: Runner, path: str, payload: dict[str, Any], lease: Holder,
+        copier: SlotCopier | None,
+    ) -> tuple[dict[str, Any], Pick | None]:  # fmt: skip
         slots = self._slots.get(runner)
         if slots is None:
             spec = runner.spec
             slots = self._slots[runner] = Slots(
                 spec.num_parallel, spec.n_ctx if spec.kv_unified else None
             )
-        pick = slots.pick(lease, prompt_pieces(path, payload))
-        return (payload, None) if pick is None else ({**payload, "id_slot": pick.slot}, pick)
+        pays = copier.pays(runner) if copier is not None else None
+        pick = slots.pick(lease, prompt_pieces(path, payload), pays)
+        if pick is None:
+            return payload, None
+        return {**payload, "id_slot": pick.slot}, pick if pays is not None else None
 
     async def stream(
         self, runner: Runner, path: str, payload: dict[str, Any], lease: Holder | None = None

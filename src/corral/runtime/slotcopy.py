@@ -38,7 +38,7 @@ from typing import Any
 import aiohttp
 
 from corral.core.gguf import read_model_info
-from corral.runtime.affinity import BYTES_PER_TOKEN, Pick, copy_pays
+from corral.runtime.affinity import BYTES_PER_TOKEN, CopyPays, Pick, copy_pays
 from corral.runtime.kvcache import TMP_PREFIX, KVCache, has_media, runner_key
 from corral.runtime.runner import Runner
 
@@ -107,27 +107,44 @@ class SlotCopier:
             info.bytes_per_token = self.kvcache.bytes_per_token(runner, info.key)
         return info
 
-    async def copy(self, runner: Runner, pick: Pick) -> bool:
-        """Copy `pick.source`'s state into `pick.slot` if that pays; whether it was copied."""
-        assert pick.source is not None
+    async def refresh(self, runner: Runner) -> None:
+        """Read the runner's prompt speed again (its /metrics) if what is known is older than
+        SPEED_TTL_S: `pays` goes by it."""
         info = self._info(runner)
         now = time.monotonic()
-        if now - info.speed_at > SPEED_TTL_S:
-            info.speed, info.speed_at = await self.kvcache.prompt_speed(runner), now
-        if not copy_pays(pick.spared, pick.source_size, info.bytes_per_token, self.copy_bps,
-                         info.speed):  # fmt: skip
-            self.stats["skipped"] += 1
-            log.debug(
-                "slot copy: not copying slot %d of '%s' into slot %d: about %d tokens of state "
-                "(%.0f bytes each) to spare about %d at %s tokens/s", pick.source, runner.name,
-                pick.slot, pick.source_size // BYTES_PER_TOKEN, info.bytes_per_token,
-                pick.spared // BYTES_PER_TOKEN, f"{info.speed:.0f}" if info.speed else "unknown",
-            )  # fmt: skip
-            return False
-        assert info.speed
+        # Unknown until the runner has read a prompt: asked again sooner.
+        if now - info.speed_at > (SPEED_TTL_S if info.speed else SPEED_TTL_S / 10):
+            info.speed_at = now
+            info.speed = await self.kvcache.prompt_speed(runner)
+
+    def pays(self, runner: Runner) -> CopyPays:
+        """Whether a copy pays on `runner` (affinity.copy_pays with its figures), for
+        `Slots.pick`."""
+        info = self._info(runner)
+
+        def pays(spared: int, source_size: int) -> bool:
+            ok = copy_pays(spared, source_size, info.bytes_per_token, self.copy_bps, info.speed)
+            if not ok:
+                self.stats["skipped"] += 1
+                log.debug(
+                    "slot copy: not worth it on '%s': about %d tokens of state (%.0f bytes "
+                    "each) to spare about %d at %s tokens/s", runner.name,
+                    source_size // BYTES_PER_TOKEN, info.bytes_per_token,
+                    spared // BYTES_PER_TOKEN, f"{info.speed:.0f}" if info.speed else "unknown",
+                )  # fmt: skip
+            return ok
+
+        return pays
+
+    async def copy(self, runner: Runner, pick: Pick) -> bool:
+        """Copy `pick.source`'s state into `pick.slot` (a pick made with `pays`); whether it
+        was copied."""
+        assert pick.source is not None
+        info = self._info(runner)
         # As long as evaluating what it spares would take, twice over, within bounds.
-        wait = min(MAX_WAIT_S, max(MIN_WAIT_S, 2 * pick.spared / BYTES_PER_TOKEN / info.speed))
-        self._sweep(now)
+        spared_s = pick.spared / BYTES_PER_TOKEN / info.speed if info.speed else 0.0
+        wait = min(MAX_WAIT_S, max(MIN_WAIT_S, 2 * spared_s))
+        self._sweep(time.monotonic())
         name = f"{COPY_PREFIX}{secrets.token_hex(8)}.part"
         try:
             return await self._copy(runner, info, pick, name, wait)
