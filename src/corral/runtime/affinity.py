@@ -15,7 +15,8 @@ request to its pick (`id_slot`):
 - else the slot where what the prompt reuses outweighs what it destroys, and failing that the
   least recently used (llama.cpp, short of cells, would clear the first idle slot, whichever
   that is; agents sharing a system prompt would otherwise give up a live session's slot for
-  a stale one's).
+  a stale one's); where a copy pays (below), the least recently used in any case, with a
+  copy of what the prompt shares with the other.
 
 What a slot holds is known from what corral sent there: the prompt's pieces (each message, the
 tools after the system message, or a raw prompt), in characters, a stand-in for tokens that
@@ -25,10 +26,12 @@ requests are never pinned to one slot (which would make one wait for the other).
 A conversation that lands on an empty slot (or on one that holds less of its prompt than
 another) would read again what it shares with another slot's content: a shared system prompt
 and tools, the chat template's preamble. So the pick also names a source (`Pick.source`): the
-idle slot (its lease released) that holds most of the prompt, when that is more than the chosen
-slot holds. runtime/slotcopy copies the source's KV state into the chosen slot first (llama.cpp's
-slot save and restore) when `copy_pays`: the source's whole content is written and read back,
-which on a CPU costs about a hundredth of evaluating it, on a GPU maybe more than that.
+idle slot (its lease released: llama.cpp would save a generating slot only once it is done)
+that holds most of the prompt, when that is more than the chosen slot holds, its copy fits the
+shared cache, and copying pays (`copy_pays`, with the runner's figures): the source's whole
+content is written and read back, which on a CPU costs about a hundredth of evaluating what it
+spares, on a GPU maybe more than that. runtime/slotcopy copies the source's KV state into the
+chosen slot first (llama.cpp's slot save and restore); the request then reuses the prefix.
 """
 
 from __future__ import annotations
