@@ -12,9 +12,9 @@ pinned to that slot, then reuses the common prefix (cache_prompt) and llama.cpp 
 
 llama.cpp defers a save of a slot that is processing until it is idle, and a restore into one
 likewise: the source is one whose lease is released (its last request answered), and the
-target is held by the request's own lease. Each call is bounded (a copy that would take longer
-than the evaluation it spares is given up: llama.cpp cancels the deferred task when the
-connection closes), and anything that fails (a runner without a slot_save_path, a full disk, a
+target is held by the request's own lease. A copy is bounded (one that would take longer than
+the evaluation it spares is given up: llama.cpp cancels the deferred task when the connection
+closes), and anything that fails (a runner without a slot_save_path, a full disk, a
 restore llama.cpp refuses, which clears the slot) leaves the request to evaluate its prompt as
 it would have. The file is removed after the restore.
 
@@ -48,7 +48,7 @@ COPY_PREFIX = f"{TMP_PREFIX}copy-"
 # Bytes a copy writes and reads back per second, before one was measured: low, so that copies
 # are not made where their worth is in doubt (a page-cache write and read run at GB/s).
 DEFAULT_COPY_BPS = 250e6
-MIN_WAIT_S = 0.25  # seconds a save or a restore may take, at least
+MIN_WAIT_S = 0.25  # seconds a copy (its save and its restore) may take, at least
 MAX_WAIT_S = 10.0  # and at most, whatever it spares
 SPEED_TTL_S = 10.0  # seconds a runner's prompt speed, read from its /metrics, is taken as known
 ORPHAN_S = 60.0  # seconds after which a copy's file is a leftover (a save cancelled late)
@@ -141,26 +141,31 @@ class SlotCopier:
         was copied."""
         assert pick.source is not None
         info = self._info(runner)
-        # As long as evaluating what it spares would take, twice over, within bounds.
+        # The save and the restore together wait as long as evaluating what the copy spares
+        # would take, within bounds: a copy given up costs the request at most that again.
         spared_s = pick.spared / BYTES_PER_TOKEN / info.speed if info.speed else 0.0
-        wait = min(MAX_WAIT_S, max(MIN_WAIT_S, 2 * spared_s))
+        deadline = time.monotonic() + min(MAX_WAIT_S, max(MIN_WAIT_S, spared_s))
         self._sweep(time.monotonic())
         name = f"{COPY_PREFIX}{secrets.token_hex(8)}.part"
         try:
-            return await self._copy(runner, info, pick, name, wait)
+            return await self._copy(runner, info, pick, name, deadline)
         finally:
             with contextlib.suppress(OSError):
                 (self.kvcache.directory / name).unlink(missing_ok=True)
 
     async def _copy(
-        self, runner: Runner, info: _RunnerInfo, pick: Pick, name: str, wait: float
+        self, runner: Runner, info: _RunnerInfo, pick: Pick, name: str, deadline: float
     ) -> bool:
         t0 = time.monotonic()
-        saved = await _post(runner, f"/slots/{pick.source}?action=save", name, wait)
+        saved = await _post(runner, f"/slots/{pick.source}?action=save", name, deadline - t0)
         t1 = time.monotonic()
         if not isinstance(saved, dict) or not saved.get("n_saved"):
             return self._failed(runner, pick, f"the save failed: {saved}")
-        restored = await _post(runner, f"/slots/{pick.slot}?action=restore", name, wait)
+        if deadline - t1 <= 0:
+            return self._failed(runner, pick, "no time left to restore it")
+        restored = await _post(
+            runner, f"/slots/{pick.slot}?action=restore", name, deadline - t1
+        )
         t2 = time.monotonic()
         n = int(saved["n_saved"])
         if not isinstance(restored, dict) or int(restored.get("n_restored") or 0) != n:
