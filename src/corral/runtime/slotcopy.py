@@ -108,12 +108,12 @@ class SlotCopier:
         return info
 
     async def refresh(self, runner: Runner) -> None:
-        """Read the runner's prompt speed again (its /metrics) if what is known is older than
-        SPEED_TTL_S: `pays` goes by it."""
+        """Read the runner's prompt speed again (its /metrics) if it is unknown or what is
+        known is older than SPEED_TTL_S: `pays` goes by it."""
         info = self._info(runner)
         now = time.monotonic()
-        # Unknown until the runner has read a prompt: asked again sooner.
-        if now - info.speed_at > (SPEED_TTL_S if info.speed else SPEED_TTL_S / 10):
+        # Unknown until the runner has read a prompt: asked again until it is known.
+        if not info.speed or now - info.speed_at > SPEED_TTL_S:
             info.speed_at = now
             info.speed = await self.kvcache.prompt_speed(runner)
 
