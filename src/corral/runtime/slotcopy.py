@@ -37,7 +37,7 @@ from typing import Any
 
 import aiohttp
 
-from corral.core.gguf import read_model_info
+from corral.core.gguf import ModelInfo, read_model_info
 from corral.runtime.affinity import BYTES_PER_TOKEN, CopyPays, Pick, copy_pays
 from corral.runtime.kvcache import TMP_PREFIX, KVCache, has_media, runner_key
 from corral.runtime.runner import Runner
@@ -102,9 +102,18 @@ class SlotCopier:
     def _info(self, runner: Runner) -> _RunnerInfo:
         info = self._runners.get(runner)
         if info is None:
+            try:
+                model = read_model_info(runner.spec.path)  # read at load already: cached
+            except Exception:  # a file gone since: no copies
+                model = None
             key = runner_key(runner) or ""
-            info = self._runners[runner] = _RunnerInfo(_restorable(runner), key)
-            info.bytes_per_token = self.kvcache.bytes_per_token(runner, info.key)
+            usable = model is not None and _restorable(model)
+            info = self._runners[runner] = _RunnerInfo(usable, key)
+            # llama.cpp's KV buffer over its cells; else K and V of every layer in f16 (more
+            # than a quantized cache: copies thought dearer than they are, not cheaper).
+            info.bytes_per_token = self.kvcache.bytes_per_token(runner, key) or (
+                2.0 * sum(model.n_head_kv) * (model.head_dim_k + model.head_dim_v) if model else 0.0
+            )
         return info
 
     async def refresh(self, runner: Runner) -> None:
@@ -214,18 +223,14 @@ class SlotCopier:
                         p.unlink()
 
 
-def _restorable(runner: Runner) -> bool:
+def _restorable(model: ModelInfo) -> bool:
     """Whether a state restored into a slot serves a prompt that shares only a prefix of it:
     not with sliding-window layers (they hold only the last window) or recurrent ones (one
     state, at the end)."""
-    try:
-        info = read_model_info(runner.spec.path)
-    except Exception:  # read at load already; a file gone since: no copies
-        return False
     recurrent = any(
-        f".{part}." in k for k in info.metadata for part in ("ssm", "wkv", "shortconv")
+        f".{part}." in k for k in model.metadata for part in ("ssm", "wkv", "shortconv")
     )
-    return not any(info.swa_layers) and not recurrent
+    return not any(model.swa_layers) and not recurrent
 
 
 async def _post(runner: Runner, path: str, filename: str, timeout: float) -> Any:
