@@ -480,3 +480,29 @@ def test_a_copy_that_fails_leaves_the_prompt_to_be_evaluated(auto_server: Any) -
     assert failed["timings"]["cache_n"] < 50  # a template's preamble at most
     later = conversation("Tell me how mountains are made, from the start to the end.")
     assert ask(s, later)["timings"]["cache_n"] == common(tokens(s, first), tokens(s, later))
+
+
+def test_with_every_slot_taken_a_new_conversation_leaves_the_live_one_its_slot(
+    auto_server: Any,
+) -> None:
+    """Every slot holds something, and a new conversation shares its system prompt with a live
+    one whose history is shorter than that prompt: where llama.cpp's copy pays (a CPU), the
+    least recently used slot takes it, the shared prompt copied in, and the live conversation's
+    next turn still finds its own history."""
+    s, system = auto_server, rules("rivers and lakes")
+    r = s.client.post("/api/generate", json={"model": SMOL, "keep_alive": 0})
+    assert r.status_code == 200, r.text
+    s.wait_for(lambda: not any(m["model"] == SMOL for m in s.ps()), 60, "unload")
+    live = [{"role": "system", "content": system},
+            {"role": "user", "content": "Which is the longest river of Europe, and its source?"}]
+    first = ask(s, live)
+    for i in range(AUTO_PARALLEL - 1):  # side requests (titles) in the other slots
+        ask(s, [{"role": "user", "content": f"{i}: a title for a conversation about lakes"}])
+    live += [first["choices"][0]["message"], {"role": "user", "content": "And the deepest lake?"}]
+    second = ask(s, live)  # the live conversation is the most recently used
+    new = [{"role": "system", "content": system},
+           {"role": "user", "content": "Tell me how a delta is made by a river, step by step."}]
+    other = ask(s, new)
+    assert other["timings"]["cache_n"] == common(tokens(s, live), tokens(s, new))
+    third = ask(s, [*live, second["choices"][0]["message"], {"role": "user", "content": "Why?"}])
+    assert third["timings"]["cache_n"] >= second["usage"]["prompt_tokens"]
