@@ -7,7 +7,14 @@ from dataclasses import dataclass
 from hypothesis import given
 from hypothesis import strategies as st
 
-from corral.runtime.affinity import BYTES_PER_TOKEN, Slots, prompt_pieces, shared_length
+from corral.runtime.affinity import (
+    BYTES_PER_TOKEN,
+    Pick,
+    Slots,
+    copy_pays,
+    prompt_pieces,
+    shared_length,
+)
 
 
 @dataclass
@@ -119,6 +126,109 @@ def test_the_prompt_is_its_messages_with_the_tools_after_the_system_message() ->
     ]
     assert prompt_pieces("/completion", {"prompt": "text"}) == (b"text",)
     assert prompt_pieces("/completion", {}) == ()
+
+
+# ---- a new conversation starts from another slot's state -------------------------------------
+
+
+def pick(slots: Slots, pieces: tuple[bytes, ...], holder: Lease | None = None) -> Pick:
+    p = slots.pick(holder or Lease(released=True), pieces)
+    assert p is not None
+    return p
+
+
+def test_a_new_conversation_on_an_empty_slot_names_the_idle_slot_sharing_most_of_it() -> None:
+    slots = Slots(4)
+    first_a = "fix the bug in a.py where it reads the file twice over"
+    a = pick(slots, chat(first_a))
+    assert a.source is None  # nothing to start from
+    b = chat("write tests for b.py, all of them, and run them")
+    p = pick(slots, b)
+    assert p.slot != a.slot and p.source == a.slot  # its own slot, started from a's state
+    shared = shared_length(chat(first_a), b)
+    assert shared > len(chat()[0]) and (p.shared, p.held, p.spared) == (shared, 0, shared)
+    assert p.source_size == sum(len(x) for x in chat(first_a))
+    # A's next turn goes back to its own slot and needs no copy.
+    assert pick(slots, chat(first_a, "ok", "go")) == Pick(a.slot)
+    # A third conversation starts from the one that shares most and, of those, holds least:
+    # a and b share the system prompt and tools, and a now holds its second turn too.
+    c = pick(slots, chat("document the module c.py for its new readers"))
+    assert c.slot not in (a.slot, p.slot) and c.source == p.slot
+
+
+def test_a_busy_slot_is_never_a_source() -> None:
+    """llama.cpp would defer the save of a slot that is generating until it is done."""
+    slots = Slots(3)
+    busy = Lease()
+    a = pick(slots, chat("the first conversation, still generating its answer"), busy)
+    p = pick(slots, chat("a second conversation that shares the system prompt"), Lease())
+    assert p.slot != a.slot and p.source is None
+    busy.released = True  # a is answered, p still generating
+    q = pick(slots, chat("and a third one once the first is answered"))
+    assert q.slot not in (a.slot, p.slot) and q.source == a.slot
+
+
+def test_a_slot_that_holds_less_of_the_prompt_than_another_idle_one_gets_its_state() -> None:
+    """No empty slot: the least recently used gives way, and starts from the slot that shares
+    the system prompt (only what it holds beyond what the slot itself shares is spared)."""
+    slots = Slots(2)
+    history = ("an agent's session at work on its task " * 200,)
+    a = pick(slots, chat(*history))
+    old = pick(slots, prompt_pieces("/v1/chat/completions", {"messages": [
+        {"role": "user", "content": "a title for this conversation, please"}]}))  # fmt: skip
+    pick(slots, chat(*history, "ok", "go on"))  # a used last
+    p = pick(slots, chat("another session of the agent"))
+    assert (p.slot, p.source) == (old.slot, a.slot)
+    assert 0 < p.held < p.shared and p.spared == p.shared - p.held
+
+
+def test_where_a_copy_pays_the_least_recently_used_gives_way_not_a_live_conversation() -> None:
+    """No empty slot, and a new session that shares the system prompt and tools with a live
+    one (more than that one holds besides): without copies it takes the live session's slot
+    (it reuses more than it destroys); where a copy pays, the least recently used slot takes
+    it, with a copy of the live session's state, and the live session keeps its slot."""
+    for pays, taken in ((None, "live"), (lambda spared, size: True, "old")):
+        slots = Slots(2)
+        old = pick(slots, prompt_pieces("/v1/chat/completions", {"messages": [
+            {"role": "user", "content": "a title for this conversation, please"}]}))  # fmt: skip
+        live = pick(slots, chat("an agent's session at work on its task"))
+        p = slots.pick(Lease(released=True), chat("another session of the agent"), pays)
+        assert p is not None
+        assert p.slot == {"live": live.slot, "old": old.slot}[taken]
+        assert p.source == (live.slot if taken == "old" else None)
+    # Where it does not pay, the pick is as without copies.
+    slots = Slots(2)
+    pick(slots, chat("an agent's session at work on its task"))
+    pick(slots, chat("x" * 20))
+    p = slots.pick(Lease(released=True), chat("another session"), lambda spared, size: False)
+    assert p is not None and p.source is None
+
+
+def test_no_source_whose_state_would_not_fit_in_a_full_shared_cache() -> None:
+    one = chat("x" * 3000)
+    size = sum(len(x) for x in one)
+    # Room for the source twice over but not for its copy beside a third conversation.
+    slots = Slots(4, capacity=int(2.2 * size / BYTES_PER_TOKEN))
+    a = pick(slots, one)
+    assert pick(slots, chat("y" * 100)).source == a.slot  # a's copy fits beside it
+    pick(slots, prompt_pieces("/v1/chat/completions", {"messages": [
+        {"role": "user", "content": "z" * size}]}))  # fmt: skip
+    assert pick(slots, chat("w" * 100)).source is None
+
+
+def test_a_copy_pays_where_its_bytes_cost_less_than_evaluating_what_it_spares() -> None:
+    shared = source = 12_000 * BYTES_PER_TOKEN  # a 12k-token agent prompt
+    # A small model on a CPU: 23 KB of state per token, 700 tokens/s, a disk at 1 GB/s.
+    assert copy_pays(shared, source, 23_040, 1e9, 700)
+    # A large model on a GPU evaluates 10k tokens/s; its state is 160 KB per token.
+    assert not copy_pays(shared, source, 160_000, 1e9, 10_000)
+    # A few tokens spared do not pay for the round trips; a long slot copied for a short
+    # prefix does not pay either.
+    assert not copy_pays(BYTES_PER_TOKEN, BYTES_PER_TOKEN, 23_040, 1e9, 700)
+    assert not copy_pays(100 * BYTES_PER_TOKEN, 100_000 * BYTES_PER_TOKEN, 23_040, 1e9, 700)
+    # Unknown figures: no copy.
+    assert not copy_pays(shared, source, 23_040, 1e9, None)
+    assert not copy_pays(shared, source, 0.0, 1e9, 700)
 
 
 def common_start(a: bytes, b: bytes) -> int:

@@ -380,29 +380,129 @@ def test_parallel_streams_that_fill_their_shared_context_end_with_an_error(
     assert any(errors), [ev[-2:] for ev in events]
 
 
+SMOL = "smollm2:135m"
+
+
+def ask(s: Any, messages: list[dict[str, str]], **extra: Any) -> dict[str, Any]:
+    r = s.client.post("/v1/chat/completions", json={
+        "model": SMOL, "messages": messages, "max_tokens": 8, "temperature": 0, **extra,
+    })  # fmt: skip
+    assert r.status_code == 200, r.text
+    return dict(r.json())
+
+
+def tokens(s: Any, messages: list[dict[str, str]]) -> list[int]:
+    """The prompt's tokens as the runner reads them (its template, its tokenizer)."""
+    r = s.client.post("/apply-template", json={"model": SMOL, "messages": messages})
+    assert r.status_code == 200, r.text
+    t = s.client.post("/tokenize", json={
+        "model": SMOL, "content": r.json()["prompt"], "add_special": True, "parse_special": True,
+    })  # fmt: skip
+    assert t.status_code == 200, t.text
+    return list(t.json()["tokens"])
+
+
+def common(a: list[int], b: list[int]) -> int:
+    return next((i for i, (x, y) in enumerate(zip(a, b, strict=False)) if x != y), len(a))
+
+
+def rules(topic: str) -> str:
+    return f"You are a careful assistant on {topic}. " + " ".join(
+        f"Rule {i}: answer briefly and precisely about {topic} number {i}." for i in range(40)
+    )
+
+
 def test_a_conversations_second_turn_lands_on_its_slot(auto_server: Any) -> None:
     """Two conversations that share a system prompt, one turn each, then the first's second
     turn: it reads its first turn's prompt from its own slot's cache. (llama.cpp alone would put
     the second conversation on the first's slot, the only one holding anything, and the first's
-    second turn would reuse the system prompt only: 637 of 888 tokens where this gets 873.)"""
-    system = "You are a careful assistant. " + " ".join(
-        f"Rule {i}: answer briefly and precisely about topic number {i}." for i in range(40)
-    )
-
-    def ask(messages: list[dict[str, str]]) -> tuple[str, dict[str, Any]]:
-        r = auto_server.client.post("/v1/chat/completions", json={
-            "model": "smollm2:135m", "messages": messages, "max_tokens": 8, "temperature": 0,
-        })  # fmt: skip
-        assert r.status_code == 200, r.text
-        return r.json()["choices"][0]["message"]["content"], r.json()["usage"]
-
+    second turn would reuse the system prompt only: 637 of 888 tokens where this gets 873.)
+    The second conversation takes an empty slot, started from a copy of the first's state
+    (runtime/slotcopy): it reads from the cache all it shares with the first."""
+    s, system = auto_server, rules("topics")
     a = [{"role": "system", "content": system},
          {"role": "user", "content": "About apples. " + "Apples grow on trees. " * 40}]
     b = [{"role": "system", "content": system},
          {"role": "user", "content": "About boats. " + "Boats float on water. " * 40}]  # fmt: skip
-    answer_a, first = ask(a)
-    _, other = ask(b)
-    assert other["prompt_tokens_details"]["cached_tokens"] == 0  # an empty slot: a's is kept
-    _, second = ask([*a, {"role": "assistant", "content": answer_a},
-                     {"role": "user", "content": "And pears?"}])  # fmt: skip
-    assert second["prompt_tokens_details"]["cached_tokens"] >= first["prompt_tokens"]
+    first = ask(s, a)
+    other = ask(s, b)
+    shared = common(tokens(s, a), tokens(s, b))
+    assert shared > 500  # the system prompt
+    assert other["timings"]["cache_n"] == shared
+    assert other["timings"]["prompt_n"] == other["usage"]["prompt_tokens"] - shared
+    # The copy left the first's own slot as it was.
+    second = ask(s, [*a, {"role": "assistant", "content": first["choices"][0]["message"][
+        "content"]}, {"role": "user", "content": "And pears?"}])  # fmt: skip
+    assert second["timings"]["cache_n"] >= first["usage"]["prompt_tokens"]
+
+
+def test_no_copy_from_a_slot_still_generating(auto_server: Any) -> None:
+    """llama.cpp would save a slot that is generating only once it is done: a new conversation
+    beside one that is generating evaluates the prompt they share (the stream's lease holds its
+    slot until the answer ends)."""
+    s, system = auto_server, rules("rivers")
+    a = [{"role": "system", "content": system}, {"role": "user", "content": "Tell a story."}]
+    b = [{"role": "system", "content": system}, {"role": "user", "content": "Name a river."}]
+    body = {"model": SMOL, "messages": a, "max_tokens": 4000, "temperature": 0,
+            "ignore_eos": True, "stream": True}  # fmt: skip
+    with s.client.stream("POST", "/v1/chat/completions", json=body) as stream:
+        lines = stream.iter_lines()
+        assert next(ln for ln in lines if ln.startswith("data: ")) != "data: [DONE]"
+        other = ask(s, b, max_tokens=2)
+    shared = common(tokens(s, a), tokens(s, b))
+    assert shared > 500
+    assert other["timings"]["cache_n"] < 50  # a template's preamble at most, never a's prompt
+
+
+def test_a_copy_that_fails_leaves_the_prompt_to_be_evaluated(auto_server: Any) -> None:
+    """The KV cache directory (llama.cpp's slot_save_path) gone: the save fails and the new
+    conversation is answered, evaluating what it shares; once it is back, copies resume."""
+    s, system = auto_server, rules("mountains")
+    kv = s.log_path.parent / "kvcache"
+    # A runner with its slots empty: the next conversation lands on an empty one.
+    r = s.client.post("/api/generate", json={"model": SMOL, "keep_alive": 0})
+    assert r.status_code == 200, r.text
+    s.wait_for(lambda: not any(m["model"] == SMOL for m in s.ps()), 60, "unload")
+
+    def conversation(question: str) -> list[dict[str, str]]:
+        # Questions that differ early: a conversation is another's own where it continues all
+        # but its last 32 bytes (runtime/affinity).
+        return [{"role": "system", "content": system}, {"role": "user", "content": question}]
+
+    first = conversation("Which are the highest mountains of the Alps, and who climbed them?")
+    ask(s, first)
+    kv.rename(kv.with_name("kvcache-away"))
+    try:
+        failed = ask(s, conversation("Name the longest mountain range on the Earth, please."))
+    finally:
+        kv.with_name("kvcache-away").rename(kv)
+    assert failed["choices"][0]["message"]["content"]
+    assert failed["timings"]["cache_n"] < 50  # a template's preamble at most
+    later = conversation("Tell me how mountains are made, from the start to the end.")
+    assert ask(s, later)["timings"]["cache_n"] == common(tokens(s, first), tokens(s, later))
+
+
+def test_with_every_slot_taken_a_new_conversation_leaves_the_live_one_its_slot(
+    auto_server: Any,
+) -> None:
+    """Every slot holds something, and a new conversation shares its system prompt with a live
+    one whose history is shorter than that prompt: where llama.cpp's copy pays (a CPU), the
+    least recently used slot takes it, the shared prompt copied in, and the live conversation's
+    next turn still finds its own history."""
+    s, system = auto_server, rules("rivers and lakes")
+    r = s.client.post("/api/generate", json={"model": SMOL, "keep_alive": 0})
+    assert r.status_code == 200, r.text
+    s.wait_for(lambda: not any(m["model"] == SMOL for m in s.ps()), 60, "unload")
+    live = [{"role": "system", "content": system},
+            {"role": "user", "content": "Which is the longest river of Europe, and its source?"}]
+    first = ask(s, live)
+    for i in range(AUTO_PARALLEL - 1):  # side requests (titles) in the other slots
+        ask(s, [{"role": "user", "content": f"{i}: a title for a conversation about lakes"}])
+    live += [first["choices"][0]["message"], {"role": "user", "content": "And the deepest lake?"}]
+    second = ask(s, live)  # the live conversation is the most recently used
+    new = [{"role": "system", "content": system},
+           {"role": "user", "content": "Tell me how a delta is made by a river, step by step."}]
+    other = ask(s, new)
+    assert other["timings"]["cache_n"] == common(tokens(s, live), tokens(s, new))
+    third = ask(s, [*live, second["choices"][0]["message"], {"role": "user", "content": "Why?"}])
+    assert third["timings"]["cache_n"] >= second["usage"]["prompt_tokens"]

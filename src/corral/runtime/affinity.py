@@ -15,18 +15,30 @@ request to its pick (`id_slot`):
 - else the slot where what the prompt reuses outweighs what it destroys, and failing that the
   least recently used (llama.cpp, short of cells, would clear the first idle slot, whichever
   that is; agents sharing a system prompt would otherwise give up a live session's slot for
-  a stale one's).
+  a stale one's); where a copy pays (below), the least recently used in any case, with a
+  copy of what the prompt shares with the other.
 
 What a slot holds is known from what corral sent there: the prompt's pieces (each message, the
 tools after the system message, or a raw prompt), in characters, a stand-in for tokens that
 needs no tokenizing. A slot is busy while the lease that claimed it is not released, so two
 requests are never pinned to one slot (which would make one wait for the other).
+
+A conversation that lands on an empty slot (or on one that holds less of its prompt than
+another) would read again what it shares with another slot's content: a shared system prompt
+and tools, the chat template's preamble. So the pick also names a source (`Pick.source`): the
+idle slot (its lease released: llama.cpp would save a generating slot only once it is done)
+that holds most of the prompt, when that is more than the chosen slot holds, its copy fits the
+shared cache, and copying pays (`copy_pays`, with the runner's figures): the source's whole
+content is written and read back, which on a CPU costs about a hundredth of evaluating what it
+spares, on a GPU maybe more than that. runtime/slotcopy copies the source's KV state into the
+chosen slot first (llama.cpp's slot save and restore); the request then reuses the prefix.
 """
 
 from __future__ import annotations
 
 import itertools
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
 from typing import Any, Protocol
 
 import orjson
@@ -42,12 +54,51 @@ OWN_SLACK = 32
 BYTES_PER_TOKEN = 3
 # The runner paths that read a prompt into a slot's cache.
 GENERATION_PATHS = frozenset({"/v1/chat/completions", "/completion", "/v1/completions"})
+# What a copy between slots costs besides its bytes: two requests to the runner, each a task
+# in its queue (seconds).
+COPY_OVERHEAD_S = 0.002
+
+
+# Whether copying a slot's state into another pays: (prompt bytes it spares, bytes it copies).
+CopyPays = Callable[[int, int], bool]
 
 
 class Holder(Protocol):
     """What claims a slot (a scheduler Lease): the slot is free again once it is released."""
 
     released: bool
+
+
+@dataclass(frozen=True)
+class Pick:
+    """Where a prompt goes: `slot`; and `source`, an idle slot that holds more of the prompt
+    than `slot` does (None if none): it shares `shared` bytes with the prompt, `slot` shares
+    `held`, so its state copied into `slot` first spares evaluating `spared` bytes, and copies
+    all `source_size` bytes it holds."""
+
+    slot: int
+    source: int | None = None
+    shared: int = 0
+    held: int = 0
+    source_size: int = 0
+
+    @property
+    def spared(self) -> int:
+        return self.shared - self.held
+
+
+def copy_pays(
+    shared: int, source_size: int, kv_bytes_per_token: float, io_bps: float,
+    prompt_tps: float | None,
+) -> bool:  # fmt: skip
+    """Whether copying a slot's state costs less than evaluating what it spares: the source's
+    whole content (`source_size` prompt bytes, each token `kv_bytes_per_token` of state) is
+    written and read back at `io_bps` bytes/s, against `shared` prompt bytes at the runner's
+    `prompt_tps` tokens/s. False when a figure is unknown."""
+    if not prompt_tps or prompt_tps <= 0 or kv_bytes_per_token <= 0 or io_bps <= 0:
+        return False
+    copy_s = COPY_OVERHEAD_S + 2 * source_size / BYTES_PER_TOKEN * kv_bytes_per_token / io_bps
+    return shared / BYTES_PER_TOKEN / prompt_tps > copy_s
 
 
 def prompt_pieces(path: str, payload: Mapping[str, Any]) -> tuple[bytes, ...]:
@@ -109,6 +160,17 @@ class Slots:
         """The slot for a prompt (see the module's rules), now `holder`'s; None when every slot
         is held (corral grants no more requests than slots: only a request sent twice under one
         lease meets that, and llama.cpp then picks)."""
+        pick = self.pick(holder, pieces)
+        return None if pick is None else pick.slot
+
+    def pick(
+        self, holder: Holder, pieces: tuple[bytes, ...], pays: CopyPays | None = None
+    ) -> Pick | None:
+        """`claim`, with the idle slot to copy into the slot first, if any (see `Pick`).
+        `pays(spared, source_size)`: whether a copy pays on this runner (`copy_pays` with its
+        figures); given, a source is named only where it does, and with no empty slot the least
+        recently used takes the prompt, a copy of what it shares with another slot's content
+        in front of it, rather than destroy that other conversation."""
         free = self.free(holder)
         if not free:
             return None
@@ -127,15 +189,44 @@ class Slots:
             # likely to come back.
             pool = [i for i in free if self._sizes[i]] or free
             gain = {i: 2 * shared[i] - self._sizes[i] for i in pool}
+            lru = min(pool, key=lambda i: self._used[i])
+            slot = lru
             if max(gain.values()) > 0:
                 slot = max(pool, key=lambda i: (gain[i], -self._used[i]))
-            else:
-                slot = min(pool, key=lambda i: self._used[i])
+                # Where a copy pays, the least recently used gives way instead and gets what
+                # the prompt shares copied: both conversations are kept.
+                if pays is not None and self._source(lru, free, shared, pays) is not None:
+                    slot = lru
+        source = self._source(slot, free, shared, pays)
+        pick = Pick(slot)
+        if source is not None:
+            pick = Pick(slot, source, shared[source], shared[slot], self._sizes[source])
         self._holders[slot] = holder
         self._held[slot] = pieces
         self._sizes[slot] = size
         self._used[slot] = next(self._clock)
-        return slot
+        return pick
+
+    def _source(
+        self, slot: int, free: list[int], shared: dict[int, int], pays: CopyPays | None
+    ) -> int | None:
+        """The idle slot that holds most of the prompt, if more than `slot` holds (the one
+        that holds least besides, the cheapest to copy), where its copy fits beside what the
+        others hold (for a moment `slot` holds all of it) and pays."""
+        idle = [
+            i for i in free if i != slot and self._sizes[i] and shared[i] > shared[slot]
+            and ((h := self._holders[i]) is None or h.released)  # not the holder's own, busy
+        ]  # fmt: skip
+        if not idle:
+            return None
+        source = max(idle, key=lambda i: (shared[i], -self._sizes[i], self._used[i]))
+        if self.capacity is not None:
+            after = sum(self._sizes) - self._sizes[slot] + self._sizes[source]
+            if after / BYTES_PER_TOKEN > self.capacity:
+                return None
+        if pays is not None and not pays(shared[source] - shared[slot], self._sizes[source]):
+            return None
+        return source
 
     def _fits(self, size: int) -> bool:
         """Whether a prompt of `size` bytes fits beside what every slot holds."""

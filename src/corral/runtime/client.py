@@ -28,9 +28,10 @@ import aiohttp
 import orjson
 
 from corral.errors import ApiError
-from corral.runtime.affinity import GENERATION_PATHS, Holder, Slots, prompt_pieces
+from corral.runtime.affinity import GENERATION_PATHS, Holder, Pick, Slots, prompt_pieces
 from corral.runtime.kvcache import KVCache
 from corral.runtime.runner import Runner
+from corral.runtime.slotcopy import SlotCopier
 
 # A read in the first half of this window after the previous one waits out the rest of it, so
 # that what the runner sends meanwhile goes out with it: at most this much added delay for a
@@ -54,10 +55,12 @@ class RunnerClient:
     """Requests to runners. A generation sent under a lease to a runner of several slots goes
     to the slot that holds most of its prompt (runtime/affinity). With a KV cache
     (server.kv_cache), a reloaded runner's first requests get the saved conversation they
-    continue restored first."""
+    continue restored first, and a new conversation gets the state of the idle slot that holds
+    most of its prompt copied into its own (runtime/slotcopy)."""
 
     def __init__(self, kvcache: KVCache | None = None) -> None:
         self.kvcache = kvcache
+        self.copier = SlotCopier(kvcache) if kvcache is not None else None
         self._slots: weakref.WeakKeyDictionary[Runner, Slots] = weakref.WeakKeyDictionary()
 
     async def post(
@@ -67,12 +70,23 @@ class RunnerClient:
         A streamed request (`"stream": true`) gets a RunnerStream (see `stream`). `lease`: the
         slot's lease the request is sent under (a generation is pinned to a slot for it)."""
         assert runner.session is not None
+        pick, copier = None, None
         if lease is not None and runner.spec.num_parallel > 1 and path in GENERATION_PATHS:
-            payload = self._pinned(runner, path, payload, lease)
+            if self.copier is not None and self.copier.wants(runner, path, payload):
+                copier = self.copier
+                await copier.refresh(runner)
+            payload, pick = self._pinned(runner, path, payload, lease, copier)
         if self.kvcache is not None and path in GENERATION_PATHS and self.kvcache.wants(runner):
             # Among a runner's first requests: restore the saved conversation this prompt
             # continues, if any, and pin the request to its slot.
-            payload = await self.kvcache.prepare(runner, path, payload)
+            prepared = await self.kvcache.prepare(runner, path, payload)
+            if prepared is not payload:  # restored (a new payload, pinned to its slot)
+                pick = None
+            payload = prepared
+        if pick is not None and pick.source is not None and copier is not None:
+            # A new conversation on a slot of its own: start it from the idle slot that holds
+            # most of its prompt (copying that costs less than evaluating it).
+            await copier.copy(runner, pick)
         if payload.get("stream"):
             return await self._open_stream(runner, path, payload)
         headers = {"Content-Type": "application/json"}
@@ -91,16 +105,20 @@ class RunnerClient:
         return resp
 
     def _pinned(
-        self, runner: Runner, path: str, payload: dict[str, Any], lease: Holder
-    ) -> dict[str, Any]:
+        self, runner: Runner, path: str, payload: dict[str, Any], lease: Holder,
+        copier: SlotCopier | None,
+    ) -> tuple[dict[str, Any], Pick | None]:  # fmt: skip
         slots = self._slots.get(runner)
         if slots is None:
             spec = runner.spec
             slots = self._slots[runner] = Slots(
                 spec.num_parallel, spec.n_ctx if spec.kv_unified else None
             )
-        slot = slots.claim(lease, prompt_pieces(path, payload))
-        return payload if slot is None else {**payload, "id_slot": slot}
+        pays = copier.pays(runner) if copier is not None else None
+        pick = slots.pick(lease, prompt_pieces(path, payload), pays)
+        if pick is None:
+            return payload, None
+        return {**payload, "id_slot": pick.slot}, pick if pays is not None else None
 
     async def stream(
         self, runner: Runner, path: str, payload: dict[str, Any], lease: Holder | None = None

@@ -314,7 +314,7 @@ class KVCache:
             return payload
         st.checks_left -= 1
         started = time.monotonic()
-        if payload.get("cache_prompt") is False or _has_media(payload):
+        if payload.get("cache_prompt") is False or has_media(payload):
             return payload
         try:
             prompt = await self._prompt_tokens(runner, path, payload)
@@ -570,6 +570,15 @@ class KVCache:
                         p.unlink()
 
     # ---- the runner ------------------------------------------------------------------------
+    def bytes_per_token(self, runner: Runner, key: str) -> float:
+        """Bytes of KV state a token of `runner` (of `key`) takes: measured by saves, else
+        estimated from its allocation; 0.0 if unknown (runtime/slotcopy too)."""
+        return self._estimate_bytes_per_token(runner, key)
+
+    async def prompt_speed(self, runner: Runner) -> float | None:
+        """The runner's prompt tokens per second (see `_prompt_speed`; runtime/slotcopy too)."""
+        return await self._prompt_speed(runner)
+
     def _estimate_bytes_per_token(self, runner: Runner, key: str) -> float:
         known = self._bytes_per_token.get(key)
         if known is not None:
@@ -641,7 +650,7 @@ class KVCache:
             return f"{type(e).__name__}: {e}"
 
 
-def _has_media(payload: dict[str, Any]) -> bool:
+def has_media(payload: dict[str, Any]) -> bool:
     """Images or audio in the request: their chunks are not text tokens corral can match."""
     for m in payload.get("messages") or ():
         content = m.get("content") if isinstance(m, dict) else None
