@@ -61,6 +61,7 @@ class _RunnerInfo:
     bytes_per_token: float = 0.0  # of KV state: measured by copies, estimated before
     speed: float | None = None  # prompt tokens/s (/metrics)
     speed_at: float = -SPEED_TTL_S
+    reading: asyncio.Future[None] | None = None  # a read of it under way
 
 
 class SlotCopier:
@@ -118,13 +119,29 @@ class SlotCopier:
 
     async def refresh(self, runner: Runner) -> None:
         """Read the runner's prompt speed again (its /metrics) if it is unknown or what is
-        known is older than SPEED_TTL_S: `pays` goes by it."""
+        known is older than SPEED_TTL_S: `pays` goes by it. Unknown (until the runner has read
+        a prompt), the request waits for the answer; known, it is read again in the
+        background: /metrics is a task in the runner's queue, which waits for a decoding step,
+        and the request goes by what is known meanwhile."""
         info = self._info(runner)
-        now = time.monotonic()
-        # Unknown until the runner has read a prompt: asked again until it is known.
-        if not info.speed or now - info.speed_at > SPEED_TTL_S:
-            info.speed_at = now
-            info.speed = await self.kvcache.prompt_speed(runner)
+        if not info.speed:
+            if info.reading is not None:
+                await asyncio.shield(info.reading)
+            else:
+                info.speed_at = time.monotonic()
+                await self._read_speed(runner, info)
+        elif info.reading is None and time.monotonic() - info.speed_at > SPEED_TTL_S:
+            info.speed_at = time.monotonic()
+            info.reading = asyncio.ensure_future(self._read_speed(runner, info))
+
+    async def _read_speed(self, runner: Runner, info: _RunnerInfo) -> None:
+        try:
+            speed = await self.kvcache.prompt_speed(runner)
+            info.speed = speed or info.speed
+        except Exception as e:  # a runner going away: its figures go with it
+            log.debug("slot copy: reading the prompt speed of '%s' failed: %s", runner.name, e)
+        finally:
+            info.reading = None
 
     def pays(self, runner: Runner) -> CopyPays:
         """Whether a copy pays on `runner` (affinity.copy_pays with its figures), for
