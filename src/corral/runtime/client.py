@@ -206,14 +206,8 @@ class RunnerStream(asyncio.Protocol):
     def data_received(self, data: bytes) -> None:
         self.raw.append(data)
         self.size += len(data)
-        # The stream is ending (a finish reason, /completion's last event, [DONE], llama.cpp's
-        # error line): from now on nothing waits, so the end is never late. Generated text
-        # cannot hold the quoted ones (JSON escapes quotes) nor start a line; a false match
-        # would only cost the coalescing.
-        if not self.ending and (b'"finish_reason":"' in data or b'"stop":true' in data
-                                or b"data: [DONE]" in data or b"\nerror: " in data
-                                or data.startswith(b"error: ")):  # fmt: skip
-            self.ending = True
+        if self.holding:  # only a window's wait looks for the end (`read` looks before one)
+            self._see_end(data)
         if self.size > HIGH_WATER and self.transport is not None and not self.paused:
             self.paused = True  # the client reads slower than the runner writes
             self.transport.pause_reading()
@@ -230,6 +224,17 @@ class RunnerStream(asyncio.Protocol):
         if exc is not None and self.exc is None:
             self.exc = exc
         self._wake()
+
+    def _see_end(self, data: bytes) -> None:
+        """Whether `data` says the stream is ending (a finish reason, /completion's last event,
+        [DONE], llama.cpp's error line): from then on nothing waits, so the end is never late.
+        Generated text cannot hold the quoted ones (JSON escapes quotes) nor start a line; a
+        false match would only cost the coalescing. Looked for only where a wait would begin or
+        while one passes: five scans of every read cost more than the rest of its parsing."""
+        if not self.ending and (b'"finish_reason":"' in data or b'"stop":true' in data
+                                or b"data: [DONE]" in data or b"\nerror: " in data
+                                or data.startswith(b"error: ")):  # fmt: skip
+            self.ending = True
 
     def _wake(self) -> None:
         # The waiter may be done already and its reader not yet resumed: woken by the window's
@@ -352,9 +357,11 @@ class RunnerStream(asyncio.Protocol):
         wait = self.last + window - time.monotonic()
         # The first reads (the role event, then the first token) never wait, nor the end, nor a
         # read in the second half of its window.
-        if wait > window / 2 and self.reads > 2 and not (self.ending or self.done or self.eof):
-            await self._hold(wait)
-            data += self._take()
+        if wait > window / 2 and self.reads > 2 and not (self.done or self.eof):
+            self._see_end(data)
+            if not self.ending:
+                await self._hold(wait)
+                data += self._take()
         self.last = time.monotonic()
         return data
 
@@ -391,6 +398,7 @@ class RunnerStream(asyncio.Protocol):
         except OSError:  # nothing yet (EAGAIN), or a failure the loop reports
             return
         if data:
+            self._see_end(data)
             self.data_received(data)
 
     async def read_all(self) -> bytes:
