@@ -10,7 +10,7 @@ kernel meanwhile) and takes everything that came, so a fast runner's tokens go o
 time, while the first tokens, a token after a pause (any at a normal model's pace) and the
 stream's end go out at once; the waits of all streams end on the ticks of one clock, so one
 wake-up serves them all. The window is `COALESCE_S` (2 ms), longer while many streams are
-relayed at once (`STREAM_SHARE_S` each, at most `MAX_WINDOW_S`, 10 ms): no token waits longer
+relayed at once (`STREAM_SHARE_S` each, at most `MAX_WINDOW_S`, 16 ms): no token waits longer
 than that.
 """
 
@@ -40,11 +40,11 @@ from corral.runtime.runner import Runner
 COALESCE_S = 0.002
 # With many streams relayed at once the window is this times their number, up to MAX_WINDOW_S:
 # a token is never held longer than that. A runner's batch of n slots gives each stream a token
-# every n decode steps (16 slots of a small model: one every ~4 ms), which a window under twice
+# every n decode steps (16 slots of a small model: one every 4-6 ms), which a window under twice
 # that never holds: every token would be a read, a write and a wake-up of its client, and on a
-# small machine that CPU is taken from the runner. 10 ms is under a 60 Hz display's frame.
-STREAM_SHARE_S = 0.000625
-MAX_WINDOW_S = 0.010
+# small machine that CPU is taken from the runner. 16 ms is under a 60 Hz display's frame.
+STREAM_SHARE_S = 0.001
+MAX_WINDOW_S = 0.016
 HIGH_WATER = 1 << 20  # received bytes the client has not taken: reading stops until it does
 HOLD_LOWAT = 1 << 16  # the socket's receive low-water mark while a window passes
 # What a runner failing mid-stream raises: RunnerStream raises OSErrors (ConnectionError);
