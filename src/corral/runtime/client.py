@@ -8,8 +8,8 @@ event loop's turn, a system call each, the ASGI send), not per byte. So it coale
 the first half of a window after the previous one waits out the window (the tokens wait in the
 kernel meanwhile) and takes everything that came, so a fast runner's tokens go out a few at a
 time, while the first tokens, a token after a pause (any at a normal model's pace) and the
-stream's end go out at once; the waits of all streams end on the ticks of one clock, so one
-wake-up serves them all. The window is `COALESCE_S` (2 ms), longer while many streams are
+stream's end go out at once; with several streams their waits end on the ticks of one clock,
+so one wake-up serves them all. The window is `COALESCE_S` (2 ms), longer while many streams are
 relayed at once (`STREAM_SHARE_S` each, at most `MAX_WINDOW_S`, 16 ms): no token waits longer
 than that.
 """
@@ -159,14 +159,15 @@ class RunnerStream(asyncio.Protocol):
     only appended here, and the reader is woken when it should read.
 
     `read()` returns the body's bytes that came since the last read (b"" at the end). A read
-    less than half a window after the previous one lets the window pass, up to the last tick
-    within it of a clock that all streams share (half a window apart, so their waits end in one
-    turn of the loop), and takes everything that came meanwhile, so a fast runner's tokens go
-    out a few at a time (one wake, one write for several), while the first tokens, a token
-    after a pause (any at a normal model's pace) and the stream's end go out at once. While the
-    window passes, the socket's receive low-water mark (SO_RCVLOWAT) is raised, so the tokens
-    wait in the kernel and wake nobody, yet the connection's end (llama.cpp closes it right
-    after `[DONE]`) or failure still does at once; at the window's end, one read takes them all.
+    less than half a window after the previous one lets the window pass (with other streams,
+    up to the last tick within it of a clock that all streams share, half a window apart, so
+    their waits end in one turn of the loop) and takes everything that came meanwhile, so a
+    fast runner's tokens go out a few at a time (one wake, one write for several), while the
+    first tokens, a token after a pause (any at a normal model's pace) and the stream's end go
+    out at once. While the window passes, the socket's receive low-water mark (SO_RCVLOWAT) is
+    raised, so the tokens wait in the kernel and wake nobody, yet the connection's end
+    (llama.cpp closes it right after `[DONE]`) or failure still does at once; at the window's
+    end, one read takes them all.
 
     `status`, `read_all()` (a whole non-streamed answer, e.g. an error) and `close()` (which
     makes llama.cpp stop generating) stand for what aiohttp's response offered."""
@@ -364,11 +365,12 @@ class RunnerStream(asyncio.Protocol):
         # read in the second half of its window.
         if wait > window / 2 and self.reads > 2 and not (self.done or self.eof):
             self._see_end(data)
-            # The wait ends on a tick of a clock of half windows that every stream shares, so
-            # that the streams' waits end together (one turn of the loop for all of them); not
-            # under a millisecond (the loop's timers count milliseconds).
-            tick = window / 2
-            wait = (self.last + window) // tick * tick - now
+            # With other streams, the wait ends on a tick of a clock of half windows that every
+            # stream shares, so that their waits end together (one turn of the loop for all of
+            # them); not under a millisecond (the loop's timers count milliseconds).
+            if _streams[0] > 1:
+                tick = window / 2
+                wait = (self.last + window) // tick * tick - now
             if not self.ending and wait >= 0.001:
                 await self._hold(wait)
                 data += self._take()
