@@ -231,11 +231,11 @@ class RunnerStream(asyncio.Protocol):
         self._wake()
 
     def _see_end(self, data: bytes) -> None:
-        """Whether `data` says the stream is ending (a finish reason, /completion's last event,
-        [DONE], llama.cpp's error line): from then on nothing waits, so the end is never late.
-        Generated text cannot hold the quoted ones (JSON escapes quotes) nor start a line; a
-        false match would only cost the coalescing. Looked for only where a wait would begin or
-        while one passes: five scans of every read cost more than the rest of its parsing."""
+        """Note whether `data` says the stream is ending (a finish reason, /completion's last
+        event, [DONE], llama.cpp's error line): from then on nothing waits, so the end is never
+        late. Generated text cannot hold the quoted ones (JSON escapes quotes) nor start a line;
+        a false match would only cost the coalescing. Looked for only where a wait would begin
+        or while one passes: five scans of every read cost more than the rest of its parsing."""
         if not self.ending and (b'"finish_reason":"' in data or b'"stop":true' in data
                                 or b"data: [DONE]" in data or b"\nerror: " in data
                                 or data.startswith(b"error: ")):  # fmt: skip
