@@ -217,6 +217,42 @@ def test_tokens_at_a_normal_pace_go_out_one_by_one() -> None:
     asyncio.run(main())
 
 
+def test_a_read_that_brings_the_end_does_not_wait() -> None:
+    """The stream's last events (a finish reason) go out at once even when they come in the
+    first half of a window (a 1 s one here) and the runner keeps the connection open: the end is
+    looked for before a wait begins, not only while one passes."""
+    window = 1.0
+    second, third, ended = threading.Event(), threading.Event(), threading.Event()
+    last = b'data: {"choices":[{"finish_reason":"stop","delta":{}}]}\n\n'
+
+    def write(conn: socket.socket) -> None:
+        conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        conn.sendall(HEAD + chunk(event(0)))
+        second.wait(10)
+        conn.sendall(chunk(event(1)))
+        third.wait(10)
+        conn.sendall(chunk(last))
+        ended.wait(10)  # the connection stays open until the test has read the end
+        conn.sendall(chunk(b"data: [DONE]\n\n") + b"0\r\n\r\n")
+
+    async def main() -> None:
+        s = await open_stream(serve(write), "/v1/chat/completions", b"{}", window=window)
+        reads = [await s.read()]
+        second.set()
+        reads.append(await s.read())
+        third.set()
+        t = time.perf_counter()
+        reads.append(await s.read())
+        took = time.perf_counter() - t
+        ended.set()
+        while data := await s.read():
+            reads.append(data)
+        assert reads[2] == last and took < window / 2, (reads, took)
+        s.close()
+
+    asyncio.run(main())
+
+
 # ---- RelayResponse ----------------------------------------------------------------------------
 
 

@@ -444,10 +444,9 @@ class SSE:
             raise item
         items = list(pending)
         pending.clear()
-        for i, item in enumerate(items):
-            if isinstance(item, ApiError):
-                pending.append(item)
-                return items[:i]
+        # A failure is the last thing a read brings (`_read` stops there): raised next time.
+        if isinstance(items[-1], ApiError):
+            pending.append(items.pop())
         return items
 
     async def _read(self) -> None:

@@ -170,15 +170,18 @@ class LeasedStream(RelayResponse):
         tally = self.lease.tally  # the tokens, counted as they pass
         try:
             async for chunk in body:
-                held += chunk
-                cut = held.rfind(b"\n\n") + 2
-                if cut >= 2:
-                    out, held = held[:cut], held[cut:]
-                elif len(held) >= MAX_HELD:
-                    cut = held.rfind(b"\n") + 1 or len(held)  # a rename never splits a line
-                    out, held = held[:cut], held[cut:]
+                if not held and chunk.endswith(b"\n\n"):  # whole events: the common case
+                    out = chunk
                 else:
-                    continue
+                    held += chunk
+                    cut = held.rfind(b"\n\n") + 2
+                    if cut >= 2:
+                        out, held = held[:cut], held[cut:]
+                    elif len(held) >= MAX_HELD:
+                        cut = held.rfind(b"\n") + 1 or len(held)  # a rename never splits a line
+                        out, held = held[:cut], held[cut:]
+                    else:
+                        continue
                 if rename is not None:
                     out = out.replace(*rename)
                 error = _error_line(out) or error

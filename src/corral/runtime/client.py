@@ -8,9 +8,10 @@ event loop's turn, a system call each, the ASGI send), not per byte. So it coale
 the first half of a window after the previous one waits out the window (the tokens wait in the
 kernel meanwhile) and takes everything that came, so a fast runner's tokens go out a few at a
 time, while the first tokens, a token after a pause (any at a normal model's pace) and the
-stream's end go out at once. The window is `COALESCE_S` (2 ms), a little longer while many
-streams are relayed at once (`STREAM_SHARE_S` each, at most `MAX_WINDOW_S`, 3 ms): no token
-waits longer than that.
+stream's end go out at once; with several streams their waits end on the ticks of one clock,
+so one wake-up serves them all. The window is `COALESCE_S` (2 ms), longer while many streams are
+relayed at once (`STREAM_SHARE_S` each, at most `MAX_WINDOW_S`, 16 ms): no token waits longer
+than that.
 """
 
 from __future__ import annotations
@@ -39,10 +40,12 @@ from corral.runtime.slotcopy import SlotCopier
 # for less than one more token).
 COALESCE_S = 0.002
 # With many streams relayed at once the window is this times their number, up to MAX_WINDOW_S:
-# a token is never held longer than that (a few ms), so a stream that gets a token every few
-# ms (a batch of many slots) goes out a token a read however many there are.
-STREAM_SHARE_S = 0.0005
-MAX_WINDOW_S = 0.003
+# a token is never held longer than that. A runner's batch of n slots gives each stream a token
+# every n decode steps (16 slots of a small model: one every 4-6 ms), which a window under twice
+# that never holds: every token would be a read, a write and a wake-up of its client, and on a
+# small machine that CPU is taken from the runner. 16 ms is under a 60 Hz display's frame.
+STREAM_SHARE_S = 0.001
+MAX_WINDOW_S = 0.016
 HIGH_WATER = 1 << 20  # received bytes the client has not taken: reading stops until it does
 HOLD_LOWAT = 1 << 16  # the socket's receive low-water mark while a window passes
 # What a runner failing mid-stream raises: RunnerStream raises OSErrors (ConnectionError);
@@ -174,13 +177,15 @@ class RunnerStream(asyncio.Protocol):
     only appended here, and the reader is woken when it should read.
 
     `read()` returns the body's bytes that came since the last read (b"" at the end). A read
-    less than half a window after the previous one lets the rest of the window pass and takes
-    everything that came meanwhile, so a fast runner's tokens go out a few at a time (one wake,
-    one write for several), while the first tokens, a token after a pause (any at a normal
-    model's pace) and the stream's end go out at once. While the window passes, the socket's
-    receive low-water mark (SO_RCVLOWAT) is raised, so the tokens wait in the kernel and wake
-    nobody, yet the connection's end (llama.cpp closes it right after `[DONE]`) or failure
-    still does at once; at the window's end, one read takes them all.
+    less than half a window after the previous one lets the window pass (with other streams,
+    up to the last tick within it of a clock that all streams share, half a window apart, so
+    their waits end in one turn of the loop) and takes everything that came meanwhile, so a
+    fast runner's tokens go out a few at a time (one wake, one write for several), while the
+    first tokens, a token after a pause (any at a normal model's pace) and the stream's end go
+    out at once. While the window passes, the socket's receive low-water mark (SO_RCVLOWAT) is
+    raised, so the tokens wait in the kernel and wake nobody, yet the connection's end
+    (llama.cpp closes it right after `[DONE]`) or failure still does at once; at the window's
+    end, one read takes them all.
 
     `status`, `read_all()` (a whole non-streamed answer, e.g. an error) and `close()` (which
     makes llama.cpp stop generating) stand for what aiohttp's response offered."""
@@ -224,14 +229,8 @@ class RunnerStream(asyncio.Protocol):
     def data_received(self, data: bytes) -> None:
         self.raw.append(data)
         self.size += len(data)
-        # The stream is ending (a finish reason, /completion's last event, [DONE], llama.cpp's
-        # error line): from now on nothing waits, so the end is never late. Generated text
-        # cannot hold the quoted ones (JSON escapes quotes) nor start a line; a false match
-        # would only cost the coalescing.
-        if not self.ending and (b'"finish_reason":"' in data or b'"stop":true' in data
-                                or b"data: [DONE]" in data or b"\nerror: " in data
-                                or data.startswith(b"error: ")):  # fmt: skip
-            self.ending = True
+        if self.holding:  # only a window's wait looks for the end (`read` looks before one)
+            self._see_end(data)
         if self.size > HIGH_WATER and self.transport is not None and not self.paused:
             self.paused = True  # the client reads slower than the runner writes
             self.transport.pause_reading()
@@ -248,6 +247,17 @@ class RunnerStream(asyncio.Protocol):
         if exc is not None and self.exc is None:
             self.exc = exc
         self._wake()
+
+    def _see_end(self, data: bytes) -> None:
+        """Note whether `data` says the stream is ending (a finish reason, /completion's last
+        event, [DONE], llama.cpp's error line): from then on nothing waits, so the end is never
+        late. Generated text cannot hold the quoted ones (JSON escapes quotes) nor start a line;
+        a false match would only cost the coalescing. Looked for only where a wait would begin
+        or while one passes: five scans of every read cost more than the rest of its parsing."""
+        if not self.ending and (b'"finish_reason":"' in data or b'"stop":true' in data
+                                or b"data: [DONE]" in data or b"\nerror: " in data
+                                or data.startswith(b"error: ")):  # fmt: skip
+            self.ending = True
 
     def _wake(self) -> None:
         # The waiter may be done already and its reader not yet resumed: woken by the window's
@@ -367,12 +377,21 @@ class RunnerStream(asyncio.Protocol):
             await self._wait()
         self.reads += 1
         window = max(self.window, min(_streams[0] * STREAM_SHARE_S, MAX_WINDOW_S))
-        wait = self.last + window - time.monotonic()
+        now = time.monotonic()
+        wait = self.last + window - now
         # The first reads (the role event, then the first token) never wait, nor the end, nor a
         # read in the second half of its window.
-        if wait > window / 2 and self.reads > 2 and not (self.ending or self.done or self.eof):
-            await self._hold(wait)
-            data += self._take()
+        if wait > window / 2 and self.reads > 2 and not (self.done or self.eof):
+            self._see_end(data)
+            # With other streams, the wait ends on a tick of a clock of half windows that every
+            # stream shares, so that their waits end together (one turn of the loop for all of
+            # them); not under a millisecond (the loop's timers count milliseconds).
+            if _streams[0] > 1:
+                tick = window / 2
+                wait = (self.last + window) // tick * tick - now
+            if not self.ending and wait >= 0.001:
+                await self._hold(wait)
+                data += self._take()
         self.last = time.monotonic()
         return data
 
@@ -409,6 +428,7 @@ class RunnerStream(asyncio.Protocol):
         except OSError:  # nothing yet (EAGAIN), or a failure the loop reports
             return
         if data:
+            self._see_end(data)
             self.data_received(data)
 
     async def read_all(self) -> bytes:
