@@ -576,8 +576,15 @@ class KVCache:
         return self._estimate_bytes_per_token(runner, key)
 
     async def prompt_speed(self, runner: Runner) -> float | None:
-        """The runner's prompt tokens per second (see `_prompt_speed`; runtime/slotcopy too)."""
-        return await self._prompt_speed(runner)
+        """The runner's prompt tokens per second so far: 0.0 if it has read no prompt yet,
+        None if it does not say (no /metrics) (runtime/slotcopy)."""
+        found = await self._metrics(
+            runner, ("llamacpp:prompt_tokens_total", "llamacpp:prompt_seconds_total")
+        )
+        if len(found) < 2:
+            return None
+        secs, toks = found["llamacpp:prompt_seconds_total"], found["llamacpp:prompt_tokens_total"]
+        return toks / secs if secs > 0 and toks > 0 else 0.0
 
     def _estimate_bytes_per_token(self, runner: Runner, key: str) -> float:
         known = self._bytes_per_token.get(key)
@@ -618,12 +625,7 @@ class KVCache:
     async def _prompt_speed(self, runner: Runner) -> float | None:
         """The runner's prompt tokens per second so far (llama.cpp's /metrics); None if it
         has read no prompt yet or does not say."""
-        found = await self._metrics(
-            runner, ("llamacpp:prompt_tokens_total", "llamacpp:prompt_seconds_total")
-        )
-        secs = found.get("llamacpp:prompt_seconds_total") or 0.0
-        toks = found.get("llamacpp:prompt_tokens_total") or 0.0
-        return toks / secs if secs > 0 and toks > 0 else None
+        return await self.prompt_speed(runner) or None
 
     async def _get_json(self, runner: Runner, path: str, timeout: float = 5.0) -> Any:
         if runner.session is None or runner.session.closed:

@@ -62,6 +62,7 @@ class _RunnerInfo:
     speed: float | None = None  # prompt tokens/s (/metrics)
     speed_at: float = -SPEED_TTL_S
     reading: asyncio.Future[None] | None = None  # a read of it under way
+    says: bool = True  # whether its /metrics tells the speed (a stand-in runner may not)
 
 
 class SlotCopier:
@@ -120,11 +121,12 @@ class SlotCopier:
     async def refresh(self, runner: Runner) -> None:
         """Read the runner's prompt speed again (its /metrics) if it is unknown or what is
         known is older than SPEED_TTL_S: `pays` goes by it. Unknown (until the runner has read
-        a prompt), the request waits for the answer; known, it is read again in the
+        a prompt), the request waits for the answer; known, or where the runner does not say
+        (no /metrics: asked again only as often as a known one), it is read again in the
         background: /metrics is a task in the runner's queue, which waits for a decoding step,
         and the request goes by what is known meanwhile."""
         info = self._info(runner)
-        if not info.speed:
+        if not info.speed and info.says:
             if info.reading is not None:
                 await asyncio.shield(info.reading)
             else:
@@ -137,6 +139,7 @@ class SlotCopier:
     async def _read_speed(self, runner: Runner, info: _RunnerInfo) -> None:
         try:
             speed = await self.kvcache.prompt_speed(runner)
+            info.says = speed is not None
             info.speed = speed or info.speed
         except Exception as e:  # a runner going away: its figures go with it
             log.debug("slot copy: reading the prompt speed of '%s' failed: %s", runner.name, e)
