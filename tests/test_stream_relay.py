@@ -455,3 +455,28 @@ def test_data_after_the_reader_was_cancelled_is_only_kept() -> None:
         assert s.raw == [b"more"] and s.waiter is None
 
     asyncio.run(main())
+
+
+def test_an_event_that_is_not_json_ends_the_stream_with_why() -> None:
+    """A runner that sends something not JSON mid-stream (not llama.cpp's own): the events
+    so far, then the family's error (an ApiError), never an exception out of the app."""
+    from corral.api.events import Text
+    from corral.errors import ApiError
+
+    reads = [DELTA % b'{"content":"a"}', b"data: {not json\n\n", DELTA % b'{"content":"b"}']
+
+    async def main() -> tuple[list[str], ApiError | None]:
+        gen = _generation(reads)
+        texts: list[str] = []
+        try:
+            async for ev in gen.events():
+                if isinstance(ev, Text):
+                    texts.append(ev.text)
+        except ApiError as e:
+            return texts, e
+        return texts, None
+
+    texts, err = asyncio.run(main())
+    assert texts == ["a"]
+    assert err is not None and err.status == 500
+    assert "the runner sent an event corral cannot read" in err.message

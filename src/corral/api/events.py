@@ -472,7 +472,12 @@ class SSE:
                 if body == b"[DONE]":
                     self.ended = True
                     break
-                obj = orjson.loads(body)
+                try:
+                    obj = orjson.loads(body)
+                except orjson.JSONDecodeError:  # not llama.cpp's own: end the stream with why
+                    self.pending.append(ApiError(
+                        500, f"the runner sent an event corral cannot read: {body[:200]!r}"))
+                    break
                 if type(obj) is dict and "error" in obj and len(obj) == 1:
                     # llama.cpp's error mid-stream (e.g. a context its parallel requests
                     # share has filled): the stream ends with it
