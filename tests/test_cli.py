@@ -518,23 +518,28 @@ def test_ps(server: FakeServer, capsys: pytest.CaptureFixture[str]) -> None:
     assert lines[0].index("ID") == lines[1].index("abcdef123456")  # columns line up
 
 
+def ps_lines(
+    server: FakeServer, capsys: pytest.CaptureFixture[str], rows: list[dict[str, Any]]
+) -> list[str]:
+    """What `corral ps` prints for a server whose /api/ps lists `rows` (each a loaded model's
+    own fields, beside a size, digest, context and expiry in four minutes)."""
+    expires = _iso(datetime.now(timezone.utc) + timedelta(minutes=4))
+    base = {"size": 98_000_000, "digest": "0011223344556677", "size_vram": 0,
+            "context_length": 2048, "expires_at": expires}  # fmt: skip
+    server.routes["GET", "/api/ps"] = lambda _: (200, {"models": [{**base, **r} for r in rows]})
+    assert cli.main(["ps"]) == 0
+    return capsys.readouterr().out.splitlines()
+
+
 def test_ps_shows_the_tokens_per_second_corral_relays(
     server: FakeServer, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    now = datetime.now(timezone.utc)
-    base = {"size": 98_000_000, "digest": "0011223344556677", "size_vram": 0,
-            "context_length": 2048, "expires_at": _iso(now + timedelta(minutes=4))}  # fmt: skip
-    ps = [
-        {"name": "busy:latest", **base, "tokens_per_second": 23.14,
+    lines = ps_lines(server, capsys, [
+        {"name": "busy:latest", "tokens_per_second": 23.14,
          "slot_tokens_per_second": [12.0, 0.0, 11.14]},
-        {"name": "one:latest", **base, "tokens_per_second": 7.0,
-         "slot_tokens_per_second": [7.0, 0.0]},
-        {"name": "idle:latest", **base, "tokens_per_second": 0.0,
-         "slot_tokens_per_second": [0.0]},
-    ]  # fmt: skip
-    server.routes["GET", "/api/ps"] = lambda _: (200, {"models": ps})
-    assert cli.main(["ps"]) == 0
-    lines = capsys.readouterr().out.splitlines()
+        {"name": "one:latest", "tokens_per_second": 7.0, "slot_tokens_per_second": [7.0, 0.0]},
+        {"name": "idle:latest", "tokens_per_second": 0.0, "slot_tokens_per_second": [0.0]},
+    ])  # fmt: skip
     assert lines[0].split()[-1] == "TOKENS/S"
     assert lines[1].endswith("23.1 (12.0+11.1)")
     assert lines[2].endswith("7.0") and lines[3].endswith("0.0")
@@ -544,17 +549,10 @@ def test_ps_shows_the_tokens_per_second_corral_relays(
 def test_ps_shows_the_names_a_shared_runner_serves(
     server: FakeServer, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    now = datetime.now(timezone.utc)
-    base = {"size": 98_000_000, "digest": "0011223344556677", "size_vram": 0,
-            "context_length": 2048, "expires_at": _iso(now + timedelta(minutes=4))}  # fmt: skip
-    ps = [
-        {"name": "smollm2:135m", **base,
-         "models": ["smollm2:135m", "captain:latest", "pirate:latest"]},
-        {"name": "other:latest", **base, "models": ["other:latest"]},
-    ]  # fmt: skip
-    server.routes["GET", "/api/ps"] = lambda _: (200, {"models": ps})
-    assert cli.main(["ps"]) == 0
-    lines = capsys.readouterr().out.splitlines()
+    lines = ps_lines(server, capsys, [
+        {"name": "smollm2:135m", "models": ["smollm2:135m", "captain:latest", "pirate:latest"]},
+        {"name": "other:latest", "models": ["other:latest"]},
+    ])  # fmt: skip
     assert lines[0].rstrip().endswith("ALSO SERVES")
     assert lines[1].endswith("captain:latest, pirate:latest") and lines[2].endswith("-")
 

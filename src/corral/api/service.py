@@ -48,7 +48,7 @@ from corral.errors import ApiError
 from corral.runtime.client import ContextOverflow, RunnerClient, RunnerStream
 from corral.runtime.devices import cpu_cores
 from corral.runtime.journal import Event
-from corral.runtime.meter import last_timings
+from corral.runtime.meter import last_object, last_timings
 from corral.runtime.registry import ModelEntry, Registry, canonical_name
 from corral.runtime.scheduler import Lease, Scheduler, SchedulerError
 from corral.runtime.view import SchedulerView
@@ -410,7 +410,8 @@ class Service:
             data = await until_disconnect(request, resp.read())
             lease.tally.timed(last_timings(data))  # a whole answer's tokens, at once
             if path == "/v1/embeddings":  # the prompt tokens it read, from its usage
-                note_embedded(prompt_tokens(data))
+                usage = last_object(data, b"usage") or {}
+                note_embedded(int(usage.get("prompt_tokens") or 0))
             lease.tool_call = TOOL_CALLS_END in data  # the agent comes back: hold its runner
         finally:
             resp.release()
@@ -645,18 +646,3 @@ def has_images(messages: list[dict[str, Any]]) -> bool:
         for m in messages if isinstance(m.get("content"), list)
         for part in m["content"]
     )  # fmt: skip
-
-
-def prompt_tokens(data: bytes) -> int:
-    """The `"usage":{"prompt_tokens":N,...}` of a runner's whole answer (0 if it has none):
-    usage holds numbers only, so the object ends at its first closing brace."""
-    i = data.rfind(b'"usage":{')
-    j = data.find(b"}", i)
-    if i < 0 or j < 0:
-        return 0
-    try:
-        usage = orjson.loads(data[i + 8 : j + 1])
-    except orjson.JSONDecodeError:
-        return 0
-    n = usage.get("prompt_tokens") if isinstance(usage, dict) else None
-    return n if isinstance(n, int) else 0

@@ -196,7 +196,7 @@ class KVCache:
         ]  # fmt: skip
         if not full:
             return
-        speed = await self._prompt_speed(runner)
+        speed = await self.prompt_speed(runner) or None  # 0.0: no prompt read yet
         spent = 0.0
         for s in sorted(full, key=lambda s: -int(s["n_prompt_tokens"])):
             n = int(s["n_prompt_tokens"])
@@ -622,10 +622,6 @@ class KVCache:
                     found[name] = float(value)
         return found
 
-    async def _prompt_speed(self, runner: Runner) -> float | None:
-        """The runner's prompt tokens per second so far (llama.cpp's /metrics); None if it
-        has read no prompt yet or does not say."""
-        return await self.prompt_speed(runner) or None
 
     async def _get_json(self, runner: Runner, path: str, timeout: float = 5.0) -> Any:
         if runner.session is None or runner.session.closed:

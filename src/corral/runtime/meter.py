@@ -49,19 +49,26 @@ def count_events(tally: Tally, events: bytes) -> None:
         tally.timed(last_timings(events))
 
 
-def last_timings(data: bytes) -> dict[str, Any] | None:
-    """The last `"timings":{...}` object of llama.cpp's in `data` (a whole answer, or whole
-    events of a stream); None if there is none. llama.cpp's timings hold numbers only, so the
-    object ends at the first closing brace."""
-    i = data.rfind(b'"timings":{')
+def last_object(data: bytes, key: bytes) -> dict[str, Any] | None:
+    """The last `"<key>":{...}` object in `data` of llama.cpp's that hold numbers only (its
+    timings, its usage), so that the object ends at the first closing brace; None if there is
+    none."""
+    head = b'"' + key + b'":{'
+    i = data.rfind(head)
     j = data.find(b"}", i)
     if i < 0 or j < 0:
         return None
     try:
-        out = orjson.loads(data[i + 10 : j + 1])
+        out = orjson.loads(data[i + len(head) - 1 : j + 1])
     except orjson.JSONDecodeError:
         return None
     return out if isinstance(out, dict) else None
+
+
+def last_timings(data: bytes) -> dict[str, Any] | None:
+    """The last timings object of llama.cpp's in `data` (a whole answer, or whole events of a
+    stream); None if there is none."""
+    return last_object(data, b"timings")
 
 
 def predicted_tokens(data: bytes) -> int | None:

@@ -366,9 +366,8 @@ class Registry:
     def runner_name(self, name: str) -> str:
         """The name the scheduler knows model `name`'s runner by (`runner_names`): the model's
         own unless another name of the same files and runner shape was made before it."""
-        self._refresh()
-        n = canonical_name(name)
-        n = self._aliases.get(n, n)
+        entry = self.get(name)
+        n = entry.name if entry is not None else canonical_name(name)
         return self._runner_names.get(n, n)
 
     def sharing(self, runner: str) -> list[str]:
