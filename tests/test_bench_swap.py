@@ -24,6 +24,7 @@ from corral.bench.swap import (
     router_ids,
     side_by_side_goals,
     summarize,
+    variant_env,
     variants,
 )
 
@@ -215,12 +216,23 @@ def test_goals_compare_only_with_router_rows_within_the_limit() -> None:
     assert lines and "c itself peaked" in lines[0]
 
 
-def test_variants_per_scale() -> None:
+def test_variants_per_scale(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv("CORRAL_BENCH_SWAP", raising=False)
     assert [v.key for v in variants(SCALES["smoke"])] == ["quick"]
-    quick, realistic = variants(SCALES["full"])
+    quick, realistic, auto = variants(SCALES["full"])
     assert not quick.cold and quick.policies == SCALES["full"].swap_policies
     assert realistic.cold and realistic.policies == ("cost",)
     assert realistic.sizes_mb == tuple(2 * s for s in quick.sizes_mb)
+    assert quick.slots == realistic.slots == "1"
+    # The quick loads again, as each server serves with no settings.
+    assert auto.slots == "auto" and not auto.cold and auto.sizes_mb == quick.sizes_mb
+    assert auto.policies == ("cost",)
+    assert variant_env("auto")["CORRAL_NUM_PARALLEL"] == "auto"
+    monkeypatch.setenv("CORRAL_BENCH_SWAP", "auto")
+    assert [v.key for v in variants(SCALES["quick"])] == ["auto"]
+    monkeypatch.setenv("CORRAL_BENCH_SWAP", "auto,nope")
+    with pytest.raises(ValueError, match="nope"):
+        variants(SCALES["quick"])
 
 
 def test_router_ids() -> None:

@@ -16,10 +16,12 @@ proportional set size (PSS, /proc/PID/smaps_rollup) of the server's child proces
 runners; the router's model instances) every 100 ms (`bench/pss.py`): a row that holds more
 than corral's memory limit is marked, as a lower latency bought with memory is not a win.
 
-Two variants: quick loads (small models read from the page cache, as written) and realistic
+Three variants: quick loads (small models read from the page cache, as written), realistic
 loads (models twice as big, read cold from disk: every file is dropped from the page cache
 before the replay and again whenever no process maps it any more, as on a machine whose RAM
-cannot cache the models it evicted).
+cannot cache the models it evicted), both with one slot per model on each side, and the quick
+loads again with slots automatic on both sides (corral with no CORRAL_NUM_PARALLEL, the router
+with no -np: 4 slots on a unified cache), as each serves with no settings.
 """
 
 from __future__ import annotations
@@ -85,7 +87,14 @@ def write_models(models_dir: Path, sizes_mb: tuple[int, ...], say: Say) -> list[
     return names
 
 
-def estimated_sizes(models_dir: Path, names: list[str]) -> dict[str, Estimate]:
+def variant_env(slots: str) -> dict[str, str]:
+    """corral's settings for a variant: ENV with its slots ("1", or "auto": corral's own)."""
+    return {**ENV, "CORRAL_NUM_PARALLEL": slots}
+
+
+def estimated_sizes(
+    models_dir: Path, names: list[str], env: Mapping[str, str] = ENV
+) -> dict[str, Estimate]:
     """What corral estimates for each model's runner when a request arrives."""
     from corral.bench.cold import runner_spec
     from corral.core.estimate import estimate
@@ -93,7 +102,7 @@ def estimated_sizes(models_dir: Path, names: list[str]) -> dict[str, Estimate]:
 
     out = {}
     for name in names:
-        spec = runner_spec(models_dir, name, ENV)
+        spec = runner_spec(models_dir, name, dict(env))
         out[name] = estimate(read_model_info(spec.path), spec.n_ctx, spec.num_parallel)
     return out
 
@@ -104,12 +113,13 @@ LIMIT_PROCESS_BYTES = 32 * MIB
 
 
 def calibrate(
-    models_dir: Path, names: list[str], work: Path, say: Say, cold: bool = False
+    models_dir: Path, names: list[str], work: Path, say: Say, cold: bool = False,
+    env: Mapping[str, str] = ENV, tag: str = "",
 ) -> dict[str, Any]:
     """Load every model once without a memory limit: what each really holds (corral's books
     once loaded) and how long its load took (`cold`: its file dropped from the page cache
     first)."""
-    server = start_corral(models_dir, work / f"swap-calibrate{'-cold' if cold else ''}.log", ENV)
+    server = start_corral(models_dir, work / f"swap-calibrate{tag}.log", dict(env))
     sizes, seconds = {}, {}
     try:
         # One discarded load and unload first: the first runner start pays for cold caches.
@@ -234,11 +244,12 @@ def _r3(x: float | None) -> float | None:
 
 def replay_corral(
     models_dir: Path, policy: str, budget: int, trace: list[TraceEvent], factor: float,
-    real: dict[str, int], work: Path, cold: bool = False, tag: str = "",
+    real: dict[str, int], work: Path, cold: bool = False, tag: str = "", slots: str = "1",
 ) -> dict[str, Any]:  # fmt: skip
     """The trace against corral with `policy` and a memory limit of `budget` bytes; the
     runners' PSS sampled throughout (`cold`: model files read from disk, see MemorySampler)."""
-    env = {**ENV, "CORRAL_EVICTION_POLICY": policy, "CORRAL_MEMORY_LIMIT": str(budget)}
+    env = {**variant_env(slots), "CORRAL_EVICTION_POLICY": policy,
+           "CORRAL_MEMORY_LIMIT": str(budget)}  # fmt: skip
     if cold:
         drop_files(sorted(models_dir.glob("*.gguf")))
     load_avg = os.getloadavg()[0]
@@ -266,6 +277,7 @@ def replay_corral(
 def replay_router(
     binary: str, models_dir: Path, models_max: int, trace: list[TraceEvent], factor: float,
     real: dict[str, int], work: Path, limit: int = 0, cold: bool = False, tag: str = "",
+    slots: str = "1",
 ) -> dict[str, Any]:  # fmt: skip
     """The same trace against llama.cpp's router mode (`llama-server --models-dir`); loads and
     evictions are counted from its log (a model instance spawned, an LRU one removed), the PSS
@@ -277,8 +289,10 @@ def replay_router(
     preset.write_text(f"version = 1\n\n[{EMBED_NAME}]\nembeddings = true\n")
     args = [
         "--models-dir", str(models_dir), "--models-max", str(models_max),
-        "--models-preset", str(preset), "-c", ENV["CORRAL_CONTEXT_LENGTH"], "-np", "1",
+        "--models-preset", str(preset), "-c", ENV["CORRAL_CONTEXT_LENGTH"],
     ]  # fmt: skip
+    if slots != "auto":  # without -np: llama-server's own -1, 4 slots on a unified cache
+        args += ["-np", slots]
     if cold:
         drop_files(sorted(models_dir.glob("*.gguf")))
     load_avg = os.getloadavg()[0]
@@ -443,7 +457,7 @@ def refresh(sec: Section) -> Section:
     """`sec` (the swap section, e.g. read back from --json) with its goals and summary derived
     again from its data by this code."""
     sec.goals, sec.summary = [], []
-    for key in ("quick", "realistic"):
+    for key in VARIANTS:
         d = sec.data.get(key)
         if isinstance(d, dict) and "replays" in d:
             goals, summary = verdicts(str(d.get("title", key)), d)
@@ -457,26 +471,39 @@ def refresh(sec: Section) -> Section:
 
 @dataclass(frozen=True)
 class Variant:
-    key: str  # "quick" or "realistic"
+    key: str  # one of VARIANTS
     title: str
     sizes_mb: tuple[int, ...]
     cold: bool
     policies: tuple[str, ...]
+    slots: str = "1"  # each side's slots per model: "1", or "auto" (each server's own default)
+
+
+VARIANTS = ("quick", "realistic", "auto")
 
 
 def variants(scale: Scale) -> list[Variant]:
     """Quick loads (the scale's models, warm page cache, every policy); realistic loads (models
-    twice as big, read cold from disk, corral's default policy). Smoke runs only the first."""
+    twice as big, read cold from disk, corral's default policy); the quick loads with slots
+    automatic on both sides (corral's default policy). Smoke runs only the first.
+    CORRAL_BENCH_SWAP (a comma list of VARIANTS) picks some."""
+    default = DEFAULT_POLICY if DEFAULT_POLICY in scale.swap_policies else None
+    policy = (default,) if default else scale.swap_policies[:1]
     out = [Variant("quick", "quick loads (page cache)", scale.swap_sizes_mb, False,
                    scale.swap_policies)]  # fmt: skip
     if scale.name != "smoke":
-        default = DEFAULT_POLICY if DEFAULT_POLICY in scale.swap_policies else None
         out.append(Variant(
             "realistic", "realistic loads (2x bigger, cold from disk)",
-            tuple(2 * s for s in scale.swap_sizes_mb), True,
-            (default,) if default else scale.swap_policies[:1],
+            tuple(2 * s for s in scale.swap_sizes_mb), True, policy,
         ))  # fmt: skip
-    return out
+        out.append(Variant(
+            "auto", "quick loads, slots automatic", scale.swap_sizes_mb, False, policy, "auto"
+        ))  # fmt: skip
+    chosen = {k.strip() for k in os.environ.get("CORRAL_BENCH_SWAP", "").split(",") if k.strip()}
+    if chosen - set(VARIANTS):
+        raise ValueError(f"CORRAL_BENCH_SWAP: unknown {sorted(chosen - set(VARIANTS))}; "
+                         f"variants: {', '.join(VARIANTS)}")  # fmt: skip
+    return [v for v in out if v.key in chosen] if chosen else out
 
 
 def run(scale: Scale, work: Path, say: Say) -> Section:
@@ -526,9 +553,11 @@ def run_variant(
     models_dir = work / ("swap-models" if not v.cold else "swap-models-big")
     chat = write_models(models_dir, v.sizes_mb, say)
     names = [*chat, EMBED_NAME]
-    estimates = estimated_sizes(models_dir, names)
+    env = variant_env(v.slots)
+    tag = "-cold" if v.cold else "-auto" if v.slots == "auto" else ""
+    estimates = estimated_sizes(models_dir, names, env)
     est = {n: e.total + e.process for n, e in estimates.items()}  # booked when requested
-    cal = calibrate(models_dir, names, work, say, cold=v.cold)
+    cal = calibrate(models_dir, names, work, say, cold=v.cold, env=env, tag=tag)
     real: dict[str, int] = cal["sizes"]
     # About half of the models fit; always the biggest (as estimated) beside the embedder.
     half = sum(e.total + LIMIT_PROCESS_BYTES for e in estimates.values()) // 2
@@ -563,12 +592,12 @@ def run_variant(
         + ("; model files dropped from the page cache before each replay and whenever no "
            "process maps them" if v.cold else "")
     )  # fmt: skip
-    tag = "-cold" if v.cold else ""
     replays: dict[str, dict[str, Any]] = {}
     for p in v.policies:
         say(f"swap ({v.key}): replaying {len(trace)} requests with corral, policy {p}")
         replays[f"corral {p}"] = replay_corral(
-            models_dir, p, budget, trace, factor, real, work, cold=v.cold, tag=tag
+            models_dir, p, budget, trace, factor, real, work, cold=v.cold, tag=tag,
+            slots=v.slots,
         )
     routers: dict[int, dict[str, Any]] = {}
     if binary is not None:
@@ -576,7 +605,8 @@ def run_variant(
             say(f"swap ({v.key}): replaying against llama.cpp's router, --models-max {k}")
             try:
                 routers[k] = replay_router(
-                    str(binary), models_dir, k, trace, factor, real, work, budget, v.cold, tag
+                    str(binary), models_dir, k, trace, factor, real, work, budget, v.cold, tag,
+                    v.slots,
                 )
             except (OSError, RuntimeError, TimeoutError) as e:
                 sec.notes.append(f"{v.title}: llama.cpp router --models-max {k} failed: {e}")
