@@ -66,6 +66,30 @@ def test_a_busy_slot_is_never_claimed_twice_and_a_released_one_is_free_again() -
     assert slots.claim(second, chat("one", "ok", "three")) == b
 
 
+def test_a_prompt_crowds_a_shared_cache_only_beside_running_prompts_it_would_outgrow() -> None:
+    """`crowds`: whether a claimed prompt and those of the other running requests outgrow the
+    cache they share (at BYTES_PER_TOKEN); released and skipped holders (requests waiting
+    too) do not count, nor does a cache per slot."""
+    slots = Slots(4, capacity=1000)
+    half = (b"x" * (600 * BYTES_PER_TOKEN),)  # 600 tokens: one fits, two do not
+    a, b, c = Lease(), Lease(), Lease()
+    slots.claim(a, half)
+    assert not slots.crowds(a)  # alone: llama.cpp refuses one too long before it starts
+    slots.claim(b, (b"y" * (600 * BYTES_PER_TOKEN),))
+    assert slots.crowds(b) and slots.crowds(a)
+    assert not slots.crowds(b, skip=[a])  # a waits too: it is not running
+    a.released = True
+    assert not slots.crowds(b)
+    slots.claim(c, (b"z" * (300 * BYTES_PER_TOKEN),))
+    assert not slots.crowds(c)  # 600 + 300 fit
+    assert {id(h) for h in slots.holders()} == {id(b), id(c)}
+    per_slot = Slots(2)
+    d, e = Lease(), Lease()
+    per_slot.claim(d, half)
+    per_slot.claim(e, half)
+    assert not per_slot.crowds(e)
+
+
 def test_a_full_shared_cache_gives_up_the_slot_whose_loss_costs_least() -> None:
     one = chat("x" * 3000)
     size = sum(len(p) for p in one)

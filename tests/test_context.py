@@ -24,7 +24,7 @@ from corral.core.devices import CPU, Device
 from corral.core.gguf import read_model_info
 from corral.core.spec import RunnerSpec, spec_estimate
 from corral.errors import ApiError
-from corral.runtime.client import ContextOverflow, runner_error
+from corral.runtime.client import CacheFull, ContextOverflow, runner_error
 from corral.runtime.journal import Event
 from corral.runtime.registry import ModelEntry
 from corral.runtime.view import RunnerView, SchedulerView
@@ -112,6 +112,20 @@ def test_other_refusals_are_plain_errors(status: int) -> None:
     old = orjson.dumps({"error": {"type": "exceed_context_size_error", "message": "too long"}})
     err = runner_error(old, status)
     assert not isinstance(err, ContextOverflow) and err.status == 400
+
+
+@pytest.mark.parametrize("status", [400, 500])
+def test_a_shared_cache_that_filled_up_is_the_servers_503_not_the_clients_400(status: int) -> None:
+    """llama.cpp's "Context size has been exceeded." fails every slot processing when the
+    requests running at once outgrow the cache their slots share: none of them is at fault."""
+    for body in (
+        orjson.dumps({"error": {"code": 500, "type": "server_error",
+                                "message": "Context size has been exceeded."}}),
+        b'{"error":"Context size has been exceeded."}',
+    ):  # fmt: skip
+        err = runner_error(body, status)
+        assert isinstance(err, CacheFull) and err.status == 503
+        assert "Context size has been exceeded" in err.message and "try again" in err.message
 
 
 # ---- the service's auto context over the scheduler's view -----------------------------------

@@ -4,9 +4,12 @@ of 4..1 that fits the budget without stopping a busy runner)."""
 
 from __future__ import annotations
 
+import concurrent.futures
 import dataclasses
 import itertools
 import json
+import os
+import signal
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -378,6 +381,43 @@ def test_parallel_streams_that_fill_their_shared_context_end_with_an_error(
     for ev, err in zip(events, errors, strict=True):
         assert ev[-1] == "[DONE]" or (len(err) == 1 and ev[-1] == err[0]), ev[-3:]
     assert any(errors), [ev[-2:] for ev in events]
+
+
+def test_a_prompt_that_would_overfill_the_shared_context_waits_for_room(
+    auto_server: Any,
+) -> None:
+    """Two prompts that each fit the shared context but not both at once: llama.cpp would fail
+    both ("Context size has been exceeded"). The second waits until the first has ended, then
+    runs; both answer in full. The runner is held still (SIGSTOP) while the second arrives, so
+    the first cannot end before it."""
+    s = auto_server
+    # ~1,780 bytes, ~690 tokens: one fits 1,024 with its output, two do not (as corral
+    # estimates them too, at 3 bytes a token).
+    words = " ".join(f"word{i % 97} alpha beta" for i in range(100))
+    body = {"model": "long", "raw": True, "options": {"num_ctx": 1024, "num_predict": 24,
+            "temperature": 0}}  # fmt: skip
+    with s.client.stream("POST", "/api/generate", json={**body, "prompt": "A " + words}) as a:
+        lines = a.iter_lines()
+        assert not json.loads(next(lines))["done"]  # the first holds its cells now
+        (m,) = [m for m in s.ps() if m["model"] == "long:latest"]
+        assert m["context_length"] == 1024
+        waits = s.log().count("is full: a request waits for room")
+        os.kill(m["pid"], signal.SIGSTOP)
+        try:
+            with concurrent.futures.ThreadPoolExecutor(1) as pool:
+                second = pool.submit(s.client.post, "/api/generate",
+                                     json={**body, "prompt": "B " + words, "stream": False})
+                s.wait_for(lambda: s.log().count("is full: a request waits for room") > waits,
+                           what="the second request to wait for room")
+                os.kill(m["pid"], signal.SIGCONT)
+                first = [json.loads(ln) for ln in lines if ln]
+                b = second.result()
+        finally:
+            os.kill(m["pid"], signal.SIGCONT)
+    assert first[-1]["done"] and "error" not in first[-1], first[-1]
+    assert b.status_code == 200, b.text
+    assert b.json()["done"] and b.json()["eval_count"] == 24
+    assert b.json()["prompt_eval_count"] + first[-1]["prompt_eval_count"] > 1024
 
 
 SMOL = "smollm2:135m"

@@ -37,7 +37,7 @@ chosen slot first (llama.cpp's slot save and restore); the request then reuses t
 from __future__ import annotations
 
 import itertools
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Collection, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol
 
@@ -155,6 +155,25 @@ class Slots:
         """The slots no unreleased lease holds (but `holder`, whose next prompt replaces its
         last)."""
         return [i for i, h in enumerate(self._holders) if h is None or h.released or h is holder]
+
+    def holders(self) -> list[Holder]:
+        """The unreleased leases that hold slots."""
+        return [h for h in self._holders if h is not None and not h.released]
+
+    def crowds(self, holder: Holder, skip: Collection[Holder] = ()) -> bool:
+        """Whether `holder`'s prompt (in the slot it claimed) would not fit the shared cache
+        beside the prompts of the slots other unreleased holders (but those in `skip`) are
+        reading or answering: llama.cpp would fail them all once the cache is full."""
+        if self.capacity is None:
+            return False
+        mine = others = 0
+        skipped = {id(h) for h in skip}  # leases compare by identity
+        for h, size in zip(self._holders, self._sizes, strict=True):
+            if h is holder:
+                mine += size
+            elif h is not None and not h.released and id(h) not in skipped:
+                others += size
+        return others > 0 and (mine + others) / BYTES_PER_TOKEN > self.capacity
 
     def claim(self, holder: Holder, pieces: tuple[bytes, ...]) -> int | None:
         """The slot for a prompt (see the module's rules), now `holder`'s; None when every slot

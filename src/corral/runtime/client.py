@@ -17,11 +17,13 @@ than that.
 from __future__ import annotations
 
 import asyncio
+import logging
 import os
 import re
 import socket
 import time
 import weakref
+from collections.abc import Callable
 from typing import Any, cast
 from urllib.parse import urlsplit
 
@@ -33,6 +35,8 @@ from corral.runtime.affinity import GENERATION_PATHS, Holder, Pick, Slots, promp
 from corral.runtime.kvcache import KVCache
 from corral.runtime.runner import Runner
 from corral.runtime.slotcopy import SlotCopier
+
+log = logging.getLogger(__name__)
 
 # A read in the first half of this window after the previous one waits out the rest of it, so
 # that what the runner sends meanwhile goes out with it: at most this much added delay for a
@@ -46,6 +50,7 @@ COALESCE_S = 0.002
 # small machine that CPU is taken from the runner. 16 ms is under a 60 Hz display's frame.
 STREAM_SHARE_S = 0.001
 MAX_WINDOW_S = 0.016
+ALONE_POLL_S = 0.02  # how often a request waiting for room in a shared cache looks again
 HIGH_WATER = 1 << 20  # received bytes the client has not taken: reading stops until it does
 HOLD_LOWAT = 1 << 16  # the socket's receive low-water mark while a window passes
 # What a runner failing mid-stream raises: RunnerStream raises OSErrors (ConnectionError);
@@ -65,6 +70,10 @@ class RunnerClient:
         self.kvcache = kvcache
         self.copier = SlotCopier(kvcache) if kvcache is not None else None
         self._slots: weakref.WeakKeyDictionary[Runner, Slots] = weakref.WeakKeyDictionary()
+        # Requests waiting for room in their runner's shared cache, first come first served.
+        self._waiting: weakref.WeakKeyDictionary[Runner, list[Holder]] = (
+            weakref.WeakKeyDictionary()
+        )
 
     async def post(
         self, runner: Runner, path: str, payload: dict[str, Any], lease: Holder | None = None
@@ -90,8 +99,63 @@ class RunnerClient:
             # A new conversation on a slot of its own: start it from the idle slot that holds
             # most of its prompt (copying that costs less than evaluating it).
             await copier.copy(runner, pick)
+        # Requests running at once on one shared cache (kv_unified) fail together when their
+        # prompts outgrow it: llama.cpp fails every slot then processing, though each fits
+        # alone (a prompt longer than the context is refused before it starts).
+        slots = self._slots.get(runner)
+        pinned = slots is not None and lease is not None and "id_slot" in payload
+        crowded = pinned and slots is not None and any(h is not lease for h in slots.holders())
+        if crowded and slots is not None and lease is not None and slots.crowds(lease):
+            # Its prompt would not fit beside the others' (as estimated): it waits, first come
+            # first served, until they leave room for it.
+            log.info("the shared context of '%s' is full: a request waits for room", runner.name)
+            await self._turn(runner, lease, lambda waiting: not slots.crowds(lease, waiting))
+        try:
+            return await self._send(runner, path, payload, crowded)
+        except CacheFull:  # an answer, or a stream's first event (nothing relayed yet)
+            if not pinned or slots is None or lease is None:
+                raise
+        # The estimate was short and the cache filled up: send it once more when no other
+        # request runs beside it, one such request at a time.
+        log.info("the shared context of '%s' filled up: a request waits for the others to end",
+                 runner.name)  # fmt: skip
+        await self._turn(runner, lease, lambda waiting: all(
+            h is lease or any(h is w for w in waiting) for h in slots.holders()
+        ))  # fmt: skip
+        return await self._send(runner, path, payload)
+
+    async def _turn(
+        self, runner: Runner, lease: Holder, ready: Callable[[list[Holder]], bool]
+    ) -> None:
+        """Wait for `lease`'s turn among the requests waiting to start on `runner` (first come,
+        first served) and for `ready(those waiting)`; requests that wait do not count as
+        running, so two never wait for each other."""
+        waiting = self._waiting.setdefault(runner, [])
+        waiting.append(lease)
+        try:
+            # Polled: a lease's release goes to the scheduler, which tells nobody here.
+            while not (waiting[0] is lease and ready(waiting)):  # noqa: ASYNC110
+                await asyncio.sleep(ALONE_POLL_S)
+        finally:
+            del waiting[next(i for i, w in enumerate(waiting) if w is lease)]
+
+    async def _send(
+        self, runner: Runner, path: str, payload: dict[str, Any], crowded: bool = False
+    ) -> aiohttp.ClientResponse | RunnerStream:
+        """The runner's answer; CacheFull if it says its shared cache filled up (`crowded`: a
+        stream's first event is read first, as llama.cpp says so in the stream)."""
+        assert runner.session is not None
         if payload.get("stream"):
-            return await self._open_stream(runner, path, payload)
+            stream = await self._open_stream(runner, path, payload)
+            if crowded:
+                try:
+                    first = await stream.peek()
+                except UPSTREAM_ERRORS:
+                    first = b""  # the relay reports it, as for any stream cut short
+                if _CACHE_FULL.encode() in first.lower():
+                    stream.close()
+                    raise CacheFull(runner_error_message(_event_error(first), 500))
+            return stream
         headers = {"Content-Type": "application/json"}
         try:
             resp = await runner.session.post(path, data=orjson.dumps(payload), headers=headers)
@@ -209,6 +273,7 @@ class RunnerStream(asyncio.Protocol):
         self.holding = False  # the reader lets a window pass: only the end wakes it early
         self.ending = False  # the stream's last events came: nothing waits from now on
         self.reads = 0
+        self.peeked = b""  # read by `peek`, not yet returned by `read`
         self.last = -window  # when the last read returned
         self.loop = asyncio.get_running_loop()
         # The connection's socket, on a file descriptor of our own (a dup), to set its
@@ -364,7 +429,15 @@ class RunnerStream(asyncio.Protocol):
                 raise self.exc or ConnectionResetError("the runner closed the connection")
             await self._wait()
 
+    async def peek(self) -> bytes:
+        """The body's first bytes, read now, and returned again by the next `read()`."""
+        self.peeked = await self.read()
+        return self.peeked
+
     async def read(self) -> bytes:
+        if self.peeked:
+            data, self.peeked = self.peeked, b""
+            return data
         while True:
             data = self._take()
             if data:
@@ -497,8 +570,31 @@ async def open_stream(
     return stream
 
 
+def _event_error(chunk: bytes) -> bytes:
+    """The JSON of the error event or line in a stream's chunk (llama.cpp's `data: {"error":
+    ...}` or `error: {...}`), or the chunk."""
+    for line in chunk.split(b"\n"):
+        line = line.strip()
+        for prefix in (b"data: ", b"error: "):
+            if line.startswith(prefix) and b"error" in line:
+                return line[len(prefix):]
+    return chunk
+
+
 def runner_error_message(body: bytes, status: int) -> str:
     return _runner_error(body, status)[0]
+
+
+class CacheFull(ApiError):
+    """llama.cpp found no room in a runner's KV cache for a request's next batch: the slots
+    share one cache (kv_unified) and the requests running at once outgrew it. Not the
+    client's doing: a 503."""
+
+    def __init__(self, message: str) -> None:
+        super().__init__(
+            503, f"the context this model's requests share is full ({message.rstrip('.')}): "
+            "other requests held it; try again when they have ended",
+        )  # fmt: skip
 
 
 class ContextOverflow(ApiError):
@@ -527,6 +623,9 @@ def _runner_error(body: bytes, status: int) -> tuple[str, str, dict[str, Any]]:
     return text or f"runner answered HTTP {status}", "", {}
 
 
+# llama.cpp's answer to a batch that no longer finds room in the KV cache (update_slots), sent
+# to every slot then processing.
+_CACHE_FULL = "context size has been exceeded"
 # llama.cpp's error types that blame the request, whatever HTTP status came with them.
 _CLIENT_ERROR_TYPES = {
     "invalid_request_error": 400, "exceed_context_size_error": 400, "not_supported_error": 400,
@@ -546,6 +645,8 @@ def runner_error(body: bytes, status: int) -> ApiError:
     """A runner's non-200 answer as the client's error: llama.cpp's refusals of the request
     itself are 4xx (never 500), with llama.cpp's message."""
     msg, kind, err = _runner_error(body, status)
+    if _CACHE_FULL in msg.lower():
+        return CacheFull(msg)
     if kind == "exceed_context_size_error":
         tokens, n_ctx = err.get("n_prompt_tokens"), err.get("n_ctx")
         if isinstance(tokens, int) and isinstance(n_ctx, int):
