@@ -205,7 +205,10 @@ def test_requests_appear_live_and_filter(server: CorralServer, page: Any, tmp_pa
     assert row_ok.get_attribute("data-status") == "200"
     text = row_ok.inner_text()
     assert "POST /api/generate" in text and "127.0.0.1" in text and "/ 4" in text, text
-    assert row_ok.locator("a[data-open='tiny:latest']").count() == 1  # its model, linked
+    # Its model, linked once the page's state lists it (the state and the activity come on
+    # one event stream, in either order).
+    row_ok.locator("a[data-open='tiny:latest']").wait_for(timeout=15000)
+    assert row_ok.locator("a[data-open='tiny:latest']").count() == 1
     assert row_bad.get_attribute("data-status") == "404"
     assert f"model '{missing}' not found" in row_bad.locator(".act-error").inner_text()
     assert row_bad.locator("a[data-open]").count() == 0  # no such model to link
