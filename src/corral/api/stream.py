@@ -24,14 +24,13 @@ from starlette.types import Message, Receive, Scope, Send
 from corral.api.activity import note_error
 from corral.api.family import OPENAI, Family
 from corral.errors import ApiError
-from corral.runtime.client import UPSTREAM_ERRORS, RunnerStream, runner_error_message
+from corral.runtime.client import SSE_ERROR, UPSTREAM_ERRORS, RunnerStream, stream_error
 from corral.runtime.meter import count_events
 from corral.runtime.scheduler import Lease
 
 SSE_DONE = b"data: [DONE]"
 # llama.cpp's error mid-stream (e.g. a context its parallel requests share has filled): an SSE
 # data event holding only an error object
-SSE_ERROR = b'data: {"error":'
 MAX_HELD = 1 << 20  # an "event" longer than this without its blank line passes on as it is
 # How llama.cpp's OpenAI chat answer (whole or streamed) says it ended in tool calls; generated
 # text cannot hold it (JSON escapes its quotes)
@@ -118,20 +117,6 @@ class RelayResponse(Response):
             await self.close()
 
 
-def _error_line(out: bytes) -> str | None:
-    """The message of the last `error: {...}` line or `data: {"error": ...}` event (llama.cpp's)
-    in `out`, if any."""
-    if b"error: " not in out and SSE_ERROR not in out:  # the common case, without splitting
-        return None
-    error = None
-    for line in out.split(b"\n"):
-        if (line := line.strip()).startswith(b"error: "):
-            error = runner_error_message(line[7:], 500)
-        elif line.startswith(SSE_ERROR):
-            error = runner_error_message(line[6:], 500)
-    return error
-
-
 class LeasedStream(RelayResponse):
     """Streams from a runner; releases the slot at once when the stream ends, fails, or the
     client disconnects, and also when the body is never started at all.
@@ -184,7 +169,7 @@ class LeasedStream(RelayResponse):
                         continue
                 if rename is not None:
                     out = out.replace(*rename)
-                error = _error_line(out) or error
+                error = stream_error(out) or error
                 between = out.endswith(b"\n\n")
                 if not out.isspace():
                     tail = out
@@ -199,7 +184,7 @@ class LeasedStream(RelayResponse):
             if held:
                 if rename is not None:
                     held = held.replace(*rename)
-                error = _error_line(held) or error
+                error = stream_error(held) or error
                 between = held.endswith(b"\n\n")
                 if not held.isspace():
                     tail = held

@@ -57,6 +57,7 @@ from corral.bench.common import (
     safe_div,
 )
 from corral.bench.llama_build import HOW_TO_GET, serving
+from corral.bench.pss import process_pss
 
 SMOLLM2 = "smollm2:135m"
 SYNTH = "bench-ctx64k"
@@ -456,7 +457,7 @@ def measure(
                 served.slots = int(mine.get("num_parallel", 0))
                 served.context = int(mine.get("context_length", 0))
                 if side == "corral" and isinstance(mine.get("pid"), int):
-                    books.append((int(mine.get("size", 0)), runner_pss(mine["pid"])))
+                    books.append((int(mine.get("size", 0)), process_pss(mine["pid"])))
             else:
                 bursts[side].append(one_round(served, levels, scale, None))
         finally:
@@ -492,17 +493,6 @@ def measure(
         "bursts": {s: [{str(n): b.__dict__ for n, b in r.items()} for r in rs]
                    for s, rs in bursts.items()},
     }  # fmt: skip
-
-
-def runner_pss(pid: int) -> int:
-    """A runner's proportional set size in bytes (0 when it cannot be read)."""
-    from corral.bench.pss import parse_smaps_rollup
-
-    try:
-        with open(f"/proc/{pid}/smaps_rollup") as f:
-            return parse_smaps_rollup(f.read()).get("Pss", 0)
-    except OSError:
-        return 0
 
 
 def books_line(books: Sequence[tuple[int, int]]) -> str:

@@ -14,7 +14,10 @@ from typing import Any
 
 from corral.bench.common import safe_div
 
-__all__ = ["SAMPLE_EVERY", "MemorySampler", "drop_files", "mapped_models", "parse_smaps_rollup"]
+__all__ = [
+    "SAMPLE_EVERY", "MemorySampler", "drop_files", "mapped_models", "parse_smaps_rollup",
+    "process_pss",
+]  # fmt: skip
 
 SAMPLE_EVERY = 0.1  # seconds between memory samples
 
@@ -28,6 +31,12 @@ def parse_smaps_rollup(text: str) -> dict[str, int]:
         if sep and len(parts) == 2 and parts[1] == "kB" and parts[0].isdigit():
             out[key.strip()] = int(parts[0]) * 1024
     return out
+
+
+def process_pss(pid: int) -> int:
+    """A process's proportional set size in bytes (0 when it is gone)."""
+    text = _read(f"/proc/{pid}/smaps_rollup")
+    return parse_smaps_rollup(text).get("Pss", 0) if text is not None else 0
 
 
 def mapped_models(maps: str, suffix: str = ".gguf") -> set[str]:
@@ -97,9 +106,7 @@ class MemorySampler:
             kids = []
         total, mapped = 0, set()
         for pid in kids:
-            text = _read(f"/proc/{pid}/smaps_rollup")
-            if text is not None:
-                total += parse_smaps_rollup(text).get("Pss", 0)
+            total += process_pss(pid)
             if self.drop_unmapped:
                 mapped |= mapped_models(_read(f"/proc/{pid}/maps") or "")
         self.samples += 1

@@ -99,13 +99,20 @@ class RunnerClient:
             # A new conversation on a slot of its own: start it from the idle slot that holds
             # most of its prompt (copying that costs less than evaluating it).
             await copier.copy(runner, pick)
-        # Requests running at once on one shared cache (kv_unified) fail together when their
-        # prompts outgrow it: llama.cpp fails every slot then processing, though each fits
-        # alone (a prompt longer than the context is refused before it starts).
         slots = self._slots.get(runner)
-        pinned = slots is not None and lease is not None and "id_slot" in payload
-        crowded = pinned and slots is not None and any(h is not lease for h in slots.holders())
-        if crowded and slots is not None and lease is not None and slots.crowds(lease):
+        if lease is None or slots is None or "id_slot" not in payload:
+            return await self._send(runner, path, payload)
+        return await self._send_pinned(runner, path, payload, lease, slots)
+
+    async def _send_pinned(
+        self, runner: Runner, path: str, payload: dict[str, Any], lease: Holder, slots: Slots
+    ) -> aiohttp.ClientResponse | RunnerStream:
+        """`_send` for a request pinned to a slot. Requests running at once on one shared cache
+        (kv_unified) fail together when their prompts outgrow it: llama.cpp fails every slot
+        then processing, though each fits alone (a prompt longer than the context is refused
+        before it starts)."""
+        crowded = any(h is not lease for h in slots.holders())
+        if crowded and slots.crowds(lease):
             # Its prompt would not fit beside the others' (as estimated): it waits, first come
             # first served, until they leave room for it.
             log.info("the shared context of '%s' is full: a request waits for room", runner.name)
@@ -113,8 +120,7 @@ class RunnerClient:
         try:
             return await self._send(runner, path, payload, crowded)
         except CacheFull:  # an answer, or a stream's first event (nothing relayed yet)
-            if not pinned or slots is None or lease is None:
-                raise
+            pass
         # The estimate was short and the cache filled up: send it once more when no other
         # request runs beside it, one such request at a time.
         log.info("the shared context of '%s' filled up: a request waits for the others to end",
@@ -152,9 +158,10 @@ class RunnerClient:
                     first = await stream.peek()
                 except UPSTREAM_ERRORS:
                     first = b""  # the relay reports it, as for any stream cut short
-                if _CACHE_FULL.encode() in first.lower():
+                error = stream_error(first)
+                if error is not None and _CACHE_FULL in error.lower():
                     stream.close()
-                    raise CacheFull(runner_error_message(_event_error(first), 500))
+                    raise CacheFull(error)
             return stream
         headers = {"Content-Type": "application/json"}
         try:
@@ -570,19 +577,25 @@ async def open_stream(
     return stream
 
 
-def _event_error(chunk: bytes) -> bytes:
-    """The JSON of the error event or line in a stream's chunk (llama.cpp's `data: {"error":
-    ...}` or `error: {...}`), or the chunk."""
-    for line in chunk.split(b"\n"):
-        line = line.strip()
-        for prefix in (b"data: ", b"error: "):
-            if line.startswith(prefix) and b"error" in line:
-                return line[len(prefix):]
-    return chunk
-
-
 def runner_error_message(body: bytes, status: int) -> str:
     return _runner_error(body, status)[0]
+
+
+SSE_ERROR = b'data: {"error":'
+
+
+def stream_error(out: bytes) -> str | None:
+    """The message of the last `error: {...}` line or `data: {"error": ...}` event (llama.cpp's)
+    in `out`, a stream's whole events, if any."""
+    if b"error: " not in out and SSE_ERROR not in out:  # the common case, without splitting
+        return None
+    error = None
+    for line in out.split(b"\n"):
+        if (line := line.strip()).startswith(b"error: "):
+            error = runner_error_message(line[7:], 500)
+        elif line.startswith(SSE_ERROR):
+            error = runner_error_message(line[6:], 500)
+    return error
 
 
 class CacheFull(ApiError):

@@ -622,7 +622,6 @@ class KVCache:
                     found[name] = float(value)
         return found
 
-
     async def _get_json(self, runner: Runner, path: str, timeout: float = 5.0) -> Any:
         if runner.session is None or runner.session.closed:
             return None

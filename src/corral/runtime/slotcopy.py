@@ -126,15 +126,12 @@ class SlotCopier:
         background: /metrics is a task in the runner's queue, which waits for a decoding step,
         and the request goes by what is known meanwhile."""
         info = self._info(runner)
-        if not info.speed and info.says:
-            if info.reading is not None:
-                await asyncio.shield(info.reading)
-            else:
-                info.speed_at = time.monotonic()
-                await self._read_speed(runner, info)
-        elif info.reading is None and time.monotonic() - info.speed_at > SPEED_TTL_S:
+        unknown = not info.speed and info.says
+        if info.reading is None and (unknown or time.monotonic() - info.speed_at > SPEED_TTL_S):
             info.speed_at = time.monotonic()
             info.reading = asyncio.ensure_future(self._read_speed(runner, info))
+        if unknown and info.reading is not None:
+            await asyncio.shield(info.reading)
 
     async def _read_speed(self, runner: Runner, info: _RunnerInfo) -> None:
         try:
