@@ -36,7 +36,8 @@ from starlette.responses import Response
 from corral.api.stream import RelayResponse
 from corral.api.toolprompt import Call, CallScanner
 from corral.errors import ApiError
-from corral.runtime.client import UPSTREAM_ERRORS, RunnerStream, runner_error_message
+from corral.runtime.client import UPSTREAM_ERRORS, runner_error_message, stream_failure
+from corral.runtime.continuation import Upstream
 from corral.runtime.meter import Tally, token_events
 from corral.runtime.scheduler import Lease
 
@@ -143,7 +144,7 @@ class Generation:
     def __init__(
         self,
         lease: Lease,
-        upstream: RunnerStream,
+        upstream: Upstream,
         mode: str,
         stop: list[str],
         explain: Callable[[], Awaitable[str]],
@@ -400,7 +401,7 @@ class SSE:
 
     def __init__(
         self,
-        resp: RunnerStream,
+        resp: Upstream,
         explain: Callable[[], Awaitable[str]],
         tally: Tally | None = None,
     ) -> None:
@@ -481,14 +482,14 @@ class SSE:
                 if type(obj) is dict and "error" in obj and len(obj) == 1:
                     # llama.cpp's error mid-stream (e.g. a context its parallel requests
                     # share has filled): the stream ends with it
-                    self.pending.append(ApiError(500, runner_error_message(body, 500)))
+                    self.pending.append(stream_failure(runner_error_message(body, 500)))
                     break
                 self.pending.append(obj)
                 tokens += token_events(line)
                 if type(obj) is dict and type(timings := obj.get("timings")) is dict:
                     final = timings
             elif line.startswith(b"error: "):
-                self.pending.append(ApiError(500, runner_error_message(line[7:], 500)))
+                self.pending.append(stream_failure(runner_error_message(line[7:], 500)))
                 break
         if self.tally is not None:
             self.tally.add(tokens)
@@ -511,7 +512,7 @@ class SSE:
 
 
 def sse_events(
-    resp: RunnerStream, explain: Callable[[], Awaitable[str]], tally: Tally | None = None
+    resp: Upstream, explain: Callable[[], Awaitable[str]], tally: Tally | None = None
 ) -> SSE:
     """The JSON objects of a llama.cpp SSE stream (see SSE); its tokens counted on `tally`."""
     return SSE(resp, explain, tally)

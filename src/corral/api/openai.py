@@ -53,7 +53,7 @@ from corral.api.openai_checks import (
 from corral.api.service import Resolved, Service
 from corral.api.stream import RelayResponse, json_response
 from corral.errors import ApiError
-from corral.runtime.client import RunnerStream
+from corral.runtime.continuation import Upstream
 from corral.runtime.meter import settle_whole
 from corral.runtime.scheduler import Lease
 
@@ -296,7 +296,7 @@ class OpenAI:
     ) -> AsyncIterator[dict[str, Any]]:
         payload = {**payload, "stream_options": {"include_usage": True}}
 
-        async def open_stream(lease: Lease) -> tuple[Lease, RunnerStream]:
+        async def open_stream(lease: Lease) -> tuple[Lease, Upstream]:
             if legacy is not None:
                 await legacy.prepare(self.svc, lease)
             return lease, await self.svc.client.stream(lease.runner, path, payload, lease)

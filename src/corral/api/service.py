@@ -16,6 +16,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, TypeVar
 
+import aiohttp
 import orjson
 from starlette.requests import Request
 from starlette.responses import Response
@@ -45,7 +46,7 @@ from corral.core.requests import Fit, Sizing, scaled_placer
 from corral.core.roles import has_later_system, place_system, renders_later_system
 from corral.core.spec import Estimates, RunnerSpec, jinja_template, runner_spec, slot_choices
 from corral.errors import ApiError
-from corral.runtime.client import ContextOverflow, RunnerClient, RunnerStream
+from corral.runtime.client import ContextOverflow, RunnerClient
 from corral.runtime.devices import cpu_cores
 from corral.runtime.journal import Event
 from corral.runtime.meter import last_object, last_timings
@@ -402,10 +403,10 @@ class Service:
         old = b'"model":' + orjson.dumps(lease.runner.name)
         new = b'"model":' + orjson.dumps(r.requested)
         if stream:
-            assert isinstance(resp, RunnerStream)
+            assert not isinstance(resp, aiohttp.ClientResponse)
             return relay(resp, lease, resp, "text/event-stream",
                          rename=(old, new) if old != new else None)  # fmt: skip
-        assert not isinstance(resp, RunnerStream)
+        assert isinstance(resp, aiohttp.ClientResponse)
         try:
             data = await until_disconnect(request, resp.read())
             lease.tally.timed(last_timings(data))  # a whole answer's tokens, at once

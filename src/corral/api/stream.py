@@ -24,7 +24,8 @@ from starlette.types import Message, Receive, Scope, Send
 from corral.api.activity import note_error
 from corral.api.family import OPENAI, Family
 from corral.errors import ApiError
-from corral.runtime.client import SSE_ERROR, UPSTREAM_ERRORS, RunnerStream, stream_error
+from corral.runtime.client import SSE_ERROR, UPSTREAM_ERRORS, stream_error
+from corral.runtime.continuation import Upstream
 from corral.runtime.meter import count_events
 from corral.runtime.scheduler import Lease
 
@@ -135,7 +136,7 @@ class LeasedStream(RelayResponse):
         self,
         body: AsyncIterator[bytes],
         lease: Lease,
-        upstream: RunnerStream | None,
+        upstream: Upstream | None,
         media_type: str,
         rename: tuple[bytes, bytes] | None = None,
     ) -> None:

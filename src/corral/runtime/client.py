@@ -32,6 +32,7 @@ import orjson
 
 from corral.errors import ApiError
 from corral.runtime.affinity import GENERATION_PATHS, Holder, Pick, Slots, prompt_pieces
+from corral.runtime.continuation import CACHE_FULL, ContinuedStream, Upstream, continuable
 from corral.runtime.kvcache import KVCache
 from corral.runtime.runner import Runner
 from corral.runtime.slotcopy import SlotCopier
@@ -77,9 +78,10 @@ class RunnerClient:
 
     async def post(
         self, runner: Runner, path: str, payload: dict[str, Any], lease: Holder | None = None
-    ) -> aiohttp.ClientResponse | RunnerStream:
+    ) -> aiohttp.ClientResponse | Upstream:
         """POST to the runner; a non-200 answer becomes an ApiError with llama.cpp's message.
-        A streamed request (`"stream": true`) gets a RunnerStream (see `stream`). `lease`: the
+        A streamed request (`"stream": true`) gets a RunnerStream (see `stream`), continued
+        should a shared cache fill mid-answer (runtime/continuation). `lease`: the
         slot's lease the request is sent under (a generation is pinned to a slot for it)."""
         assert runner.session is not None
         pick, copier = None, None
@@ -106,7 +108,7 @@ class RunnerClient:
 
     async def _send_pinned(
         self, runner: Runner, path: str, payload: dict[str, Any], lease: Holder, slots: Slots
-    ) -> aiohttp.ClientResponse | RunnerStream:
+    ) -> aiohttp.ClientResponse | Upstream:
         """`_send` for a request pinned to a slot. Requests running at once on one shared cache
         (kv_unified) fail together when their prompts outgrow it: llama.cpp fails every slot
         then processing, though each fits alone (a prompt longer than the context is refused
@@ -118,13 +120,37 @@ class RunnerClient:
             log.info("the shared context of '%s' is full: a request waits for room", runner.name)
             await self._turn(runner, lease, lambda waiting: not slots.crowds(lease, waiting))
         try:
-            return await self._send(runner, path, payload, crowded)
+            resp = await self._send(runner, path, payload, crowded)
         except CacheFull:  # an answer, or a stream's first event (nothing relayed yet)
-            pass
-        # The estimate was short and the cache filled up: send it once more when no other
-        # request runs beside it, one such request at a time.
-        log.info("the shared context of '%s' filled up: a request waits for the others to end",
-                 runner.name)  # fmt: skip
+            # The estimate was short and the cache filled up: sent once more, alone.
+            log.info("the shared context of '%s' filled up: a request waits for the others "
+                     "to end", runner.name)  # fmt: skip
+            resp = await self._alone(runner, path, payload, lease, slots)
+        if (
+            slots.capacity is not None
+            and isinstance(resp, RunnerStream)
+            and continuable(path, payload)
+        ):
+            # A stream the shared cache fills mid-answer is continued where it stopped.
+            async def again(more: dict[str, Any]) -> RunnerStream:
+                stream = await self._alone(runner, path, more, lease, slots)
+                assert isinstance(stream, RunnerStream)
+                return stream
+
+            async def count(text: str) -> int:
+                try:
+                    return len(await self.tokenize(runner, text))
+                except (ApiError, aiohttp.ClientError, OSError, KeyError, TypeError):
+                    return 0  # the counts then include the prefill
+
+            return ContinuedStream(resp, path, payload, again, count)
+        return resp
+
+    async def _alone(
+        self, runner: Runner, path: str, payload: dict[str, Any], lease: Holder, slots: Slots
+    ) -> aiohttp.ClientResponse | RunnerStream:
+        """`_send` once no other request runs beside this one on the shared cache, one such
+        request at a time."""
         await self._turn(runner, lease, lambda waiting: all(
             h is lease or any(h is w for w in waiting) for h in slots.holders()
         ))  # fmt: skip
@@ -159,7 +185,7 @@ class RunnerClient:
                 except UPSTREAM_ERRORS:
                     first = b""  # the relay reports it, as for any stream cut short
                 error = stream_error(first)
-                if error is not None and _CACHE_FULL in error.lower():
+                if error is not None and CACHE_FULL in error.lower():
                     stream.close()
                     raise CacheFull(error)
             return stream
@@ -196,12 +222,12 @@ class RunnerClient:
 
     async def stream(
         self, runner: Runner, path: str, payload: dict[str, Any], lease: Holder | None = None
-    ) -> RunnerStream:
+    ) -> Upstream:
         """POST a streamed request to the runner: its answer comes on a connection of its own
         (llama.cpp closes it after a streamed answer), read by a RunnerStream, which relays a
         fast runner's tokens a few at a time."""
         resp = await self.post(runner, path, {**payload, "stream": True}, lease)
-        assert isinstance(resp, RunnerStream)
+        assert not isinstance(resp, aiohttp.ClientResponse)
         return resp
 
     async def _open_stream(
@@ -598,6 +624,12 @@ def stream_error(out: bytes) -> str | None:
     return error
 
 
+def stream_failure(message: str) -> ApiError:
+    """llama.cpp's error that ended a stream, as the client's: a full shared cache is a 503
+    (clients retry it: Anthropic's overloaded_error), anything else the runner's 500."""
+    return CacheFull(message) if CACHE_FULL in message.lower() else ApiError(500, message)
+
+
 class CacheFull(ApiError):
     """llama.cpp found no room in a runner's KV cache for a request's next batch: the slots
     share one cache (kv_unified) and the requests running at once outgrew it. Not the
@@ -636,9 +668,6 @@ def _runner_error(body: bytes, status: int) -> tuple[str, str, dict[str, Any]]:
     return text or f"runner answered HTTP {status}", "", {}
 
 
-# llama.cpp's answer to a batch that no longer finds room in the KV cache (update_slots), sent
-# to every slot then processing.
-_CACHE_FULL = "context size has been exceeded"
 # llama.cpp's error types that blame the request, whatever HTTP status came with them.
 _CLIENT_ERROR_TYPES = {
     "invalid_request_error": 400, "exceed_context_size_error": 400, "not_supported_error": 400,
@@ -658,7 +687,7 @@ def runner_error(body: bytes, status: int) -> ApiError:
     """A runner's non-200 answer as the client's error: llama.cpp's refusals of the request
     itself are 4xx (never 500), with llama.cpp's message."""
     msg, kind, err = _runner_error(body, status)
-    if _CACHE_FULL in msg.lower():
+    if CACHE_FULL in msg.lower():
         return CacheFull(msg)
     if kind == "exceed_context_size_error":
         tokens, n_ctx = err.get("n_prompt_tokens"), err.get("n_ctx")

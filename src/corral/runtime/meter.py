@@ -28,7 +28,7 @@ WINDOW = 5.0  # seconds of relayed tokens a rate spans
 # escapes its quotes), so they are counted, not parsed: one pass over the bytes.
 _TOKEN = b'"finish_reason":null'
 _NATIVE_TOKEN = b'"stop":false'
-_ROLE = b'data: {"choices":[{"finish_reason":null,"index":0,"delta":{"role"'
+ROLE_EVENT = b'data: {"choices":[{"finish_reason":null,"index":0,"delta":{"role"'
 
 
 def token_events(events: bytes) -> int:
@@ -38,7 +38,7 @@ def token_events(events: bytes) -> int:
     n = events.count(_TOKEN)
     if n == 0:
         return events.count(_NATIVE_TOKEN)
-    return n - 1 if events.startswith(_ROLE) else n
+    return n - 1 if events.startswith(ROLE_EVENT) else n
 
 
 def count_events(tally: Tally, events: bytes) -> None:
