@@ -403,6 +403,47 @@ def test_parallel_streams_that_fill_their_shared_context_are_continued_alone(
     assert s.log().count("continues alone") >= continued + 4
 
 
+def test_claude_code_shaped_streams_that_fill_their_shared_context_are_continued(
+    auto_server: Any,
+) -> None:
+    """Anthropic's Messages streams with tools (as Claude Code sends them), two at once on a
+    shared 2,048-token context: each is continued where it stopped, and each client reads one
+    message (one message_start, one text block, no error event) that stops at the context's
+    end."""
+    s = auto_server
+    continued = s.log().count("continues alone")
+    tool = {"name": "Bash", "description": "Run a shell command.", "input_schema": {
+        "type": "object", "properties": {"command": {"type": "string"}},
+        "required": ["command"]}}  # fmt: skip
+    body = {"model": "tiny", "max_tokens": 100000, "temperature": 0, "stream": True,
+            "tools": [tool], "messages": [{"role": "user", "content": "once upon"}]}  # fmt: skip
+    head = {"x-api-key": "x", "anthropic-version": "2023-06-01"}
+    with s.client.stream("POST", "/v1/messages", json=body, headers=head) as a, s.client.stream(
+        "POST", "/v1/messages", json=body, headers=head
+    ) as b:
+        its = [a.iter_lines(), b.iter_lines()]
+        events: list[list[dict[str, Any]]] = [[], []]
+        for i, it in enumerate(its):  # up to the first text of each: both hold cells now
+            for ln in it:
+                if ln.startswith("data: "):
+                    events[i].append(json.loads(ln[6:]))
+                    if events[i][-1]["type"] == "content_block_delta":
+                        break
+        for i, it in enumerate(its):  # then the rest of both
+            events[i] += [json.loads(ln[6:]) for ln in it if ln.startswith("data: ")]
+    out = 0
+    for ev in events:
+        kinds = [e["type"] for e in ev]
+        assert "error" not in kinds, [e for e in ev if e["type"] == "error"]
+        assert kinds.count("message_start") == 1 and kinds[-1] == "message_stop", kinds[-3:]
+        assert kinds.count("content_block_start") == 1  # one text block
+        (delta,) = [e for e in ev if e["type"] == "message_delta"]
+        assert delta["delta"]["stop_reason"] == "max_tokens"  # the context's end
+        out += delta["usage"]["output_tokens"]
+    assert out > 2048  # more than both could have had in the shared context
+    assert s.log().count("continues alone") >= continued + 2
+
+
 def test_a_prompt_that_would_overfill_the_shared_context_waits_for_room(
     auto_server: Any,
 ) -> None:
