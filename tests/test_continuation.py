@@ -5,11 +5,16 @@ parts joined into one stream. The real runner's case is in test_slots.py."""
 from __future__ import annotations
 
 import asyncio
-from typing import Any
+from dataclasses import dataclass
+from typing import Any, cast
 
 import orjson
+import pytest
 
 from corral.errors import ApiError
+from corral.runtime import client as client_module
+from corral.runtime.affinity import Slots
+from corral.runtime.client import RunnerClient
 from corral.runtime.continuation import (
     ContinuedStream,
     answered,
@@ -214,3 +219,51 @@ def test_a_continuation_the_runner_cannot_take_ends_on_the_first_error() -> None
                              again, two)  # fmt: skip
     out = read_through(stream)
     assert out.endswith(FULL) and answered(CHAT, out[: -len(FULL)]) == "a"
+
+
+@dataclass
+class Lease:
+    released: bool = False
+
+
+@dataclass(eq=False)  # hashed by identity, as a runner is
+class Runner:
+    name: str = "m"
+
+
+def test_a_request_waiting_to_run_alone_is_not_overtaken_by_newcomers_that_fit(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A stream waiting to be continued alone waits for the requests running beside it; a
+    newcomer that would fit beside them waits behind it (first come, first served) instead
+    of starting at once, or a steady trickle of such newcomers would hold it back for ever."""
+    monkeypatch.setattr(client_module, "ALONE_POLL_S", 0.001)
+    client = RunnerClient()
+    runner = Runner()
+    slots = Slots(4, capacity=1000)
+    running, stalled, newcomer = Lease(), Lease(), Lease()
+    for lease, text in ((running, b"a" * 300), (stalled, b"b" * 300), (newcomer, b"c" * 300)):
+        assert slots.claim(lease, (text,)) is not None
+    sent: list[str] = []
+
+    async def send(runner: Any, path: str, payload: dict[str, Any], crowded: bool = False) -> Any:
+        sent.append(payload["who"])
+        return object()
+
+    monkeypatch.setattr(client, "_send", send)
+
+    async def go() -> None:
+        r = cast(Any, runner)
+        alone = asyncio.create_task(client._alone(r, CHAT, {"who": "stalled"}, stalled, slots))
+        await asyncio.sleep(0.01)
+        # 900 bytes is 300 tokens of 1,000: the newcomer fits, yet waits its turn
+        later = asyncio.create_task(
+            client._send_pinned(r, CHAT, {"who": "newcomer"}, newcomer, slots)
+        )
+        await asyncio.sleep(0.01)
+        assert sent == []  # the stalled stream waits for the one running, the newcomer behind it
+        running.released = True
+        await asyncio.wait_for(asyncio.gather(alone, later), 5)
+
+    asyncio.run(go())
+    assert sent == ["stalled", "newcomer"]

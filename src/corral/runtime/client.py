@@ -114,9 +114,10 @@ class RunnerClient:
         then processing, though each fits alone (a prompt longer than the context is refused
         before it starts)."""
         crowded = any(h is not lease for h in slots.holders())
-        if crowded and slots.crowds(lease):
-            # Its prompt would not fit beside the others' (as estimated): it waits, first come
-            # first served, until they leave room for it.
+        if crowded and (slots.crowds(lease) or self._waiting.get(runner)):
+            # Its prompt would not fit beside the others' (as estimated), or requests wait for
+            # room already (one waiting to run alone would wait for ever behind newcomers that
+            # fit): it waits, first come first served, until they leave room for it.
             log.info("the shared context of '%s' is full: a request waits for room", runner.name)
             await self._turn(runner, lease, lambda waiting: not slots.crowds(lease, waiting))
         try:
