@@ -93,6 +93,10 @@ def test_the_request_is_sent_again_with_the_answer_as_its_prefill() -> None:
         "prompt": "once upon", "n_predict": 1,  # never 0 (llama.cpp's "no limit")
     }  # fmt: skip
     assert continued("/completion", {"prompt": [1, 2]}, "x", 1)["prompt"] == [1, 2, "x"]
+    # failed before its first token (no prefill of nothing: templates render one differently)
+    assert continued(CHAT, {"messages": user, "max_tokens": 5}, "", 0) == {
+        "messages": user, "max_tokens": 5,
+    }  # fmt: skip
     assert continued("/completion", {"prompt": "a", "n_predict": -1}, "b", 1)["n_predict"] == -1
 
 

@@ -128,6 +128,8 @@ def answered(path: str, events: bytes) -> str | None:
 def continued(path: str, payload: dict[str, Any], text: str, tokens: int) -> dict[str, Any]:
     """`payload` sent again with `text` (`tokens` generated tokens) already answered."""
     out = dict(payload)
+    if not text and not tokens:  # failed before its first token: sent again as it was
+        return out
     for key in _BUDGETS:
         budget = out.get(key)
         if isinstance(budget, int) and not isinstance(budget, bool) and budget > 0:
