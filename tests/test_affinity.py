@@ -20,6 +20,7 @@ from corral.runtime.affinity import (
 @dataclass
 class Lease:
     released: bool = False
+    generated: int = 0
 
 
 SYSTEM = {"role": "system", "content": "You are a coding agent. " * 200}
@@ -82,6 +83,9 @@ def test_a_prompt_crowds_a_shared_cache_only_beside_running_prompts_it_would_out
     assert not slots.crowds(b)
     slots.claim(c, (b"z" * (300 * BYTES_PER_TOKEN),))
     assert not slots.crowds(c)  # 600 + 300 fit
+    b.generated = 101  # b's answer holds cells too: 600 + 101 + 300 do not fit
+    assert slots.crowds(c)
+    b.generated = 0
     assert {id(h) for h in slots.holders()} == {id(b), id(c)}
     per_slot = Slots(2)
     d, e = Lease(), Lease()

@@ -228,6 +228,7 @@ def test_a_continuation_the_runner_cannot_take_ends_on_the_first_error() -> None
 @dataclass
 class Lease:
     released: bool = False
+    generated: int = 0
 
 
 @dataclass(eq=False)  # hashed by identity, as a runner is

@@ -68,6 +68,11 @@ class Holder(Protocol):
 
     released: bool
 
+    @property
+    def generated(self) -> int:
+        """The tokens it has answered so far: they hold cells of a shared cache too."""
+        ...
+
 
 @dataclass(frozen=True)
 class Pick:
@@ -162,18 +167,19 @@ class Slots:
 
     def crowds(self, holder: Holder, skip: Collection[Holder] = ()) -> bool:
         """Whether `holder`'s prompt (in the slot it claimed) would not fit the shared cache
-        beside the prompts of the slots other unreleased holders (but those in `skip`) are
-        reading or answering: llama.cpp would fail them all once the cache is full."""
+        beside the prompts and answers so far of the slots other unreleased holders (but those
+        in `skip`) are reading or answering: llama.cpp would fail them all once the cache is
+        full."""
         if self.capacity is None:
             return False
-        mine = others = 0
+        mine = others = 0.0
         skipped = {id(h) for h in skip}  # leases compare by identity
         for h, size in zip(self._holders, self._sizes, strict=True):
             if h is holder:
-                mine += size
+                mine += size / BYTES_PER_TOKEN
             elif h is not None and not h.released and id(h) not in skipped:
-                others += size
-        return others > 0 and (mine + others) / BYTES_PER_TOKEN > self.capacity
+                others += size / BYTES_PER_TOKEN + h.generated
+        return others > 0 and mine + others > self.capacity
 
     def claim(self, holder: Holder, pieces: tuple[bytes, ...]) -> int | None:
         """The slot for a prompt (see the module's rules), now `holder`'s; None when every slot

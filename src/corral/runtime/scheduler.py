@@ -109,6 +109,11 @@ class Lease:
     # be back with the result, so the runner is held for that turn on release.
     tool_call: bool = False
 
+    @property
+    def generated(self) -> int:
+        """The tokens relayed to its client so far (runtime/affinity counts their cells)."""
+        return self.tally.total
+
     def release(self) -> None:
         if not self.released:
             self.released = True
