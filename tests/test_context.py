@@ -24,9 +24,9 @@ from corral.core.devices import CPU, Device
 from corral.core.gguf import read_model_info
 from corral.core.spec import RunnerSpec, spec_estimate
 from corral.errors import ApiError
-from corral.runtime.client import CacheFull, ContextOverflow, runner_error
 from corral.runtime.journal import Event
 from corral.runtime.registry import ModelEntry
+from corral.runtime.runner_errors import CacheFull, ContextOverflow, runner_error
 from corral.runtime.view import RunnerView, SchedulerView
 from corral.testing import synth
 

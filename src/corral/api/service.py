@@ -46,11 +46,12 @@ from corral.core.requests import Fit, Sizing, scaled_placer
 from corral.core.roles import has_later_system, place_system, renders_later_system
 from corral.core.spec import Estimates, RunnerSpec, jinja_template, runner_spec, slot_choices
 from corral.errors import ApiError
-from corral.runtime.client import ContextOverflow, RunnerClient
+from corral.runtime.client import RunnerClient
 from corral.runtime.devices import cpu_cores
 from corral.runtime.journal import Event
 from corral.runtime.meter import last_object, last_timings
 from corral.runtime.registry import ModelEntry, Registry, canonical_name
+from corral.runtime.runner_errors import ContextOverflow
 from corral.runtime.scheduler import Lease, Scheduler, SchedulerError
 from corral.runtime.view import SchedulerView
 

@@ -28,14 +28,12 @@ import orjson
 from corral.errors import ApiError
 from corral.runtime.affinity import GENERATION_PATHS
 from corral.runtime.meter import ROLE_EVENT, token_events
+from corral.runtime.runner_errors import CACHE_FULL
 
 log = logging.getLogger(__name__)
 
 CONTINUATIONS = 8  # at most this many continuations of one stream
 KEEP_MAX = 8 << 20  # bytes of a stream kept to continue it: past them it is not continued
-# llama.cpp's answer to a batch that no longer finds room in the KV cache (update_slots), sent
-# to every slot then processing.
-CACHE_FULL = "context size has been exceeded"
 _BUDGETS = ("max_tokens", "max_completion_tokens", "n_predict")
 WORD_TRIGGER = 1  # llama.cpp's COMMON_GRAMMAR_TRIGGER_TYPE_WORD
 _ID = re.compile(rb'"id":"[^"\\]*"')
