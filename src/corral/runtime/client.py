@@ -23,6 +23,7 @@ import socket
 import time
 import weakref
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any, cast
 from urllib.parse import urlsplit
 
@@ -72,9 +73,7 @@ class RunnerClient:
         self.copier = SlotCopier(kvcache) if kvcache is not None else None
         self._slots: weakref.WeakKeyDictionary[Runner, Slots] = weakref.WeakKeyDictionary()
         # Requests waiting for room in their runner's shared cache, first come first served.
-        self._waiting: weakref.WeakKeyDictionary[Runner, list[Holder]] = (
-            weakref.WeakKeyDictionary()
-        )
+        self._waiting: weakref.WeakKeyDictionary[Runner, _Queue] = weakref.WeakKeyDictionary()
 
     async def post(
         self, runner: Runner, path: str, payload: dict[str, Any], lease: Holder | None = None
@@ -114,7 +113,8 @@ class RunnerClient:
         then processing, though each fits alone (a prompt longer than the context is refused
         before it starts)."""
         crowded = any(h is not lease for h in slots.holders())
-        if crowded and (slots.crowds(lease) or self._waiting.get(runner)):
+        queue = self._waiting.get(runner)
+        if crowded and (slots.crowds(lease) or (queue is not None and queue.holders)):
             # Its prompt would not fit beside the others' (as estimated), or requests wait for
             # room already (one waiting to run alone would wait for ever behind newcomers that
             # fit): it waits, first come first served, until they leave room for it.
@@ -163,14 +163,24 @@ class RunnerClient:
         """Wait for `lease`'s turn among the requests waiting to start on `runner` (first come,
         first served) and for `ready(those waiting)`; requests that wait do not count as
         running, so two never wait for each other."""
-        waiting = self._waiting.setdefault(runner, [])
+        queue = self._waiting.get(runner)
+        if queue is None:
+            queue = self._waiting[runner] = _Queue([], asyncio.Event())
+        waiting = queue.holders
         waiting.append(lease)
         try:
-            # Polled: a lease's release goes to the scheduler, which tells nobody here.
-            while not (waiting[0] is lease and ready(waiting)):  # noqa: ASYNC110
-                await asyncio.sleep(ALONE_POLL_S)
+            while not (waiting[0] is lease and ready(waiting)):
+                if waiting[0] is lease:
+                    # Polled: a lease's release goes to the scheduler, which tells nobody here.
+                    await asyncio.sleep(ALONE_POLL_S)
+                else:  # only the first polls; the others wake when it leaves
+                    await queue.moved.wait()
         finally:
-            del waiting[next(i for i, w in enumerate(waiting) if w is lease)]
+            i = next(i for i, w in enumerate(waiting) if w is lease)
+            del waiting[i]
+            if i == 0:
+                queue.moved.set()
+                queue.moved.clear()
 
     async def _send(
         self, runner: Runner, path: str, payload: dict[str, Any], crowded: bool = False
@@ -267,6 +277,15 @@ class RunnerClient:
             "content": text, "add_special": special, "parse_special": special,
         })  # fmt: skip
         return list(toks["tokens"])
+
+
+@dataclass
+class _Queue:
+    """The requests waiting for room in one runner's shared cache, first come first served;
+    `moved` is set as the first leaves."""
+
+    holders: list[Holder]
+    moved: asyncio.Event
 
 
 class RunnerStream(asyncio.Protocol):
