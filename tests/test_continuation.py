@@ -11,6 +11,7 @@ from typing import Any, cast
 import orjson
 import pytest
 
+from corral.api.family import ANTHROPIC
 from corral.errors import ApiError
 from corral.runtime import client as client_module
 from corral.runtime.affinity import Slots
@@ -22,6 +23,7 @@ from corral.runtime.continuation import (
     continuable,
     continued,
 )
+from corral.runtime.runner_errors import CacheFull, stream_failure
 
 CHAT = "/v1/chat/completions"
 FULL = b'data: {"error":{"code":500,"message":"Context size has been exceeded.","type":"server_error"}}\n\n'  # noqa: E501
@@ -272,3 +274,12 @@ def test_a_request_waiting_to_run_alone_is_not_overtaken_by_newcomers_that_fit(
 
     asyncio.run(go())
     assert sent == ["stalled", "newcomer"]
+
+
+def test_a_stream_that_cannot_be_continued_ends_with_a_503_in_each_family() -> None:
+    """llama.cpp's full-cache error mid-stream is corral's 503 (Anthropic's overloaded_error,
+    which agents retry); any other error the runner sends stays a 500."""
+    full = stream_failure("Context size has been exceeded.")
+    assert isinstance(full, CacheFull) and full.status == 503
+    assert b'"type":"overloaded_error"' in ANTHROPIC.event(full)
+    assert stream_failure("Compute error.").status == 500
