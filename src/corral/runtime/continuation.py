@@ -13,8 +13,8 @@ tokens generated before.
 
 Only plain text can be continued this way: an answer that has started a tool call or reasoning,
 or that a grammar or schema constrains (which would start over from the prefill; a lazy
-grammar's text before its trigger is free), ends with llama.cpp's error as before, now a 503
-(CacheFull)."""
+grammar's text before its trigger is free), ends with llama.cpp's error as before (a 503,
+CacheFull, where corral renders the stream; the OpenAI pass-through relays llama.cpp's own)."""
 
 from __future__ import annotations
 
