@@ -21,6 +21,7 @@ from corral.runtime.affinity import (
 class Lease:
     released: bool = False
     generated: int = 0
+    prompt_tokens: int | None = None
 
 
 SYSTEM = {"role": "system", "content": "You are a coding agent. " * 200}
@@ -92,6 +93,31 @@ def test_a_prompt_crowds_a_shared_cache_only_beside_running_prompts_it_would_out
     per_slot.claim(d, half)
     per_slot.claim(e, half)
     assert not per_slot.crowds(e)
+
+
+def test_room_is_counted_at_the_bytes_per_token_the_runners_requests_showed() -> None:
+    """Two agents' prompts that fit together, though at the guessed 3 bytes a token they would
+    not: once a request has ended with llama.cpp's count of its prompt (here 4.5 bytes a
+    token), room is counted at that, and they run at once."""
+    slots = Slots(4, capacity=1000)
+    prompt = (b"p" * 1800,)  # 600 tokens at the guess, 400 at 4.5
+    first = Lease()
+    slots.claim(first, prompt)
+    first.released, first.prompt_tokens = True, 400  # it ended: llama.cpp read 400 tokens
+    a, b = Lease(), Lease()
+    slots.claim(a, prompt)
+    slots.claim(b, prompt)
+    assert slots.bytes_per_token == 4.5
+    assert not slots.crowds(b)  # 400 + 400 fit 1,000
+    c = Lease()
+    slots.claim(c, prompt)
+    assert slots.crowds(c)  # a third does not
+    # a short prompt is mostly its template's tokens: it teaches nothing
+    d, e = Slots(2, capacity=1000), Lease()
+    d.claim(e, (b"hi",))
+    e.released, e.prompt_tokens = True, 30
+    d.claim(Lease(), (b"x" * 2000,))
+    assert d.bytes_per_token == 3
 
 
 def test_a_full_shared_cache_gives_up_the_slot_whose_loss_costs_least() -> None:

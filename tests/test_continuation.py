@@ -231,6 +231,7 @@ def test_a_continuation_the_runner_cannot_take_ends_on_the_first_error() -> None
 class Lease:
     released: bool = False
     generated: int = 0
+    prompt_tokens: int | None = None
 
 
 @dataclass(eq=False)  # hashed by identity, as a runner is

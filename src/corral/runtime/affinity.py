@@ -52,6 +52,11 @@ OWN_SLACK = 32
 # rather than late: a slot shared wrongly re-reads a conversation, a cache overfilled makes
 # llama.cpp clear an idle slot, whichever comes first.
 BYTES_PER_TOKEN = 3
+# Room in a shared cache is counted at the prompt bytes per token a runner's own requests
+# showed (llama.cpp counts their tokens as they end), from prompts of at least this many bytes
+# (a short one is mostly its template's tokens), within these bounds.
+LEARN_MIN_BYTES = 1024
+BYTES_PER_TOKEN_RANGE = (1.5, 6.0)
 # The runner paths that read a prompt into a slot's cache.
 GENERATION_PATHS = frozenset({"/v1/chat/completions", "/completion", "/v1/completions"})
 # What a copy between slots costs besides its bytes: two requests to the runner, each a task
@@ -71,6 +76,11 @@ class Holder(Protocol):
     @property
     def generated(self) -> int:
         """The tokens it has answered so far: they hold cells of a shared cache too."""
+        ...
+
+    @property
+    def prompt_tokens(self) -> int | None:
+        """Its prompt's tokens as llama.cpp counted them, once it has ended (else None)."""
         ...
 
 
@@ -155,6 +165,10 @@ class Slots:
         self._sizes = [0] * n  # its bytes
         self._used = [0] * n  # when each was last claimed (a counter, for least recent use)
         self._clock = itertools.count(1)
+        # Prompt bytes per token in a shared cache, as this runner's ended requests showed.
+        self.bytes_per_token = float(BYTES_PER_TOKEN)
+        self._taught = [True] * n  # whether a slot's last prompt has taught it
+        self._learned = False
 
     def free(self, holder: Holder | None = None) -> list[int]:
         """The slots no unreleased lease holds (but `holder`, whose next prompt replaces its
@@ -172,14 +186,30 @@ class Slots:
         full."""
         if self.capacity is None:
             return False
+        self._learn()
+        per_token = self.bytes_per_token
         mine = others = 0.0
         skipped = {id(h) for h in skip}  # leases compare by identity
         for h, size in zip(self._holders, self._sizes, strict=True):
             if h is holder:
-                mine += size / BYTES_PER_TOKEN
+                mine += size / per_token
             elif h is not None and not h.released and id(h) not in skipped:
-                others += size / BYTES_PER_TOKEN + h.generated
+                others += size / per_token + h.generated
         return others > 0 and mine + others > self.capacity
+
+    def _learn(self) -> None:
+        """Take the prompt bytes per token of the requests that ended since: the first measure
+        replaces the guess, later ones move it halfway."""
+        low, high = BYTES_PER_TOKEN_RANGE
+        for i, h in enumerate(self._holders):
+            if self._taught[i] or h is None or not h.released:
+                continue
+            self._taught[i] = True
+            tokens = h.prompt_tokens
+            if tokens and self._sizes[i] >= LEARN_MIN_BYTES:
+                seen = min(max(self._sizes[i] / tokens, low), high)
+                was = self.bytes_per_token if self._learned else seen
+                self.bytes_per_token, self._learned = (was + seen) / 2, True
 
     def claim(self, holder: Holder, pieces: tuple[bytes, ...]) -> int | None:
         """The slot for a prompt (see the module's rules), now `holder`'s; None when every slot
@@ -226,9 +256,11 @@ class Slots:
         pick = Pick(slot)
         if source is not None:
             pick = Pick(slot, source, shared[source], shared[slot], self._sizes[source])
+        self._learn()  # before the slot's last prompt is replaced
         self._holders[slot] = holder
         self._held[slot] = pieces
         self._sizes[slot] = size
+        self._taught[slot] = False
         self._used[slot] = next(self._clock)
         return pick
 

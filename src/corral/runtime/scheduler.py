@@ -114,6 +114,12 @@ class Lease:
         """The tokens relayed to its client so far (runtime/affinity counts their cells)."""
         return self.tally.total
 
+    @property
+    def prompt_tokens(self) -> int | None:
+        """Its prompt's tokens as llama.cpp counted them at the end (runtime/affinity learns
+        bytes per token from them)."""
+        return self.tally.prompt
+
     def release(self) -> None:
         if not self.released:
             self.released = True
