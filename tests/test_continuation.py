@@ -18,6 +18,7 @@ from corral.runtime.affinity import Slots
 from corral.runtime.client import RunnerClient
 from corral.runtime.continuation import (
     ContinuedStream,
+    Reader,
     answered,
     cache_full_at,
     continuable,
@@ -112,7 +113,7 @@ def test_only_the_cache_full_error_is_found() -> None:
     assert cache_full_at(other) == -1
 
 
-class Part:
+class Part(Reader):
     """A runner's stream that hands out prepared reads."""
 
     def __init__(self, reads: list[bytes]) -> None:
@@ -123,22 +124,11 @@ class Part:
     async def read(self) -> bytes:
         return self.reads.pop(0) if self.reads else b""
 
-    async def read_all(self) -> bytes:
-        return b"".join([r async for r in self])
-
     def close(self) -> None:
         self.closed = True
 
     release = close
 
-    def __aiter__(self) -> Part:
-        return self
-
-    async def __anext__(self) -> bytes:
-        data = await self.read()
-        if not data:
-            raise StopAsyncIteration
-        return data
 
 
 async def never(_: Any) -> Any:

@@ -32,7 +32,7 @@ import orjson
 
 from corral.errors import ApiError
 from corral.runtime.affinity import GENERATION_PATHS, Holder, Pick, Slots, prompt_pieces
-from corral.runtime.continuation import ContinuedStream, Upstream, continuable
+from corral.runtime.continuation import ContinuedStream, Reader, Upstream, continuable
 from corral.runtime.kvcache import KVCache
 from corral.runtime.runner import Runner
 from corral.runtime.runner_errors import CACHE_FULL, CacheFull, runner_error, stream_error
@@ -288,7 +288,7 @@ class _Queue:
     moved: asyncio.Event
 
 
-class RunnerStream(asyncio.Protocol):
+class RunnerStream(Reader, asyncio.Protocol):
     """A streamed POST to a runner, on a connection of its own (llama.cpp closes it after a
     streamed answer anyway), read without an HTTP client library in between: what arrives is
     only appended here, and the reader is woken when it should read.
@@ -556,21 +556,6 @@ class RunnerStream(asyncio.Protocol):
         if data:
             self._see_end(data)
             self.data_received(data)
-
-    async def read_all(self) -> bytes:
-        parts = []
-        while chunk := await self.read():
-            parts.append(chunk)
-        return b"".join(parts)
-
-    def __aiter__(self) -> RunnerStream:
-        return self
-
-    async def __anext__(self) -> bytes:
-        data = await self.read()
-        if not data:
-            raise StopAsyncIteration
-        return data
 
     def close(self) -> None:
         self._drop_sock()  # first: while our descriptor is open, the connection stays open

@@ -176,13 +176,36 @@ class Upstream(Protocol):
     def __aiter__(self) -> AsyncIterator[bytes]: ...
 
 
+class Reader:
+    """What a stream read by `read()` (b"" at its end) offers besides: its whole body, and its
+    chunks as an async iterator."""
+
+    async def read(self) -> bytes:
+        raise NotImplementedError
+
+    async def read_all(self) -> bytes:
+        parts = []
+        while chunk := await self.read():
+            parts.append(chunk)
+        return b"".join(parts)
+
+    def __aiter__(self) -> Reader:
+        return self
+
+    async def __anext__(self) -> bytes:
+        data = await self.read()
+        if not data:
+            raise StopAsyncIteration
+        return data
+
+
 class _Part(Protocol):
     async def read(self) -> bytes: ...
 
     def close(self) -> None: ...
 
 
-class ContinuedStream:
+class ContinuedStream(Reader):
     """A runner's stream (a RunnerStream) that is continued when the shared cache fills
     mid-answer. `again(payload)` sends the request again once it can run alone and returns the
     new stream; `count(text)` is the tokens the model reads `text` as (the prefill's share of
@@ -288,21 +311,6 @@ class ContinuedStream:
         data = _GENERATED.sub(lambda m: b'"%s":%d' % (m[1], int(m[2]) + k), data)
         data = _PROMPT.sub(lambda m: b'"%s":%d' % (m[1], max(int(m[2]) - p, 0)), data)
         return _TOTAL.sub(lambda m: b'"%s":%d' % (m[1], max(int(m[2]) + k - p, k)), data)
-
-    async def read_all(self) -> bytes:
-        parts = []
-        while chunk := await self.read():
-            parts.append(chunk)
-        return b"".join(parts)
-
-    def __aiter__(self) -> ContinuedStream:
-        return self
-
-    async def __anext__(self) -> bytes:
-        data = await self.read()
-        if not data:
-            raise StopAsyncIteration
-        return data
 
     def close(self) -> None:
         self.pending = None
