@@ -155,7 +155,8 @@ class FakeScheduler:
 def runner(model: str, n_ctx: int, held: int = 0, inflight: int = 0) -> RunnerView:
     return RunnerView(
         id=1, model=model, state="ready", draining=False, pid=1, devices={"cpu": held},
-        size=held, slots=1, context_length=n_ctx, inflight=inflight, keep_alive=300.0,
+        size=held, slots=1, context_length=n_ctx, inflight=inflight, waiting_for_room=0,
+        keep_alive=300.0,
         expires_in=300.0, held_for=0.0, pinned=False, priority=0, uses=1, load_cost=1.0,
         progress=None, loading_for=None, load_seconds=1.0, measured=None, measured_devices={},
         page_cache=None, page_cache_at_load=None, tokens_per_second=0.0,

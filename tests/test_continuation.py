@@ -13,7 +13,6 @@ import pytest
 
 from corral.api.family import ANTHROPIC
 from corral.errors import ApiError
-from corral.runtime import client as client_module
 from corral.runtime.affinity import Slots
 from corral.runtime.client import RunnerClient
 from corral.runtime.continuation import (
@@ -24,6 +23,7 @@ from corral.runtime.continuation import (
     continuable,
     continued,
 )
+from corral.runtime.hop import Hop
 from corral.runtime.runner_errors import CacheFull, stream_failure
 
 CHAT = "/v1/chat/completions"
@@ -217,14 +217,19 @@ def test_a_continuation_the_runner_cannot_take_ends_on_the_first_error() -> None
     assert out.endswith(FULL) and answered(CHAT, out[: -len(FULL)]) == "a"
 
 
-@dataclass
+@dataclass(eq=False)  # compared by identity, as a scheduler Lease is in the waiting list
 class Lease:
+    hop: Hop
     released: bool = False
     generated: int = 0
     prompt_tokens: int | None = None
 
+    def release(self) -> None:  # as scheduler.Lease does: those waiting for room look again
+        self.released = True
+        self.hop.changed()
 
-@dataclass(eq=False)  # hashed by identity, as a runner is
+
+@dataclass(eq=False)
 class Runner:
     name: str = "m"
 
@@ -234,37 +239,41 @@ def test_a_request_waiting_to_run_alone_is_not_overtaken_by_newcomers_that_fit(
 ) -> None:
     """A stream waiting to be continued alone waits for the requests running beside it; a
     newcomer that would fit beside them waits behind it (first come, first served) instead
-    of starting at once, or a steady trickle of such newcomers would hold it back for ever."""
-    monkeypatch.setattr(client_module, "ALONE_POLL_S", 0.001)
+    of starting at once, or a steady trickle of such newcomers would hold it back for ever.
+    The release of the running request wakes them: nothing polls."""
     client = RunnerClient()
-    runner = Runner()
-    slots = Slots(4, capacity=1000)
-    running, stalled, newcomer = Lease(), Lease(), Lease()
+    hop = Hop(cast(Any, Runner()), Slots(4, capacity=1000))
+    assert hop.slots is not None
+    slots = hop.slots
+    running, stalled, newcomer = Lease(hop), Lease(hop), Lease(hop)
     for lease, text in ((running, b"a" * 300), (stalled, b"b" * 300), (newcomer, b"c" * 300)):
         assert slots.claim(lease, (text,)) is not None
     sent: list[str] = []
 
-    async def send(runner: Any, path: str, payload: dict[str, Any], crowded: bool = False) -> Any:
+    async def send(hop: Hop, path: str, payload: dict[str, Any], streamed: bool,
+                   crowded: bool = False) -> Any:  # fmt: skip
         sent.append(payload["who"])
-        return object()
+        return b"{}"
 
     monkeypatch.setattr(client, "_send", send)
 
     async def go() -> None:
-        r = cast(Any, runner)
-        alone = asyncio.create_task(client._alone(r, CHAT, {"who": "stalled"}, stalled, slots))
+        alone = asyncio.create_task(
+            client._alone(hop, slots, CHAT, {"who": "stalled"}, stalled, False)
+        )
         await asyncio.sleep(0.01)
         # 900 bytes is 300 tokens of 1,000: the newcomer fits, yet waits its turn
         later = asyncio.create_task(
-            client._send_pinned(r, CHAT, {"who": "newcomer"}, newcomer, slots)
+            client._admitted(hop, slots, CHAT, {"who": "newcomer"}, newcomer, False)
         )
         await asyncio.sleep(0.01)
         assert sent == []  # the stalled stream waits for the one running, the newcomer behind it
-        running.released = True
+        assert hop.waiting == [stalled, newcomer]
+        running.release()
         await asyncio.wait_for(asyncio.gather(alone, later), 5)
 
     asyncio.run(go())
-    assert sent == ["stalled", "newcomer"]
+    assert sent == ["stalled", "newcomer"] and hop.waiting == []
 
 
 def test_a_stream_that_cannot_be_continued_ends_with_a_503_in_each_family() -> None:

@@ -20,7 +20,8 @@ GiB = 2**30
 def runner(model: str, inflight: int) -> RunnerView:
     return RunnerView(
         id=1, model=model, state="ready", draining=False, pid=1, devices={"cpu": GiB},
-        size=GiB, slots=2, context_length=1024, inflight=inflight, keep_alive=300.0,
+        size=GiB, slots=2, context_length=1024, inflight=inflight, waiting_for_room=0,
+        keep_alive=300.0,
         expires_in=math.inf, pinned=False, priority=0, uses=1, load_cost=1.0, progress=None,
         loading_for=None, load_seconds=1.0, measured=GiB // 2, measured_devices={},
         page_cache=None, page_cache_at_load=None, tokens_per_second=0.0,

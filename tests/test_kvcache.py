@@ -369,11 +369,10 @@ async def test_a_load_waiting_for_the_memory_is_not_held_up_by_saving(
         spec = RunnerSpec(path=str(kv_models / f"{model}.gguf"), n_ctx=1024, num_parallel=1)
         lease = await sched.acquire(model, spec, size=100 * mib)
         try:
-            assert lease.runner.session is not None
-            async with lease.runner.session.post(
-                "/completion", json={"prompt": prompt, "n_predict": 2}
-            ) as r:
-                assert r.status == 200 and (await r.json())["tokens_evaluated"] >= 64
+            answer = await lease.hop.api.post_json(
+                "/completion", {"prompt": prompt, "n_predict": 2}
+            )
+            assert answer["tokens_evaluated"] >= 64
         finally:
             lease.release()
 

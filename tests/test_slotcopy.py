@@ -9,6 +9,7 @@ from typing import Any
 import pytest
 
 from corral.core.spec import RunnerSpec
+from corral.runtime.hop import Hop
 from corral.runtime.kvcache import KVCache
 from corral.runtime.runner import Runner
 from corral.runtime.slotcopy import SlotCopier
@@ -28,9 +29,11 @@ def paths(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     }
 
 
-def runner(paths: dict[str, Path], model: str = "llama", save: bool = True, **spec: Any) -> Runner:
-    return Runner(model, RunnerSpec(str(paths[model]), 1024, 4, kv_unified=True, **spec),
-                  slot_save_path=str(paths["kv"]) if save else None)  # fmt: skip
+def runner(paths: dict[str, Path], model: str = "llama", save: bool = True, **spec: Any) -> Hop:
+    """The hop of a runner (not started: what a copy may be made for is decided before any
+    request reaches it)."""
+    return Hop.of(Runner(model, RunnerSpec(str(paths[model]), 1024, 4, kv_unified=True, **spec),
+                         slot_save_path=str(paths["kv"]) if save else None))  # fmt: skip
 
 
 def test_a_chat_or_one_raw_prompt_may_start_from_a_copy(paths: dict[str, Path]) -> None:

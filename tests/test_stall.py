@@ -21,7 +21,7 @@ import pytest
 from corral.config import ConfigError, Settings
 from corral.core.spec import RunnerSpec
 from corral.runtime.measure import Record
-from corral.runtime.runner import Runner
+from corral.runtime.runner_api import RunnerAPI
 from corral.runtime.scheduler import Lease, Scheduler
 from corral.testing import synth
 from corral.testing.server import CorralServer
@@ -173,10 +173,10 @@ async def leased(models_dir: Path, stall: float = math.inf) -> tuple[Scheduler, 
 
 
 async def stream(lease: Lease) -> AsyncIterator[bytes]:
-    """A long generation on the leased runner, as the service streams one."""
-    assert lease.runner.session is not None
+    """A long generation on the leased runner, on one of its API's pooled connections (those
+    `RunnerAPI.break_connections` ends)."""
     body = {"prompt": "once upon a time", "n_predict": 100000, "temperature": 0, "stream": True}
-    async with lease.runner.session.post(
+    async with lease.hop.api._session.post(
         "/completion", json=body, headers={"Connection": "close"}
     ) as resp:
         async for line in resp.content:
@@ -239,10 +239,10 @@ async def test_a_failing_watch_kills_the_runner_and_frees_its_books(
 async def test_a_failing_watchdog_kills_the_runner(
     models_dir: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    async def broken(self: Runner, timeout: float) -> bool:
+    async def broken(self: RunnerAPI, timeout: float) -> int | None:
         raise RuntimeError("boom")
 
-    monkeypatch.setattr(Runner, "responds", broken)
+    monkeypatch.setattr(RunnerAPI, "health", broken)
     sched, lease = await leased(models_dir, stall=1.0)
     pid = lease.runner.pid
     assert pid is not None

@@ -1,6 +1,6 @@
-"""The streaming relay's pieces: RunnerStream (corral.runtime.client) against a local server that
-writes what a test says when it says, and RelayResponse (corral.api.stream) driven as an ASGI
-app."""
+"""The streaming relay's pieces: RunnerStream (corral.runtime.runner_stream) against a local
+server that writes what a test says when it says, and RelayResponse (corral.api.stream) driven
+as an ASGI app."""
 
 from __future__ import annotations
 
@@ -15,8 +15,8 @@ from typing import Any
 import pytest
 
 from corral.api.stream import RelayResponse
-from corral.runtime import client as relay
-from corral.runtime.client import RunnerStream, open_stream
+from corral.runtime import runner_stream as relay
+from corral.runtime.runner_stream import RunnerStream, open_stream
 
 Writer = Callable[[socket.socket], None]
 

@@ -29,8 +29,7 @@ from corral.api.activity import note_embedded
 from corral.errors import ApiError
 
 if TYPE_CHECKING:
-    from corral.runtime.client import RunnerClient
-    from corral.runtime.runner import Runner
+    from corral.runtime.hop import Hop
 
 # llama.cpp's default physical batch (n_ubatch): the most tokens one embedding input may have.
 EMBED_BATCH = 512
@@ -85,8 +84,7 @@ def as_json_numbers(vectors: np.ndarray) -> np.ndarray:
 
 
 async def embed(
-    client: RunnerClient,
-    runner: Runner,
+    hop: Hop,
     inputs: Sequence[Any],
     extra: Mapping[str, Any] | None = None,
 ) -> tuple[np.ndarray, int]:
@@ -99,13 +97,13 @@ async def embed(
 
     async def one(part: range) -> tuple[np.ndarray, int]:
         payload = {**base, "input": list(inputs[part.start : part.stop])}
-        data = await client.post_json(runner, "/v1/embeddings", payload)
+        data = await hop.api.post_json("/v1/embeddings", payload)
         matrix, tokens = decode(data)
         if matrix.shape[0] != len(part):
             raise ApiError(500, f"the runner answered {matrix.shape[0]} of {len(part)} inputs")
         return matrix, tokens
 
-    parts = chunks(len(inputs), chunk_size(runner.spec.num_parallel))
+    parts = chunks(len(inputs), chunk_size(hop.runner.spec.num_parallel))
     done: list[np.ndarray] = []
     tokens = 0
     window: list[asyncio.Future[tuple[np.ndarray, int]]] = []
@@ -132,14 +130,12 @@ async def embed(
     return np.vstack(done), tokens
 
 
-async def fit(
-    client: RunnerClient, runner: Runner, inputs: Sequence[str], truncate: bool
-) -> list[str | list[int]]:
+async def fit(hop: Hop, inputs: Sequence[str], truncate: bool) -> list[str | list[int]]:
     """Inputs an embedding runner can take whole: llama.cpp embeds one input in one physical
     batch and fails on longer ones, so those are cut to it (as token ids) or, with `truncate`
     false, refused (the first in input order). Only inputs with more bytes than the limit are
     tokenized (a token is never shorter than a byte), TOKENIZE_CONCURRENT at once."""
-    limit = min(runner.spec.n_ctx, EMBED_BATCH)
+    limit = min(hop.runner.spec.n_ctx, EMBED_BATCH)
     out: list[str | list[int]] = list(inputs)
     # + the specials the model adds ([CLS], [SEP])
     long = [i for i, text in enumerate(inputs) if len(text.encode()) + 2 > limit]
@@ -149,9 +145,7 @@ async def fit(
 
     async def tokens(text: str) -> list[int]:
         async with gate:
-            data = await client.post_json(
-                runner, "/tokenize", {"content": text, "add_special": True}
-            )
+            data = await hop.api.post_json("/tokenize", {"content": text, "add_special": True})
         return list(data["tokens"])
 
     counted = await asyncio.gather(*(tokens(inputs[i]) for i in long))

@@ -20,8 +20,8 @@ from corral.api.family import LLAMACPP, FamilyRoute
 from corral.api.service import Service
 from corral.api.stream import LeasedStream
 from corral.errors import ApiError
-from corral.runtime.client import UPSTREAM_ERRORS
 from corral.runtime.meter import count_events
+from corral.runtime.runner_api import UPSTREAM_ERRORS
 
 # path -> (the runner's path, the capability it needs or None)
 POST_ROUTES = {
@@ -66,11 +66,7 @@ class Native:
             raise ApiError(400, "'model' is required (?model=...)", "model")
         r = self.svc.resolve(name)
         async with await self.svc.lease(request, r, {}, None) as lease:
-            runner = lease.runner
-            assert runner.session is not None
-            async with runner.session.get("/props") as resp:
-                data = await resp.read()
-                status = resp.status
+            status, data = await lease.hop.api.props()
         return Response(data, status, media_type="application/json")
 
 

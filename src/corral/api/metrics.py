@@ -207,6 +207,10 @@ class _Books(Collector):
         inflight = GaugeMetricFamily(
             "corral_requests_in_flight", "Requests a runner is serving", labels=["model"]
         )
+        room = GaugeMetricFamily(
+            "corral_requests_waiting_for_room", "Granted requests waiting for room in their "
+            "runner's shared KV cache (counted in flight too)", labels=["model"],
+        )  # fmt: skip
         booked = GaugeMetricFamily(
             "corral_model_booked_bytes", "Bytes booked for a model's runner, per device",
             labels=["model", "device"],
@@ -222,6 +226,7 @@ class _Books(Collector):
         for r in v.runners:
             states[r.state] = states.get(r.state, 0) + 1
             inflight.add_metric([r.model], r.inflight)
+            room.add_metric([r.model], r.waiting_for_room)
             for dev, n in r.devices.items():
                 booked.add_metric([r.model, dev], n)
             if r.measured is not None:
@@ -229,6 +234,7 @@ class _Books(Collector):
         for state, n in states.items():
             loaded.add_metric([state], n)
         yield inflight
+        yield room
         yield booked
         yield resident
         yield loaded

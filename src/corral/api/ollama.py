@@ -166,8 +166,8 @@ class Ollama:
                 prompt_ids = background(self.svc.prompt_tokens(gen.lease, chat))
 
                 async def context_of(answer: str) -> list[int]:
-                    client, runner = self.svc.client, gen.lease.runner
-                    answer_ids = await client.tokenize(runner, answer) if answer else []
+                    api = gen.lease.hop.api
+                    answer_ids = await api.tokenize(answer) if answer else []
                     return [*context, *await prompt_ids, *answer_ids]
 
         return await respond(request, stream, gen, r.requested, "response", start, top, context_of)
@@ -246,8 +246,8 @@ class Ollama:
         start = time.monotonic()
         async with await self.svc.lease(request, r, options, keep_alive) as lease:
             # in chunks over the runner's slots, the vectors decoded by numpy (api/embed.py)
-            fitted = await embed.fit(self.svc.client, lease.runner, inputs, cut)
-            work = embed.embed(self.svc.client, lease.runner, fitted)
+            fitted = await embed.fit(lease.hop, inputs, cut)
+            work = embed.embed(lease.hop, fitted)
             vectors, tokens = await until_disconnect(request, work)
         rows = embed.as_json_numbers(embed.shorten(vectors, dims))
         return json_response({
@@ -269,8 +269,8 @@ class Ollama:
             if not prompt:
                 return json_response({"embedding": []})
             # Cut to what the runner embeds at once, as /api/embed does by default.
-            fitted = await embed.fit(self.svc.client, lease.runner, [prompt], True)
-            work = embed.embed(self.svc.client, lease.runner, fitted)
+            fitted = await embed.fit(lease.hop, [prompt], True)
+            work = embed.embed(lease.hop, fitted)
             vectors, _ = await until_disconnect(request, work)
         return json_response({"embedding": embed.as_json_numbers(vectors)[0]})
 

@@ -251,7 +251,7 @@ class OpenAI:
 
         async def send(lease: Lease) -> tuple[Any, int]:
             async with lease:
-                work = embed.embed(self.svc.client, lease.runner, prompts, extra)
+                work = embed.embed(lease.hop, prompts, extra)
                 return await until_disconnect(request, work)
 
         # an input longer than the runner's context reloads it bigger and all are sent again
@@ -273,9 +273,7 @@ class OpenAI:
             async with lease:
                 if legacy is not None:
                     await legacy.prepare(self.svc, lease)
-                out: dict[str, Any] = await self.svc.client.post_json(
-                    lease.runner, path, payload, lease
-                )
+                out: dict[str, Any] = await self.svc.client.post_json(lease, path, payload)
                 settle_whole(lease.tally, out)
                 lease.tool_call = _ends_in_tool_calls(out)  # the agent comes back: hold it
                 return out
@@ -299,7 +297,7 @@ class OpenAI:
         async def open_stream(lease: Lease) -> tuple[Lease, Upstream]:
             if legacy is not None:
                 await legacy.prepare(self.svc, lease)
-            return lease, await self.svc.client.stream(lease.runner, path, payload, lease)
+            return lease, await self.svc.client.stream(lease, path, payload)
 
         # a prompt longer than the runner's context reloads it bigger and is sent again
         lease, resp = await self.svc.leased(request, r, {}, None, payload, open_stream)
@@ -496,12 +494,12 @@ class _Legacy:
             if isinstance(p, str):
                 text = p
             else:
-                detok = await svc.client.post_json(lease.runner, "/detokenize", {"tokens": p})
+                detok = await lease.hop.api.post_json("/detokenize", {"tokens": p})
                 text = detok["content"]
             lp = None
             if self.k is not None:
-                toks = await svc.client.post_json(
-                    lease.runner, "/tokenize", {"content": text, "with_pieces": True}
+                toks = await lease.hop.api.post_json(
+                    "/tokenize", {"content": text, "with_pieces": True}
                 )
                 pieces = [_token_bytes(t.get("piece", "")) for t in toks.get("tokens") or ()]
                 cursor = _Cursor()

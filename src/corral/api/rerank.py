@@ -48,9 +48,7 @@ class Rerank:
         async with await self.svc.lease(request, r, {}, None) as lease:
             data = await until_disconnect(
                 request,
-                self.svc.client.post_json(
-                    lease.runner, "/v1/rerank", {"query": query, "documents": docs}
-                ),
+                lease.hop.api.post_json("/v1/rerank", {"query": query, "documents": docs}),
             )
         ranked = sorted(data["results"], key=lambda x: -x["relevance_score"])[:top_n]
         results: list[dict[str, Any]] = []

@@ -16,7 +16,6 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, TypeVar
 
-import aiohttp
 import orjson
 from starlette.requests import Request
 from starlette.responses import Response
@@ -47,6 +46,7 @@ from corral.core.roles import has_later_system, place_system, renders_later_syst
 from corral.core.spec import Estimates, RunnerSpec, jinja_template, runner_spec, slot_choices
 from corral.errors import ApiError
 from corral.runtime.client import RunnerClient
+from corral.runtime.continuation import Upstream
 from corral.runtime.devices import cpu_cores
 from corral.runtime.journal import Event
 from corral.runtime.meter import last_object, last_timings
@@ -393,30 +393,28 @@ class Service:
         """The runner's answer to `body` on `path` as it is (`relay` streams it), with the
         model renamed to the one the client asked for."""
 
-        async def send(lease: Lease) -> tuple[Lease, Any]:
-            return lease, await self.client.post(lease.runner, path, body, lease)
-
-        lease, resp = await self.leased(request, r, {}, None, body, send)
-        # llama.cpp names the model by the runner's alias (the name the runner is known by,
-        # shared by every model of its files); clients expect the name they sent. Replacing the
-        # exact `"model":"<alias>"` pair is safe: the same bytes inside generated text would be
-        # escaped (`\"model\":...`), so cannot match.
-        old = b'"model":' + orjson.dumps(lease.runner.name)
-        new = b'"model":' + orjson.dumps(r.requested)
         if stream:
-            assert not isinstance(resp, aiohttp.ClientResponse)
+            async def send(lease: Lease) -> tuple[Lease, Upstream]:
+                return lease, await self.client.stream(lease, path, body)
+
+            lease, resp = await self.leased(request, r, {}, None, body, send)
+            old, new = _renamed(lease, r)
             return relay(resp, lease, resp, "text/event-stream",
                          rename=(old, new) if old != new else None)  # fmt: skip
-        assert isinstance(resp, aiohttp.ClientResponse)
+
+        async def whole(lease: Lease) -> tuple[Lease, bytes]:
+            # a client that leaves closes the connection: llama.cpp stops generating
+            return lease, await until_disconnect(request, self.client.answer(lease, path, body))
+
+        lease, data = await self.leased(request, r, {}, None, body, whole)
+        old, new = _renamed(lease, r)
         try:
-            data = await until_disconnect(request, resp.read())
             lease.tally.timed(last_timings(data))  # a whole answer's tokens, at once
             if path == "/v1/embeddings":  # the prompt tokens it read, from its usage
                 usage = last_object(data, b"usage") or {}
                 note_embedded(int(usage.get("prompt_tokens") or 0))
             lease.tool_call = TOOL_CALLS_END in data  # the agent comes back: hold its runner
         finally:
-            resp.release()
             lease.release()
         return Response(data.replace(old, new), media_type="application/json")
 
@@ -482,12 +480,11 @@ class Service:
         kwargs = chat.params.get("chat_template_kwargs") or {}
         if forced is not None:
             kwargs = {**kwargs, "enable_thinking": False}
-        tmpl = await self.client.post_json(
-            lease.runner, "/apply-template", {**template_body(chat, fallback, forced),
-                                              "chat_template_kwargs": kwargs},
-        )  # fmt: skip
+        prompt = await lease.hop.api.apply_template(
+            {**template_body(chat, fallback, forced), "chat_template_kwargs": kwargs}
+        )
         payload = {k: v for k, v in chat.params.items() if k in COMPLETION_PARAMS}
-        payload["prompt"] = [*(prefix or []), tmpl["prompt"]]
+        payload["prompt"] = [*(prefix or []), prompt]
         mode = "completion"
         if forced is not None:
             payload["json_schema"] = forced_schema(forced)
@@ -512,8 +509,8 @@ class Service:
                                 chat.forced_tools)  # fmt: skip
         if "chat_template_kwargs" in chat.params:
             payload["chat_template_kwargs"] = chat.params["chat_template_kwargs"]
-        tmpl = await self.client.post_json(lease.runner, "/apply-template", payload)
-        return await self.client.tokenize(lease.runner, tmpl["prompt"], special=True)
+        api = lease.hop.api
+        return await api.tokenize(await api.apply_template(payload), special=True)
 
     async def complete(
         self,
@@ -543,9 +540,17 @@ class Service:
         stop: list[str] | None,
         tools: frozenset[str] | None = None,
     ) -> Generation:
-        resp = await self.client.stream(lease.runner, path, payload, lease)
+        resp = await self.client.stream(lease, path, payload)
         explain = lease.runner.why_failed
         return Generation(lease, resp, mode, stop or [], explain, tools)
+
+
+def _renamed(lease: Lease, r: Resolved) -> tuple[bytes, bytes]:
+    """llama.cpp names the model by the runner's alias (the name the runner is known by, shared
+    by every model of its files); clients expect the name they sent. Replacing the exact
+    `"model":"<alias>"` pair is safe: the same bytes inside generated text would be escaped
+    (`\\"model\\":...`), so cannot match."""
+    return b'"model":' + orjson.dumps(lease.runner.name), b'"model":' + orjson.dumps(r.requested)
 
 
 def effective_template(r: Resolved) -> str | None:

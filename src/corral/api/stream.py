@@ -24,9 +24,9 @@ from starlette.types import Message, Receive, Scope, Send
 from corral.api.activity import note_error
 from corral.api.family import OPENAI, Family
 from corral.errors import ApiError
-from corral.runtime.client import UPSTREAM_ERRORS
 from corral.runtime.continuation import Upstream
 from corral.runtime.meter import count_events
+from corral.runtime.runner_api import UPSTREAM_ERRORS
 from corral.runtime.runner_errors import SSE_ERROR, stream_error
 from corral.runtime.scheduler import Lease
 

@@ -160,7 +160,7 @@ def cache_full_at(data: bytes) -> int:
 
 
 class Upstream(Protocol):
-    """A runner's streamed answer as the API layer reads it: a RunnerStream (runtime/client),
+    """A runner's streamed answer as the API layer reads it: a RunnerStream (runtime/runner_stream),
     or a ContinuedStream of them."""
 
     status: int
@@ -174,6 +174,8 @@ class Upstream(Protocol):
     def release(self) -> None: ...
 
     def __aiter__(self) -> AsyncIterator[bytes]: ...
+
+    async def __anext__(self) -> bytes: ...
 
 
 class Reader:

@@ -48,17 +48,17 @@ import math
 import os
 import secrets
 import time
-import weakref
 from array import array
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
-
-import aiohttp
+from typing import TYPE_CHECKING, Any
 
 from corral.runtime.runner import Runner
 from corral.runtime.slotfile import CorruptEntry, common_prefix, read_tokens, token_digest
+
+if TYPE_CHECKING:
+    from corral.runtime.hop import Hop
 
 log = logging.getLogger(__name__)
 
@@ -95,7 +95,10 @@ class Entry:
 
 
 @dataclass
-class _RunnerState:
+class RestoreState:
+    """A runner's saved conversations not restored yet, and the measure of a restore's reuse
+    (on its hop: `Hop.restore`)."""
+
     key: str
     pending: dict[str, Path]  # saved conversations of this key not restored yet, by name
     checks_left: int = CHECKS_PER_LOAD
@@ -152,7 +155,6 @@ class KVCache:
     def __init__(self, directory: Path, max_bytes: int) -> None:
         self.directory = directory
         self.max_bytes = max_bytes
-        self._runners: weakref.WeakKeyDictionary[Runner, _RunnerState] = weakref.WeakKeyDictionary()
         # (name, size, mtime) -> tokens: a file changed behind corral's back is read again
         self._tokens: dict[tuple[str, int, int], array[int]] = {}
         self._failures: dict[str, int] = {}  # key -> restores in a row that reused nothing
@@ -174,17 +176,17 @@ class KVCache:
         return str(self.directory)
 
     # ---- saving ----------------------------------------------------------------------------
-    async def before_stop(self, runner: Runner, waiting: bool) -> None:
+    async def before_stop(self, hop: Hop, waiting: bool) -> None:
         """Save the runner's conversations before it stops (scheduler.Hooks.before_stop). With a
         load `waiting` for its memory, only saves that cost it less than they spare later,
         within WAITING_BUDGET seconds in all."""
-        st = self._runners.get(runner)
+        st = hop.restore
         if st is not None and st.measuring is not None:  # a restored request's reuse, unread
-            await self._read_measure(runner, st)
-        key = runner_key(runner)
-        if key is None or key in self.no_reuse or runner.session is None:
+            await self._read_measure(hop, st)
+        key = runner_key(hop.runner)
+        if key is None or key in self.no_reuse or hop.api.closed:
             return
-        slots = await self._get_json(runner, "/slots")
+        slots = await hop.api.get_json("/slots")
         if not isinstance(slots, list):
             return
         with contextlib.suppress(OSError):  # removed while corral ran: llama.cpp writes there
@@ -196,11 +198,11 @@ class KVCache:
         ]  # fmt: skip
         if not full:
             return
-        speed = await self.prompt_speed(runner) or None  # 0.0: no prompt read yet
+        speed = await self.prompt_speed(hop) or None  # 0.0: no prompt read yet
         spent = 0.0
         for s in sorted(full, key=lambda s: -int(s["n_prompt_tokens"])):
             n = int(s["n_prompt_tokens"])
-            save_s = n * self._estimate_bytes_per_token(runner, key) / self.write_bps
+            save_s = n * self._estimate_bytes_per_token(hop, key) / self.write_bps
             reread_s = n / speed if speed else math.inf
             # The saved file is written now and read back on a restore: both must cost less
             # than reading the conversation again.
@@ -208,25 +210,23 @@ class KVCache:
                 self.stats["skipped_saves"] += 1
                 log.info(
                     "kv cache: not saving slot %d of '%s' (%d tokens): about %.2fs to save%s, "
-                    "%.2fs to read again", s["id"], runner.name, n, save_s,
+                    "%.2fs to read again", s["id"], hop.runner.name, n, save_s,
                     " with a load waiting" if waiting else "", reread_s,
                 )  # fmt: skip
                 continue
             t0 = time.monotonic()
-            await self._save_slot(runner, key, s["id"])
+            await self._save_slot(hop, key, s["id"])
             spent += time.monotonic() - t0
         await asyncio.to_thread(self.enforce_cap)
 
-    async def _save_slot(self, runner: Runner, key: str, slot: int) -> None:
+    async def _save_slot(self, hop: Hop, key: str, slot: int) -> None:
         tmp = f"{TMP_PREFIX}{secrets.token_hex(8)}.part"
         t0 = time.monotonic()
-        res = await self._post_json(
-            runner, f"/slots/{slot}?action=save", {"filename": tmp}, HTTP_TIMEOUT
-        )
+        res = await hop.api.slot_action(slot, "save", tmp, HTTP_TIMEOUT)
         seconds = time.monotonic() - t0
         tmp_path = self.directory / tmp
         if not isinstance(res, dict) or "n_saved" not in res:
-            log.warning("kv cache: saving slot %d of '%s' failed: %s", slot, runner.name, res)
+            log.warning("kv cache: saving slot %d of '%s' failed: %s", slot, hop.runner.name, res)
             tmp_path.unlink(missing_ok=True)
             return
         n, written = int(res["n_saved"]), int(res.get("n_written") or 0)
@@ -234,7 +234,7 @@ class KVCache:
             entry = await asyncio.to_thread(self._keep, key, tmp_path, n)
         except (OSError, CorruptEntry) as e:
             log.warning("kv cache: the save of slot %d of '%s' is unusable: %s",
-                        slot, runner.name, e)  # fmt: skip
+                        slot, hop.runner.name, e)  # fmt: skip
             tmp_path.unlink(missing_ok=True)
             return
         if entry is None:
@@ -250,7 +250,7 @@ class KVCache:
         self.stats["save_seconds"] += seconds
         log.info(
             "kv cache: saved slot %d of '%s': %d tokens, %.1f MiB in %.0f ms (%s)",
-            slot, runner.name, n, written / 2**20, seconds * 1e3, entry.name,
+            slot, hop.runner.name, n, written / 2**20, seconds * 1e3, entry.name,
         )  # fmt: skip
 
     def _keep(self, key: str, tmp_path: Path, n: int) -> Entry | None:
@@ -292,24 +292,24 @@ class KVCache:
                      p.name, size / 2**20, self.max_bytes / 2**20)  # fmt: skip
 
     # ---- restoring -------------------------------------------------------------------------
-    def wants(self, runner: Runner) -> bool:
-        """Whether a request to `runner` should be compared with saved conversations: among
+    def wants(self, hop: Hop) -> bool:
+        """Whether a request to its runner should be compared with saved conversations: among
         its first requests, while conversations saved for its key were not restored yet."""
-        st = self._runners.get(runner)
+        st = hop.restore
         if st is None:
-            key = runner_key(runner)
+            key = runner_key(hop.runner)
             names: dict[str, Path] = {}
             if key is not None and key not in self.no_reuse:
                 with contextlib.suppress(OSError):
                     names = {p.name: p for p in self.directory.glob(f"{key}-*{SUFFIX}")}
-            st = self._runners[runner] = _RunnerState(key or "", names)
+            st = hop.restore = RestoreState(key or "", names)
         return st.checks_left > 0 and bool(st.pending)
 
-    async def prepare(self, runner: Runner, path: str, payload: dict[str, Any]) -> dict[str, Any]:
+    async def prepare(self, hop: Hop, path: str, payload: dict[str, Any]) -> dict[str, Any]:
         """`payload` for the runner at `path`, pinned to a slot where the saved conversation its
         prompt continues was restored; `payload` unchanged when there is none (or anything
         fails: a restore is an optimisation)."""
-        st = self._runners.get(runner)
+        st = hop.restore
         if st is None or not st.pending or st.checks_left <= 0:
             return payload
         st.checks_left -= 1
@@ -317,9 +317,9 @@ class KVCache:
         if payload.get("cache_prompt") is False or has_media(payload):
             return payload
         try:
-            prompt = await self._prompt_tokens(runner, path, payload)
+            prompt = await self._prompt_tokens(hop, path, payload)
         except Exception as e:  # e.g. a template error the request itself will report
-            log.debug("kv cache: could not tokenize a prompt for '%s': %s", runner.name, e)
+            log.debug("kv cache: could not tokenize a prompt for '%s': %s", hop.runner.name, e)
             return payload
         if len(prompt) < MIN_REUSE:
             return payload
@@ -335,27 +335,25 @@ class KVCache:
         if best is None:
             return payload
         shared, entry = best
-        slot = await self._claim_slot(runner, st, payload.get("id_slot"))
+        slot = await self._claim_slot(hop, st, payload.get("id_slot"))
         if slot is None:
             return payload
         try:
-            restored = await self._restore(runner, st, entry, slot, prompt, shared, started)
+            restored = await self._restore(hop, st, entry, slot, prompt, shared, started)
         finally:
             # Held until the pinned request is queued behind the restore in llama.cpp.
             asyncio.get_running_loop().call_later(1.0, st.claimed.discard, slot)
         return {**payload, "id_slot": slot} if restored else payload
 
     async def _restore(
-        self, runner: Runner, st: _RunnerState, entry: Entry, slot: int, prompt: Sequence[int],
+        self, hop: Hop, st: RestoreState, entry: Entry, slot: int, prompt: Sequence[int],
         shared: int, started: float,
     ) -> bool:  # fmt: skip
         """Restore `entry` into `slot` and see to it that what llama.cpp reuses of it is
         measured; False if the restore failed. (`started`: when the request's check began.)"""
         st.pending.pop(entry.name, None)
         t0 = time.monotonic()
-        res = await self._post_json(
-            runner, f"/slots/{slot}?action=restore", {"filename": entry.name}, HTTP_TIMEOUT
-        )
+        res = await hop.api.slot_action(slot, "restore", entry.name, HTTP_TIMEOUT)
         restore_s = time.monotonic() - t0
         n_restored = int(res.get("n_restored") or 0) if isinstance(res, dict) else 0
         if n_restored != len(entry.tokens):
@@ -366,22 +364,22 @@ class KVCache:
         self.stats["restores"] += 1
         self.stats["restored_tokens"] += n_restored
         restore = {
-            "model": runner.name, "slot": slot, "restored": n_restored, "shared": shared,
+            "model": hop.runner.name, "slot": slot, "restored": n_restored, "shared": shared,
             "prompt": len(prompt), "restore_seconds": restore_s,
         }  # fmt: skip
-        counters = await self._prompt_counters(runner) if runner.spec.num_parallel == 1 else None
+        counters = await self._prompt_counters(hop) if hop.runner.spec.num_parallel == 1 else None
         if counters is not None:
             # One slot: the next prompt the runner reads is this request's, and its counters
             # (llama.cpp's /metrics) say what it took from the cache, with no extra decode.
             restore["seconds"] = time.monotonic() - started
             self._log_restore(restore)
             st.measuring = (restore, counters)
-            self._spawn(self._measure_request(runner, st))
+            self._spawn(self._measure_request(hop, st))
             return True
         # Several slots (their counters mix requests): a probe, the prompt up to one token
         # past the shared prefix, makes llama.cpp say what it takes from this slot's cache
         # while evaluating (nearly) nothing the request will not.
-        probe = await self._post_json(runner, "/completion", {
+        probe = await hop.api.try_post("/completion", {
             "prompt": list(prompt[: shared + 1]), "n_predict": 0, "id_slot": slot,
             "cache_prompt": True, "temperature": 0,
         }, PROBE_TIMEOUT)  # fmt: skip
@@ -389,10 +387,10 @@ class KVCache:
         self._log_restore(restore)
         timings = probe.get("timings") if isinstance(probe, dict) else None
         if isinstance(timings, dict) and "cache_n" in timings:
-            self._reused(runner, st, restore, int(timings["cache_n"] or 0), "probe")
+            self._reused(hop, st, restore, int(timings["cache_n"] or 0), "probe")
         else:
             log.warning("kv cache: how many tokens llama.cpp reuses in slot %d of '%s' is "
-                        "unknown (%s)", slot, runner.name, probe)  # fmt: skip
+                        "unknown (%s)", slot, hop.runner.name, probe)  # fmt: skip
         return True
 
     def _log_restore(self, r: dict[str, Any]) -> None:
@@ -403,7 +401,7 @@ class KVCache:
             r["shared"], r["prompt"], r["seconds"] * 1e3,
         )  # fmt: skip
 
-    async def _measure_request(self, runner: Runner, st: _RunnerState) -> None:
+    async def _measure_request(self, hop: Hop, st: RestoreState) -> None:
         """Wait for the runner to read its next prompt (the restored request's) and count
         what it took from the cache (before_stop reads it one last time)."""
         deadline = time.monotonic() + PROBE_TIMEOUT
@@ -411,21 +409,21 @@ class KVCache:
         while st.measuring is not None and time.monotonic() < deadline:
             await asyncio.sleep(delay)
             delay = min(delay * 2, MEASURE_INTERVAL)
-            if runner.session is None or runner.session.closed:
+            if hop.api.closed:
                 return
-            await self._read_measure(runner, st)
+            await self._read_measure(hop, st)
 
-    async def _read_measure(self, runner: Runner, st: _RunnerState) -> None:
+    async def _read_measure(self, hop: Hop, st: RestoreState) -> None:
         if st.measuring is None:
             return
         restore, before = st.measuring
-        now = await self._prompt_counters(runner)
+        now = await self._prompt_counters(hop)
         if now is not None and now != before and st.measuring is not None:
             st.measuring = None
-            self._reused(runner, st, restore, int(now[1] - before[1]), "request")
+            self._reused(hop, st, restore, int(now[1] - before[1]), "request")
 
     def _reused(
-        self, runner: Runner, st: _RunnerState, restore: dict[str, Any], reused: int, how: str
+        self, hop: Hop, st: RestoreState, restore: dict[str, Any], reused: int, how: str
     ) -> None:
         """Record and report what llama.cpp really reused after a restore."""
         self.stats["reused_tokens"] += reused
@@ -435,7 +433,7 @@ class KVCache:
             log.info(
                 "kv cache: '%s' resumed a saved conversation in slot %d: llama.cpp reused %d "
                 "of the prompt's %d tokens (measured on the %s)",
-                runner.name, restore["slot"], reused, restore["prompt"], how,
+                hop.runner.name, restore["slot"], reused, restore["prompt"], how,
             )  # fmt: skip
             return
         self.stats["failed_reuse"] += 1
@@ -447,7 +445,7 @@ class KVCache:
                 "kv cache: '%s' restored %d tokens into slot %d but llama.cpp reused none of "
                 "them: the prompt leaves them %d tokens before their end, further back than "
                 "this model's cache can return (sliding-window or recurrent layers)",
-                runner.name, restore["restored"], restore["slot"], back,
+                hop.runner.name, restore["restored"], restore["slot"], back,
             )  # fmt: skip
             return
         fails = self._failures[st.key] = self._failures.get(st.key, 0) + 1
@@ -457,7 +455,7 @@ class KVCache:
         log.warning(
             "kv cache: '%s' restored %d tokens into slot %d but llama.cpp reused none of them, "
             "though the prompt continues them (its restored cache does not resume)%s",
-            runner.name, restore["restored"], restore["slot"],
+            hop.runner.name, restore["restored"], restore["slot"],
             "; not saving this model's conversations any more" if give_up else "",
         )  # fmt: skip
 
@@ -466,11 +464,11 @@ class KVCache:
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
 
-    async def _claim_slot(self, runner: Runner, st: _RunnerState, wanted: Any) -> int | None:
-        if runner.spec.num_parallel == 1 and wanted in (None, -1, 0):
+    async def _claim_slot(self, hop: Hop, st: RestoreState, wanted: Any) -> int | None:
+        if hop.runner.spec.num_parallel == 1 and wanted in (None, -1, 0):
             return 0  # the lease held for this request is the one slot's
         async with st.lock:
-            slots = await self._get_json(runner, "/slots")
+            slots = await hop.api.get_json("/slots")
             if not isinstance(slots, list):
                 return None
             idle = [
@@ -487,21 +485,21 @@ class KVCache:
             st.claimed.add(slot)
             return int(slot)
 
-    async def _prompt_tokens(self, runner: Runner, path: str, payload: dict[str, Any]) -> list[int]:
+    async def _prompt_tokens(self, hop: Hop, path: str, payload: dict[str, Any]) -> list[int]:
         """The prompt's token ids as llama.cpp will see them: a chat rendered by the runner's
         own template (`/apply-template` takes the request's body as the chat endpoint does),
         then its tokenizer with special tokens, as for generation."""
         if path in CHAT_PATHS:
             body = {k: v for k, v in payload.items() if k not in ("stream", "stream_options")}
-            tmpl = await self._post_json(runner, "/apply-template", body, HTTP_TIMEOUT)
+            tmpl = await hop.api.try_post("/apply-template", body, HTTP_TIMEOUT)
             if not isinstance(tmpl, dict) or not isinstance(tmpl.get("prompt"), str):
                 return []
-            return await self._tokenize(runner, tmpl["prompt"], True)
+            return await self._tokenize(hop, tmpl["prompt"], True)
         prompt = payload.get("prompt")
         if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], str | list):
             prompt = prompt[0]
         if isinstance(prompt, str):
-            return await self._tokenize(runner, prompt, True)
+            return await self._tokenize(hop, prompt, True)
         if not isinstance(prompt, list):
             return []
         # llama.cpp's mixed prompt: ids as they are, strings tokenized (special tokens added
@@ -511,13 +509,13 @@ class KVCache:
             if isinstance(part, int) and not isinstance(part, bool):
                 out.append(part)
             elif isinstance(part, str):
-                out += await self._tokenize(runner, part, i == 0)
+                out += await self._tokenize(hop, part, i == 0)
             else:
                 return []
         return out
 
-    async def _tokenize(self, runner: Runner, text: str, add_special: bool) -> list[int]:
-        res = await self._post_json(runner, "/tokenize", {
+    async def _tokenize(self, hop: Hop, text: str, add_special: bool) -> list[int]:
+        res = await hop.api.try_post("/tokenize", {
             "content": text, "add_special": add_special, "parse_special": True,
         }, HTTP_TIMEOUT)  # fmt: skip
         toks = res.get("tokens") if isinstance(res, dict) else None
@@ -569,82 +567,39 @@ class KVCache:
                     if now - p.stat().st_mtime > STALE_TMP:
                         p.unlink()
 
-    # ---- the runner ------------------------------------------------------------------------
-    def bytes_per_token(self, runner: Runner, key: str) -> float:
-        """Bytes of KV state a token of `runner` (of `key`) takes: measured by saves, else
+    # ---- the runner ---------------------------------------------------------------------
+    def bytes_per_token(self, hop: Hop, key: str) -> float:
+        """Bytes of KV state a token of the hop's runner (of `key`) takes: measured by saves, else
         estimated from its allocation; 0.0 if unknown (runtime/slotcopy too)."""
-        return self._estimate_bytes_per_token(runner, key)
+        return self._estimate_bytes_per_token(hop, key)
 
-    async def prompt_speed(self, runner: Runner) -> float | None:
+    async def prompt_speed(self, hop: Hop) -> float | None:
         """The runner's prompt tokens per second so far: 0.0 if it has read no prompt yet,
         None if it does not say (no /metrics) (runtime/slotcopy)."""
-        found = await self._metrics(
-            runner, ("llamacpp:prompt_tokens_total", "llamacpp:prompt_seconds_total")
-        )
-        if len(found) < 2:
+        found = await hop.api.metrics()
+        secs = found.get("llamacpp:prompt_seconds_total")
+        toks = found.get("llamacpp:prompt_tokens_total")
+        if secs is None or toks is None:
             return None
-        secs, toks = found["llamacpp:prompt_seconds_total"], found["llamacpp:prompt_tokens_total"]
         return toks / secs if secs > 0 and toks > 0 else 0.0
 
-    def _estimate_bytes_per_token(self, runner: Runner, key: str) -> float:
+    def _estimate_bytes_per_token(self, hop: Hop, key: str) -> float:
         known = self._bytes_per_token.get(key)
         if known is not None:
             return known
-        alloc = runner.allocation
-        cells = runner.spec.n_ctx * (1 if runner.spec.kv_unified else runner.spec.num_parallel)
+        alloc, spec = hop.runner.allocation, hop.runner.spec
+        cells = spec.n_ctx * (1 if spec.kv_unified else spec.num_parallel)
         return alloc.kv_bytes / cells if alloc is not None and cells else 0.0
 
-    async def _prompt_counters(self, runner: Runner) -> tuple[float, float] | None:
+    async def _prompt_counters(self, hop: Hop) -> tuple[float, float] | None:
         """(prompt tokens evaluated, prompt tokens taken from the cache) since the runner
         started, from llama.cpp's /metrics; None if it does not say."""
-        found = await self._metrics(
-            runner, ("llamacpp:prompt_tokens_total", "llamacpp:prompt_tokens_cached_total")
-        )
-        if len(found) < 2:
+        found = await hop.api.metrics()
+        evaluated = found.get("llamacpp:prompt_tokens_total")
+        cached = found.get("llamacpp:prompt_tokens_cached_total")
+        if evaluated is None or cached is None:
             return None
-        return found["llamacpp:prompt_tokens_total"], found["llamacpp:prompt_tokens_cached_total"]
-
-    async def _metrics(self, runner: Runner, names: Sequence[str]) -> dict[str, float]:
-        if runner.session is None or runner.session.closed:
-            return {}
-        try:
-            async with runner.session.get(
-                "/metrics", timeout=aiohttp.ClientTimeout(total=5.0)
-            ) as r:
-                text = await r.text() if r.status == 200 else ""
-        except (aiohttp.ClientError, OSError, asyncio.TimeoutError, UnicodeDecodeError):
-            return {}
-        found: dict[str, float] = {}
-        for line in text.splitlines():
-            name, _, value = line.partition(" ")
-            if name in names:
-                with contextlib.suppress(ValueError):
-                    found[name] = float(value)
-        return found
-
-    async def _get_json(self, runner: Runner, path: str, timeout: float = 5.0) -> Any:
-        if runner.session is None or runner.session.closed:
-            return None
-        try:
-            async with runner.session.get(path, timeout=aiohttp.ClientTimeout(total=timeout)) as r:
-                return await r.json(content_type=None) if r.status == 200 else None
-        except (aiohttp.ClientError, OSError, asyncio.TimeoutError, ValueError):
-            return None
-
-    async def _post_json(
-        self, runner: Runner, path: str, body: dict[str, Any], timeout: float
-    ) -> Any:
-        """The runner's JSON answer; for an error status, its error object as a string."""
-        if runner.session is None or runner.session.closed:
-            return None
-        try:
-            async with runner.session.post(
-                path, json=body, timeout=aiohttp.ClientTimeout(total=timeout)
-            ) as r:
-                data = await r.json(content_type=None)
-                return data if r.status == 200 else f"HTTP {r.status}: {data}"
-        except (aiohttp.ClientError, OSError, asyncio.TimeoutError, ValueError) as e:
-            return f"{type(e).__name__}: {e}"
+        return evaluated, cached
 
 
 def has_media(payload: dict[str, Any]) -> bool:

@@ -27,6 +27,7 @@ from corral.core.devices import CPU, Device, live_headroom
 from corral.core.gguf import split_parts
 from corral.core.policy import DEFAULT_DISK_SECONDS_PER_BYTE, disk_seconds_per_byte, reload_seconds
 from corral.runtime.devices import gpu_process_memory
+from corral.runtime.hop import Hop
 from corral.runtime.journal import Journal
 from corral.runtime.memwatch import Usage, code_rss, oom_kills, process_usage
 from corral.runtime.pagecache import prefetch, resident
@@ -53,6 +54,7 @@ class Record:
     cached_at_load: float | None = None  # share of its file in the page cache as its load began
     cached: float | None = None  # ... and at the last look
     free_before: dict[str, int] | None = None  # GPUs' free bytes as it was told to stop
+    hop: Hop | None = None  # from its first grant: what its requests are sent through
 
 
 class Measure:
@@ -257,7 +259,8 @@ class Measure:
         await asyncio.gather(*(self.count_tokens(rec) for rec in ready))
 
     async def count_tokens(self, rec: Record) -> None:
-        c = await rec.runner.token_counts()
+        api = rec.runner.api
+        c = await api.token_counts() if api is not None else None
         if c is None:
             return
         before = rec.tokens

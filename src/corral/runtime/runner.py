@@ -2,8 +2,8 @@
 
 Two kinds of runner, one interface: llama.cpp's server inside a Python child through xllamacpp
 (the default, see runner_child) or a user-supplied `llama-server` binary (CORRAL_LLAMA_SERVER).
-Both speak llama.cpp's native HTTP API on a loopback port; the parent reaches it through one
-pooled aiohttp session per runner.
+Both speak llama.cpp's native HTTP API on a loopback port; the parent reaches it through the
+runner's `api` (runtime/runner_api), made once it serves.
 """
 
 from __future__ import annotations
@@ -23,13 +23,13 @@ from collections.abc import AsyncIterator, Iterable, Mapping
 from dataclasses import asdict
 from typing import Any
 
-import aiohttp
 import psutil
 
 from corral.core.gguf import split_parts
 from corral.core.memreport import Allocation, AllocationParser
 from corral.core.spec import Layout, RunnerSpec
 from corral.runtime.loadwatch import file_bytes, loaded_bytes
+from corral.runtime.runner_api import RunnerAPI
 
 log = logging.getLogger(__name__)
 
@@ -70,7 +70,7 @@ class Runner:
         self.slot_save_path = slot_save_path
         self.base_url = ""
         self.proc: asyncio.subprocess.Process | None = None
-        self.session: aiohttp.ClientSession | None = None
+        self.api: RunnerAPI | None = None  # its HTTP API, once it serves
         self.started_at = 0.0
         self.load_duration = 0.0  # seconds from spawn to serving
         self._tail: collections.deque[str] = collections.deque(maxlen=LOG_TAIL_LINES)
@@ -186,13 +186,8 @@ class Runner:
             watch.cancel()
         self.progress = 1.0
         self.load_duration = time.monotonic() - self.started_at
-        self.session = aiohttp.ClientSession(
-            base_url=self.base_url,
-            # llama.cpp closes idle connections after 5 s; drop ours first so none is reused dead.
-            connector=aiohttp.TCPConnector(limit=0, keepalive_timeout=4),
-            timeout=aiohttp.ClientTimeout(total=None, sock_connect=10),
-            auto_decompress=False,
-        )
+        if self.api is None:
+            self.api = RunnerAPI(self.base_url, self.why_failed)
 
     async def _watch_load(self, interval: float = 0.2) -> None:
         """Keep `progress` up to date until start() returns: the share of the model's files
@@ -308,17 +303,13 @@ class Runner:
 
     async def _poll_health(self) -> None:
         assert self.proc is not None
-        async with aiohttp.ClientSession() as s:
-            while True:
-                if self.proc.returncode is not None:
-                    await self._drain_logs()
-                    self.exit_code = self.proc.returncode
-                    raise RunnerError(self.failure_message())
-                with contextlib.suppress(aiohttp.ClientError):
-                    async with s.get(f"{self.base_url}/health") as r:
-                        if r.status == 200:
-                            return
-                await asyncio.sleep(0.05)
+        self.api = RunnerAPI(self.base_url, self.why_failed)
+        while await self.api.health(5.0) != 200:
+            if self.proc.returncode is not None:
+                await self._drain_logs()
+                self.exit_code = self.proc.returncode
+                raise RunnerError(self.failure_message())
+            await asyncio.sleep(0.05)
 
     async def _drain_logs(self) -> None:
         # The process is gone; give the readers a moment to collect its last words.
@@ -350,47 +341,8 @@ class Runner:
                 await proc.wait()
         # Only now: closing our end first would leave a stream still reading from it (at
         # server shutdown) with aiohttp's bare RuntimeError instead of a broken response.
-        if self.session is not None:
-            await self.session.close()
-
-    async def responds(self, timeout: float) -> bool:
-        """Whether the runner answers its /health within `timeout` seconds. llama.cpp answers
-        /health on its HTTP threads without waiting for the inference loop, so a long prompt
-        being processed does not delay it; a frozen, swapped-out or wedged process does."""
-        if self.session is None or self.session.closed:
-            return False
-        try:
-            async with self.session.get(
-                "/health", timeout=aiohttp.ClientTimeout(total=timeout)
-            ) as r:
-                await r.read()
-                return True  # any answer (even 503) shows the process serves HTTP
-        except (aiohttp.ClientError, OSError, asyncio.TimeoutError):
-            return False
-
-    async def token_counts(self, timeout: float = 1.0) -> tuple[int, int] | None:
-        """(prompt tokens, generated tokens) the runner has processed since it started, from
-        llama.cpp's own /metrics; None if it does not answer."""
-        if self.session is None or self.session.closed:
-            return None
-        try:
-            async with self.session.get(
-                "/metrics", timeout=aiohttp.ClientTimeout(total=timeout)
-            ) as r:
-                if r.status != 200:
-                    return None
-                text = await r.text()
-        except (aiohttp.ClientError, OSError, asyncio.TimeoutError, UnicodeDecodeError):
-            return None
-        found: dict[str, int] = {}
-        for line in text.splitlines():
-            name, _, value = line.partition(" ")
-            if name in ("llamacpp:prompt_tokens_total", "llamacpp:tokens_predicted_total"):
-                with contextlib.suppress(ValueError):
-                    found[name] = int(float(value))
-        if len(found) < 2:
-            return None
-        return found["llamacpp:prompt_tokens_total"], found["llamacpp:tokens_predicted_total"]
+        if self.api is not None:
+            await self.api.close()
 
     async def wait_gone(self, poll: float = 0.1) -> None:
         """Wait until the process is gone (exited, or a zombie whose memory is free), also when
@@ -409,23 +361,6 @@ class Runner:
                 return
             self.kill_now()
             await asyncio.sleep(poll)
-
-    def break_connections(self) -> None:
-        """End the open connections to the runner from our side with shutdown(2), for a
-        runner that cannot even be killed yet (stuck in uninterruptible sleep): their readers
-        see a cut-off response, as if it had died. Not close(): aiohttp would leave a reader
-        waiting on a closed connection without waking it."""
-        connector = self.session.connector if self.session is not None else None
-        for proto in list(getattr(connector, "_acquired", ())):
-            transport = getattr(proto, "transport", None)
-            sock = transport.get_extra_info("socket") if transport is not None else None
-            if sock is None:
-                continue
-            with contextlib.suppress(OSError, ValueError):
-                # A duplicate descriptor: shutdown acts on the socket, whatever the loop's
-                # wrapper object allows.
-                with socket.socket(fileno=os.dup(sock.fileno())) as dup:
-                    dup.shutdown(socket.SHUT_RDWR)
 
     def kill_now(self) -> None:
         """Kill the process at once (at interpreter exit, or when its output cannot be read);

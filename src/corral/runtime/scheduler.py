@@ -43,6 +43,7 @@ from corral.core.requests import (
     scaled_placer,
 )
 from corral.core.spec import Layout, RunnerSpec
+from corral.runtime.hop import Hop
 from corral.runtime.journal import Journal, Listener
 from corral.runtime.measure import Measure, Record, Refresh
 from corral.runtime.meter import Meter, Tally
@@ -83,7 +84,7 @@ class Hooks:
 
     # Called with an idle runner about to be stopped and whether a load waits for its memory
     # (the KV cache saves its slots); within BEFORE_STOP_TIMEOUT.
-    before_stop: Callable[[Runner, bool], Awaitable[None]] | None = None
+    before_stop: Callable[[Hop, bool], Awaitable[None]] | None = None
     on_wait: Callable[[str, float], None] | None = None  # (model, seconds waited) per grant
 
 
@@ -91,7 +92,7 @@ class Hooks:
 class Ticket:
     id: int
     arrived: float
-    fut: asyncio.Future[Runner]
+    fut: asyncio.Future[Hop]
 
 
 @dataclass
@@ -104,6 +105,7 @@ class Lease:
     waited: float  # seconds from arrival to grant (queueing + loading)
     loaded: bool  # this request waited for its runner to load
     tally: Tally  # its generated tokens, counted as they are relayed to its client
+    hop: Hop  # its runner's hop (runtime/hop): what the request is sent through
     released: bool = False
     # The answer ended in a tool call (set by the API layer as the end passes): the agent will
     # be back with the result, so the runner is held for that turn on release.
@@ -125,6 +127,7 @@ class Lease:
             self.released = True
             self.tally.end()
             self.scheduler._release(self.request_id, self.tool_call)
+            self.hop.changed()  # a slot, and room in a shared cache, for those waiting
 
     # `async with await service.lease(...) as lease:` returns it however the block ends.
     async def __aenter__(self) -> Lease:
@@ -188,7 +191,7 @@ class Scheduler:
             apply=self._apply, spawn=self._spawn,
         )  # fmt: skip
         self._meter = Meter(clock)  # generated tokens as they are relayed
-        self._waiters: dict[int, asyncio.Future[Runner]] = {}
+        self._waiters: dict[int, asyncio.Future[Hop]] = {}
         self._ids = itertools.count(1)
         self._timer: asyncio.TimerHandle | None = None
         self._timer_at = math.inf
@@ -229,7 +232,7 @@ class Scheduler:
         self._measure.start()
         now = self._clock()
         rid = next(self._ids)
-        fut: asyncio.Future[Runner] = asyncio.get_running_loop().create_future()
+        fut: asyncio.Future[Hop] = asyncio.get_running_loop().create_future()
         self._waiters[rid] = fut
         req = Request(
             id=rid, model=model, spec=spec, explicit=explicit, size=size, keep_alive=keep_alive,
@@ -249,17 +252,19 @@ class Scheduler:
         """The lease for a submitted ticket; SchedulerError if its load failed or it timed out.
         Cancelling the wait (the client went away) leaves nothing behind in the books."""
         try:
-            runner = await ticket.fut
+            hop = await ticket.fut
         except asyncio.CancelledError:
             self._waiters.pop(ticket.id, None)
             self._core.cancel(ticket.id, self._clock())
             self._apply()
             raise
+        runner = hop.runner
         waited = self._clock() - ticket.arrived
         if self._hooks.on_wait is not None:
             self._hooks.on_wait(runner.name, waited)
         tally = self._meter.tally(runner, runner.name)
-        return Lease(self, ticket.id, runner, waited, runner.started_at >= ticket.arrived, tally)
+        loaded = runner.started_at >= ticket.arrived
+        return Lease(self, ticket.id, runner, waited, loaded, tally, hop)
 
     async def acquire(self, model: str, spec: RunnerSpec, **kw: Any) -> Lease:
         return await self.wait(self.submit(model, spec, **kw))
@@ -294,7 +299,10 @@ class Scheduler:
                 if fut is None or fut.done():  # cancelled between decision and delivery
                     self._core.release(a.request, self._clock())
                     continue
-                fut.set_result(self._runners[a.runner].runner)
+                rec = self._runners[a.runner]
+                if rec.hop is None:  # its first grant
+                    rec.hop = Hop.of(rec.runner)
+                fut.set_result(rec.hop)
             elif isinstance(a, Fail):
                 fut = self._waiters.pop(a.request, None)
                 if fut is not None and not fut.done():
@@ -341,10 +349,10 @@ class Scheduler:
             with contextlib.suppress(Exception):
                 await asyncio.wait_for(self._measure.count_tokens(rec), 1.0)
         before_stop = self._hooks.before_stop
-        if before_stop is not None and not self._closing:
+        if before_stop is not None and rec.hop is not None and not self._closing:
             waiting = stop.room_for is not None or stop.kind == "options_change"
             try:
-                await asyncio.wait_for(before_stop(runner, waiting), BEFORE_STOP_TIMEOUT)
+                await asyncio.wait_for(before_stop(rec.hop, waiting), BEFORE_STOP_TIMEOUT)
             except asyncio.TimeoutError:
                 log.warning(
                     "saving state of '%s' took over %.0fs; stopping it anyway",
@@ -456,8 +464,8 @@ class Scheduler:
                 self._apply()
                 runner.kill_now()
                 await runner.wait_gone()
-                if runner.session is not None:
-                    await runner.session.close()
+                if runner.api is not None:
+                    await runner.api.close()
         finally:
             dog.cancel()
             self._runners.pop(rid, None)
@@ -483,8 +491,8 @@ class Scheduler:
                     "runner for '%s' was killed by someone, not for memory: the kernel's OOM "
                     "kill count did not change", runner.name,
                 )  # fmt: skip
-        if runner.session is not None:
-            await runner.session.close()
+        if runner.api is not None:
+            await runner.api.close()
         before = rec.free_before
         book = self._core.runners.get(rid)
         if before and book is not None and self._refresh is not None:
@@ -520,7 +528,10 @@ class Scheduler:
                     continue
                 sent = self._clock()
                 since = sent if failing_since is None else failing_since
-                if await runner.responds(max(timeout - (sent - since), 0.1)):
+                api = runner.api
+                left = max(timeout - (sent - since), 0.1)
+                # any answer (even 503) shows the process serves HTTP
+                if api is not None and await api.health(left) is not None:
                     failing_since = None
                 elif self._clock() - since >= timeout:
                     await self._stalled(rid, runner)
@@ -552,7 +563,8 @@ class Scheduler:
         except asyncio.TimeoutError:
             # Still there (a process in uninterruptible sleep dies only when it leaves it):
             # break the in-flight streams now rather than when it finally goes.
-            runner.break_connections()
+            if runner.api is not None:
+                runner.api.break_connections()
 
     def _note_free_before(self, rec: Record, rid: int) -> None:
         book = self._core.runners.get(rid)

@@ -31,16 +31,15 @@ import contextlib
 import logging
 import secrets
 import time
-import weakref
 from dataclasses import dataclass
-from typing import Any
-
-import aiohttp
+from typing import TYPE_CHECKING, Any
 
 from corral.core.gguf import ModelInfo, read_model_info
 from corral.runtime.affinity import BYTES_PER_TOKEN, CopyPays, Pick, copy_pays
 from corral.runtime.kvcache import TMP_PREFIX, KVCache, has_media, runner_key
-from corral.runtime.runner import Runner
+
+if TYPE_CHECKING:
+    from corral.runtime.hop import Hop
 
 log = logging.getLogger(__name__)
 
@@ -55,7 +54,9 @@ ORPHAN_S = 60.0  # seconds after which a copy's file is a leftover (a save cance
 
 
 @dataclass
-class _RunnerInfo:
+class CopyState:
+    """A runner's figures for copies (on its hop: `Hop.copies`)."""
+
     usable: bool  # whether a restored state serves a shorter prefix (no sliding window, ...)
     key: str
     bytes_per_token: float = 0.0  # of KV state: measured by copies, estimated before
@@ -72,9 +73,6 @@ class SlotCopier:
     def __init__(self, kvcache: KVCache) -> None:
         self.kvcache = kvcache
         self.copy_bps = DEFAULT_COPY_BPS
-        self._runners: weakref.WeakKeyDictionary[Runner, _RunnerInfo] = (
-            weakref.WeakKeyDictionary()
-        )
         self._swept = 0.0
         # What happened, for logs and tests.
         self.stats: dict[str, float] = dict.fromkeys(
@@ -82,8 +80,9 @@ class SlotCopier:
         )
         self.last_copy: dict[str, Any] | None = None
 
-    def wants(self, runner: Runner, path: str, payload: dict[str, Any]) -> bool:
+    def wants(self, hop: Hop, path: str, payload: dict[str, Any]) -> bool:
         """Whether a request's prompt can start from another slot's state (see the module)."""
+        runner = hop.runner
         if not runner.slot_save_path or runner.spec.projector or runner.spec.embedding:
             return False
         if payload.get("cache_prompt") is False or has_media(payload):
@@ -99,54 +98,55 @@ class SlotCopier:
                 and all(isinstance(p, str | int) for p in prompt)
             ):  # fmt: skip
                 return False
-        return self._info(runner).usable
+        return self._info(hop).usable
 
-    def _info(self, runner: Runner) -> _RunnerInfo:
-        info = self._runners.get(runner)
+    def _info(self, hop: Hop) -> CopyState:
+        info = hop.copies
         if info is None:
             try:
-                model = read_model_info(runner.spec.path)  # read at load already: cached
+                model = read_model_info(hop.runner.spec.path)  # read at load already: cached
             except Exception:  # a file gone since: no copies
                 model = None
-            key = runner_key(runner) or ""
+            key = runner_key(hop.runner) or ""
             usable = model is not None and _restorable(model)
-            info = self._runners[runner] = _RunnerInfo(usable, key)
+            info = hop.copies = CopyState(usable, key)
             # llama.cpp's KV buffer over its cells; else K and V of every layer in f16 (more
             # than a quantized cache: copies thought dearer than they are, not cheaper).
-            info.bytes_per_token = self.kvcache.bytes_per_token(runner, key) or (
+            info.bytes_per_token = self.kvcache.bytes_per_token(hop, key) or (
                 2.0 * sum(model.n_head_kv) * (model.head_dim_k + model.head_dim_v) if model else 0.0
             )
         return info
 
-    async def refresh(self, runner: Runner) -> None:
+    async def refresh(self, hop: Hop) -> None:
         """Read the runner's prompt speed again (its /metrics) if it is unknown or what is
         known is older than SPEED_TTL_S: `pays` goes by it. Unknown (until the runner has read
         a prompt), the request waits for the answer; known, or where the runner does not say
         (no /metrics: asked again only as often as a known one), it is read again in the
         background: /metrics is a task in the runner's queue, which waits for a decoding step,
         and the request goes by what is known meanwhile."""
-        info = self._info(runner)
+        info = self._info(hop)
         unknown = not info.speed and info.says
         if info.reading is None and (unknown or time.monotonic() - info.speed_at > SPEED_TTL_S):
             info.speed_at = time.monotonic()
-            info.reading = asyncio.ensure_future(self._read_speed(runner, info))
+            info.reading = asyncio.ensure_future(self._read_speed(hop, info))
         if unknown and info.reading is not None:
             await asyncio.shield(info.reading)
 
-    async def _read_speed(self, runner: Runner, info: _RunnerInfo) -> None:
+    async def _read_speed(self, hop: Hop, info: CopyState) -> None:
         try:
-            speed = await self.kvcache.prompt_speed(runner)
+            speed = await self.kvcache.prompt_speed(hop)
             info.says = speed is not None
             info.speed = speed or info.speed
         except Exception as e:  # a runner going away: its figures go with it
-            log.debug("slot copy: reading the prompt speed of '%s' failed: %s", runner.name, e)
+            log.debug("slot copy: reading the prompt speed of '%s' failed: %s",
+                      hop.runner.name, e)  # fmt: skip
         finally:
             info.reading = None
 
-    def pays(self, runner: Runner) -> CopyPays:
-        """Whether a copy pays on `runner` (affinity.copy_pays with its figures), for
+    def pays(self, hop: Hop) -> CopyPays:
+        """Whether a copy pays on the hop's runner (affinity.copy_pays with its figures), for
         `Slots.pick`."""
-        info = self._info(runner)
+        info = self._info(hop)
 
         def pays(spared: int, source_size: int) -> bool:
             ok = copy_pays(spared, source_size, info.bytes_per_token, self.copy_bps, info.speed)
@@ -154,7 +154,7 @@ class SlotCopier:
                 self.stats["skipped"] += 1
                 log.debug(
                     "slot copy: not worth it on '%s': about %d tokens of state (%.0f bytes "
-                    "each) to spare about %d at %s tokens/s", runner.name,
+                    "each) to spare about %d at %s tokens/s", hop.runner.name,
                     source_size // BYTES_PER_TOKEN, info.bytes_per_token,
                     spared // BYTES_PER_TOKEN, f"{info.speed:.0f}" if info.speed else "unknown",
                 )  # fmt: skip
@@ -162,11 +162,11 @@ class SlotCopier:
 
         return pays
 
-    async def copy(self, runner: Runner, pick: Pick) -> bool:
+    async def copy(self, hop: Hop, pick: Pick) -> bool:
         """Copy `pick.source`'s state into `pick.slot` (a pick made with `pays`); whether it
         was copied."""
         assert pick.source is not None
-        info = self._info(runner)
+        info = self._info(hop)
         # The save and the restore together wait as long as evaluating what the copy spares
         # would take, within bounds: a copy given up costs the request at most that again.
         spared_s = pick.spared / BYTES_PER_TOKEN / info.speed if info.speed else 0.0
@@ -174,28 +174,27 @@ class SlotCopier:
         self._sweep(time.monotonic())
         name = f"{COPY_PREFIX}{secrets.token_hex(8)}.part"
         try:
-            return await self._copy(runner, info, pick, name, deadline)
+            return await self._copy(hop, info, pick, name, deadline)
         finally:
             with contextlib.suppress(OSError):
                 (self.kvcache.directory / name).unlink(missing_ok=True)
 
     async def _copy(
-        self, runner: Runner, info: _RunnerInfo, pick: Pick, name: str, deadline: float
+        self, hop: Hop, info: CopyState, pick: Pick, name: str, deadline: float
     ) -> bool:
+        assert pick.source is not None
         t0 = time.monotonic()
-        saved = await _post(runner, f"/slots/{pick.source}?action=save", name, deadline - t0)
+        saved = await hop.api.slot_action(pick.source, "save", name, deadline - t0)
         t1 = time.monotonic()
         if not isinstance(saved, dict) or not saved.get("n_saved"):
-            return self._failed(runner, pick, f"the save failed: {saved}")
+            return self._failed(hop, pick, f"the save failed: {saved}")
         if deadline - t1 <= 0:
-            return self._failed(runner, pick, "no time left to restore it")
-        restored = await _post(
-            runner, f"/slots/{pick.slot}?action=restore", name, deadline - t1
-        )
+            return self._failed(hop, pick, "no time left to restore it")
+        restored = await hop.api.slot_action(pick.slot, "restore", name, deadline - t1)
         t2 = time.monotonic()
         n = int(saved["n_saved"])
         if not isinstance(restored, dict) or int(restored.get("n_restored") or 0) != n:
-            return self._failed(runner, pick, f"the restore failed: {restored}")
+            return self._failed(hop, pick, f"the restore failed: {restored}")
         written = int(saved.get("n_written") or 0)
         if written:
             info.bytes_per_token = written / n
@@ -210,20 +209,20 @@ class SlotCopier:
         self.stats["copied_tokens"] += n
         self.stats["copied_bytes"] += written
         self.stats["copy_seconds"] += t2 - t0
-        self.last_copy = {"model": runner.name, "source": pick.source, "slot": pick.slot,
+        self.last_copy = {"model": hop.runner.name, "source": pick.source, "slot": pick.slot,
                           "tokens": n, "bytes": written, "seconds": t2 - t0}  # fmt: skip
         log.debug(
             "slot copy: '%s' copied slot %d into slot %d for a new conversation: %d tokens, "
             "%.1f MiB in %.0f ms (save %.0f, restore %.0f) to spare about %d tokens",
-            runner.name, pick.source, pick.slot, n, written / 2**20, (t2 - t0) * 1e3,
+            hop.runner.name, pick.source, pick.slot, n, written / 2**20, (t2 - t0) * 1e3,
             (t1 - t0) * 1e3, (t2 - t1) * 1e3, pick.spared // BYTES_PER_TOKEN,
         )  # fmt: skip
         return True
 
-    def _failed(self, runner: Runner, pick: Pick, why: str) -> bool:
+    def _failed(self, hop: Hop, pick: Pick, why: str) -> bool:
         self.stats["failed"] += 1
         log.debug("slot copy: copying slot %d of '%s' into slot %d failed (the prompt is "
-                  "evaluated): %s", pick.source, runner.name, pick.slot, why)  # fmt: skip
+                  "evaluated): %s", pick.source, hop.runner.name, pick.slot, why)  # fmt: skip
         return False
 
     def _sweep(self, now: float) -> None:
@@ -248,17 +247,3 @@ def _restorable(model: ModelInfo) -> bool:
         f".{part}." in k for k in model.metadata for part in ("ssm", "wkv", "shortconv")
     )
     return not any(model.swa_layers) and not recurrent
-
-
-async def _post(runner: Runner, path: str, filename: str, timeout: float) -> Any:
-    """llama.cpp's JSON answer to a slot action; what went wrong as a string otherwise."""
-    if runner.session is None or runner.session.closed:
-        return "the runner is gone"
-    try:
-        async with runner.session.post(
-            path, json={"filename": filename}, timeout=aiohttp.ClientTimeout(total=timeout)
-        ) as r:
-            data = await r.json(content_type=None)
-            return data if r.status == 200 else f"HTTP {r.status}: {data}"
-    except (aiohttp.ClientError, OSError, asyncio.TimeoutError, ValueError) as e:
-        return f"{type(e).__name__}: {e}" if str(e) else type(e).__name__

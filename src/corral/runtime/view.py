@@ -30,7 +30,8 @@ class RunnerView:
     size: int  # bytes booked in all
     slots: int
     context_length: int
-    inflight: int  # requests it serves
+    inflight: int  # requests it serves (those waiting for room among them)
+    waiting_for_room: int  # granted requests waiting for room in its shared KV cache
     keep_alive: float  # seconds; inf: forever
     expires_in: float  # seconds until its keep-alive ends (meaningful while idle and ready)
     # seconds it is still held for an agent's next turn (its last answer was a tool call); 0: not
@@ -105,6 +106,7 @@ def snapshot(
             id=b.id, model=b.model, state=b.state, draining=b.draining,
             pid=runner.pid if runner else None, devices=dict(b.devices), size=b.size,
             slots=b.spec.num_parallel, context_length=b.spec.n_ctx, inflight=b.inflight,
+            waiting_for_room=len(rec.hop.waiting) if rec and rec.hop else 0,
             keep_alive=b.keep_alive,
             expires_in=b.expires_at - now if math.isfinite(b.expires_at) else math.inf,
             held_for=max(0.0, b.held_until - now) if b.inflight == 0 else 0.0,
