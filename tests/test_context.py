@@ -3,39 +3,35 @@
 from __future__ import annotations
 
 import asyncio
+import itertools
 from collections.abc import Awaitable, Callable
 from typing import Any
 
 import orjson
 import pytest
 
-from corral.api.service import Resolved, Service, output_tokens
+from corral.api.service import Service
 from corral.config import Settings
+from corral.core.books import Core
 from corral.core.context import (
     AUTO_FLOOR,
     DEFAULT_OUTPUT,
     UNKNOWN_TRAINED_CAP,
-    auto_context,
     context_grid,
     grown_context,
     next_power_of_two,
 )
 from corral.core.devices import CPU, Device
 from corral.core.gguf import read_model_info
+from corral.core.requests import Grant, Load, Request, Sizing, Stop
 from corral.core.spec import RunnerSpec, spec_estimate
 from corral.errors import ApiError
-from corral.runtime.journal import Event
+from corral.runtime.admission import Resolved, output_tokens
 from corral.runtime.registry import ModelEntry
 from corral.runtime.runner_errors import CacheFull, ContextOverflow, runner_error
-from corral.runtime.view import RunnerView, SchedulerView
 from corral.testing import synth
 
 GIB = 1 << 30
-
-
-def kv_fits(budget: int, per_token: int = 128 * 1024) -> Callable[[int], bool]:
-    """A model whose runner holds 1 GiB plus `per_token` bytes a token of context."""
-    return lambda n_ctx: GIB + n_ctx * per_token <= budget
 
 
 def test_the_grid_runs_from_the_floor_by_powers_of_two_to_the_trained_context() -> None:
@@ -45,37 +41,6 @@ def test_the_grid_runs_from_the_floor_by_powers_of_two_to_the_trained_context() 
     assert context_grid(4096) == [4096]
     assert context_grid(0) == [AUTO_FLOOR]  # the file does not say
     assert context_grid(10000, floor=3000) == [3000, 4096, 8192, 10000]
-
-
-def test_auto_context_falls_with_memory() -> None:
-    trained = 131072
-    sizes = [auto_context(trained, kv_fits(budget)) for budget in (40 * GIB, 9 * GIB, 3 * GIB)]
-    assert sizes == [131072, 65536, 16384]
-    assert sizes == sorted(sizes, reverse=True)
-
-
-def test_auto_context_is_never_above_the_trained_context() -> None:
-    assert auto_context(8192, lambda n: True) == 8192
-    assert auto_context(40960, lambda n: True) == 40960
-    assert auto_context(2048, lambda n: True) == 2048
-
-
-def test_auto_context_is_never_below_the_floor_unless_trained_is_smaller() -> None:
-    assert auto_context(131072, lambda n: False) == AUTO_FLOOR  # nothing fits: the floor
-    assert auto_context(131072, kv_fits(GIB)) == AUTO_FLOOR
-    assert auto_context(1024, lambda n: False) == 1024
-    assert auto_context(0, lambda n: True) == AUTO_FLOOR
-
-
-def test_auto_context_stops_at_the_first_size_that_does_not_fit() -> None:
-    asked: list[int] = []
-
-    def fits(n: int) -> bool:
-        asked.append(n)
-        return n <= 16384
-
-    assert auto_context(1 << 20, fits) == 16384
-    assert asked == [8192, 16384, 32768]  # the floor is never asked: it is the least
 
 
 def test_a_prompt_grows_the_context_to_the_next_power_of_two_up_to_the_trained() -> None:
@@ -128,40 +93,7 @@ def test_a_shared_cache_that_filled_up_is_the_servers_503_not_the_clients_400(st
         assert "Context size has been exceeded" in err.message and "try again" in err.message
 
 
-# ---- the service's auto context over the scheduler's view -----------------------------------
-
-
-class FakeScheduler:
-    """What Service.auto_ctx reads of the scheduler: view() and listen()."""
-
-    def __init__(self, budgets: dict[str, int], runners: tuple[RunnerView, ...] = ()) -> None:
-        self.budgets, self.runners, self.views = budgets, runners, 0
-        self.listeners: list[Callable[[Event], None]] = []
-
-    def view(self) -> SchedulerView:
-        self.views += 1
-        return SchedulerView(
-            runners=self.runners, queued={}, budgets=self.budgets, booked={}, reserved={},
-            headroom={}, measured={}, devices=(), code=0, tokens={}, raised={},
-            disk_seconds_per_byte=0.0, events=(), closing=False, relayed={},
-            tokens_per_second={},
-        )  # fmt: skip
-
-    def listen(self, fn: Callable[[Event], None]) -> Callable[[], None]:
-        self.listeners.append(fn)
-        return lambda: None
-
-
-def runner(model: str, n_ctx: int, held: int = 0, inflight: int = 0) -> RunnerView:
-    return RunnerView(
-        id=1, model=model, state="ready", draining=False, pid=1, devices={"cpu": held},
-        size=held, slots=1, context_length=n_ctx, inflight=inflight, waiting_for_room=0,
-        keep_alive=300.0,
-        expires_in=300.0, held_for=0.0, pinned=False, priority=0, uses=1, load_cost=1.0,
-        progress=None, loading_for=None, load_seconds=1.0, measured=None, measured_devices={},
-        page_cache=None, page_cache_at_load=None, tokens_per_second=0.0,
-        slot_tokens_per_second=(0.0,),
-    )  # fmt: skip
+# ---- the automatic context: the admission's candidates, chosen by the core's room rule --------
 
 
 @pytest.fixture(scope="module")
@@ -177,60 +109,91 @@ def size(r: Resolved, n_ctx: int) -> int:
     return est.total + est.process
 
 
-def auto_service(sched: FakeScheduler) -> Service:
+def auto_service(sched: Any = None) -> Service:
     settings = Settings.load(environ={"CORRAL_NUM_PARALLEL": "1"})
     assert settings.context_length is None  # auto is the default
     devices = [Device(CPU, "cpu", -1, "cpu", 64 * GIB, 64 * GIB)]
     return Service(settings, None, sched, devices, None)  # type: ignore[arg-type]
 
 
-def auto_ctx(svc: Service, r: Resolved) -> int:
-    spec, _ = svc.runner_spec(r, {})
-    assert spec.n_ctx == AUTO_FLOOR  # the floor, raised by the service
-    return svc.auto_ctx(r, spec, {})
+class Books:
+    """The core with other models' runners booked (busy or idle), asked for `long` as the
+    admission offers it: its candidates, best first."""
+
+    def __init__(self, budget: int, *others: tuple[str, int, bool]) -> None:
+        self.core = Core(budgets={CPU: budget})
+        self.ids = itertools.count(1)
+        for model, held, busy in others:
+            rid = self.request(model, RunnerSpec(f"/m/{model}.gguf", 4096, 1), held)
+            runner = self.core.granted[rid] if rid in self.core.granted else None
+            if runner is None:
+                (load,) = [a for a in self.core.drain() if isinstance(a, Load)]
+                self.core.loaded(load.runner, 0.0)
+            self.core.drain()
+            if not busy:
+                self.core.release(rid, 0.0)
+
+    def request(self, model: str, spec: RunnerSpec, size: int, *smaller: Sizing) -> int:
+        rid = next(self.ids)
+        self.core.request(Request(
+            id=rid, model=model, spec=spec, explicit=frozenset(), size=size, keep_alive=None,
+            arrived=0.0,
+        ).offering(smaller), 0.0)  # fmt: skip
+        return rid
+
+    def ask(self, r: Resolved) -> list[Any]:
+        svc = auto_service()
+        spec, _ = svc.runner_spec(r, {})
+        assert spec.n_ctx == AUTO_FLOOR  # the floor: the context asked for at the least
+        best, *rest = svc.admission.sizings(r, spec, {}, auto=True)
+        self.request(r.runner, best.spec, best.size, *rest)
+        return self.core.drain()
+
+
+def loaded_ctx(actions: list[Any]) -> int | None:
+    loads = [a for a in actions if isinstance(a, Load)]
+    return loads[0].spec.n_ctx if loads else None
 
 
 def test_auto_takes_the_trained_context_where_memory_allows(long_model: Resolved) -> None:
-    assert auto_ctx(auto_service(FakeScheduler({CPU: 64 * GIB})), long_model) == 32768
+    assert loaded_ctx(Books(64 * GIB).ask(long_model)) == 32768
 
 
-def test_auto_leaves_busy_models_their_memory_and_takes_idle_models_as_room(
+def test_auto_takes_the_longest_context_that_fits_beside_the_other_models(
     long_model: Resolved,
 ) -> None:
+    """The core's one room rule: the first candidate that fits free memory (beside busy and
+    idle models alike); only when even the floor does not fit are idle models evicted, for
+    the longest context that fits once they are gone."""
     room = (size(long_model, 8192) + size(long_model, 16384)) // 2  # 8,192 fits, 16,384 not
     budget = room + 10 * GIB
-    busy = FakeScheduler({CPU: budget}, (runner("other", 4096, 10 * GIB, inflight=1),))
-    assert auto_ctx(auto_service(busy), long_model) == 8192
-    idle = FakeScheduler({CPU: budget}, (runner("other", 4096, 10 * GIB),))
-    assert auto_ctx(auto_service(idle), long_model) == 32768  # an idle model may be evicted
-    # no room even at the floor: the floor (the scheduler queues or evicts as for any load)
-    full = FakeScheduler({CPU: 10 * GIB}, (runner("other", 4096, 10 * GIB, inflight=1),))
-    assert auto_ctx(auto_service(full), long_model) == AUTO_FLOOR
+    assert loaded_ctx(Books(budget, ("other", 10 * GIB, True)).ask(long_model)) == 8192
+    assert loaded_ctx(Books(budget, ("other", 10 * GIB, False)).ask(long_model)) == 8192
+    evicting = Books(10 * GIB + size(long_model, 2048), ("other", 10 * GIB, False))
+    actions = evicting.ask(long_model)
+    assert [a.kind for a in actions if isinstance(a, Stop)] == ["memory"]
+    (stopped,) = [r for r in evicting.core.runners.values() if r.state == "unloading"]
+    evicting.core.exited(stopped.id, 1.0)
+    assert loaded_ctx(evicting.core.drain()) == 32768
+    # busy models leave no room even at the floor: the load waits, as any load does
+    full = Books(10 * GIB, ("other", 10 * GIB, True))
+    assert full.ask(long_model) == [] and len(full.core.queue) == 1
 
 
 def test_a_loaded_runner_with_at_least_the_floor_is_never_reloaded_for_auto(
     long_model: Resolved,
 ) -> None:
-    sched = FakeScheduler({CPU: 64 * GIB}, (runner("long", 8192),))
-    svc = auto_service(sched)
-    assert auto_ctx(svc, long_model) == 8192  # not 32,768: no reload nobody asked for
-    sched.runners = (runner("long", 1024),)  # a client shrank it: below the floor, auto again
-    assert auto_ctx(svc, long_model) == 32768
-
-
-def test_the_context_an_auto_request_was_served_with_is_remembered_until_a_load_or_stop(
-    long_model: Resolved,
-) -> None:
-    sched = FakeScheduler({CPU: 64 * GIB})
-    svc = auto_service(sched)
-    svc._served("long", 16384)
-    views = sched.views
-    assert auto_ctx(svc, long_model) == 16384 and sched.views == views  # no view read
-    (listen,) = sched.listeners
-    listen(Event("ready", "long", 0.0))
-    assert auto_ctx(svc, long_model) == 16384 and sched.views == views
-    listen(Event("unload", "long", 0.0))
-    assert auto_ctx(svc, long_model) == 32768 and sched.views == views + 1
+    books = Books(64 * GIB, ("long", size(long_model, 8192), False))
+    actions = books.ask(long_model)
+    assert [type(a) for a in actions] == [Grant]  # not a reload at 32,768 nobody asked for
+    shrunk = Books(64 * GIB)  # a client shrank it below the floor: auto loads it again
+    rid = shrunk.request("long", RunnerSpec(str(long_model.entry.path), 1024, 1), 2**20)
+    (load,) = [a for a in shrunk.core.drain() if isinstance(a, Load)]
+    shrunk.core.loaded(load.runner, 0.0)
+    shrunk.core.drain()
+    shrunk.core.release(rid, 0.0)
+    actions = shrunk.ask(long_model)
+    assert [a.kind for a in actions if isinstance(a, Stop)] == ["options_change"]
 
 
 # ---- Service.leased: the one retry, over a fake lease ----------------------------------------
@@ -271,7 +234,7 @@ def overflow_below(n_prompt: int) -> Callable[[Any], Awaitable[str]]:
 def test_an_overflowing_prompt_is_sent_again_after_a_reload_with_room_for_it(
     long_model: Resolved,
 ) -> None:
-    svc = auto_service(FakeScheduler({CPU: 64 * GIB}))
+    svc = auto_service()
     leases = leasing(svc)
     out = asyncio.run(svc.leased(None, long_model, {"temperature": 0}, None,  # type: ignore[arg-type]
                                  {"max_tokens": 100}, overflow_below(9312)))  # fmt: skip
@@ -284,7 +247,7 @@ def test_an_overflowing_prompt_is_sent_again_after_a_reload_with_room_for_it(
 def test_a_prompt_beyond_the_trained_context_or_memory_is_a_400_that_says_so(
     long_model: Resolved,
 ) -> None:
-    svc = auto_service(FakeScheduler({CPU: 64 * GIB}))
+    svc = auto_service()
     leases = leasing(svc)
     with pytest.raises(ApiError) as e:
         asyncio.run(svc.leased(None, long_model, {}, None, {},  # type: ignore[arg-type]

@@ -1,18 +1,15 @@
 """The one object the API adapters talk to: resolve a model, lease a runner, generate.
 
-Adapters stay thin: they translate wire formats; which file, which runner shape and how much
-memory are decided here (with the pure core: core/spec, core/placement), and the runner is
-called through the runner client (runtime/client, `Service.client`).
+Adapters stay thin: they translate wire formats. Which runner a request needs and its lease
+are decided below the API (runtime/admission, `Service.admission`); the runner is called
+through the hop's pipeline (runtime/client, `Service.client`) or its API (`Lease.hop.api`).
 """
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
-import hashlib
 import logging
 from collections.abc import Awaitable, Callable, Mapping
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, TypeVar
 
@@ -27,63 +24,28 @@ from corral.api.events import Chat, Generation, forced_schema, tool_name
 from corral.api.stream import TOOL_CALLS_END, LeasedStream
 from corral.api.toolprompt import fallback_grammar, template_body
 from corral.config import Settings
-from corral.core.context import DEFAULT_OUTPUT, UNKNOWN_TRAINED_CAP, auto_context, grown_context
 from corral.core.devices import Device
-from corral.core.estimate import KV_CACHE_TYPES, check_kv_cache_type
 from corral.core.gguf import (
     AdapterInfo,
     GGUFError,
     ModelInfo,
     ProjectorInfo,
     read_model_info,
-    read_parts,
     template_has_tools,
 )
 from corral.core.gotemplate import TemplateError
-from corral.core.placement import placer
-from corral.core.requests import Fit, Sizing, scaled_placer
 from corral.core.roles import has_later_system, place_system, renders_later_system
-from corral.core.spec import Estimates, RunnerSpec, jinja_template, runner_spec, slot_choices
+from corral.core.spec import RunnerSpec, jinja_template
 from corral.errors import ApiError
+from corral.runtime.admission import Admission, Resolved, unusable_template
 from corral.runtime.client import RunnerClient
 from corral.runtime.continuation import Upstream
-from corral.runtime.devices import cpu_cores
-from corral.runtime.journal import Event
 from corral.runtime.meter import last_object, last_timings
 from corral.runtime.registry import ModelEntry, Registry, canonical_name
-from corral.runtime.runner_errors import ContextOverflow
-from corral.runtime.scheduler import Lease, Scheduler, SchedulerError
-from corral.runtime.view import SchedulerView
+from corral.runtime.scheduler import Lease, Scheduler
 
 T = TypeVar("T")
-Sizings = tuple[Sizing, ...]
 log = logging.getLogger(__name__)
-
-
-@dataclass(frozen=True)
-class Resolved:
-    requested: str  # the name as the client wrote it (echoed back, as Ollama does)
-    entry: ModelEntry
-    info: ModelInfo
-    # The name its runner is known by: models of one file and runner shape share one runner
-    # (runtime.registry.runner_names), the first of them made names it.
-    runner: str
-
-    @property
-    def name(self) -> str:
-        return self.entry.name
-
-    @property
-    def digest(self) -> str:
-        # A model corral made (pull, create, cp) is its manifest, as Ollama's ID is: two names
-        # made from one file differ. Another is its file's identity (path, size, mtime), not a
-        # content hash: hashing gigabytes on every listing would be too slow.
-        if self.entry.manifest is not None:
-            with contextlib.suppress(OSError):
-                return hashlib.sha256(self.entry.manifest.read_bytes()).hexdigest()
-        st = self.entry.path.stat()
-        key = f"{self.entry.path}:{st.st_size}:{st.st_mtime_ns}"
-        return hashlib.sha256(key.encode()).hexdigest()
 
 
 class Service:
@@ -99,15 +61,7 @@ class Service:
         self.registry = registry
         self.scheduler = scheduler
         self.devices = devices
-        self._estimates = Estimates()
-        # (spec at the floor, model info, room per device, booking factor) -> auto context
-        self._auto: dict[tuple[Any, ...], tuple[ModelInfo, int]] = {}
-        # (spec, num_gpu, main_gpu, devices) -> (model info, parts, the runners it may load)
-        self._sizings: dict[tuple[Any, ...], tuple[ModelInfo, tuple[Any, ...], Sizings]] = {}
-        # model -> the context its runner served an auto request with, until the journal says
-        # a runner of it loads or stops: auto's answer without a view of the scheduler
-        self._served_ctx: dict[str, int] = {}
-        self._listening = False
+        self.admission = Admission(settings, scheduler, devices)  # which runner, and a lease
         self._vision: dict[Any, tuple[ModelInfo, ModelInfo]] = {}
         self._unusable: set[tuple[Path, float]] = set()  # broken files logged, by modification
         self.client = client  # the hop to the runners
@@ -156,12 +110,7 @@ class Service:
         return out
 
     def parts(self, r: Resolved) -> tuple[ProjectorInfo | None, tuple[AdapterInfo, ...]]:
-        """The model's projector and adapters as read from their files; 500 with the reason
-        if one is missing or unusable."""
-        try:
-            return read_parts(r.info, r.entry.projector, r.entry.adapters)
-        except GGUFError as e:
-            raise ApiError(500, f"model '{r.requested}' cannot be loaded: {e}") from None
+        return self.admission.parts(r)
 
     def unload(self, name: str) -> bool:
         """Unload a model by name: a model on disk, or a loaded one whose file is gone (the
@@ -186,154 +135,22 @@ class Service:
         self, r: Resolved, options: dict[str, Any]
     ) -> tuple[RunnerSpec, frozenset[str]]:
         """The runner to load for these options, and which spec fields the request pinned."""
-        try:
-            return runner_spec(r.entry, r.info, options, self.settings, cpu_cores())
-        except TemplateError as e:  # /api/create refuses these: a manifest from elsewhere
-            raise unusable_template(r, e) from None
+        return self.admission.runner_spec(r, options)
 
     # ---- leases ----------------------------------------------------------------------------
-    def keep_alive(self, entry: ModelEntry, asked: float | None) -> float | None:
-        """The keep-alive a request gets: the model's own (models.toml) unless the client
-        asked for one, the model's always if it is fixed there, and never more than
-        CORRAL_KEEP_ALIVE_MAX. None: the runner keeps what it has."""
-        ka = asked
-        if entry.keep_alive is not None and (ka is None or entry.keep_alive_fixed):
-            ka = entry.keep_alive
-        elif entry.keep_alive_fixed:
-            ka = None  # fixed at the server's default
-        cap = self.settings.keep_alive_max
-        if ka is not None and cap is not None and ka > cap:
-            ka = cap
-        return ka
-
     async def lease(
         self, request: Request, r: Resolved, options: dict[str, Any], keep_alive: float | None
     ) -> Lease:
-        """Wait for a runner slot. A client that leaves while waiting (queued, or while its
-        model loads) takes its queue entry with it."""
+        """Wait for a runner slot (runtime/admission). A client that leaves while waiting
+        (queued, or while its model loads) takes its queue entry with it."""
         note_model(r.name)  # the request's model (its log line, its metrics): the one resolved
-        spec, explicit = self.runner_spec(r, options)
-        try:
-            check_kv_cache_type(r.info, spec.kv_cache_type)
-        except ValueError as e:
-            raise ApiError(500, f"model '{r.requested}' cannot be loaded: {e}") from None
-        if spec.flash_attn == "off" and KV_CACHE_TYPES[spec.kv_cache_type][0] > 1:
-            raise ApiError(
-                400, f"model '{r.requested}': a quantized KV cache ({spec.kv_cache_type}) "
-                "needs flash attention; set flash_attn to on or auto",
-            )  # fmt: skip
-        chosen = {**r.entry.options, **options}  # the request's options over the model's
-        auto = (
-            self.settings.context_length is None
-            and "n_ctx" not in explicit
-            and "num_ctx" not in r.entry.options
-        )
-        if auto:
-            spec = dataclasses.replace(spec, n_ctx=self.auto_ctx(r, spec, chosen))
-        sizes = self.sizings(r, spec, chosen)
-        best = sizes[0]
-        try:
-            ticket = self.scheduler.submit(
-                r.runner, spec, explicit=explicit, size=best.size,
-                keep_alive=self.keep_alive(r.entry, keep_alive),
-                pinned=r.entry.pinned, priority=r.entry.priority,
-                place=best.place, process=best.process, smaller=sizes[1:],
-            )  # fmt: skip
-            if ticket.fut.done():  # a warm runner had a free slot: no need to watch the client
-                lease = await self.scheduler.wait(ticket)
-            else:
-                lease = await until_disconnect(request, self.scheduler.wait(ticket), Lease.release)
-        except SchedulerError as e:
-            raise ApiError(e.status, e.message, retry_after=e.retry_after) from None
+
+        def watch(granted: Awaitable[Lease]) -> Awaitable[Lease]:
+            return until_disconnect(request, granted, Lease.release)
+
+        lease = await self.admission.lease(r, options, keep_alive, watch)
         note_lease(lease.tally)  # the request log's tokens and timings
-        if auto:
-            self._served(lease.runner.name, lease.runner.spec.n_ctx)
         return lease
-
-    def sizings(
-        self, r: Resolved, spec: RunnerSpec, chosen: Mapping[str, Any]
-    ) -> tuple[Sizing, ...]:
-        """The runners the scheduler may load for `spec`, best first, each with its booking
-        and placer: with an automatic slot count, fewer slots where memory is short (the first
-        that fits is loaded). Built once per model file and runner shape: every request asks,
-        warm ones too."""
-        parts = self.parts(r)
-        key = (spec, chosen.get("num_gpu"), chosen.get("main_gpu"), r.entry.devices)
-        hit = self._sizings.get(key)
-        # read_model_info (and the parts' readers) return a new object when a file changed
-        if hit is not None and hit[0] is r.info and all(
-            a is b for a, b in zip(hit[1], parts, strict=True)
-        ):
-            return hit[2]
-        sizes = []
-        for s in slot_choices(spec):
-            est = self._estimates.get(r.info, s, *parts)
-            sizes.append(Sizing(
-                s, est.total + est.process, process=est.process,
-                place=placer(est, self.devices, chosen.get("num_gpu"), chosen.get("main_gpu"),
-                             r.entry.devices),
-            ))  # fmt: skip
-        if len(self._sizings) > Estimates.LIMIT:
-            self._sizings.clear()
-        self._sizings[key] = (r.info, parts, tuple(sizes))
-        return tuple(sizes)
-
-    def _served(self, model: str, n_ctx: int) -> None:
-        if not self._listening:
-            self._listening = True
-            self.scheduler.listen(self._forget_served)
-        self._served_ctx[model] = n_ctx
-
-    def _forget_served(self, event: Event) -> None:
-        if event.kind not in ("ready", "refused"):  # a runner of it loads, stops or failed
-            self._served_ctx.pop(event.model, None)
-
-    def auto_ctx(self, r: Resolved, spec: RunnerSpec, chosen: Mapping[str, Any]) -> int:
-        """The context a request that sets none gets with CORRAL_CONTEXT_LENGTH=auto (`spec`
-        holds auto's floor): a loaded runner's, if it has at least the floor (a runner is never
-        reloaded for a larger context nobody asked for; the one that last served such a request
-        is remembered until a runner of the model loads or stops, so a warm request reads no
-        view); else the largest context
-        (core.context.auto_context) whose runner fits the memory that busy, loading and pinned
-        runners of other models leave, with as many layers on GPUs as at the floor. So a load
-        evicts only idle models, as any load may."""
-        runner = r.runner
-        served = self._served_ctx.get(runner)
-        if served is not None and served >= spec.n_ctx:
-            return served
-        view = self.scheduler.view()
-        loaded = [v.context_length for v in view.runners if v.model == runner
-                  and v.state != "unloading" and not v.draining]  # fmt: skip
-        if loaded and max(loaded) >= spec.n_ctx:
-            return max(loaded)
-        room = _room(view, runner)
-        factor = view.raised.get(runner, 1.0)  # raised after the model ran out of memory
-        key = (spec, tuple(sorted(room.items())), factor)
-        hit = self._auto.get(key)
-        if hit is not None and hit[0] is r.info:
-            return hit[1]
-        parts = self.parts(r)
-
-        def place(n_ctx: int) -> Fit | None:
-            est = self._estimates.get(r.info, dataclasses.replace(spec, n_ctx=n_ctx), *parts)
-            fit = placer(est, self.devices, chosen.get("num_gpu"), chosen.get("main_gpu"),
-                         r.entry.devices)  # fmt: skip
-            return (scaled_placer(fit, factor) if factor > 1 else fit)(room)
-
-        first = place(spec.n_ctx)
-        n_ctx = spec.n_ctx
-        if first is not None:
-            layers = _gpu_layers(first)
-
-            def fits(n: int) -> bool:
-                fit = place(n)
-                return fit is not None and _gpu_layers(fit) >= layers
-
-            n_ctx = auto_context(r.info.context_length, fits, spec.n_ctx)
-        if len(self._auto) > 256:
-            self._auto.clear()
-        self._auto[key] = (r.info, n_ctx)
-        return n_ctx
 
     async def leased(
         self,
@@ -344,41 +161,13 @@ class Service:
         payload: Mapping[str, Any],
         start: Callable[[Lease], Awaitable[T]],
     ) -> T:
-        """`start(lease)` on a leased slot; the lease is released if it fails (else whatever
-        `start` returns owns it). A prompt longer than the runner's context is sent once more
-        after a reload with a context that holds it and its output (`payload`'s max tokens, or
-        DEFAULT_OUTPUT): the request pins that num_ctx, so the scheduler drains the runner and
-        reloads it larger, as for any change of options. A prompt the model's trained context
-        cannot hold, or that memory cannot, is a 400 saying its tokens, the limit and what to
-        do."""
-        lease = await self.lease(request, r, options, keep_alive)
-        try:
-            return await _owned(lease, start)
-        except ContextOverflow as e:
-            overflow = e
-        n_ctx = grown_context(overflow.prompt_tokens, output_tokens(payload),
-                              r.info.context_length)  # fmt: skip
-        if n_ctx is None or n_ctx <= overflow.n_ctx:
-            raise too_long(r, overflow.prompt_tokens) from None
-        log.info(
-            "a prompt of %d tokens does not fit '%s' at %d: reloading it with a context of %d",
-            overflow.prompt_tokens, r.name, overflow.n_ctx, n_ctx,
-        )  # fmt: skip
-        try:
-            lease = await self.lease(request, r, {**options, "num_ctx": n_ctx}, keep_alive)
-        except ApiError as e:
-            if e.status != 507:
-                raise
-            raise ApiError(
-                400, f"the prompt is {overflow.prompt_tokens:,} tokens; model "
-                f"'{r.requested}' would need a context of {n_ctx:,} tokens for it, more than "
-                f"the memory for models holds ({e.message}): shorten the prompt or use a "
-                "smaller model",
-            ) from None  # fmt: skip
-        try:
-            return await _owned(lease, start)
-        except ContextOverflow as e:
-            raise too_long(r, e.prompt_tokens, e.n_ctx) from None
+        """`start(lease)` on a leased slot, sent once more after a reload with a larger context
+        if the prompt did not fit (`Admission.leased`)."""
+
+        def lease(opts: dict[str, Any]) -> Awaitable[Lease]:
+            return self.lease(request, r, opts, keep_alive)
+
+        return await self.admission.leased(r, options, keep_alive, payload, start, lease)
 
     # ---- talking to a runner -----------------------------------------------------------------
     async def pass_through(
@@ -567,65 +356,6 @@ def chat_template(r: Resolved) -> str | None:
         return jinja_template(r.entry.template)
     except TemplateError as e:  # /api/create refuses these: a manifest from elsewhere
         raise unusable_template(r, e) from None
-
-
-def unusable_template(r: Resolved, e: TemplateError) -> ApiError:
-    return ApiError(500, f"model '{r.requested}' has a template corral cannot use: {e}")
-
-
-def _room(view: SchedulerView, model: str) -> dict[str, int]:
-    """Bytes per device a runner of `model` may take without stopping a runner that serves,
-    loads or is pinned (idle runners, and `model`'s own, count as free: a load may evict
-    those)."""
-    held = [v for v in view.runners if v.model != model
-            and (v.inflight > 0 or v.state != "ready" or v.pinned)]  # fmt: skip
-    room = {}
-    for dev, budget in view.budgets.items():
-        cap = min(budget, view.headroom.get(dev, budget)) - view.reserved.get(dev, 0)
-        room[dev] = max(0, cap - sum(v.devices.get(dev, 0) for v in held))
-    return room
-
-
-def _gpu_layers(fit: Fit) -> int:
-    return int(getattr(fit.layout, "n_gpu_layers", 0) or 0)
-
-
-# The fields by which each API says how many tokens to generate (the first one set counts).
-OUTPUT_FIELDS = ("n_predict", "max_tokens", "max_completion_tokens", "max_output_tokens",
-                 "num_predict")  # fmt: skip
-
-
-def output_tokens(payload: Mapping[str, Any]) -> int:
-    """The most tokens a request generates, as its payload says; DEFAULT_OUTPUT if it does not
-    (or asks for no limit)."""
-    for name in OUTPUT_FIELDS:
-        n = payload.get(name)
-        if isinstance(n, int) and not isinstance(n, bool) and n > 0:
-            return n
-    return DEFAULT_OUTPUT
-
-
-async def _owned(lease: Lease, start: Callable[[Lease], Awaitable[T]]) -> T:
-    """`start(lease)`, which owns the lease once it returns; the lease is given back if it
-    fails."""
-    try:
-        return await start(lease)
-    except BaseException:
-        lease.release()
-        raise
-
-
-def too_long(r: Resolved, tokens: int, limit: int | None = None) -> ApiError:
-    """The 400 for a prompt no context of the model holds: its tokens, the limit, what to do."""
-    trained = r.info.context_length
-    if limit is None:
-        limit = trained or UNKNOWN_TRAINED_CAP
-    why = ("its trained context" if limit == trained
-           else "the most corral gives it" if not trained else "its context")  # fmt: skip
-    return ApiError(
-        400, f"the prompt is {tokens:,} tokens; model '{r.requested}' takes at most {limit:,} "
-        f"({why}): shorten the prompt or use a model with a longer context",
-    )  # fmt: skip
 
 
 # llama.cpp /completion parameters a chat request may carry (forced tool calls go there).

@@ -69,9 +69,10 @@ SERVICE_EWMA = 0.2  # weight of the newest request in a model's mean service tim
 
 def compatible(spec: RunnerSpec, req: Request) -> bool:
     """Whether a runner with `spec` may serve `req`: the fields the request set must match;
-    a request that set no context needs at least its default one, so that it is never served
-    by a runner another client shrank (a larger one serves it without a reload)."""
-    if "n_ctx" not in req.explicit and spec.n_ctx < req.spec.n_ctx:
+    a request that set no context needs at least the least of its runners' (an automatic
+    context's floor), so that it is never served by a runner another client shrank (a larger
+    one serves it without a reload)."""
+    if "n_ctx" not in req.explicit and spec.n_ctx < req.least.spec.n_ctx:
         return False
     return all(getattr(spec, f) == getattr(req.spec, f) for f in req.explicit)
 

@@ -1,16 +1,14 @@
 """How long a context a runner gets when nobody fixed one, and how long one a prompt needs.
 
-`auto_context`: with `CORRAL_CONTEXT_LENGTH=auto` (the default) and no `num_ctx` from the model
-or the request, the largest context on a grid of powers of two (plus the trained length itself)
-between a floor and the model's trained context that still fits the memory given (the caller
-says what fits: `core.placement` on the bytes the busy runners leave). `grown_context`: the
-context a prompt that did not fit needs (the next power of two holding it and its output, up to
-the trained context). Pure: no memory is measured here.
+`context_grid`: with `CORRAL_CONTEXT_LENGTH=auto` (the default) and no `num_ctx` from the model
+or the request, the contexts a runner may get: a grid of powers of two (plus the trained length
+itself) between a floor and the model's trained context. The admission offers the scheduler
+each, longest first (runtime/admission), and the core loads the first that fits by its room
+rule (core/books). `grown_context`: the context a prompt that did not fit needs (the next power
+of two holding it and its output, up to the trained context). Pure: no memory is measured here.
 """
 
 from __future__ import annotations
-
-from collections.abc import Callable
 
 # The least an automatic context gives (or the trained context, if smaller): what corral gave
 # every model before it sized contexts to the machine, so no model gets less than it used to.
@@ -22,7 +20,7 @@ DEFAULT_OUTPUT = 1024
 
 
 def context_grid(trained: int, floor: int = AUTO_FLOOR) -> list[int]:
-    """The contexts `auto_context` tries, ascending: the floor (capped at `trained`), every
+    """The contexts an automatic context may be, ascending: the floor (capped at `trained`), every
     power of two above it below `trained`, and `trained`. `trained` 0: the floor alone."""
     if trained <= 0:
         return [floor]
@@ -35,20 +33,6 @@ def context_grid(trained: int, floor: int = AUTO_FLOOR) -> list[int]:
     if trained > lo:
         grid.append(trained)
     return grid
-
-
-def auto_context(trained: int, fits: Callable[[int], bool], floor: int = AUTO_FLOOR) -> int:
-    """The largest context of `context_grid(trained, floor)` that `fits` (memory grows with
-    the context, so the first that does not fit ends the search); the grid's first (the floor,
-    or `trained` if smaller) even if nothing fits: then the scheduler makes room or queues the
-    load, as for any model."""
-    grid = context_grid(trained, floor)
-    best = grid[0]
-    for n_ctx in grid[1:]:
-        if not fits(n_ctx):
-            break
-        best = n_ctx
-    return best
 
 
 def next_power_of_two(n: int) -> int:

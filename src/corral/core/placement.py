@@ -212,6 +212,24 @@ def placer(
     return fit
 
 
+def no_fewer_gpu_layers(place: Placer, base: Placer) -> Placer:
+    """`place`, refused where it would put fewer layers on GPUs than `base` would in the same
+    memory: an automatic context longer than the floor is not worth layers moved to the CPU."""
+
+    def guarded(free: Mapping[str, int]) -> Fit | None:
+        fit = place(free)
+        if fit is None:
+            return None
+        floor = base(free)
+        return fit if floor is None or _gpu_layers(fit) >= _gpu_layers(floor) else None
+
+    return guarded
+
+
+def _gpu_layers(fit: Fit) -> int:
+    return int(getattr(fit.layout, "n_gpu_layers", 0) or 0)
+
+
 def launch_layout(p: Placement, devices: list[Device]) -> Layout:
     """How to start a runner so that it uses exactly the devices placement booked: only those
     GPUs visible (llama.cpp would otherwise open a context, and for large batches compute, on
