@@ -13,7 +13,7 @@ import orjson
 import pytest
 
 from corral.api.anthropic import sse_stream, to_chat
-from corral.api.events import Done, Event, Text, Thinking, ToolCall, Usage
+from corral.api.chat import Done, Event, Text, Thinking, ToolCall, Usage
 from corral.errors import ApiError
 
 SMOL = "smollm2:135m"

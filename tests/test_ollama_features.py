@@ -12,7 +12,7 @@ import httpx
 import ollama
 import pytest
 
-from corral.api.events import Done, Event, Text, Thinking, ToolCall, Usage
+from corral.api.chat import Done, Event, Text, Thinking, ToolCall, Usage
 from corral.api.ollama_chunks import OllamaChunks, merge
 
 SMOL = "smollm2:135m"

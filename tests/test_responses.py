@@ -17,7 +17,7 @@ import pydantic
 import pytest
 from openai.types.responses import Response, ResponseStreamEvent
 
-from corral.api.events import Done, Event, Text, Thinking, ToolCall, Usage
+from corral.api.chat import Done, Event, Text, Thinking, ToolCall, Usage
 from corral.api.responses import parse_request
 from corral.api.responses_output import Builder, CustomInput, ToolRef
 from corral.errors import ApiError

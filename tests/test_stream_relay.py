@@ -426,7 +426,7 @@ def test_only_plain_deltas_skip_the_parser() -> None:
 def test_events_of_one_read_are_said_to_be_ready() -> None:
     """A family rendering events one by one (OpenAI chunks, Anthropic, Responses) joins what
     one read brought into one write: `buffered()` holds until the read's last event."""
-    from corral.api.events import Text
+    from corral.api.chat import Text
 
     reads = [DELTA % b'{"content":"a"}' + DELTA % b'{"content":"b"}' + DELTA % b'{"content":"c"}',
              DELTA % b'{"content":"d"}', b"data: [DONE]\n\n"]  # fmt: skip
@@ -460,7 +460,7 @@ def test_data_after_the_reader_was_cancelled_is_only_kept() -> None:
 def test_an_event_that_is_not_json_ends_the_stream_with_why() -> None:
     """A runner that sends something not JSON mid-stream (not llama.cpp's own): the events
     so far, then the family's error (an ApiError), never an exception out of the app."""
-    from corral.api.events import Text
+    from corral.api.chat import Text
     from corral.errors import ApiError
 
     reads = [DELTA % b'{"content":"a"}', b"data: {not json\n\n", DELTA % b'{"content":"b"}']

@@ -17,7 +17,8 @@ from typing import Any, cast
 import orjson
 import pytest
 
-from corral.api.events import Done, Generation, Text, ToolCall
+from corral.api.chat import Done, Text, ToolCall
+from corral.api.events import Generation
 from corral.api.toolprompt import (
     CLOSE,
     TRIGGER,
@@ -108,7 +109,7 @@ def test_fallback_messages_turn_calls_and_results_into_text() -> None:
 
 
 def test_template_body_keeps_native_templates_as_they_are() -> None:
-    from corral.api.events import Chat
+    from corral.api.chat import Chat
 
     chat = Chat([{"role": "user", "content": "hi"}], [WEATHER])
     assert template_body(chat, False, None) == {"messages": chat.messages, "tools": [WEATHER]}

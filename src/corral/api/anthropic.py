@@ -23,8 +23,19 @@ from starlette.requests import Request
 from starlette.responses import Response
 from starlette.routing import Route
 
+from corral.api.chat import (
+    Chat,
+    Done,
+    Event,
+    Result,
+    Text,
+    Thinking,
+    ToolCall,
+    Usage,
+    new_id,
+    unhandled,
+)
 from corral.api.common import field, model_field, read_json, rfc3339, until_disconnect
-from corral.api.events import Chat, Done, Event, Result, Text, Thinking, ToolCall, Usage, new_id
 from corral.api.family import ANTHROPIC, FamilyRoute, sse
 from corral.api.service import Resolved, Service, effective_template
 from corral.api.stream import json_response
@@ -504,10 +515,12 @@ class _Blocks:
     """The content blocks of a streamed message: one is open at a time; an event of another
     kind (or another tool call) closes it and opens the next at the next index."""
 
-    def __init__(self) -> None:
+    def __init__(self, shown: bool = True) -> None:
         self.index = -1
         self.open: tuple[str, int] | None = None  # (block type, tool call index)
         self.called = False
+        self.shown = shown  # False: the reasoning is left out (thinking.display "omitted")
+        self.done = Done("stop", Usage())  # how it ended, once it has
 
     def switch(self, key: tuple[str, int], start: dict[str, Any]) -> list[bytes]:
         if self.open == key:
@@ -535,21 +548,33 @@ class _Blocks:
         self.open = None
         return out
 
-    def feed(self, ev: Text | Thinking | ToolCall) -> list[bytes]:
-        if isinstance(ev, Thinking):
-            start = {"type": "thinking", "thinking": "", "signature": ""}
-            out = self.switch(("thinking", 0), start)
-            return [*out, self.delta({"type": "thinking_delta", "thinking": ev.text})]
-        if isinstance(ev, Text):
-            out = self.switch(("text", 0), {"type": "text", "text": ""})
-            return [*out, self.delta({"type": "text_delta", "text": ev.text})]
-        self.called = True
-        out = self.switch(("tool_use", ev.index), {
-            "type": "tool_use", "id": new_id("toolu_"), "name": ev.name, "input": {},
-        })  # fmt: skip
-        if ev.arguments:
-            out.append(self.delta({"type": "input_json_delta", "partial_json": ev.arguments}))
-        return out
+    def feed(self, ev: Event) -> list[bytes]:
+        """The content-block events `ev` renders to (the end's come from `close`)."""
+        match ev:
+            case Thinking():
+                if not self.shown:
+                    return []
+                start = {"type": "thinking", "thinking": "", "signature": ""}
+                out = self.switch(("thinking", 0), start)
+                return [*out, self.delta({"type": "thinking_delta", "thinking": ev.text})]
+            case Text():
+                out = self.switch(("text", 0), {"type": "text", "text": ""})
+                return [*out, self.delta({"type": "text_delta", "text": ev.text})]
+            case ToolCall():
+                self.called = True
+                out = self.switch(("tool_use", ev.index), {
+                    "type": "tool_use", "id": new_id("toolu_"), "name": ev.name, "input": {},
+                })  # fmt: skip
+                if ev.arguments:
+                    out.append(
+                        self.delta({"type": "input_json_delta", "partial_json": ev.arguments})
+                    )
+                return out
+            case Done():
+                self.done = ev
+                return []
+            case _:
+                unhandled(ev)
 
 
 async def sse_stream(
@@ -564,15 +589,9 @@ async def sse_stream(
                   "cache_creation_input_tokens": 0, "cache_read_input_tokens": 0},
     }})  # fmt: skip
     yield sse("ping", {"type": "ping"})
-    blocks = _Blocks()
-    done = Done("stop", Usage())
+    blocks = _Blocks(shown)
     try:
         async for ev in events:
-            if isinstance(ev, Done):
-                done = ev
-                continue
-            if isinstance(ev, Thinking) and not shown:
-                continue
             for chunk in blocks.feed(ev):
                 yield chunk
     except ApiError as e:
@@ -580,6 +599,7 @@ async def sse_stream(
         return
     for chunk in blocks.close():
         yield chunk
+    done = blocks.done
     yield sse("message_delta", {
         "type": "message_delta",
         "delta": {"stop_reason": stop_reason(done, blocks.called),

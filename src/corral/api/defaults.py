@@ -17,7 +17,7 @@ from collections.abc import Mapping
 from dataclasses import replace
 from typing import Any
 
-from corral.api.events import Chat
+from corral.api.chat import Chat
 from corral.core.options import REQUEST_OPTIONS, SAMPLING
 from corral.runtime.registry import ModelEntry
 

@@ -24,15 +24,26 @@ from __future__ import annotations
 
 import re
 import time
-import uuid
 from collections import deque
 from collections.abc import AsyncIterator, Awaitable, Callable
-from dataclasses import dataclass, field, replace
+from dataclasses import replace
 from typing import Any
 
 import orjson
 from starlette.responses import Response
 
+from corral.api.chat import (
+    Done,
+    Event,
+    RawText,
+    Result,
+    Text,
+    Thinking,
+    ToolCall,
+    Usage,
+    new_id,
+    unhandled,
+)
 from corral.api.stream import RelayResponse
 from corral.api.toolprompt import Call, CallScanner
 from corral.errors import ApiError
@@ -41,99 +52,6 @@ from corral.runtime.meter import Tally, token_events
 from corral.runtime.runner_api import UPSTREAM_ERRORS
 from corral.runtime.runner_errors import runner_error_message, stream_failure
 from corral.runtime.scheduler import Lease
-
-# ---- the neutral request -------------------------------------------------------------------
-
-
-@dataclass
-class Chat:
-    """A chat request in llama.cpp's terms (its /v1/chat/completions body, less streaming).
-
-    `tool_choice` is "auto", "none", "required" or a tool name; `params` go to llama.cpp as
-    they are (max_tokens, temperature, top_p, top_k, stop, seed, response_format,
-    chat_template_kwargs, logprobs, ...)."""
-
-    messages: list[dict[str, Any]]
-    tools: list[dict[str, Any]] = field(default_factory=list)
-    tool_choice: str = "auto"
-    params: dict[str, Any] = field(default_factory=dict)
-
-    @property
-    def forced_tools(self) -> list[dict[str, Any]] | None:
-        """The tools one of which the answer must call, or None when the model may choose."""
-        if not self.tools or self.tool_choice in ("auto", "none"):
-            return None
-        if self.tool_choice == "required":
-            return self.tools
-        return [t for t in self.tools if tool_name(t) == self.tool_choice]
-
-
-def tool_name(tool: dict[str, Any]) -> str:
-    fn = tool.get("function")
-    return str(fn.get("name", "")) if isinstance(fn, dict) else ""
-
-
-# ---- the neutral events --------------------------------------------------------------------
-
-
-@dataclass(frozen=True)
-class Text:
-    text: str
-    # llama.cpp's per-token entries ({token, logprob, bytes, top_logprobs}) when asked for
-    logprobs: tuple[dict[str, Any], ...] = ()
-
-
-@dataclass(frozen=True)
-class Thinking:
-    text: str
-
-
-@dataclass(frozen=True)
-class ToolCall:
-    """A tool call's start (name and id set) or a piece of its JSON arguments."""
-
-    index: int
-    id: str = ""
-    name: str = ""
-    arguments: str = ""
-
-
-@dataclass(frozen=True)
-class Usage:
-    prompt_tokens: int = 0
-    completion_tokens: int = 0
-    cached_tokens: int = 0
-    prompt_ms: float = 0.0
-    predicted_ms: float = 0.0
-
-
-@dataclass(frozen=True)
-class Done:
-    """The end of a generation: why it stopped ("stop", "length" or "tool_calls"), the stop
-    sequence that ended it if one did, and the token counts."""
-
-    reason: str
-    usage: Usage
-    stop_sequence: str | None = None
-
-
-Event = Text | Thinking | ToolCall | Done
-
-
-@dataclass
-class Result:
-    """A whole generation, for non-streamed answers."""
-
-    text: str
-    thinking: str
-    tool_calls: list[dict[str, str]]  # {"id", "name", "arguments" (JSON text)}
-    done: Done
-    logprobs: list[dict[str, Any]]
-
-
-def new_id(prefix: str) -> str:
-    return f"{prefix}{uuid.uuid4().hex[:24]}"
-
 
 # ---- a generation in progress --------------------------------------------------------------
 
@@ -182,15 +100,16 @@ class Generation:
             self.left = len(batch)
             for ev in batch:
                 self.left -= 1
-                yield ev  # type: ignore[misc]  # no plain literals without plain=True
+                assert not isinstance(ev, RawText)  # only batches(plain=True) gives those
+                yield ev
 
-    async def batches(self, plain: bool = False) -> AsyncIterator[list[Event | bytes]]:
+    async def batches(self, plain: bool = False) -> AsyncIterator[list[Event | RawText]]:
         """The events, a list per read from the runner (what came together goes out together).
 
-        With `plain`, a chat stream's content-only delta comes as the JSON string literal
-        llama.cpp wrote, unparsed (`Text(orjson.loads(literal))` otherwise); only where that
-        literal is what orjson writes for its text (`PLAIN_TEXT`) and no stop sequence needs
-        the text, so a renderer can put it in its own JSON as it is."""
+        With `plain`, a chat stream's content-only delta comes as `RawText`, the JSON string
+        literal llama.cpp wrote, unparsed (`Text` otherwise); only where that literal is what
+        orjson writes for its text (`PLAIN_TEXT`) and no stop sequence needs the text, so a
+        renderer can put it in its own JSON as it is."""
         if self.mode != "chat":
             source = (
                 self._tool_events() if self.mode == "tool"
@@ -208,11 +127,11 @@ class Generation:
         sse = self._sse()
         sse.plain = plain and not scan.stops
         while items := await sse.batch():
-            out: list[Event | bytes] = []
+            out: list[Event | RawText] = []
             for data in items:
                 if type(data) is bytes:  # a plain content delta (never empty)
                     deltas += 1
-                    out.append(data)
+                    out.append(RawText(data))
                     continue
                 if data.get("timings"):
                     usage = _usage(data)
@@ -351,18 +270,21 @@ class Generation:
         logprobs: list[dict[str, Any]] = []
         done = Done("stop", Usage())
         async for ev in self.events():
-            if isinstance(ev, Text):
-                text.append(ev.text)
-                logprobs.extend(ev.logprobs)
-            elif isinstance(ev, Thinking):
-                thinking.append(ev.text)
-            elif isinstance(ev, ToolCall):
-                c = calls.setdefault(ev.index, {"id": "", "name": "", "arguments": ""})
-                c["id"] = c["id"] or ev.id or new_id("call_")
-                c["name"] += ev.name
-                c["arguments"] += ev.arguments
-            else:
-                done = ev
+            match ev:
+                case Text():
+                    text.append(ev.text)
+                    logprobs.extend(ev.logprobs)
+                case Thinking():
+                    thinking.append(ev.text)
+                case ToolCall():
+                    c = calls.setdefault(ev.index, {"id": "", "name": "", "arguments": ""})
+                    c["id"] = c["id"] or ev.id or new_id("call_")
+                    c["name"] += ev.name
+                    c["arguments"] += ev.arguments
+                case Done():
+                    done = ev
+                case _:
+                    unhandled(ev)
         tool_calls = [calls[i] for i in sorted(calls)]
         return Result("".join(text), "".join(thinking), tool_calls, done, logprobs)
 

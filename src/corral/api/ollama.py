@@ -26,6 +26,7 @@ from starlette.routing import Route
 import corral
 from corral.api import defaults, embed
 from corral.api.activity import note_model
+from corral.api.chat import Chat
 from corral.api.common import (
     check_options,
     field,
@@ -35,7 +36,6 @@ from corral.api.common import (
     rfc3339,
     until_disconnect,
 )
-from corral.api.events import Chat
 from corral.api.family import OLLAMA, FamilyRoute
 from corral.api.guard import entry_paths, hide_paths
 from corral.api.ollama_chunks import ns, respond

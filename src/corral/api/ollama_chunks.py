@@ -13,8 +13,9 @@ import orjson
 from starlette.requests import Request
 from starlette.responses import Response
 
+from corral.api.chat import Done, Event, RawText, Text, Thinking, ToolCall, unhandled
 from corral.api.common import now_rfc3339, until_disconnect
-from corral.api.events import Done, Event, Generation, Text, Thinking, ToolCall
+from corral.api.events import Generation
 from corral.api.family import OLLAMA
 from corral.api.stream import json_response
 from corral.errors import ApiError
@@ -42,16 +43,24 @@ class OllamaChunks:
         self.calls: dict[int, dict[str, str]] = {}
         self.answer: list[str] = []
 
-    def chunk(self, ev: Text | Thinking | ToolCall) -> dict[str, Any] | None:
-        if isinstance(ev, Text):
-            self.answer.append(ev.text)
-            return _chunk(self.model, self.kind, ev.text, None, _logprobs(ev.logprobs, self.top))
-        if isinstance(ev, Thinking):
-            return _chunk(self.model, self.kind, "", ev.text, None)
-        c = self.calls.setdefault(ev.index, {"name": "", "arguments": ""})
-        c["name"] += ev.name
-        c["arguments"] += ev.arguments
-        return None
+    async def feed(self, ev: Event) -> list[dict[str, Any]]:
+        """The chunks `ev` renders to: a tool call's go out whole with the last chunk."""
+        match ev:
+            case Text():
+                self.answer.append(ev.text)
+                lp = _logprobs(ev.logprobs, self.top)
+                return [_chunk(self.model, self.kind, ev.text, None, lp)]
+            case Thinking():
+                return [_chunk(self.model, self.kind, "", ev.text, None)]
+            case ToolCall():
+                c = self.calls.setdefault(ev.index, {"name": "", "arguments": ""})
+                c["name"] += ev.name
+                c["arguments"] += ev.arguments
+                return []
+            case Done():
+                return await self.last(ev)
+            case _:
+                unhandled(ev)
 
     async def last(self, ev: Done) -> list[dict[str, Any]]:
         model, kind, out = self.model, self.kind, []
@@ -84,10 +93,7 @@ class OllamaChunks:
     async def of(self, events: AsyncIterator[Event]) -> AsyncIterator[dict[str, Any]]:
         """The chunks of `events`, one by one."""
         async for ev in events:
-            if isinstance(ev, Done):
-                for last in await self.last(ev):
-                    yield last
-            elif (c := self.chunk(ev)) is not None:
+            for c in await self.feed(ev):
                 yield c
 
 
@@ -107,14 +113,12 @@ async def ollama_ndjson(render: OllamaChunks) -> AsyncIterator[bytes]:
             out: list[bytes] = []
             stamp = b""
             for ev in batch:
-                if isinstance(ev, bytes):
+                if isinstance(ev, RawText):  # the plain fast path, on purpose
                     if not stamp:
                         stamp = head + created_at().encode() + mid
-                    out += (stamp, ev, tail)
-                elif isinstance(ev, Done):
-                    out += [orjson.dumps(c) + b"\n" for c in await render.last(ev)]
-                elif (c := render.chunk(ev)) is not None:
-                    out.append(orjson.dumps(c) + b"\n")
+                    out += (stamp, ev.literal, tail)
+                else:
+                    out += [orjson.dumps(c) + b"\n" for c in await render.feed(ev)]
             if out:
                 yield b"".join(out)
     except ApiError as e:  # mid-stream failure: Ollama reports it as a final error line

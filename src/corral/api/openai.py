@@ -28,17 +28,9 @@ from starlette.routing import Route
 
 from corral.api import anthropic, defaults, embed
 from corral.api.activity import note_model
+from corral.api.chat import Chat, Done, Event, Text, Thinking, ToolCall, Usage, new_id, unhandled
 from corral.api.common import field, model_field, read_json, until_disconnect
-from corral.api.events import (
-    Chat,
-    Done,
-    Text,
-    Thinking,
-    ToolCall,
-    Usage,
-    new_id,
-    sse_events,
-)
+from corral.api.events import sse_events
 from corral.api.family import OPENAI, FamilyRoute
 from corral.api.openai_checks import (
     check_messages,
@@ -165,13 +157,8 @@ class OpenAI:
         try:
             yield _chunk({"role": "assistant", "content": None})
             async for ev in gen.events():
-                if isinstance(ev, Done):
-                    yield _chunk({}, ev.reason)
-                    yield {"choices": [], "usage": _usage(ev.usage)}
-                elif isinstance(ev, Text):
-                    yield _chunk({"content": ev.text}, None, _chat_logprobs(ev.logprobs))
-                else:
-                    yield _chunk(_delta(ev))
+                for c in _chunks(ev):
+                    yield c
         finally:
             gen.close()
 
@@ -436,16 +423,25 @@ def _chunk(
                          "finish_reason": finish}]}  # fmt: skip
 
 
-def _delta(ev: Thinking | ToolCall) -> dict[str, Any]:
-    if isinstance(ev, Thinking):
-        return {"reasoning_content": ev.text}
-    call: dict[str, Any] = {"index": ev.index}
-    if ev.id:
-        call["id"] = ev.id
-        call["type"] = "function"
-    fn = {"name": ev.name, "arguments": ev.arguments} if ev.name else {"arguments": ev.arguments}
-    call["function"] = fn
-    return {"tool_calls": [call]}
+def _chunks(ev: Event) -> list[dict[str, Any]]:
+    """The chat completion chunks an event renders to."""
+    match ev:
+        case Text():
+            return [_chunk({"content": ev.text}, None, _chat_logprobs(ev.logprobs))]
+        case Thinking():
+            return [_chunk({"reasoning_content": ev.text})]
+        case ToolCall():
+            call: dict[str, Any] = {"index": ev.index}
+            if ev.id:
+                call["id"] = ev.id
+                call["type"] = "function"
+            call["function"] = ({"name": ev.name, "arguments": ev.arguments} if ev.name
+                                else {"arguments": ev.arguments})  # fmt: skip
+            return [_chunk({"tool_calls": [call]})]
+        case Done():
+            return [_chunk({}, ev.reason), {"choices": [], "usage": _usage(ev.usage)}]
+        case _:
+            unhandled(ev)
 
 
 def _chat_logprobs(entries: Sequence[dict[str, Any]]) -> dict[str, Any] | None:

@@ -48,9 +48,9 @@ from starlette.requests import Request
 from starlette.responses import Response
 from starlette.routing import Route
 
+from corral.api.chat import Chat
 from corral.api.common import field as get
 from corral.api.common import model_field, read_json, until_disconnect
-from corral.api.events import Chat
 from corral.api.family import RESPONSES, FamilyRoute
 from corral.api.responses_output import Builder, ToolRef
 from corral.api.service import Service

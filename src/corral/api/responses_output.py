@@ -14,7 +14,7 @@ from typing import Any
 import orjson
 
 from corral.api.activity import note_error
-from corral.api.events import Done, Event, Text, Thinking, ToolCall, Usage, new_id
+from corral.api.chat import Done, Event, Text, Thinking, ToolCall, Usage, new_id, unhandled
 from corral.api.family import sse
 from corral.errors import ApiError
 
@@ -68,15 +68,19 @@ class Builder:
         ]
 
     def feed(self, ev: Event) -> list[dict[str, Any]]:
-        if isinstance(ev, Text):
-            top = self.echo.get("top_logprobs") or 0
-            return self._text(ev.text, [_logprob(lp, top) for lp in ev.logprobs])
-        if isinstance(ev, Thinking):
-            self.thinking_deltas += 1
-            return self._thinking(ev.text)
-        if isinstance(ev, ToolCall):
-            return self._tool_call(ev)
-        return self.finish(ev)
+        match ev:
+            case Text():
+                top = self.echo.get("top_logprobs") or 0
+                return self._text(ev.text, [_logprob(lp, top) for lp in ev.logprobs])
+            case Thinking():
+                self.thinking_deltas += 1
+                return self._thinking(ev.text)
+            case ToolCall():
+                return self._tool_call(ev)
+            case Done():
+                return self.finish(ev)
+            case _:
+                unhandled(ev)
 
     def _text(self, text: str, logprobs: list[dict[str, Any]]) -> list[dict[str, Any]]:
         out = [] if self._is_open("message") else self._open_message()

@@ -19,8 +19,9 @@ from starlette.responses import Response
 
 from corral.api import defaults
 from corral.api.activity import note_embedded, note_lease, note_model
+from corral.api.chat import Chat, tool_name
 from corral.api.common import until_disconnect
-from corral.api.events import Chat, Generation, forced_schema, tool_name
+from corral.api.events import Generation, forced_schema
 from corral.api.stream import TOOL_CALLS_END, LeasedStream
 from corral.api.toolprompt import fallback_grammar, template_body
 from corral.config import Settings

@@ -28,7 +28,7 @@ from typing import TYPE_CHECKING, Any
 import orjson
 
 if TYPE_CHECKING:
-    from corral.api.events import Chat
+    from corral.api.chat import Chat
 
 TRIGGER = "<tool_call>"
 CLOSE = "</tool_call>"

@@ -39,7 +39,7 @@ from typing import Any
 
 import orjson
 
-from corral.api.events import Chat
+from corral.api.chat import Chat
 from corral.api.toolprompt import fallback_grammar, template_body
 from corral.bench.common import (
     Http,
