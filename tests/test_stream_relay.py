@@ -373,9 +373,9 @@ async def _explain() -> str:
 
 
 def _generation(reads: list[bytes]) -> Any:
-    from corral.api.events import Generation
+    from corral.api.events import ChatEvents
 
-    return Generation(Lease(), Reads(reads), "chat", [], _explain)  # type: ignore[arg-type]
+    return ChatEvents(Lease(), Reads(reads), [], _explain)  # type: ignore[arg-type]
 
 
 @pytest.mark.parametrize("kind", ["response", "message"])

@@ -18,7 +18,7 @@ import orjson
 import pytest
 
 from corral.api.chat import Done, Text, ToolCall
-from corral.api.events import Generation
+from corral.api.events import FallbackEvents
 from corral.api.toolprompt import (
     CLOSE,
     TRIGGER,
@@ -291,7 +291,7 @@ async def events_of(reads: list[bytes]) -> list[Any]:
 
     explainer: Callable[[], Awaitable[str]] = explain
     lease, upstream = cast(Lease, FakeLease()), cast(RunnerStream, FakeStream(reads))
-    gen = Generation(lease, upstream, "fallback", [], explainer, NAMES)
+    gen = FallbackEvents(lease, upstream, [], explainer, NAMES)
     return [ev async for ev in gen.events()]
 
 

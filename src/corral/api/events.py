@@ -1,10 +1,10 @@
 """The layer every generating API family shares: one neutral chat request goes down to the
 runner, one stream of neutral events comes back up, and each family only renders them.
 
-A request's path: the adapter builds a `Chat` (OpenAI chat messages, which is what llama.cpp's
-templates take, plus tools and sampling parameters), `Service.generate` leases a runner slot and
-starts the upstream call, and `Generation` yields `Text`, `Thinking`, `ToolCall` and finally
-`Done` events. The lease is returned however the response ends (`Generation.response`); an
+A request's path: the adapter builds a `Chat` (api/chat: OpenAI chat messages, which is what
+llama.cpp's templates take, plus tools and sampling parameters), `Service.generate` leases a
+runner slot and starts the upstream call, and a `Generation` (one class per kind of runner
+stream) yields `Text`, `Thinking`, `ToolCall` and finally `Done` events. The lease is returned however the response ends (`Generation.response`); an
 answer that ended in tool calls marks it (`Lease.tool_call`), so the runner is held for the
 agent's next turn.
 
@@ -12,12 +12,12 @@ Forced tool use (`tool_choice` "required" or a named function) does not rely on 
 template being one llama.cpp knows how to constrain: the prompt is rendered with the tools by
 the runner's own template (/apply-template) and the completion is constrained by a JSON schema
 to `{"name": ..., "arguments": {...}}` for one of the allowed tools, so any model answers with
-a well-formed call.
+a well-formed call (`ForcedToolEvents`).
 
 A model whose template knows no tools gets them from corral (`corral.api.toolprompt`): the
 tools rendered into its system prompt in Hermes' words, the completion constrained by a lazy
 grammar from the `<tool_call>` trigger on, and the calls parsed out of the text as it streams
-(mode "fallback"), so every chat model takes tools in every API family.
+(`FallbackEvents`), so every chat model takes tools in every API family.
 """
 
 from __future__ import annotations
@@ -58,24 +58,20 @@ from corral.runtime.scheduler import Lease
 
 class Generation:
     """One leased runner call turned into events. Iterate `events()` once, inside
-    `response()` (streamed) or `collect()` (whole)."""
+    `response()` (streamed) or `collect()` (whole). One class per kind of runner stream:
+    `ChatEvents` (a /v1/chat/completions stream), `CompletionEvents` (a /completion or /infill
+    stream of raw text), `ForcedToolEvents` (a /completion constrained to one tool call) and
+    `FallbackEvents` (a /completion whose text may hold `<tool_call>` blocks)."""
 
     def __init__(
         self,
         lease: Lease,
         upstream: Upstream,
-        mode: str,
         stop: list[str],
         explain: Callable[[], Awaitable[str]],
-        tools: frozenset[str] | None = None,
     ) -> None:
         self.lease = lease
         self.upstream = upstream
-        # "chat": a /v1/chat/completions stream; "completion": a /completion (or /infill)
-        # stream of raw text; "tool": a /completion constrained to one tool call;
-        # "fallback": a /completion whose text may hold `<tool_call>` blocks calling `tools`.
-        self.mode = mode
-        self.tools = tools
         self.stop = stop
         self.explain = explain
         self.started = time.monotonic()
@@ -109,18 +105,65 @@ class Generation:
         With `plain`, a chat stream's content-only delta comes as `RawText`, the JSON string
         literal llama.cpp wrote, unparsed (`Text` otherwise); only where that literal is what
         orjson writes for its text (`PLAIN_TEXT`) and no stop sequence needs the text, so a
-        renderer can put it in its own JSON as it is."""
-        if self.mode != "chat":
-            source = (
-                self._tool_events() if self.mode == "tool"
-                else self._fallback_events() if self.mode == "fallback"
-                else self._completion_events()
-            )  # fmt: skip
-            async for ev in source:
-                if type(ev) is Done and ev.reason == "tool_calls":
-                    self.lease.tool_call = True  # the agent comes back: hold its runner
-                yield [ev]
-            return
+        renderer can put it in its own JSON as it is. A stream of raw text comes an event at a
+        time."""
+        async for ev in self._events():
+            if type(ev) is Done and ev.reason == "tool_calls":
+                self.lease.tool_call = True  # the agent comes back: hold its runner
+            yield [ev]
+
+    def _events(self) -> AsyncIterator[Event]:
+        """The events of a stream of raw text (ChatEvents reads its batches itself)."""
+        raise NotImplementedError
+
+    async def collect(self) -> Result:
+        text: list[str] = []
+        thinking: list[str] = []
+        calls: dict[int, dict[str, str]] = {}
+        logprobs: list[dict[str, Any]] = []
+        done = Done("stop", Usage())
+        async for ev in self.events():
+            match ev:
+                case Text():
+                    text.append(ev.text)
+                    logprobs.extend(ev.logprobs)
+                case Thinking():
+                    thinking.append(ev.text)
+                case ToolCall():
+                    c = calls.setdefault(ev.index, {"id": "", "name": "", "arguments": ""})
+                    c["id"] = c["id"] or ev.id or new_id("call_")
+                    c["name"] += ev.name
+                    c["arguments"] += ev.arguments
+                case Done():
+                    done = ev
+                case _:
+                    unhandled(ev)
+        tool_calls = [calls[i] for i in sorted(calls)]
+        return Result("".join(text), "".join(thinking), tool_calls, done, logprobs)
+
+    def response(
+        self, render: Callable[[AsyncIterator[Event]], AsyncIterator[bytes]], media_type: str
+    ) -> Response:
+        """A streaming response of `render(events)`; the lease and the upstream go back when it
+        ends, fails or the client leaves. What the events of one read from the runner render
+        to goes out in one write."""
+        return _GenerationStream(render(self.events()), self, media_type)
+
+
+class _GenerationStream(RelayResponse):
+    def __init__(self, body: AsyncIterator[bytes], gen: Generation, media_type: str) -> None:
+        super().__init__(body, media_type, more=gen.buffered)
+        self.gen = gen
+
+    async def close(self) -> None:
+        self.gen.close()  # closing the upstream makes llama.cpp stop generating
+
+
+class ChatEvents(Generation):
+    """A /v1/chat/completions stream: content, reasoning and tool-call deltas as events; stop
+    sequences found by corral."""
+
+    async def batches(self, plain: bool = False) -> AsyncIterator[list[Event | RawText]]:
         reason, usage = "stop", Usage()
         scan = StopScanner(self.stop)
         deltas = 0  # content deltas: one token each, the count when a stop sequence cuts in
@@ -164,7 +207,14 @@ class Generation:
             self.lease.tool_call = True  # the agent comes back with the result: hold its runner
         yield [Text(rest), Done(reason, usage)] if rest else [Done(reason, usage)]
 
-    async def _completion_events(self) -> AsyncIterator[Event]:
+
+class CompletionEvents(Generation):
+    """A /completion (or /infill) stream of raw text."""
+
+    def _events(self) -> AsyncIterator[Event]:
+        return self._text_events()
+
+    async def _text_events(self) -> AsyncIterator[Event]:
         scan = StopScanner(self.stop)
         deltas = 0
         async for data in self._sse():
@@ -185,7 +235,23 @@ class Generation:
                 yield Done(reason, _usage(data))
                 return
 
-    async def _fallback_events(self) -> AsyncIterator[Event]:
+
+class FallbackEvents(CompletionEvents):
+    """A /completion whose text may hold `<tool_call>` blocks calling `tools` (a model whose
+    template knows no tools: api/toolprompt)."""
+
+    def __init__(
+        self,
+        lease: Lease,
+        upstream: Upstream,
+        stop: list[str],
+        explain: Callable[[], Awaitable[str]],
+        tools: frozenset[str],
+    ) -> None:
+        super().__init__(lease, upstream, stop, explain)
+        self.tools = tools
+
+    async def _events(self) -> AsyncIterator[Event]:
         """A completion's text with the `<tool_call>` blocks in it as calls: text before a
         call streams as it comes; a call goes out whole once its block is closed (its name,
         then its arguments); a block that is not a call stays text. Logprobs go with the next
@@ -193,7 +259,7 @@ class Generation:
         scan = CallScanner(self.tools)
         index = 0
         logprobs: list[dict[str, Any]] = []
-        async for ev in self._completion_events():
+        async for ev in self._text_events():
             if isinstance(ev, Done):
                 pieces = scan.finish()
             elif isinstance(ev, Text):
@@ -216,7 +282,11 @@ class Generation:
                 yield ev
                 return
 
-    async def _tool_events(self) -> AsyncIterator[Event]:
+
+class ForcedToolEvents(Generation):
+    """A /completion constrained by a JSON schema to one call of the allowed tools."""
+
+    async def _events(self) -> AsyncIterator[Event]:
         """A forced call streams like a native one: its name once the schema-shaped output
         `{"name": "...", "arguments": {...}}` has it, then the arguments' JSON as it comes,
         less the closing brace of the outer object. Cut short by max_tokens, the call keeps
@@ -262,48 +332,6 @@ class Generation:
         if len(args) > sent:
             yield ToolCall(0, arguments=args[sent:])
         yield Done("tool_calls" if complete else "length", usage)
-
-    async def collect(self) -> Result:
-        text: list[str] = []
-        thinking: list[str] = []
-        calls: dict[int, dict[str, str]] = {}
-        logprobs: list[dict[str, Any]] = []
-        done = Done("stop", Usage())
-        async for ev in self.events():
-            match ev:
-                case Text():
-                    text.append(ev.text)
-                    logprobs.extend(ev.logprobs)
-                case Thinking():
-                    thinking.append(ev.text)
-                case ToolCall():
-                    c = calls.setdefault(ev.index, {"id": "", "name": "", "arguments": ""})
-                    c["id"] = c["id"] or ev.id or new_id("call_")
-                    c["name"] += ev.name
-                    c["arguments"] += ev.arguments
-                case Done():
-                    done = ev
-                case _:
-                    unhandled(ev)
-        tool_calls = [calls[i] for i in sorted(calls)]
-        return Result("".join(text), "".join(thinking), tool_calls, done, logprobs)
-
-    def response(
-        self, render: Callable[[AsyncIterator[Event]], AsyncIterator[bytes]], media_type: str
-    ) -> Response:
-        """A streaming response of `render(events)`; the lease and the upstream go back when it
-        ends, fails or the client leaves. What the events of one read from the runner render
-        to goes out in one write."""
-        return _GenerationStream(render(self.events()), self, media_type)
-
-
-class _GenerationStream(RelayResponse):
-    def __init__(self, body: AsyncIterator[bytes], gen: Generation, media_type: str) -> None:
-        super().__init__(body, media_type, more=gen.buffered)
-        self.gen = gen
-
-    async def close(self) -> None:
-        self.gen.close()  # closing the upstream makes llama.cpp stop generating
 
 
 def _usage(ev: dict[str, Any]) -> Usage:

@@ -21,7 +21,14 @@ from corral.api import defaults
 from corral.api.activity import note_embedded, note_lease, note_model
 from corral.api.chat import Chat, tool_name
 from corral.api.common import until_disconnect
-from corral.api.events import Generation, forced_schema
+from corral.api.events import (
+    ChatEvents,
+    CompletionEvents,
+    FallbackEvents,
+    ForcedToolEvents,
+    Generation,
+    forced_schema,
+)
 from corral.api.stream import TOOL_CALLS_END, LeasedStream
 from corral.api.toolprompt import fallback_grammar, template_body
 from corral.config import Settings
@@ -263,7 +270,7 @@ class Service:
                        "stream_options": {"include_usage": True}}  # fmt: skip
             if chat.tools and chat.tool_choice != "none":
                 payload["tools"] = chat.tools
-            return await self._start(lease, "/v1/chat/completions", payload, "chat", stop)
+            return await self._start(lease, "/v1/chat/completions", payload, ChatEvents, stop)
         # Rendered here, then completed as raw text: a forced call is constrained by a
         # schema, which llama.cpp refuses alongside tools on its chat endpoint, and a
         # fallback call by a lazy grammar, which its chat endpoint does not take.
@@ -275,18 +282,18 @@ class Service:
         )
         payload = {k: v for k, v in chat.params.items() if k in COMPLETION_PARAMS}
         payload["prompt"] = [*(prefix or []), prompt]
-        mode = "completion"
         if forced is not None:
             payload["json_schema"] = forced_schema(forced)
-            mode = "tool"
-        elif (fmt := chat.params.get("response_format") or {}).get("type") in JSON_FORMATS:
+            return await self._start(lease, "/completion", payload, ForcedToolEvents, stop)
+        if (fmt := chat.params.get("response_format") or {}).get("type") in JSON_FORMATS:
             payload["json_schema"] = response_schema(fmt)
-        if fallback and forced is None:
-            mode = "fallback"
-            if "json_schema" not in payload:  # a JSON answer was asked for: no calls then
-                payload |= fallback_grammar(chat.tools)
-        names = frozenset(tool_name(t) for t in chat.tools) if fallback else None
-        return await self._start(lease, "/completion", payload, mode, stop, names)
+        if not fallback:
+            return await self._start(lease, "/completion", payload, CompletionEvents, stop)
+        if "json_schema" not in payload:  # a JSON answer was asked for: no calls then
+            payload |= fallback_grammar(chat.tools)
+        names = frozenset(tool_name(t) for t in chat.tools)
+        stream = await self.client.stream(lease, "/completion", payload)
+        return FallbackEvents(lease, stream, stop or [], lease.runner.why_failed, names)
 
     async def prompt_tokens(self, lease: Lease, chat: Chat) -> list[int]:
         """The token ids of `chat`'s prompt as the runner renders it: its own chat template
@@ -318,7 +325,7 @@ class Service:
         stop = defaults.stop(r.entry, stop)
         return await self.leased(
             request, r, options, keep_alive, payload,
-            lambda lease: self._start(lease, path, payload, "completion", stop),
+            lambda lease: self._start(lease, path, payload, CompletionEvents, stop),
         )  # fmt: skip
 
     async def _start(
@@ -326,13 +333,11 @@ class Service:
         lease: Lease,
         path: str,
         payload: dict[str, Any],
-        mode: str,
+        kind: type[ChatEvents | CompletionEvents | ForcedToolEvents],
         stop: list[str] | None,
-        tools: frozenset[str] | None = None,
     ) -> Generation:
         resp = await self.client.stream(lease, path, payload)
-        explain = lease.runner.why_failed
-        return Generation(lease, resp, mode, stop or [], explain, tools)
+        return kind(lease, resp, stop or [], lease.runner.why_failed)
 
 
 def _renamed(lease: Lease, r: Resolved) -> tuple[bytes, bytes]:
