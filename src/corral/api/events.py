@@ -4,9 +4,9 @@ runner, one stream of neutral events comes back up, and each family only renders
 A request's path: the adapter builds a `Chat` (api/chat: OpenAI chat messages, which is what
 llama.cpp's templates take, plus tools and sampling parameters), `Service.generate` leases a
 runner slot and starts the upstream call, and a `Generation` (one class per kind of runner
-stream) yields `Text`, `Thinking`, `ToolCall` and finally `Done` events. The lease is returned however the response ends (`Generation.response`); an
-answer that ended in tool calls marks it (`Lease.tool_call`), so the runner is held for the
-agent's next turn.
+stream) yields `Text`, `Thinking`, `ToolCall` and finally `Done` events. The lease is returned
+however the response ends (`Generation.response`); an answer that ended in tool calls marks it
+(`Lease.tool_call`), so the runner is held for the agent's next turn.
 
 Forced tool use (`tool_choice` "required" or a named function) does not rely on the model's
 template being one llama.cpp knows how to constrain: the prompt is rendered with the tools by
