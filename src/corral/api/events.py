@@ -105,11 +105,18 @@ class Generation:
         With `plain`, a chat stream's content-only delta comes as `RawText`, the JSON string
         literal llama.cpp wrote, unparsed (`Text` otherwise); only where that literal is what
         orjson writes for its text (`PLAIN_TEXT`) and no stop sequence needs the text, so a
-        renderer can put it in its own JSON as it is. A stream of raw text comes an event at a
-        time."""
+        renderer can put it in its own JSON as it is. An answer that ends in tool calls marks
+        the lease (`Lease.tool_call`): the agent comes back with the result, so its runner is
+        held."""
+        async for batch in self._batches(plain):
+            last = batch[-1]
+            if type(last) is Done and last.reason == "tool_calls":
+                self.lease.tool_call = True
+            yield batch
+
+    async def _batches(self, plain: bool) -> AsyncIterator[list[Event | RawText]]:
+        """A stream of raw text comes an event at a time."""
         async for ev in self._events():
-            if type(ev) is Done and ev.reason == "tool_calls":
-                self.lease.tool_call = True  # the agent comes back: hold its runner
             yield [ev]
 
     def _events(self) -> AsyncIterator[Event]:
@@ -163,7 +170,7 @@ class ChatEvents(Generation):
     """A /v1/chat/completions stream: content, reasoning and tool-call deltas as events; stop
     sequences found by corral."""
 
-    async def batches(self, plain: bool = False) -> AsyncIterator[list[Event | RawText]]:
+    async def _batches(self, plain: bool) -> AsyncIterator[list[Event | RawText]]:
         reason, usage = "stop", Usage()
         scan = StopScanner(self.stop)
         deltas = 0  # content deltas: one token each, the count when a stop sequence cuts in
@@ -203,8 +210,6 @@ class ChatEvents(Generation):
             if out:
                 yield out
         rest = scan.flush()
-        if reason == "tool_calls":
-            self.lease.tool_call = True  # the agent comes back with the result: hold its runner
         yield [Text(rest), Done(reason, usage)] if rest else [Done(reason, usage)]
 
 

@@ -9,8 +9,6 @@ Not relayed (they would change a runner every client shares, or corral's own sta
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator
-
 from starlette.requests import Request
 from starlette.responses import Response
 from starlette.routing import Route
@@ -20,8 +18,6 @@ from corral.api.family import LLAMACPP, FamilyRoute
 from corral.api.service import Service
 from corral.api.stream import LeasedStream
 from corral.errors import ApiError
-from corral.runtime.meter import count_events
-from corral.runtime.runner_api import UPSTREAM_ERRORS
 
 # path -> (the runner's path, the capability it needs or None)
 POST_ROUTES = {
@@ -72,32 +68,10 @@ class Native:
 
 class NativeStream(LeasedStream):
     """A /completion stream relayed as llama.cpp sends it: it ends with an event holding
-    `"stop":true` (no `[DONE]`); a runner that dies before that adds an error event."""
+    `"stop":true` (no `[DONE]`), or llama.cpp's own error line; a runner that dies before that
+    adds an error event."""
 
     family = LLAMACPP
 
-    async def _ended(
-        self, body: AsyncIterator[bytes], rename: tuple[bytes, bytes] | None
-    ) -> AsyncIterator[bytes]:
-        held, finished, failed = b"", False, False
-        tally = self.lease.tally
-        try:
-            async for chunk in body:
-                held += chunk
-                cut = held.rfind(b"\n\n") + 2
-                if cut < 2:
-                    continue
-                out, held = held[:cut], held[cut:]
-                if rename is not None:
-                    out = out.replace(*rename)
-                finished = finished or b'"stop":true' in out or out.startswith(b"error:")
-                count_events(tally, out)
-                yield out
-        except UPSTREAM_ERRORS:
-            failed = True
-        if held and not failed:
-            finished = finished or b'"stop":true' in held
-            count_events(tally, held)
-            yield held.replace(*rename) if rename is not None else held
-        if not finished:
-            yield self.family.event(ApiError(500, await self.lease.runner.why_failed()))
+    def _ended_well(self, tail: bytes) -> bool:
+        return b'"stop":true' in tail or self.relay.error is not None

@@ -29,7 +29,7 @@ from corral.api.events import (
     Generation,
     forced_schema,
 )
-from corral.api.stream import TOOL_CALLS_END, LeasedStream
+from corral.api.stream import LeasedStream, Relay
 from corral.api.toolprompt import fallback_grammar, template_body
 from corral.config import Settings
 from corral.core.devices import Device
@@ -48,7 +48,7 @@ from corral.errors import ApiError
 from corral.runtime.admission import Admission, Resolved, unusable_template
 from corral.runtime.client import RunnerClient
 from corral.runtime.continuation import Upstream
-from corral.runtime.meter import last_object, last_timings
+from corral.runtime.meter import last_object
 from corral.runtime.registry import ModelEntry, Registry, canonical_name
 from corral.runtime.scheduler import Lease, Scheduler
 
@@ -195,25 +195,21 @@ class Service:
                 return lease, await self.client.stream(lease, path, body)
 
             lease, resp = await self.leased(request, r, {}, None, body, send)
-            old, new = _renamed(lease, r)
-            return relay(resp, lease, resp, "text/event-stream",
-                         rename=(old, new) if old != new else None)  # fmt: skip
+            return relay(resp, lease, resp, "text/event-stream", rename=_renamed(lease, r))
 
         async def whole(lease: Lease) -> tuple[Lease, bytes]:
             # a client that leaves closes the connection: llama.cpp stops generating
             return lease, await until_disconnect(request, self.client.answer(lease, path, body))
 
         lease, data = await self.leased(request, r, {}, None, body, whole)
-        old, new = _renamed(lease, r)
         try:
-            lease.tally.timed(last_timings(data))  # a whole answer's tokens, at once
             if path == "/v1/embeddings":  # the prompt tokens it read, from its usage
                 usage = last_object(data, b"usage") or {}
                 note_embedded(int(usage.get("prompt_tokens") or 0))
-            lease.tool_call = TOOL_CALLS_END in data  # the agent comes back: hold its runner
+            data = Relay(lease, _renamed(lease, r)).whole(data)
         finally:
             lease.release()
-        return Response(data.replace(old, new), media_type="application/json")
+        return Response(data, media_type="application/json")
 
     # ---- generating ------------------------------------------------------------------------
     def check_chat(self, r: Resolved, messages: list[dict[str, Any]]) -> None:
@@ -340,11 +336,11 @@ class Service:
         return kind(lease, resp, stop or [], lease.runner.why_failed)
 
 
-def _renamed(lease: Lease, r: Resolved) -> tuple[bytes, bytes]:
+def _renamed(lease: Lease, r: Resolved) -> tuple[bytes, bytes] | None:
     """llama.cpp names the model by the runner's alias (the name the runner is known by, shared
-    by every model of its files); clients expect the name they sent. Replacing the exact
-    `"model":"<alias>"` pair is safe: the same bytes inside generated text would be escaped
-    (`\\"model\\":...`), so cannot match."""
+    by every model of its files); clients expect the name they sent (None: the same)."""
+    if lease.runner.name == r.requested:
+        return None
     return b'"model":' + orjson.dumps(lease.runner.name), b'"model":' + orjson.dumps(r.requested)
 
 

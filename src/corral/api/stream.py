@@ -25,7 +25,7 @@ from corral.api.activity import note_error
 from corral.api.family import OPENAI, Family
 from corral.errors import ApiError
 from corral.runtime.continuation import Upstream
-from corral.runtime.meter import count_events
+from corral.runtime.meter import count_events, last_timings
 from corral.runtime.runner_api import UPSTREAM_ERRORS
 from corral.runtime.runner_errors import SSE_ERROR, stream_error
 from corral.runtime.scheduler import Lease
@@ -119,6 +119,37 @@ class RelayResponse(Response):
             await self.close()
 
 
+class Relay:
+    """What every runner-to-client path of llama.cpp's own bytes does to them as they pass
+    (whole events of a stream, or a whole answer): count the generated tokens on the lease's
+    tally, notice an answer that ends in tool calls (the agent comes back with the result: its
+    runner is held, `Lease.tool_call`), keep llama.cpp's own error line, and give the model
+    the name the client asked for (`rename`: replacing the exact `"model":"<alias>"` pair is
+    safe, the same bytes inside generated text would be escaped)."""
+
+    def __init__(self, lease: Lease, rename: tuple[bytes, bytes] | None = None) -> None:
+        self.lease = lease
+        self.rename = rename
+        self.error: str | None = None  # llama.cpp's own last error line, if it sent one
+
+    def events(self, out: bytes) -> bytes:
+        """Whole events of a stream, as they pass."""
+        if self.rename is not None:
+            out = out.replace(*self.rename)
+        self.error = stream_error(out) or self.error
+        count_events(self.lease.tally, out)
+        if TOOL_CALLS_END in out:
+            self.lease.tool_call = True
+        return out
+
+    def whole(self, data: bytes) -> bytes:
+        """A whole answer: its tokens at once, from llama.cpp's timings."""
+        self.lease.tally.timed(last_timings(data))
+        if TOOL_CALLS_END in data:
+            self.lease.tool_call = True
+        return data.replace(*self.rename) if self.rename is not None else data
+
+
 class LeasedStream(RelayResponse):
     """Streams from a runner; releases the slot at once when the stream ends, fails, or the
     client disconnects, and also when the body is never started at all.
@@ -126,10 +157,8 @@ class LeasedStream(RelayResponse):
     An SSE stream (the OpenAI pass-through) always ends with `data: [DONE]` or an error event:
     when the runner dies mid-stream, or ends it without [DONE], the client gets a final
     `data: {"error": {...}}` (what OpenAI sends, and its SDK raises as an APIError) saying why,
-    never a bare close. `rename` replaces the runner's `"model":...` pair by the client's
-    (applied to whole events, so a pair is never split). The generated tokens are counted as
-    they pass (`lease.tally`); an answer that ends in tool calls marks the lease
-    (`Lease.tool_call`)."""
+    never a bare close. What passes goes through the `Relay` a whole event at a time (so a
+    renamed pair is never split)."""
 
     family: Family = OPENAI  # whose error event ends a stream the runner cut short
 
@@ -141,20 +170,24 @@ class LeasedStream(RelayResponse):
         media_type: str,
         rename: tuple[bytes, bytes] | None = None,
     ) -> None:
+        self.relay = Relay(lease, rename)
         if media_type == "text/event-stream":
-            body = self._ended(body, rename)
+            body = self._ended(body)
         super().__init__(body, media_type)
         self.lease = lease
         self.upstream = upstream
 
-    async def _ended(
-        self, body: AsyncIterator[bytes], rename: tuple[bytes, bytes] | None
-    ) -> AsyncIterator[bytes]:
+    def _ended_well(self, tail: bytes) -> bool:
+        """Whether the stream ended as its family's streams end, by its last events (`tail`):
+        OpenAI's with [DONE] or the runner's own error event."""
+        last = tail.rstrip().rsplit(b"\n", 1)[-1].strip()  # the last line with any text
+        return last == SSE_DONE or last.startswith(SSE_ERROR)
+
+    async def _ended(self, body: AsyncIterator[bytes]) -> AsyncIterator[bytes]:
         held = b""  # an event not yet complete: passed on whole, or not at all
         tail = b""  # the last piece passed on that had any text: its last line is the last
         between = True  # what was passed on ends between events
-        error: str | None = None  # llama.cpp's own `error: {...}` line, if it sent one
-        tally = self.lease.tally  # the tokens, counted as they pass
+        relay = self.relay
         try:
             async for chunk in body:
                 if not held and chunk.endswith(b"\n\n"):  # whole events: the common case
@@ -169,35 +202,24 @@ class LeasedStream(RelayResponse):
                         out, held = held[:cut], held[cut:]
                     else:
                         continue
-                if rename is not None:
-                    out = out.replace(*rename)
-                error = stream_error(out) or error
+                out = relay.events(out)
                 between = out.endswith(b"\n\n")
                 if not out.isspace():
                     tail = out
-                count_events(tally, out)
-                if TOOL_CALLS_END in out:  # the agent comes back: hold its runner
-                    self.lease.tool_call = True
                 yield out
         except UPSTREAM_ERRORS:
             failed = True
         else:
             failed = False
             if held:
-                if rename is not None:
-                    held = held.replace(*rename)
-                error = stream_error(held) or error
+                held = relay.events(held)
                 between = held.endswith(b"\n\n")
                 if not held.isspace():
                     tail = held
-                count_events(tally, held)
-                if TOOL_CALLS_END in held:
-                    self.lease.tool_call = True
                 yield held
-        last = tail.rstrip().rsplit(b"\n", 1)[-1].strip()  # the last line with any text
-        if not failed and (last == SSE_DONE or last.startswith(SSE_ERROR)):
-            return  # ended as OpenAI's streams end: [DONE], or the runner's own error event
-        message = (error if not failed else None) or await self.lease.runner.why_failed()
+        if not failed and self._ended_well(tail):
+            return
+        message = (relay.error if not failed else None) or await self.lease.runner.why_failed()
         # A cut event was never passed on (unless huge), so this one starts on its own.
         yield (b"" if between else b"\n\n") + self.family.event(ApiError(500, message))
 
