@@ -16,12 +16,9 @@ from corral.api.manage import check_parameters
 from corral.config import Settings
 from corral.core.gguf import read_model_info
 from corral.core.options import (
-    CLAMPED,
     MODEL_OPTIONS,
     OPTIONS,
     REQUEST_OPTIONS,
-    SAMPLING,
-    SHAPING,
 )
 from corral.core.spec import Layout, RunnerSpec, runner_spec
 from corral.errors import ApiError
@@ -29,53 +26,6 @@ from corral.runtime import runner_child
 from corral.runtime.registry import ModelEntry, Registry
 from corral.runtime.runner import Runner
 from corral.testing import synth
-
-# The tables the options were spread over before there was one (api/common, api/service,
-# runtime/registry, api/ollama, api/defaults): what is derived must say the same.
-OLD_TYPES: dict[str, Any] = {
-    "num_ctx": int, "num_batch": int, "num_gpu": int, "main_gpu": int, "num_thread": int,
-    "num_keep": int, "num_predict": int, "seed": int, "top_k": int, "top_p": float,
-    "min_p": float, "typical_p": float, "temperature": float, "repeat_penalty": float,
-    "repeat_last_n": int, "presence_penalty": float, "frequency_penalty": float,
-    "mirostat": int, "mirostat_tau": float, "mirostat_eta": float, "stop": (list, str),
-    "penalize_newline": bool, "use_mmap": bool, "use_mlock": bool, "numa": bool,
-    "low_vram": bool, "tfs_z": float,
-}  # fmt: skip
-OLD_RANGES = {
-    "num_ctx": (1, 2**21), "num_batch": (1, 2**16), "num_gpu": (-1, 4096),
-    "main_gpu": (0, 255), "num_thread": (0, 1024), "num_predict": (-2, 2**24),
-    "top_k": (0, 2**20), "repeat_last_n": (-1, 2**21), "temperature": (0, 1000),
-}  # fmt: skip
-OLD_TOML_TYPES = {
-    "num_ctx": int, "num_parallel": int, "num_gpu": int, "main_gpu": int, "num_batch": int,
-    "num_thread": int, "use_mmap": bool, "use_mlock": bool, "flash_attn": str, "n_cpu_moe": int,
-    "kv_cache_type": str,
-}  # fmt: skip
-# The old mapping also named flash_attn and n_cpu_moe, which no request's options carry
-# (check_options keeps only REQUEST_OPTIONS): they shape the runner from models.toml only.
-OLD_SHAPING = {"num_ctx": "n_ctx", "num_gpu": "n_gpu_layers", "main_gpu": "main_gpu",
-               "num_thread": "threads", "num_batch": "n_batch", "use_mmap": "use_mmap",
-               "use_mlock": "use_mlock"}  # fmt: skip
-OLD_SAMPLING = {
-    "temperature": "temperature", "top_k": "top_k", "top_p": "top_p", "min_p": "min_p",
-    "typical_p": "typical_p", "seed": "seed", "repeat_penalty": "repeat_penalty",
-    "repeat_last_n": "repeat_last_n", "presence_penalty": "presence_penalty",
-    "frequency_penalty": "frequency_penalty", "mirostat": "mirostat",
-    "mirostat_tau": "mirostat_tau", "mirostat_eta": "mirostat_eta",
-    "num_keep": "n_keep", "num_predict": "n_predict",
-}  # fmt: skip
-
-
-def test_the_old_tables_are_derived() -> None:
-    assert {n: o.type for n, o in REQUEST_OPTIONS.items()} == OLD_TYPES
-    assert list(REQUEST_OPTIONS) == list(OLD_TYPES)  # the first wrong option is reported
-    assert {n: o.range for n, o in REQUEST_OPTIONS.items() if o.range[0] > -math.inf} == OLD_RANGES
-    assert all(o.range == (-math.inf, math.inf) for n, o in REQUEST_OPTIONS.items()
-               if n not in OLD_RANGES)  # fmt: skip
-    assert {n: o.type for n, o in MODEL_OPTIONS.items()} == OLD_TOML_TYPES
-    assert SHAPING == OLD_SHAPING
-    assert SAMPLING == OLD_SAMPLING
-    assert CLAMPED == {"n_batch": (32, 4096)}
 
 
 def test_every_row_is_sound() -> None:

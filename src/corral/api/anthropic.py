@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import logging
 import re
-from collections.abc import AsyncIterator, Mapping
+from collections.abc import AsyncIterator
 from typing import Any
 
 import orjson
@@ -35,13 +35,12 @@ from corral.api.chat import (
     new_id,
     unhandled,
 )
-from corral.api.common import field, model_field, read_json, rfc3339, until_disconnect
+from corral.api.common import field, model_field, read_json, until_disconnect
 from corral.api.family import ANTHROPIC, FamilyRoute, sse
 from corral.api.service import Resolved, Service, effective_template
 from corral.api.stream import json_response
 from corral.core.roles import place_system, renders_later_system
 from corral.errors import ApiError
-from corral.runtime.registry import ModelEntry
 from corral.runtime.scheduler import Lease
 
 log = logging.getLogger("corral.anthropic")
@@ -104,39 +103,6 @@ class Anthropic:
 
     async def _count(self, lease: Lease, chat: Chat) -> int:
         return len(await self.svc.prompt_tokens(lease, chat))
-
-
-# ---- models (GET /v1/models with an anthropic-version header) ---------------------------------
-def model_object(entry: ModelEntry) -> dict[str, Any]:
-    return {
-        "type": "model", "id": entry.name, "display_name": entry.name,
-        "created_at": rfc3339(entry.modified_at),
-    }  # fmt: skip
-
-
-def model_list(entries: list[ModelEntry], query: Mapping[str, str]) -> dict[str, Any]:
-    """Anthropic's paged model list (`limit` 1-1000, default 20; `after_id` / `before_id`)."""
-    try:
-        limit = int(query.get("limit", "20"))
-    except ValueError:
-        raise ApiError(400, "limit: expected an integer", "limit") from None
-    if not 1 <= limit <= 1000:
-        raise ApiError(400, "limit: must be between 1 and 1000", "limit")
-    ids = [e.name for e in entries]
-    start, end = 0, len(entries)
-    for key in ("after_id", "before_id"):
-        if key in query:
-            if query[key] not in ids:
-                raise ApiError(404, f"{key}: model '{query[key]}' not found", key)
-            at = ids.index(query[key])
-            start, end = (at + 1, end) if key == "after_id" else (start, at)
-    page = entries[start:end]
-    page = page[-limit:] if "before_id" in query and "after_id" not in query else page[:limit]
-    data = [model_object(e) for e in page]
-    return {
-        "data": data, "has_more": len(page) < end - start,
-        "first_id": data[0]["id"] if data else None, "last_id": data[-1]["id"] if data else None,
-    }  # fmt: skip
 
 
 # ---- request -> Chat ------------------------------------------------------------------------

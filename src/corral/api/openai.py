@@ -26,12 +26,13 @@ from starlette.requests import Request
 from starlette.responses import Response
 from starlette.routing import Route
 
-from corral.api import anthropic, defaults, embed
+from corral.api import defaults, embed
 from corral.api.activity import note_model
 from corral.api.chat import Chat, Done, Event, Text, Thinking, ToolCall, Usage, new_id, unhandled
 from corral.api.common import field, model_field, read_json, until_disconnect
 from corral.api.events import sse_events
 from corral.api.family import OPENAI, FamilyRoute
+from corral.api.model_lists import anthropic_model, anthropic_model_list, openai_model
 from corral.api.openai_checks import (
     check_messages,
     check_params,
@@ -356,23 +357,13 @@ class OpenAI:
         return _FanStream(_prepend(first, body), fan)
 
     # ---- models ----------------------------------------------------------------------------
-    def _model(self, name: str) -> dict[str, Any]:
-        entry = self.svc.entry(name)
-        return {
-            "id": entry.name,
-            "object": "model",
-            "created": int(entry.modified_at),
-            "owned_by": "corral",
-        }
-
     async def models(self, request: Request) -> Response:
         # Anthropic's clients (Claude Code's model discovery) list models on the same path;
         # they say so with anthropic-version, and get Anthropic's shape.
+        entries = list(self.svc.registry.all())
         if "anthropic-version" in request.headers:
-            entries = list(self.svc.registry.all())
-            return json_response(anthropic.model_list(entries, request.query_params))
-        data = [self._model(e.name) for e in self.svc.registry.all()]
-        return json_response({"object": "list", "data": data})
+            return json_response(anthropic_model_list(entries, request.query_params))
+        return json_response({"object": "list", "data": [openai_model(e) for e in entries]})
 
     async def model(self, request: Request) -> Response:
         name = request.path_params["model"]
@@ -380,8 +371,8 @@ class OpenAI:
         entry = self.svc.entry(name)
         note_model(entry.name)
         if "anthropic-version" in request.headers:
-            return json_response(anthropic.model_object(entry))
-        return json_response(self._model(entry.name))
+            return json_response(anthropic_model(entry))
+        return json_response(openai_model(entry))
 
 
 def _ends_in_tool_calls(data: dict[str, Any]) -> bool:

@@ -42,6 +42,7 @@ from corral.core.gguf import (
     template_has_tools,
 )
 from corral.core.gotemplate import TemplateError
+from corral.core.options import SAMPLING
 from corral.core.roles import has_later_system, place_system, renders_later_system
 from corral.core.spec import RunnerSpec, jinja_template
 from corral.errors import ApiError
@@ -360,12 +361,9 @@ def chat_template(r: Resolved) -> str | None:
         raise unusable_template(r, e) from None
 
 
-# llama.cpp /completion parameters a chat request may carry (forced tool calls go there).
-COMPLETION_PARAMS = frozenset({
-    "max_tokens", "n_predict", "temperature", "top_p", "top_k", "min_p", "seed",
-    "repeat_penalty", "repeat_last_n", "presence_penalty", "frequency_penalty", "typical_p",
-    "mirostat", "mirostat_tau", "mirostat_eta", "n_keep", "n_probs", "json_schema",
-})  # fmt: skip
+# llama.cpp /completion parameters a chat request may carry (forced tool calls go there): the
+# sampling parameters of the options table, and these.
+COMPLETION_PARAMS = frozenset({*SAMPLING.values(), "max_tokens", "n_probs", "json_schema"})
 
 
 JSON_FORMATS = ("json_object", "json_schema")

@@ -34,16 +34,9 @@ from corral.runtime.runner_api import RunnerAPI
 log = logging.getLogger(__name__)
 
 LOG_TAIL_LINES = 40
-# llama.cpp's CPU threads meet at a barrier after every graph node, and libgomp's default has a
-# waiting thread spin ~300,000 pauses (milliseconds) before it sleeps. With more busy threads
-# than cores (two runners computing at once, a load beside a generation) the spinner burns its
-# time slice while the thread it waits for is off the CPU: a 0.2 s load took 1.5-2.5 s and the
-# swap trace's p95 was 1.8-7.4 s. With 3,000 it was 0.44-0.60 s and two runners computing at
-# once had no outliers; one stream of SmolLM2-135M (the shortest graph nodes, where barriers
-# weigh most) lost 10% (10,000: 3%, but twice the median at once; 1,000: 42%). So only a
-# runner started beside another CPU runner spins briefly (`short_spin`); one alone keeps the
-# long spin. Figures in docs/benchmarks.md, "what the misses mean". The user's own OpenMP
-# settings win.
+# libgomp's threads spin this long at llama.cpp's barriers before they sleep, for a runner
+# started beside another CPU runner (`short_spin`): the default long spin burns the cores the
+# other needs. Why and the figures: docs/benchmarks.md, "what the misses mean".
 GOMP_SPINCOUNT = "3000"
 MAX_LINE = 4096  # characters of one log line kept; the rest is drained and dropped
 
