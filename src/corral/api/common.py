@@ -25,6 +25,9 @@ MAX_BODY = 64 * 2**20  # a request body larger than this is refused before parsi
 MAX_DEPTH = 64
 
 
+TOO_DEEP = f"request body is too deeply nested (limit {MAX_DEPTH} levels)"
+
+
 async def read_json(request: Request) -> dict[str, Any]:
     """The body as a JSON object, or a 400 that says what is wrong with it."""
     length = request.headers.get("content-length")
@@ -39,17 +42,16 @@ async def read_json(request: Request) -> dict[str, Any]:
     body = b"".join(chunks)
     if not body.strip():
         raise ApiError(400, "missing request body")
-    deep = ApiError(400, f"request body is too deeply nested (limit {MAX_DEPTH} levels)")
     try:
         data = orjson.loads(body)
     except orjson.JSONDecodeError as e:
         if "depth limit" in str(e):  # orjson's own limit, 1024 levels
-            raise deep from None
+            raise ApiError(400, TOO_DEEP) from None
         raise ApiError(400, f"invalid JSON in request body: {e}") from None
     if not isinstance(data, dict):
         raise ApiError(400, "request body must be a JSON object")
     if too_deep(body, data, MAX_DEPTH):
-        raise deep
+        raise ApiError(400, TOO_DEEP)
     return data
 
 

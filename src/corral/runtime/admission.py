@@ -79,6 +79,7 @@ class Admission:
         self.scheduler = scheduler
         self.devices = devices
         self._estimates = Estimates()
+        self._cores = cpu_cores()  # what a runner's threads default to
         # (spec, auto, num_gpu, main_gpu, devices) -> (model info, parts, the runners it may load)
         self._sizings: dict[tuple[Any, ...], tuple[ModelInfo, tuple[Any, ...], Sizings]] = {}
 
@@ -95,7 +96,7 @@ class Admission:
     ) -> tuple[RunnerSpec, frozenset[str]]:
         """The runner to load for these options, and which spec fields the request pinned."""
         try:
-            return runner_spec(r.entry, r.info, options, self.settings, cpu_cores())
+            return runner_spec(r.entry, r.info, options, self.settings, self._cores)
         except TemplateError as e:  # /api/create refuses these: a manifest from elsewhere
             raise unusable_template(r, e) from None
 
@@ -118,15 +119,6 @@ class Admission:
     ) -> Lease:
         """Wait for a runner slot (through `watch` unless a warm runner grants one at once)."""
         spec, explicit = self.runner_spec(r, options)
-        try:
-            check_kv_cache_type(r.info, spec.kv_cache_type)
-        except ValueError as e:
-            raise ApiError(500, f"model '{r.requested}' cannot be loaded: {e}") from None
-        if spec.flash_attn == "off" and KV_CACHE_TYPES[spec.kv_cache_type][0] > 1:
-            raise ApiError(
-                400, f"model '{r.requested}': a quantized KV cache ({spec.kv_cache_type}) "
-                "needs flash attention; set flash_attn to on or auto",
-            )  # fmt: skip
         chosen = {**r.entry.options, **options}  # the request's options over the model's
         auto = (
             self.settings.context_length is None
@@ -164,6 +156,15 @@ class Admission:
             a is b for a, b in zip(hit[1], parts, strict=True)
         ):
             return hit[2]
+        try:  # what llama.cpp would refuse to load (checked once per shape: then cached)
+            check_kv_cache_type(r.info, spec.kv_cache_type)
+        except ValueError as e:
+            raise ApiError(500, f"model '{r.requested}' cannot be loaded: {e}") from None
+        if spec.flash_attn == "off" and KV_CACHE_TYPES[spec.kv_cache_type][0] > 1:
+            raise ApiError(
+                400, f"model '{r.requested}': a quantized KV cache ({spec.kv_cache_type}) "
+                "needs flash attention; set flash_attn to on or auto",
+            )  # fmt: skip
 
         def sizing(s: RunnerSpec) -> Sizing:
             est = self._estimates.get(r.info, s, *parts)
