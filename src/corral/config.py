@@ -201,7 +201,7 @@ SETTINGS: tuple[Setting, ...] = (
     Setting("CORRAL_KEEP_ALIVE", "5m", "keep_alive", parse_duration,
             "--keep-alive", "DURATION", "how long an idle model stays loaded"),
     Setting("CORRAL_KEEP_ALIVE_MAX", "", "keep_alive_max", _optional(parse_duration)),
-    # "auto": sized to the memory the busy models leave, up to the model's trained context
+    # "auto": the longest that fits beside the loaded models, up to the model's trained context
     Setting("CORRAL_CONTEXT_LENGTH", "auto", "context_length", _context,
             "--context-length", "N", "default context length ('auto': to fit memory)"),
     Setting("CORRAL_NUM_PARALLEL", "auto", "num_parallel", _parallel,
@@ -273,7 +273,7 @@ class Settings:
     models_dir: Path
     keep_alive: float  # seconds; math.inf = never expire
     keep_alive_max: float | None  # the longest keep-alive a request may ask for; None: any
-    context_length: int | None  # None: auto (core.context.auto_context); 0: trained
+    context_length: int | None  # None: auto (runtime/admission's candidates); 0: trained
     num_parallel: int  # 0: auto (as many slots as memory allows, up to 4)
     load_timeout: float
     max_loaded_models: int  # 0 = memory decides

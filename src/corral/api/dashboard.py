@@ -237,6 +237,8 @@ class Dashboard:
                 "measured_devices": dict(r.measured_devices),
                 "slots": r.slots,
                 "in_use": r.inflight,
+                # of those, granted requests waiting for room in the slots' shared cache
+                "waiting_for_room": r.waiting_for_room,
                 "context_length": r.context_length,
                 "keep_alive": _num(r.keep_alive),  # null: forever
                 "expires_in": _num(expires_in) if expires_in is not None else None,
