@@ -1,13 +1,13 @@
 """The hop from a granted slot to a runner's answer: the hop's policies as one named pipeline
 over the runner's `Hop` (runtime/hop), for a request sent under its lease.
 
-    pick -> copy -> restore -> admit -> send -> continue
+    pick -> restore -> copy -> admit -> send -> continue
 
 - pick: on a runner of several slots, the slot a generation goes to (runtime/affinity);
-- copy: a new conversation starts from the idle slot that holds most of its prompt, where
-  copying that costs less than evaluating it (runtime/slotcopy);
 - restore: among a reloaded runner's first requests, the saved conversation a prompt continues
-  is restored into a free slot, and the request pinned there (runtime/kvcache);
+  is restored into a free slot, and the request pinned there instead (runtime/kvcache);
+- copy: a new conversation starts from the idle slot that holds most of its prompt, where
+  copying that costs less than evaluating it (runtime/slotcopy; not after a restore);
 - admit: on a shared cache, a prompt that would not fit beside the running ones waits for room
   (first come first served; every release of a lease wakes those waiting);
 - send: the runner's API (runtime/runner_api): a whole answer, or a stream;
@@ -83,7 +83,7 @@ class RunnerClient:
                 copier = self.copier
                 await copier.refresh(hop)
             payload, pick = self._pick(hop, hop.slots, path, payload, lease, copier)
-        if self.kvcache is not None and self.kvcache.wants(hop):  # restore (before the copy)
+        if self.kvcache is not None and self.kvcache.wants(hop):  # restore
             # Among a runner's first requests: restore the saved conversation this prompt
             # continues, if any, and pin the request to its slot.
             prepared = await self.kvcache.prepare(hop, path, payload)

@@ -10,7 +10,7 @@ record (`Record.hop`), handed to each request with its lease (`Lease.hop`).
 - `restore`: its saved conversations not restored yet (runtime/kvcache);
 - `copies`: its figures for copying a slot's state into another (runtime/slotcopy).
 
-runtime/client runs the hop's policies over it, in this order: pick -> copy -> restore ->
+runtime/client runs the hop's policies over it, in this order: pick -> restore -> copy ->
 admit -> send -> continue.
 """
 
