@@ -27,6 +27,7 @@ import corral
 from corral import logs
 from corral.api.activity import Activity, RequestLog, note_error
 from corral.api.anthropic import Anthropic
+from corral.api.common import json_response
 from corral.api.dashboard import Dashboard, wants_html
 from corral.api.family import OLLAMA, Families, FamilyRoute
 from corral.api.guard import (
@@ -46,7 +47,6 @@ from corral.api.rerank import Rerank
 from corral.api.responses import Responses
 from corral.api.router import Router
 from corral.api.service import Service
-from corral.api.stream import json_response
 from corral.config import ConfigError, Settings
 from corral.core.devices import Device, budgets
 from corral.errors import ApiError

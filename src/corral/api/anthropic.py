@@ -35,10 +35,9 @@ from corral.api.chat import (
     new_id,
     unhandled,
 )
-from corral.api.common import field, model_field, read_json, until_disconnect
+from corral.api.common import field, json_response, model_field, read_json, until_disconnect
 from corral.api.family import ANTHROPIC, FamilyRoute, sse
 from corral.api.service import Resolved, Service, effective_template
-from corral.api.stream import json_response
 from corral.core.roles import place_system, renders_later_system
 from corral.errors import ApiError
 from corral.runtime.scheduler import Lease

@@ -12,6 +12,7 @@ from typing import Any, TypeVar
 
 import orjson
 from starlette.requests import Request
+from starlette.responses import Response
 
 from corral.api.activity import note_model
 from corral.core.options import REQUEST_OPTIONS, Option
@@ -192,3 +193,10 @@ def rfc3339(ts: float) -> str:
     if not math.isfinite(ts) or ts > 253402300799:  # year 9999: Go clients' "forever"
         ts = 253402300799 if ts > 0 else 0
     return dt.datetime.fromtimestamp(ts, dt.timezone.utc).isoformat().replace("+00:00", "Z")
+
+
+def json_response(data: Any, status: int = 200) -> Response:
+    # numpy arrays too: embeddings are written straight from their matrix (api/embed.py)
+    return Response(
+        orjson.dumps(data, option=orjson.OPT_SERIALIZE_NUMPY), status, media_type="application/json"
+    )

@@ -37,11 +37,12 @@ from starlette.routing import BaseRoute
 import corral
 from corral import logs
 from corral.api.activity import Activity, Record
+from corral.api.common import json_response
 from corral.api.family import OLLAMA, SSE, FamilyRoute
 from corral.api.guard import shown_path
 from corral.api.history import History
 from corral.api.service import Service
-from corral.api.stream import RelayResponse, json_response
+from corral.api.stream import RelayResponse
 from corral.core.gguf import split_parts
 from corral.errors import ApiError
 from corral.runtime.journal import Event

@@ -26,10 +26,10 @@ from starlette.responses import Response
 from starlette.routing import Route
 
 from corral.api.activity import note_model
-from corral.api.common import field, option_value, read_json, until_disconnect
+from corral.api.common import field, json_response, option_value, read_json, until_disconnect
 from corral.api.family import NDJSON, OLLAMA, FamilyRoute
 from corral.api.service import Service
-from corral.api.stream import RelayResponse, json_response
+from corral.api.stream import RelayResponse
 from corral.core.gguf import GGUFError, read_model_info
 from corral.core.gotemplate import TemplateError
 from corral.core.options import REQUEST_OPTIONS

@@ -30,6 +30,7 @@ from corral.api.chat import Chat
 from corral.api.common import (
     check_options,
     field,
+    json_response,
     model_field,
     now_rfc3339,
     read_json,
@@ -40,7 +41,6 @@ from corral.api.family import OLLAMA, FamilyRoute
 from corral.api.guard import entry_paths, hide_paths
 from corral.api.ollama_chunks import ns, respond
 from corral.api.service import Resolved, Service
-from corral.api.stream import json_response
 from corral.config import ConfigError, parse_duration
 from corral.core.gguf import read_arrays
 from corral.core.gotemplate import TemplateError

@@ -14,10 +14,9 @@ from starlette.requests import Request
 from starlette.responses import Response
 
 from corral.api.chat import Done, Event, RawText, Text, Thinking, ToolCall, unhandled
-from corral.api.common import now_rfc3339, until_disconnect
+from corral.api.common import json_response, now_rfc3339, until_disconnect
 from corral.api.events import Generation
 from corral.api.family import OLLAMA
-from corral.api.stream import json_response
 from corral.errors import ApiError
 
 

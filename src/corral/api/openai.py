@@ -29,7 +29,7 @@ from starlette.routing import Route
 from corral.api import defaults, embed
 from corral.api.activity import note_model
 from corral.api.chat import Chat, Done, Event, Text, Thinking, ToolCall, Usage, new_id, unhandled
-from corral.api.common import field, model_field, read_json, until_disconnect
+from corral.api.common import field, json_response, model_field, read_json, until_disconnect
 from corral.api.events import sse_events
 from corral.api.family import OPENAI, FamilyRoute
 from corral.api.model_lists import anthropic_model, anthropic_model_list, openai_model
@@ -44,7 +44,7 @@ from corral.api.openai_checks import (
     tool_choice,
 )
 from corral.api.service import Resolved, Service
-from corral.api.stream import RelayResponse, json_response
+from corral.api.stream import RelayResponse
 from corral.errors import ApiError
 from corral.runtime.continuation import Upstream
 from corral.runtime.meter import settle_whole

@@ -9,10 +9,9 @@ from starlette.requests import Request
 from starlette.responses import Response
 from starlette.routing import Route
 
-from corral.api.common import field, model_field, read_json, until_disconnect
+from corral.api.common import field, json_response, model_field, read_json, until_disconnect
 from corral.api.family import OLLAMA, OPENAI, FamilyRoute
 from corral.api.service import Service
-from corral.api.stream import json_response
 from corral.errors import ApiError
 
 MAX_DOCUMENTS = 10_000

@@ -50,11 +50,10 @@ from starlette.routing import Route
 
 from corral.api.chat import Chat
 from corral.api.common import field as get
-from corral.api.common import model_field, read_json, until_disconnect
+from corral.api.common import json_response, model_field, read_json, until_disconnect
 from corral.api.family import RESPONSES, FamilyRoute
 from corral.api.responses_output import Builder, ToolRef
 from corral.api.service import Service
-from corral.api.stream import json_response
 from corral.errors import ApiError
 
 log = logging.getLogger(__name__)

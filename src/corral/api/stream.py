@@ -15,9 +15,7 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import AsyncIterator, Callable, Mapping
-from typing import Any
 
-import orjson
 from starlette.responses import Response
 from starlette.types import Message, Receive, Scope, Send
 
@@ -37,13 +35,6 @@ MAX_HELD = 1 << 20  # an "event" longer than this without its blank line passes 
 # How llama.cpp's OpenAI chat answer (whole or streamed) says it ended in tool calls; generated
 # text cannot hold it (JSON escapes its quotes)
 TOOL_CALLS_END = b'"finish_reason":"tool_calls"'
-
-
-def json_response(data: Any, status: int = 200) -> Response:
-    # numpy arrays too: embeddings are written straight from their matrix (api/embed.py)
-    return Response(
-        orjson.dumps(data, option=orjson.OPT_SERIALIZE_NUMPY), status, media_type="application/json"
-    )
 
 
 async def _disconnected(receive: Receive) -> None:
