@@ -82,7 +82,7 @@ class Anthropic:
             def render(events: AsyncIterator[Event]) -> AsyncIterator[bytes]:
                 return sse_stream(events, r.requested, input_tokens, shown)
 
-            return gen.response(render, "text/event-stream")
+            return gen.response(render, ANTHROPIC)
         try:
             result = await until_disconnect(request, gen.collect())
         finally:

@@ -44,6 +44,7 @@ from corral.api.chat import (
     new_id,
     unhandled,
 )
+from corral.api.family import Family
 from corral.api.stream import RelayResponse
 from corral.api.toolprompt import Call, CallScanner
 from corral.errors import ApiError
@@ -149,12 +150,12 @@ class Generation:
         return Result("".join(text), "".join(thinking), tool_calls, done, logprobs)
 
     def response(
-        self, render: Callable[[AsyncIterator[Event]], AsyncIterator[bytes]], media_type: str
+        self, render: Callable[[AsyncIterator[Event]], AsyncIterator[bytes]], family: Family
     ) -> Response:
-        """A streaming response of `render(events)`; the lease and the upstream go back when it
-        ends, fails or the client leaves. What the events of one read from the runner render
-        to goes out in one write."""
-        return _GenerationStream(render(self.events()), self, media_type)
+        """A streaming response of `render(events)` in `family`'s stream type; the lease and
+        the upstream go back when it ends, fails or the client leaves. What the events of one
+        read from the runner render to goes out in one write."""
+        return _GenerationStream(render(self.events()), self, family.media_type)
 
 
 class _GenerationStream(RelayResponse):

@@ -216,7 +216,7 @@ async def respond(
 ) -> Response:
     render = OllamaChunks(gen, model, kind, start, top, context_of)
     if stream:
-        return gen.response(lambda _: ollama_ndjson(render), "application/x-ndjson")
+        return gen.response(lambda _: ollama_ndjson(render), OLLAMA)
     try:
         whole = await until_disconnect(request, _all(render.of(gen.events())))
         return json_response(merge(whole, kind))

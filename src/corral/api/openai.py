@@ -627,7 +627,7 @@ class _FanStream(RelayResponse):
     """Streams a fan-out; every generation is stopped however the response ends."""
 
     def __init__(self, body: AsyncIterator[bytes], fan: _Fan) -> None:
-        super().__init__(body, "text/event-stream")
+        super().__init__(body, OPENAI.media_type)
         self.fan = fan
 
     async def close(self) -> None:

@@ -114,7 +114,7 @@ class Responses:
         gen = await self.svc.generate(request, r, req.chat, options={}, keep_alive=None)
         out = Builder(req.model, req.echo, req.tools)
         if req.stream:
-            return gen.response(out.sse, "text/event-stream")
+            return gen.response(out.sse, RESPONSES)
         try:
             await until_disconnect(request, out.consume(gen.events()))
         finally:
