@@ -1,6 +1,6 @@
 """OpenAI Responses API: POST /v1/responses, field for field as OpenAI's reference gives it.
 
-The request becomes a neutral `events.Chat` (input items -> chat messages, function tools ->
+The request becomes a neutral `chat.Chat` (input items -> chat messages, function tools ->
 chat tools, text.format -> llama.cpp's response_format, reasoning.effort -> the template's
 enable_thinking) and the generation's events are rendered as Responses output items, streamed
 as Responses SSE events or returned whole (api/responses_output.py).

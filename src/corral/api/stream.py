@@ -3,7 +3,7 @@ as the guarantees allow.
 
 What a relayed token costs is mostly fixed per wake-up, read and write (the event loop's turn,
 a system call each, the ASGI send through the middleware), not per byte. So:
-- the runner's stream is read by a `RunnerStream` (runtime/client.py), which coalesces a fast
+- the runner's stream is read by a `RunnerStream` (runtime/runner_stream.py), which coalesces a fast
   runner's tokens into a few per read;
 - `RelayResponse` sends with a plain loop (no task group per response, no wrapper per chunk),
   joining what one read brought into one write, and watches for the client leaving with one
