@@ -8,7 +8,8 @@ a system call each, the ASGI send through the middleware), not per byte. So:
 - `RelayResponse` sends with a plain loop (no task group per response, no wrapper per chunk),
   joining what one read brought into one write, and watches for the client leaving with one
   idle task;
-- `LeasedStream` passes the runner's SSE bytes on, cut only at event boundaries.
+- `LeasedStream` passes the runner's SSE bytes on, cut only at event boundaries, through the
+  `Relay` every path of llama.cpp's own bytes goes through.
 """
 
 from __future__ import annotations
