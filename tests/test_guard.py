@@ -17,14 +17,13 @@ import pytest
 from starlette.requests import Request
 
 from corral.api.guard import (
-    AUTHORIZED,
     host_allowed,
     loopback_bind,
     loopback_origin,
     origin_pattern,
     same_origin,
-    shown_path,
 )
+from corral.api.paths import AUTHORIZED, shown_path
 from corral.cli.client import api_key
 from corral.config import ConfigError, Settings
 from corral.testing.server import CorralServer

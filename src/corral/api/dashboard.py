@@ -39,8 +39,8 @@ from corral import logs
 from corral.api.activity import Activity, Record
 from corral.api.common import json_response
 from corral.api.family import OLLAMA, SSE, FamilyRoute
-from corral.api.guard import shown_path
 from corral.api.history import History
+from corral.api.paths import shown_path
 from corral.api.service import Service
 from corral.api.stream import RelayResponse
 from corral.core.gguf import split_parts

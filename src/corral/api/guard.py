@@ -28,7 +28,6 @@ import re
 import resource
 import time
 from collections.abc import Callable, Iterable
-from pathlib import Path
 from typing import Any
 from urllib.parse import urlsplit
 
@@ -39,11 +38,11 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from corral.api.common import MAX_BODY
 from corral.api.family import OLLAMA
+from corral.api.paths import AUTHORIZED
 from corral.errors import ApiError
 
 log = logging.getLogger("corral")
 
-AUTHORIZED = "corral.authorized"  # scope key: the request carried one of the API keys
 # Routes open without a key: liveness probes and clients' "is it running?" checks, and the
 # dashboard's static files (no data: the page asks for the key before it reads any).
 PUBLIC = frozenset({
@@ -143,36 +142,6 @@ def same_origin(origin: str, host: str) -> bool:
     if default is None or mine is None or not parts.hostname:
         return False
     return (parts.hostname, port or default) == (mine[0], mine[1] or default)
-
-
-def shown_path(scope: Scope | Request, path: str | Path, models_dir: Path) -> str:
-    """A model file's path for the client: absolute only for a caller holding the API key,
-    else relative to the models directory (or just the file's name when it lives elsewhere)."""
-    s = scope.scope if isinstance(scope, Request) else scope
-    if s.get(AUTHORIZED):
-        return str(path)
-    p = Path(path)
-    for base in (models_dir, models_dir.resolve()):
-        try:
-            return str(p.relative_to(base))
-        except ValueError:
-            continue
-    return p.name
-
-
-def hide_paths(
-    scope: Scope | Request, text: str, paths: Iterable[str | Path], models_dir: Path
-) -> str:
-    """`text` with each of `paths` as `shown_path` gives it (longest first)."""
-    for p in sorted({str(p) for p in paths if p}, key=len, reverse=True):
-        text = text.replace(p, shown_path(scope, p, models_dir))
-    return text
-
-
-def entry_paths(entry: Any) -> list[Path]:
-    """The files a registry entry names: its model, projector and adapters."""
-    adapters = [getattr(a, "path", a) for a in getattr(entry, "adapters", ())]
-    return [p for p in (entry.path, getattr(entry, "projector", None), *adapters) if p]
 
 
 # ---- the ASGI guard ------------------------------------------------------------------------

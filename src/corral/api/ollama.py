@@ -38,8 +38,8 @@ from corral.api.common import (
     until_disconnect,
 )
 from corral.api.family import OLLAMA, FamilyRoute
-from corral.api.guard import entry_paths, hide_paths
 from corral.api.ollama_chunks import ns, respond
+from corral.api.paths import entry_paths, hide_paths
 from corral.api.service import Resolved, Service
 from corral.config import ConfigError, parse_duration
 from corral.core.gguf import read_arrays

@@ -27,8 +27,8 @@ from starlette.routing import Route
 from corral.api.common import json_response, model_field, read_json, until_disconnect
 from corral.api.dashboard import SSE_HEADERS, journal_events, stopping
 from corral.api.family import OLLAMA, SSE, FamilyRoute
-from corral.api.guard import shown_path
 from corral.api.manage import Manage, model_name, store_error
+from corral.api.paths import shown_path
 from corral.api.service import Service
 from corral.api.stream import RelayResponse
 from corral.errors import ApiError
