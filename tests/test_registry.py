@@ -56,6 +56,22 @@ def test_bad_models_toml_is_reported_not_fatal(tmp_path: Path) -> None:
     assert reg.errors and "models.bad.file" in reg.errors[0]
 
 
+def test_a_models_nodes_are_read_with_it(tmp_path: Path) -> None:
+    """models.toml `nodes` (cluster mode's pins) is read by the registry with the rest of the
+    entry, and a malformed one is reported as any other key is."""
+    (tmp_path / "w.gguf").write_bytes(b"x")
+    (tmp_path / "models.toml").write_text(
+        '[models.pinned]\nfile = "w.gguf"\nnodes = ["gpu1", "gpu2"]\n'
+        '[models.free]\nfile = "w.gguf"\n'
+        '[models.bad]\nfile = "w.gguf"\nnodes = "gpu1"\n'
+    )
+    reg = Registry(tmp_path, builtin=False)
+    pinned, free = reg.get("pinned"), reg.get("free")
+    assert pinned is not None and pinned.nodes == ("gpu1", "gpu2")
+    assert free is not None and free.nodes == ()
+    assert reg.get("bad") is None and any("models.bad.nodes" in e for e in reg.errors)
+
+
 def test_names_of_one_file_and_runner_shape_share_a_runner(tmp_path: Path) -> None:
     (tmp_path / "base.gguf").write_bytes(b"x")
     os.utime(tmp_path / "base.gguf", (1e9, 1e9))  # made first

@@ -104,7 +104,6 @@ class NodeAgent:
         self._wait_ready()
         self._registry: Registry | None = None
         self._needs: dict[tuple[str, str, int, float], int] = {}
-        self._pins: tuple[float, dict[str, list[str]]] = (-1.0, {})
         self._session: aiohttp.ClientSession | None = None
 
     def _wait_ready(self) -> None:
@@ -201,32 +200,10 @@ class NodeAgent:
         return model_needs(self.settings, self._registry, self._needs)
 
     def _read_pins(self) -> dict[str, list[str]]:
-        """models.toml `nodes = [...]` per model (the registry ignores the key)."""
-        from corral.runtime.registry import canonical_name
-
-        path = self.settings.models_dir / "models.toml"
-        try:
-            mtime = path.stat().st_mtime
-        except OSError:
-            return {}
-        if mtime == self._pins[0]:
-            return self._pins[1]
-        if sys.version_info >= (3, 11):
-            import tomllib
-        else:  # pragma: no cover
-            import tomli as tomllib
-        pins: dict[str, list[str]] = {}
-        try:
-            raw = tomllib.loads(path.read_text())
-            for name, spec in (raw.get("models") or {}).items():
-                nodes = spec.get("nodes") if isinstance(spec, dict) else None
-                if isinstance(nodes, list) and all(isinstance(n, str) for n in nodes):
-                    pins[canonical_name(name)] = list(nodes)
-        except (OSError, ValueError) as e:
-            log.warning("%s: %s", path, e)
-        self._pins = (mtime, pins)
-        return pins
-
+        """models.toml `nodes = [...]` per model, as the registry read it."""
+        self._models()  # makes the registry
+        assert self._registry is not None
+        return {e.name: list(e.nodes) for e in self._registry.all() if e.nodes}
 
 def model_needs(
     settings: Settings,

@@ -86,6 +86,8 @@ class ModelEntry:
     adapters: tuple[Adapter, ...] = ()
     # The devices it may use (models.toml `devices`, e.g. ("cuda:1",) or ("cpu",)); None: any.
     devices: tuple[str, ...] | None = None
+    # The cluster nodes it may be placed on (models.toml `nodes`; cluster mode only); (): any.
+    nodes: tuple[str, ...] = ()
 
     @property
     def modified_at(self) -> float:
@@ -280,8 +282,8 @@ class Registry:
         )
 
     def _parts_from_toml(self, raw_name: str, spec: dict[str, Any]) -> dict[str, Any]:
-        """`projector`, `adapters` and `devices` of a models.toml entry (paths relative to the
-        models directory)."""
+        """`projector`, `adapters`, `devices` and `nodes` of a models.toml entry (paths relative
+        to the models directory)."""
 
         def path_of(value: Any, what: str) -> Path:
             if not isinstance(value, str) or not value:
@@ -322,6 +324,11 @@ class Registry:
                     '["cuda:1"] or ["cpu"]'
                 )
             out["devices"] = tuple(d.strip().lower() for d in devices)
+        if "nodes" in spec:
+            nodes = spec["nodes"]
+            if not isinstance(nodes, list) or not all(isinstance(n, str) and n for n in nodes):
+                raise ConfigError(f"models.{raw_name}.nodes: expected a list of node names")
+            out["nodes"] = tuple(nodes)
         return out
 
     def _entry_from_manifest(self, m: Manifest) -> ModelEntry:
