@@ -150,7 +150,7 @@ class NodeAgent:
         async with self._session.get(f"{self.url}/api/corral/books") as resp:
             resp.raise_for_status()
             books = await resp.json()
-        models, aliases = await asyncio.to_thread(self._models)
+        models, aliases, pins = await asyncio.to_thread(self._models)
         return {
             "node_id": self.node_id,
             "url": self.url,
@@ -172,7 +172,7 @@ class NodeAgent:
             "ps": ps,
             "models": models,
             "aliases": aliases,
-            "pins": self._read_pins(),
+            "pins": pins,  # models.toml `nodes = [...]` per model
         }
 
     async def ping(self) -> bool:
@@ -192,18 +192,16 @@ class NodeAgent:
         return self.proc.returncode
 
     # ---- the node's models -------------------------------------------------------------------
-    def _models(self) -> tuple[dict[str, int], dict[str, str]]:
+    def _models(self) -> tuple[dict[str, int], dict[str, str], dict[str, list[str]]]:
+        """Every model's booking at default options, the aliases, and the nodes each model is
+        pinned to (models.toml `nodes`), as the node's registry reads them."""
         if self._registry is None:
             from corral.runtime.registry import Registry
 
             self._registry = Registry(self.settings.models_dir, self.settings.builtin_models)
-        return model_needs(self.settings, self._registry, self._needs)
-
-    def _read_pins(self) -> dict[str, list[str]]:
-        """models.toml `nodes = [...]` per model, as the registry read it."""
-        self._models()  # makes the registry
-        assert self._registry is not None
-        return {e.name: list(e.nodes) for e in self._registry.all() if e.nodes}
+        needs, aliases = model_needs(self.settings, self._registry, self._needs)
+        pins = {e.name: list(e.nodes) for e in self._registry.all() if e.nodes}
+        return needs, aliases, pins
 
 def model_needs(
     settings: Settings,
