@@ -124,14 +124,16 @@ class Books:
         self.core = Core(budgets={CPU: budget})
         self.ids = itertools.count(1)
         for model, held, busy in others:
-            rid = self.request(model, RunnerSpec(f"/m/{model}.gguf", 4096, 1), held)
-            runner = self.core.granted[rid] if rid in self.core.granted else None
-            if runner is None:
-                (load,) = [a for a in self.core.drain() if isinstance(a, Load)]
-                self.core.loaded(load.runner, 0.0)
-            self.core.drain()
-            if not busy:
-                self.core.release(rid, 0.0)
+            self.loaded(model, RunnerSpec(f"/m/{model}.gguf", 4096, 1), held, busy)
+
+    def loaded(self, model: str, spec: RunnerSpec, size: int, busy: bool) -> None:
+        """A runner of `model` loaded for a request, which it still serves if `busy`."""
+        rid = self.request(model, spec, size)
+        (load,) = [a for a in self.core.drain() if isinstance(a, Load)]
+        self.core.loaded(load.runner, 0.0)
+        self.core.drain()
+        if not busy:
+            self.core.release(rid, 0.0)
 
     def request(self, model: str, spec: RunnerSpec, size: int, *smaller: Sizing) -> int:
         rid = next(self.ids)
@@ -143,7 +145,7 @@ class Books:
 
     def ask(self, r: Resolved) -> list[Any]:
         svc = auto_service()
-        spec, _ = svc.runner_spec(r, {})
+        spec, _ = svc.admission.runner_spec(r, {})
         assert spec.n_ctx == AUTO_FLOOR  # the floor: the context asked for at the least
         best, *rest = svc.admission.sizings(r, spec, {}, auto=True)
         self.request(r.runner, best.spec, best.size, *rest)
@@ -187,11 +189,7 @@ def test_a_loaded_runner_with_at_least_the_floor_is_never_reloaded_for_auto(
     actions = books.ask(long_model)
     assert [type(a) for a in actions] == [Grant]  # not a reload at 32,768 nobody asked for
     shrunk = Books(64 * GIB)  # a client shrank it below the floor: auto loads it again
-    rid = shrunk.request("long", RunnerSpec(str(long_model.entry.path), 1024, 1), 2**20)
-    (load,) = [a for a in shrunk.core.drain() if isinstance(a, Load)]
-    shrunk.core.loaded(load.runner, 0.0)
-    shrunk.core.drain()
-    shrunk.core.release(rid, 0.0)
+    shrunk.loaded("long", RunnerSpec(str(long_model.entry.path), 1024, 1), 2**20, busy=False)
     actions = shrunk.ask(long_model)
     assert [a.kind for a in actions if isinstance(a, Stop)] == ["options_change"]
 

@@ -106,11 +106,11 @@ def test_spec_takes_model_defaults_then_request_options(opt_dir: Path) -> None:
     e = Registry(opt_dir, builtin=False).get("shaped")
     assert e is not None
     r = Resolved("shaped", e, read_model_info(e.path), e.name)
-    spec, explicit = service().runner_spec(r, {})
+    spec, explicit = service().admission.runner_spec(r, {})
     assert (spec.n_batch, spec.threads, spec.use_mmap, spec.use_mlock) == (64, 1, False, False)
     assert (spec.flash_attn, spec.n_cpu_moe, spec.main_gpu) == ("off", 0, 0)  # no experts
     assert explicit == {"projector", "adapters"}  # the model's parts always match
-    spec, explicit = service().runner_spec(
+    spec, explicit = service().admission.runner_spec(
         r, {"num_batch": 128, "use_mmap": True, "use_mlock": True, "num_thread": 1}
     )
     assert (spec.n_batch, spec.use_mmap, spec.use_mlock) == (128, True, True)
@@ -120,19 +120,19 @@ def test_spec_takes_model_defaults_then_request_options(opt_dir: Path) -> None:
 def test_values_that_would_harm_other_clients_are_bounded(opt_dir: Path) -> None:
     r = resolved(opt_dir / "base.gguf", options={"n_cpu_moe": 1})
     lo, hi = CLAMPED["n_batch"]
-    assert service().runner_spec(r, {"num_batch": 1})[0].n_batch == lo
-    assert service().runner_spec(r, {"num_batch": 65536})[0].n_batch == hi
-    assert service().runner_spec(r, {"num_thread": 1024})[0].threads == cpu_cores()
-    assert service().runner_spec(r, {})[0].n_cpu_moe == 0  # no experts: nothing to keep
+    assert service().admission.runner_spec(r, {"num_batch": 1})[0].n_batch == lo
+    assert service().admission.runner_spec(r, {"num_batch": 65536})[0].n_batch == hi
+    assert service().admission.runner_spec(r, {"num_thread": 1024})[0].threads == cpu_cores()
+    assert service().admission.runner_spec(r, {})[0].n_cpu_moe == 0  # no experts: nothing to keep
     moe = resolved(synth.write_moe_model(opt_dir / "moe.gguf"), options={"n_cpu_moe": 99})
-    assert service().runner_spec(moe, {})[0].n_cpu_moe == moe.info.n_layer
+    assert service().admission.runner_spec(moe, {})[0].n_cpu_moe == moe.info.n_layer
 
 
 def test_parts_go_into_the_spec(opt_dir: Path, tmp_path: Path) -> None:
     proj = synth.write_projector(tmp_path / "mmproj.gguf", 64)
     lora = synth.write_lora_adapter(tmp_path / "lora.gguf", opt_dir / "base.gguf")
     r = resolved(opt_dir / "base.gguf", projector=proj, adapters=(Adapter(str(lora), 0.5),))
-    spec, _ = service().runner_spec(r, {})
+    spec, _ = service().admission.runner_spec(r, {})
     assert spec.projector == str(proj) and spec.adapters == (Adapter(str(lora), 0.5),)
 
 

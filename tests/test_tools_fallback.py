@@ -291,7 +291,7 @@ async def events_of(reads: list[bytes]) -> list[Any]:
 
     explainer: Callable[[], Awaitable[str]] = explain
     lease, upstream = cast(Lease, FakeLease()), cast(RunnerStream, FakeStream(reads))
-    gen = FallbackEvents(lease, upstream, [], explainer, NAMES)
+    gen = FallbackEvents(lease, upstream, [], explainer, tools=NAMES)
     return [ev async for ev in gen.events()]
 
 

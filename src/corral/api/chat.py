@@ -15,8 +15,6 @@ import uuid
 from dataclasses import dataclass, field
 from typing import Any, NoReturn
 
-import orjson
-
 # ---- the neutral request -------------------------------------------------------------------
 
 
@@ -102,10 +100,6 @@ class RawText:
     renderer may put it in its own JSON as it is."""
 
     literal: bytes
-
-    @property
-    def text(self) -> str:
-        return str(orjson.loads(self.literal))
 
 
 def unhandled(ev: NoReturn) -> NoReturn:

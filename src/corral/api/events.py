@@ -252,6 +252,7 @@ class FallbackEvents(CompletionEvents):
         upstream: Upstream,
         stop: list[str],
         explain: Callable[[], Awaitable[str]],
+        *,
         tools: frozenset[str],
     ) -> None:
         super().__init__(lease, upstream, stop, explain)

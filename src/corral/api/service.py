@@ -8,6 +8,7 @@ through the hop's pipeline (runtime/client, `Service.client`) or its API (`Lease
 from __future__ import annotations
 
 import dataclasses
+import functools
 import logging
 from collections.abc import Awaitable, Callable, Mapping
 from pathlib import Path
@@ -34,17 +35,15 @@ from corral.api.toolprompt import fallback_grammar, template_body
 from corral.config import Settings
 from corral.core.devices import Device
 from corral.core.gguf import (
-    AdapterInfo,
     GGUFError,
     ModelInfo,
-    ProjectorInfo,
     read_model_info,
     template_has_tools,
 )
 from corral.core.gotemplate import TemplateError
 from corral.core.options import SAMPLING
 from corral.core.roles import has_later_system, place_system, renders_later_system
-from corral.core.spec import RunnerSpec, jinja_template
+from corral.core.spec import jinja_template
 from corral.errors import ApiError
 from corral.runtime.admission import Admission, Resolved, unusable_template
 from corral.runtime.client import RunnerClient
@@ -118,9 +117,6 @@ class Service:
         self._vision[info.path] = (info, out)
         return out
 
-    def parts(self, r: Resolved) -> tuple[ProjectorInfo | None, tuple[AdapterInfo, ...]]:
-        return self.admission.parts(r)
-
     def unload(self, name: str) -> bool:
         """Unload a model by name: a model on disk, or a loaded one whose file is gone (the
         scheduler still knows it). False if it was not loaded; 404 if it is neither."""
@@ -139,12 +135,6 @@ class Service:
     def require(self, r: Resolved, capability: str, what: str) -> None:
         if capability not in r.info.capabilities:
             raise ApiError(400, f"model '{r.requested}' does not support {what}", "model")
-
-    def runner_spec(
-        self, r: Resolved, options: dict[str, Any]
-    ) -> tuple[RunnerSpec, frozenset[str]]:
-        """The runner to load for these options, and which spec fields the request pinned."""
-        return self.admission.runner_spec(r, options)
 
     # ---- leases ----------------------------------------------------------------------------
     async def lease(
@@ -289,8 +279,8 @@ class Service:
         if "json_schema" not in payload:  # a JSON answer was asked for: no calls then
             payload |= fallback_grammar(chat.tools)
         names = frozenset(tool_name(t) for t in chat.tools)
-        stream = await self.client.stream(lease, "/completion", payload)
-        return FallbackEvents(lease, stream, stop or [], lease.runner.why_failed, names)
+        fallback_events = functools.partial(FallbackEvents, tools=names)
+        return await self._start(lease, "/completion", payload, fallback_events, stop)
 
     async def prompt_tokens(self, lease: Lease, chat: Chat) -> list[int]:
         """The token ids of `chat`'s prompt as the runner renders it: its own chat template
@@ -330,7 +320,7 @@ class Service:
         lease: Lease,
         path: str,
         payload: dict[str, Any],
-        kind: type[ChatEvents | CompletionEvents | ForcedToolEvents],
+        kind: Callable[[Lease, Upstream, list[str], Callable[[], Awaitable[str]]], Generation],
         stop: list[str] | None,
     ) -> Generation:
         resp = await self.client.stream(lease, path, payload)
