@@ -18,7 +18,8 @@ from corral.core.spec import RunnerSpec
 from corral.runtime import measure
 from corral.runtime.measure import OOM_RAISE
 from corral.runtime.memwatch import oom_kills
-from corral.runtime.scheduler import _ALLOC_FAILED, Scheduler
+from corral.runtime.runner_errors import OUT_OF_MEMORY
+from corral.runtime.scheduler import Scheduler
 
 GiB = 2**30
 
@@ -123,7 +124,7 @@ async def test_a_runner_killed_for_memory_is_booked_higher_next_time(
     ],
 )
 def test_which_load_failures_count_as_running_out_of_memory(message: str, oom: bool) -> None:
-    assert bool(_ALLOC_FAILED.search(message)) is oom
+    assert bool(OUT_OF_MEMORY.search(message)) is oom
 
 
 async def test_a_runner_killed_by_someone_else_is_not_taken_for_out_of_memory(

@@ -29,19 +29,28 @@ def run(model: ModelNeed, spec: str, **kw: int | bool | None) -> Placement:
     devs = fake_devices(spec)
     p = place(model, devs, {d.id: d.free for d in devs}, **kw)  # type: ignore[arg-type]
     assert isinstance(p, Placement), p
-    check(model, devs, {d.id: d.free for d in devs}, p)
+    check(model, devs, {d.id: d.free for d in devs}, p, kw.get("output_first", True) is not False)
     return p
 
 
-def check(model: ModelNeed, devs: list[Device], free: dict[str, int], p: Placement) -> None:
-    """What every placement must satisfy."""
+def check(
+    model: ModelNeed,
+    devs: list[Device],
+    free: dict[str, int],
+    p: Placement,
+    output_first: bool = True,
+) -> None:
+    """What every placement must satisfy. The output slot costs its weights on a GPU and
+    nothing more in system memory (its weights are in `host`)."""
     gpus = [d for d in devs if d.id in p.devices and d.library != "cpu"]
     for dev, n in p.devices.items():
         assert 0 <= n <= free.get(dev, 0), (dev, n, free)
     assert 0 <= p.n_gpu_layers <= model.n_layer + 1
     on_cpu = p.n_gpu_layers < model.n_layer + 1
+    output_on_gpu = p.n_gpu_layers > 0 and (output_first or not on_cpu)
     expected = (
-        model.weights
+        sum(model.layers)
+        + (model.output if output_on_gpu else 0)
         + model.host
         + model.gpu_compute * len(gpus)
         + (model.cpu_compute if on_cpu else 0)
@@ -90,7 +99,8 @@ def test_old_llama_cpp_offloads_repeating_layers_before_the_output_layer() -> No
     m = need(output=2 * GiB)
     p = run(m, "cpu=32GiB,cuda=8GiB", output_first=False)
     assert p.n_gpu_layers == 7  # 7 repeating layers; the 2 GiB output layer stays on the CPU
-    assert p.devices["cpu"] == m.host + 3 * GiB + 2 * GiB + m.cpu_compute
+    # (where `host` holds its weights: nothing more in system memory)
+    assert p.devices["cpu"] == m.host + 3 * GiB + m.cpu_compute
     new = run(m, "cpu=32GiB,cuda=8GiB")
     assert new.n_gpu_layers == 6  # the output layer and the last 5 repeating layers
 
@@ -158,7 +168,7 @@ def test_cpu_only_machine() -> None:
     m = need()
     p = run(m, "cpu=32GiB")
     assert p.n_gpu_layers == 0 and p.tensor_split is None and p.main_gpu is None
-    assert p.devices == {"cpu": m.weights + m.host + m.cpu_compute}
+    assert p.devices == {"cpu": sum(m.layers) + m.host + m.cpu_compute}
     assert p.describe() == "100% CPU" and gpu_share(p) == 0
 
 
@@ -296,7 +306,7 @@ def test_placements_respect_budgets_and_account_every_byte(
         if auto:
             assert best_single_gpu(m, devs, free, kw["output_first"]) is None
         return
-    check(m, devs, free, p)
+    check(m, devs, free, p, kw["output_first"])
     has_gpus = len(devs) > 1
     num_gpu, main_gpu = kw["num_gpu"], kw["main_gpu"]
     if has_gpus and num_gpu is not None and num_gpu >= 0:
@@ -341,13 +351,15 @@ def with_projector(m: ModelNeed, projector: int) -> ModelNeed:
     return ModelNeed(m.layers, m.output, m.gpu_compute, m.cpu_compute, m.host, projector)
 
 
-def booked(m: ModelNeed, p: Placement) -> int:
-    """Every byte of the model, with its projector, booked once."""
+def booked(m: ModelNeed, p: Placement, output_first: bool = True) -> int:
+    """Every byte of the model, with its projector, booked once (and the output slot's
+    weights on a GPU, where it goes to one, beside `host`)."""
     on_cpu = p.n_gpu_layers < m.n_layer + 1
+    output_on_gpu = p.n_gpu_layers > 0 and (output_first or not on_cpu)
     gpus = len(p.gpus)
     return (
-        m.weights + m.host + m.projector + m.gpu_compute * gpus
-        + (m.cpu_compute if on_cpu else 0)
+        sum(m.layers) + (m.output if output_on_gpu else 0) + m.host + m.projector
+        + m.gpu_compute * gpus + (m.cpu_compute if on_cpu else 0)
     )  # fmt: skip
 
 
@@ -363,12 +375,12 @@ def test_projector_on_the_cpu_when_no_layer_is_on_a_gpu() -> None:
     m = with_projector(need(), 2 * GiB)
     p = place(m, fake_devices("cpu=32GiB"), {"cpu": 32 * GiB})
     assert isinstance(p, Placement) and p.n_gpu_layers == 0
-    assert p.devices == {"cpu": m.host + m.weights + m.cpu_compute + 2 * GiB}
+    assert p.devices == {"cpu": m.host + sum(m.layers) + m.cpu_compute + 2 * GiB}
     p = place(m, fake_devices("cpu=32GiB,cuda=24GiB"), {"cpu": 32 * GiB, "cuda:0": 24 * GiB},
               num_gpu=0)  # fmt: skip
     assert (
         isinstance(p, Placement)
-        and p.devices["cpu"] == m.host + m.weights + m.cpu_compute + m.projector
+        and p.devices["cpu"] == m.host + sum(m.layers) + m.cpu_compute + m.projector
     )
 
 
@@ -426,8 +438,10 @@ def test_model_need_keeps_cpu_experts_in_system_memory() -> None:
     assert m.layers == (3 * MiB + MiB // 2, 3 * MiB + MiB // 2, 11 * MiB + MiB // 2)
     assert m.host == 4 * MiB + MiB + MiB // 4 + 16 * MiB + 5 * MiB
     assert m.projector == 4 * MiB
-    # Everything booked once: the estimate's total plus the process.
-    assert m.weights + m.host + m.projector + m.gpu_compute == est.total + 5 * MiB
+    # Everything booked once: the estimate's total plus the process (and the output slot's
+    # weights on a GPU, a copy of those `host` holds).
+    assert sum(m.layers) + m.host + m.projector + m.gpu_compute == est.total + 5 * MiB
+    assert m.output == est.head
     p = place(m, fake_devices("cpu=1GiB,cuda=1GiB"), {"cpu": GiB, "cuda:0": GiB})
     assert isinstance(p, Placement) and p.full_offload and p.devices["cpu"] == m.host
 
@@ -449,7 +463,7 @@ def test_placements_with_projector_and_devices_respect_budgets(
         return
     for dev, n in p.devices.items():
         assert 0 <= n <= free.get(dev, 0), (dev, n, free)
-    assert p.size == booked(m, p)
+    assert p.size == booked(m, p, kw["output_first"])
     if allowed is not None:
         assert set(p.gpus) <= set(allowed)
         if "cpu" not in allowed and any(a != "cpu" for a in allowed):

@@ -1,6 +1,6 @@
 """The scheduler shell's narrow face: the rest of corral asks it with `submit`, `wait`,
-`acquire` and `unload`, reads it through `view()` (a plain snapshot) and `listen`, and ends it
-with `begin_drain`, `begin_shutdown`, `shutdown` and `kill_all`; nothing outside the shell's own
+`acquire` and `unload`, reads it through `view()` (a plain snapshot), `gpu_contexts()` and
+`listen`, and ends it with `begin_drain`, `begin_shutdown`, `shutdown` and `kill_all`; nothing outside the shell's own
 modules reads its attributes or imports its insides. What it works with (the runner factory,
 the clock, the hooks) is given at its construction."""
 
@@ -20,7 +20,7 @@ from corral.runtime.runner import Runner, RunnerError
 from corral.runtime.scheduler import Scheduler, SchedulerError
 
 FACE = {
-    "submit", "wait", "acquire", "unload", "view", "listen",
+    "submit", "wait", "acquire", "unload", "view", "listen", "gpu_contexts",
     "begin_drain", "begin_shutdown", "shutdown", "kill_all",
 }  # fmt: skip
 # The shell and the modules it is made of.

@@ -27,6 +27,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
+from corral.core.devices import CPU
 from corral.core.policy import Candidate, Policy, Snapshot, lru
 from corral.core.requests import Action, Fail, Fit, Grant, Load, QueueFull, Request, Stop, StopKind
 from corral.core.spec import RunnerSpec
@@ -310,14 +311,32 @@ class Core:
             r.devices = dict(devices)
         self._pump(now)
 
-    def load_failed(self, runner_id: int, message: str, now: float) -> None:
+    def load_failed(
+        self,
+        runner_id: int,
+        message: str,
+        now: float,
+        *,
+        status: int = 500,
+        retry_after: float | None = None,
+        again: float | None = None,
+    ) -> None:
+        """The runner's load failed: the requests waiting for it fail with `status`, or with
+        `again` (a load that ran out of memory, the first time) they stay queued, each needing
+        `again` times the bytes it asked for, and are placed anew."""
         r = self.runners.pop(runner_id, None)
         if r is None:
             return
-        for q in list(self.queue):
+        failed = []
+        for i, q in enumerate(self.queue):
             if q.model == r.model and compatible(r.spec, q):
-                self.queue.remove(q)
-                self.actions.append(Fail(q.id, 500, message))
+                if again is not None:
+                    self.queue[i] = q.scaled(again)
+                else:
+                    failed.append(q)
+        for q in failed:
+            self.queue.remove(q)
+            self.actions.append(Fail(q.id, status, message, retry_after))
         self._pump(now)
 
     def exited(self, runner_id: int, now: float) -> None:
@@ -553,11 +572,14 @@ class Core:
         that fits in free memory, or else, evicting idle runners, the first that fits then
         (its load starts once they have exited). Fail q if even its smallest can never fit,
         or leave it waiting for requests to finish; all three return None."""
+        gpu_loading = self._gpu_loading(q)
         for c in q.choices:
             fit = self._fit(c)
-            if fit is not None:
+            if fit is not None and not gpu_loading:
                 return c, fit
         least = q.least
+        if gpu_loading:
+            return None  # placed once that load's real figure is in the books
         room = {d: b - self.reserved.get(d, 0) for d, b in self.budgets.items()}
         if least.fit(room) is None:
             caps = [
@@ -592,6 +614,19 @@ class Core:
         if ends:  # perhaps a held runner is what it waits for: look again when a hold yields
             self._hold_wake = min(self._hold_wake, *ends)
         return None  # busy (or held) runners hold the room: wait for them
+
+    def _gpu_loading(self, q: Request) -> bool:
+        """Whether q would use a GPU (as placed on an empty machine) onto which another runner
+        is loading: loads onto one GPU go one at a time, each placed with the real figures of
+        those before it (a GPU has no swap: a second load booked on an estimate that proves
+        short crashes them both)."""
+        loading = {d for r in self.runners.values() if r.state == "loading"
+                   for d, n in r.devices.items() if d != CPU and n}  # fmt: skip
+        if not loading:
+            return False
+        room = {d: b - self.reserved.get(d, 0) for d, b in self.budgets.items()}
+        fit = q.fit(room) or q.least.fit(room)
+        return fit is not None and any(fit.devices.get(d) for d in loading)
 
     def _victims(self, q: Request, pool: list[RunnerBook], now: float) -> list[RunnerBook] | None:
         """Unpinned runners from `pool` whose eviction makes room for q, in the policy's order

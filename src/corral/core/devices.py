@@ -7,7 +7,7 @@ computes what a device really has free right now, so that other programs' use is
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 
 CPU = "cpu"  # the id of system memory in device lists, budgets and bookings
@@ -18,6 +18,15 @@ CPU = "cpu"  # the id of system memory in device lists, budgets and bookings
 # (cudaMinimumMemory). Booked with every load; NVML's per-process figure then corrects it
 # upwards where a GPU needs more.
 GPU_CONTEXT_BYTES = 457 * 2**20
+# On one NVIDIA H200 (driver 580, CUDA 13, llama.cpp b11434) a runner held 693 MiB beyond its
+# buffers with a 1 GB model and up to 1,157 MiB with an 8 GB one: large cards get more before
+# their first runner is measured (about 1/112 of the card, at most 1.25 GiB); from then on the
+# figure measured on that card (`gpu_context`).
+GPU_CONTEXT_SHARE = 112
+GPU_CONTEXT_MAX = 5 * 2**28
+# System memory a runner holds for its GPUs beyond llama.cpp's buffers and its own process (the
+# CUDA runtime's host allocations, pinned staging buffers): 150-505 MiB on the H200.
+GPU_HOST_BYTES = 512 * 2**20
 
 
 @dataclass(frozen=True)
@@ -33,6 +42,34 @@ class Device:
     free_reliable: bool = True
     compute_capability: str | None = None  # "9.0" (CUDA); the gfx target for AMD ("gfx90a")
     uuid: str | None = None  # the driver's stable id; refresh() re-reads only devices with one
+
+
+@dataclass(frozen=True)
+class Memory:
+    """A device's memory as the operator reads it: what corral's runners hold, what other
+    programs hold, what is free (bytes)."""
+
+    total: int
+    ours: int
+    others: int
+    free: int
+
+    def describe(self) -> str:
+        return (
+            f"{_gib(self.total)} total, {_gib(self.ours)} held by corral, "
+            f"{_gib(self.others)} by other programs, {_gib(self.free)} free"
+        )
+
+
+def device_memory(d: Device, ours: int) -> Memory:
+    """`d`'s memory given what corral's runners hold there (`ours`, as measured): the rest of
+    what is in use belongs to others."""
+    used = max(0, d.total - d.free)
+    return Memory(d.total, min(ours, used), max(0, used - ours), d.free)
+
+
+def _gib(n: int) -> str:
+    return f"{n / 2**30:.1f} GiB"
 
 
 def budgets(devices: Iterable[Device], margin: int, limit: int | None = None) -> dict[str, int]:
@@ -83,3 +120,11 @@ def live_headroom(
         return device.total
     held = booked_by_us if in_use_by_us is None else min(booked_by_us, in_use_by_us)
     return max(0, device.free + held - margin)
+
+
+def gpu_context(device: Device, learned: Mapping[str, int]) -> int:
+    """What a runner holds on `device` beyond llama.cpp's buffers: the figure measured on a
+    card of its name (`learned`, the most measured there), else the allowance for its size."""
+    if device.name in learned:
+        return learned[device.name]
+    return max(GPU_CONTEXT_BYTES, min(GPU_CONTEXT_MAX, device.total // GPU_CONTEXT_SHARE))

@@ -307,6 +307,10 @@ class Estimate:
     # The runner process's own memory beyond llama.cpp's buffers (process_bytes): not in
     # `total` (llama.cpp does not count it), booked in system memory beside it
     process: int = 0
+    # The output slot's weights where it goes to a GPU (output head and norm, or the copy of
+    # tied embeddings llama.cpp makes there): not in `total`, which counts them once, in
+    # `non_layer` (system memory)
+    head: int = 0
 
     @property
     def projector(self) -> int:
@@ -364,6 +368,7 @@ def estimate(
         weights_per_layer=tuple(b + 32 * align for b in info.layer_bytes),
         kv_per_layer=kv_per_layer(info, p, kv_type),
         non_layer=info.output_bytes + 8 * align,
+        head=info.head_bytes + 2 * align if info.head_bytes else 0,
         compute=compute_bytes(info, p, kv_type, flash_attn),
         overhead=output_bytes(info, p) + SLACK,
         adapters_per_layer=tuple(lora) if adapters else (),

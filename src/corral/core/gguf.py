@@ -96,6 +96,9 @@ class ModelInfo:
     parameter_count: int  # elements over all tensors
     layer_bytes: tuple[int, ...]  # tensor data bytes of each block blk.N.*, N < n_layer
     output_bytes: int  # tensor data bytes outside those blocks (token_embd, output, ...)
+    # What llama.cpp's output slot holds on the device it goes to: output.weight and the output
+    # norm, or with tied embeddings the copy of token_embd it makes there (TENSOR_DUPLICATED).
+    head_bytes: int = 0
     pooling_type: int | None = None  # pooling_type (gguf.PoolingType) if present
     chat_template: str | None = None  # tokenizer.chat_template
     capabilities: tuple[str, ...] = ("completion",)
@@ -514,6 +517,9 @@ def _model_info(
                 expert_bytes[int(m.group(1))] += int(t.n_bytes)
         else:  # includes blocks past block_count, which llama.cpp would not load as layers
             output_bytes += int(t.n_bytes)
+    head = by_name.get("output.weight") or token_embd
+    norm = by_name.get("output_norm.weight")
+    head_bytes = sum(int(t.n_bytes) for t in (head, norm) if t is not None)
 
     pooling_type = _int(meta, f"{arch}.pooling_type")
     causal = meta.get(f"{arch}.attention.causal")
@@ -540,6 +546,7 @@ def _model_info(
         parameter_count=sum(int(t.n_elements) for t in tensors),
         layer_bytes=tuple(layer_bytes),
         output_bytes=output_bytes,
+        head_bytes=head_bytes,
         pooling_type=pooling_type,
         chat_template=chat_template if isinstance(chat_template, str) else None,
         capabilities=model_capabilities(

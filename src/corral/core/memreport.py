@@ -26,7 +26,7 @@ CPU memory: the pages are the model's, whether or not the kernel has read them i
 from __future__ import annotations
 
 import re
-from collections.abc import Collection, Mapping
+from collections.abc import Collection, Mapping, Sequence
 from dataclasses import dataclass, field
 from types import MappingProxyType
 
@@ -101,12 +101,17 @@ class Allocation:
     def total(self) -> int:
         return self.model_bytes + self.kv_bytes + self.compute_bytes + self.output_bytes
 
-    def booked(self, known: Collection[str]) -> dict[str, int]:
+    def booked(self, known: Collection[str], gpus: Sequence[str] | None = None) -> dict[str, int]:
         """Bytes per corral device id ("cpu", "cuda:0", ...); devices corral does not know
-        (e.g. a host-pinned buffer type) count as system memory."""
+        (e.g. a host-pinned buffer type) count as system memory. `gpus`: the GPUs the runner
+        was shown, in its order (its CUDA0 is the first of them), where it was shown only
+        some."""
         out: dict[str, int] = {}
         for name, n in self.by_device().items():
             dev = device_id(name)
+            if gpus is not None and dev != "cpu" and ":" in dev:
+                i = int(dev.rsplit(":", 1)[1])
+                dev = gpus[i] if i < len(gpus) else dev
             dev = dev if dev in known else "cpu"
             out[dev] = out.get(dev, 0) + n
         return out

@@ -43,7 +43,7 @@ from __future__ import annotations
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 
-from corral.core.devices import CPU, GPU_CONTEXT_BYTES, Device
+from corral.core.devices import CPU, GPU_CONTEXT_BYTES, GPU_HOST_BYTES, Device
 from corral.core.estimate import Estimate
 from corral.core.requests import Fit, Placer
 from corral.core.spec import Layout
@@ -59,6 +59,9 @@ class ModelNeed:
     cpu_compute: int = 0  # compute buffer in system memory when any slot runs on the CPU
     host: int = 0  # always in system memory: token embeddings, host buffers, process overhead
     projector: int = 0  # a vision projector (weights and compute): on the first GPU used, or CPU
+    # System memory a runner holds once it uses a GPU: the GPU runtime's own (CUDA's host
+    # allocations, pinned staging buffers, its libraries' heaps)
+    gpu_host: int = 0
 
     @property
     def n_layer(self) -> int:
@@ -120,10 +123,11 @@ def gpu_share(placement: Placement) -> int:
     return sum(n for d, n in placement.devices.items() if d != CPU)
 
 
-def model_need(est: Estimate, gpu_context: int = 0) -> ModelNeed:
+def model_need(est: Estimate, gpu_context: int = 0, gpu_host: int = 0) -> ModelNeed:
     """A runner's estimate as placement needs it: the runner process's own memory
     (`est.process`) is booked in system memory with every model, `gpu_context` is what the
-    process holds on each GPU it uses besides llama.cpp's buffers (its CUDA context)."""
+    process holds on each GPU it uses besides llama.cpp's buffers (its CUDA context), and
+    `gpu_host` what it holds in system memory for its GPUs."""
     n = len(est.weights_per_layer)
     lora = est.adapters_per_layer or (0,) * n
     moe = (*est.cpu_experts_per_layer, *(0,) * n)[:n]
@@ -132,12 +136,14 @@ def model_need(est: Estimate, gpu_context: int = 0) -> ModelNeed:
             w + kv + a - x
             for w, kv, a, x in zip(est.weights_per_layer, est.kv_per_layer, lora, moe, strict=True)
         ),
-        # The output head is counted in `host` with the embeddings: exact on the CPU, and on a
-        # GPU it errs towards system memory (verify on a GPU machine).
+        # The output slot: on a GPU, its head (a copy, with tied embeddings); in system memory
+        # nothing beyond `host`, which holds every weight outside the layers.
+        output=est.head,
         gpu_compute=est.compute + gpu_context,
         cpu_compute=est.compute,
         host=est.non_layer + est.overhead + est.adapters_other + sum(moe) + est.process,
         projector=est.projector,
+        gpu_host=gpu_host,
     )
 
 
@@ -197,13 +203,15 @@ def placer(
     num_gpu: int | None = None,
     main_gpu: int | None = None,
     allowed: tuple[str, ...] | None = None,
+    gpu_context: int = GPU_CONTEXT_BYTES,
 ) -> Placer:
     """The pure function the scheduler asks where a runner of `est` would fit (`num_gpu`,
     `main_gpu`: Ollama's options, the model's or the request's; `allowed`: the model's
-    devices), with the layout to start it with."""
+    devices), with the layout to start it with; `gpu_context`: what a runner holds on each
+    GPU beyond llama.cpp's buffers (devices.gpu_context)."""
     # The runner process itself is booked with every model (as once it loads), and its
-    # CUDA context on every GPU it uses.
-    need = model_need(est, GPU_CONTEXT_BYTES)
+    # CUDA context on every GPU it uses, and the GPU runtime's host side with it.
+    need = model_need(est, gpu_context, GPU_HOST_BYTES)
 
     def fit(free: Mapping[str, int]) -> Fit | None:
         p = place(need, devices, free, num_gpu=num_gpu, main_gpu=main_gpu, allowed=allowed)
@@ -271,15 +279,16 @@ class _Planner:
 
     # ---- slots --------------------------------------------------------------------------------
     def split(self, k: int) -> tuple[list[int], list[int]]:
-        """(GPU slots in llama.cpp's order, CPU slots) for -ngl k."""
-        n, seq = self.need.n_layer, [*self.need.layers, self.need.output]
+        """(GPU slots in llama.cpp's order, CPU slots) for -ngl k. The output slot costs
+        nothing more in system memory (its weights are in `host`)."""
+        n, layers = self.need.n_layer, list(self.need.layers)
         if k >= n + 1:
-            return seq, []
+            return [*layers, self.need.output], []
         if k <= 0:
-            return [], seq
+            return [], [*layers, 0]
         if self.output_first:
-            return seq[n + 1 - k :], seq[: n + 1 - k]
-        return seq[n - k : n], [*seq[: n - k], self.need.output]
+            return [*layers[n + 1 - k :], self.need.output], layers[: n + 1 - k]
+        return layers[n - k : n], [*layers[: n - k], 0]
 
     def cpu_need(self, cpu_slots: Sequence[int], on_gpu: bool = True) -> int:
         """System memory with these slots on the CPU; the projector too when no slot is on a
@@ -288,7 +297,7 @@ class _Planner:
             self.need.host
             + sum(cpu_slots)
             + (self.need.cpu_compute if cpu_slots else 0)
-            + (0 if on_gpu else self.need.projector)
+            + (self.need.gpu_host if on_gpu else self.need.projector)
         )
 
     # ---- rules --------------------------------------------------------------------------------

@@ -94,6 +94,16 @@ class Request:
             for z in sizings
         ))  # fmt: skip
 
+    def scaled(self, k: float) -> Request:
+        """This request, its runners needing k times the bytes on every device (a model that
+        ran out of memory with its estimate)."""
+        if k == 1.0:
+            return self
+        return replace(
+            self, size=int(self.size * k), smaller=tuple(z.scaled(k) for z in self.smaller),
+            place=scaled_placer(self.place or cpu_placer(self.size), k),
+        )  # fmt: skip
+
     @property
     def least(self) -> Request:
         """The smallest runner that serves it: what memory must hold for it at the least."""

@@ -26,7 +26,7 @@ from typing import Any, TypeVar
 
 from corral.config import Settings
 from corral.core.context import DEFAULT_OUTPUT, UNKNOWN_TRAINED_CAP, context_grid, grown_context
-from corral.core.devices import Device
+from corral.core.devices import GPU_CONTEXT_BYTES, Device, gpu_context
 from corral.core.estimate import KV_CACHE_TYPES, check_kv_cache_type
 from corral.core.gguf import AdapterInfo, GGUFError, ModelInfo, ProjectorInfo, read_parts
 from corral.core.gotemplate import TemplateError
@@ -149,11 +149,18 @@ class Admission:
         the same memory is not offered there), then the floor's fewer slots. Built once per
         model file and runner shape: every request asks, warm ones too."""
         parts = self.parts(r)
-        key = (spec, auto, chosen.get("num_gpu"), chosen.get("main_gpu"), r.entry.devices)
+        # What a runner holds on a GPU beyond its buffers, as measured on these cards so far
+        # (the largest where cards differ)
+        gpus = [d for d in self.devices if d.library != "cpu"]
+        learned = self.scheduler.gpu_contexts() if gpus else {}
+        context = max((gpu_context(d, learned) for d in gpus), default=GPU_CONTEXT_BYTES)
+        key = (spec, auto, chosen.get("num_gpu"), chosen.get("main_gpu"), r.entry.devices, context)
         hit = self._sizings.get(key)
         # read_model_info (and the parts' readers) return a new object when a file changed
-        if hit is not None and hit[0] is r.info and all(
-            a is b for a, b in zip(hit[1], parts, strict=True)
+        if (
+            hit is not None
+            and hit[0] is r.info
+            and all(a is b for a, b in zip(hit[1], parts, strict=True))
         ):
             return hit[2]
         try:  # what llama.cpp would refuse to load (checked once per shape: then cached)
@@ -169,7 +176,7 @@ class Admission:
         def sizing(s: RunnerSpec) -> Sizing:
             est = self._estimates.get(r.info, s, *parts)
             place = placer(est, self.devices, chosen.get("num_gpu"), chosen.get("main_gpu"),
-                           r.entry.devices)  # fmt: skip
+                           r.entry.devices, context)  # fmt: skip
             return Sizing(s, est.total + est.process, place, est.process)
 
         floor = [sizing(s) for s in slot_choices(spec)]
@@ -273,4 +280,3 @@ def too_long(r: Resolved, tokens: int, limit: int | None = None) -> ApiError:
         400, f"the prompt is {tokens:,} tokens; model '{r.requested}' takes at most {limit:,} "
         f"({why}): shorten the prompt or use a model with a longer context",
     )  # fmt: skip
-

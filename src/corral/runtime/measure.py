@@ -23,7 +23,7 @@ from typing import Any
 import psutil
 
 from corral.core.books import Core
-from corral.core.devices import CPU, Device, live_headroom
+from corral.core.devices import CPU, GPU_CONTEXT_BYTES, Device, gpu_context, live_headroom
 from corral.core.gguf import split_parts
 from corral.core.policy import DEFAULT_DISK_SECONDS_PER_BYTE, disk_seconds_per_byte, reload_seconds
 from corral.runtime.devices import gpu_process_memory
@@ -37,6 +37,10 @@ log = logging.getLogger(__name__)
 
 OOM_RAISE = 1.25  # a model that ran out of memory is booked this much higher next time ...
 OOM_RAISE_MAX = 4.0  # ... up to this factor in all
+# A runner measured above its booking is said so (a WARNING) from this much over: less is
+# the measures' noise, and the booking grows to the measure anyway.
+OVER_NOTED = 16 * 2**20
+CONTEXT_SLACK = 16 * 2**20  # booked above the largest GPU context measured: it varies a little
 RESIDENCY_EVERY = 5  # measures between two reads of every loaded model's page-cache residency
 
 Refresh = Callable[[list[Device]], list[Device]]
@@ -54,6 +58,8 @@ class Record:
     cached_at_load: float | None = None  # share of its file in the page cache as its load began
     cached: float | None = None  # ... and at the last look
     free_before: dict[str, int] | None = None  # GPUs' free bytes as it was told to stop
+    buffers: dict[str, int] | None = None  # llama.cpp's own buffers per device, at its load
+    over: dict[str, int] = field(default_factory=dict)  # device -> excess to warn again from
     hop: Hop | None = None  # from its first grant: what its requests are sent through
 
 
@@ -93,6 +99,11 @@ class Measure:
         # own counters (llama.cpp's /metrics), read with every measure.
         self.tokens: dict[str, list[int]] = {}
         self.raised: dict[str, float] = {}  # model -> booking factor after running out of memory
+        self.raised_before: dict[str, float] = {}  # ... and before it last ran out
+        # Card name -> the most a runner was measured to hold on such a GPU beyond llama.cpp's
+        # buffers (NVML's figure less its buffers): booked with every later runner there.
+        self.learned_context: dict[str, int] = {}
+        self._read_at = -math.inf  # when the devices were last read (headroom)
         # What a byte read from disk costs beyond one in the page cache (learned from two loads
         # of one file with different residency), and each file's last load (seconds, residency).
         self.disk_spb = DEFAULT_DISK_SECONDS_PER_BYTE
@@ -130,7 +141,7 @@ class Measure:
         # Device refreshes and NVML calls take ~0.1-1 ms each: off the event loop.
         devices, usages, gpu = await asyncio.to_thread(self._read_machine, list(pids.values()))
         self.last_devices = devices
-        now = self._clock()
+        now = self._read_at = self._clock()
         for rid, usage in zip(pids, usages, strict=True):
             if usage is not None:
                 self._observe(rid, now, usage, gpu)
@@ -149,6 +160,24 @@ class Measure:
         devices = self._refresh(self._devices) if self._refresh is not None else self._devices
         gpus = [d for d in devices if d.library != "cpu"]
         return devices, [process_usage(p) for p in pids], gpu_process_memory(gpus) if gpus else {}
+
+    def fresh(self, now: float, max_age: float | None = None) -> None:
+        """Read the devices again if the last read is older than `max_age` (default: the
+        measuring interval, at most 2 s), so that a load is placed on what other programs hold
+        now, not at the last measure (or at start-up). Synchronous: NVML and /proc answer in
+        about a millisecond."""
+        limit = min(self.interval, 2.0) if max_age is None else max_age
+        if now - self._read_at < limit or self._refresh is None:
+            return
+        pids = [rec.runner.pid for rec in self._records.values() if rec.runner.pid]
+        devices, usages, gpu = self._read_machine(pids)
+        self.last_devices, self._read_at = devices, now
+        self._set_headroom(devices, usages, gpu)
+
+    def gpu_context(self, device: str) -> int:
+        """What a runner holds on this GPU beyond llama.cpp's buffers (devices.gpu_context)."""
+        d = next((d for d in self._devices if d.id == device), None)
+        return gpu_context(d, self.learned_context) if d is not None else GPU_CONTEXT_BYTES
 
     # ---- a runner's memory -------------------------------------------------------------------
     def ready(self, rid: int, rec: Record, now: float) -> None:
@@ -202,13 +231,38 @@ class Measure:
             for dev, n in gpu.get(pid, {}).items():
                 seen[dev] = seen.get(dev, 0) + n
         rec.own, rec.devices = own, seen
+        self._learn_context(rec, seen)
         for dev, n in seen.items():
-            if n > book.devices.get(dev, 0):
+            over = n - book.devices.get(dev, 0)
+            # Said once per runner and device, and again only if it grew by as much again:
+            # the booking grows to the measure, so the next measure would repeat it.
+            if over > max(OVER_NOTED, rec.over.get(dev, 0)):
+                rec.over[dev] = 2 * over
                 log.warning(
-                    "model '%s' holds %.1f MiB on %s, %.1f MiB more than booked",
-                    book.model, n / 2**20, dev, (n - book.devices.get(dev, 0)) / 2**20,
+                    "model '%s' holds %.1f MiB on %s, %.1f MiB more than booked: booking that",
+                    book.model, n / 2**20, dev, over / 2**20,
                 )  # fmt: skip
         self._core.observed(rid, now, seen)
+
+    def _learn_context(self, rec: Record, seen: Mapping[str, int]) -> None:
+        """NVML's figure for a runner on a GPU less llama.cpp's buffers there is what a
+        runner holds beyond them on that card (its CUDA context, cuBLAS, pools): the most
+        measured is booked for every later runner on a card of that name."""
+        if not rec.buffers:
+            return
+        for d in self._devices:
+            n, buffers = seen.get(d.id), rec.buffers.get(d.id)
+            if d.library == "cpu" or not n or not buffers or n <= buffers:
+                continue
+            extra = n - buffers + CONTEXT_SLACK
+            if extra > self.learned_context.get(d.name, 0):
+                before = gpu_context(d, self.learned_context)
+                self.learned_context[d.name] = extra
+                log.info(
+                    "a runner holds %.0f MiB on %s (%s) beyond llama.cpp's buffers: booking "
+                    "that with each runner there (was %.0f MiB)",
+                    (extra - CONTEXT_SLACK) / 2**20, d.id, d.name, before / 2**20,
+                )  # fmt: skip
 
     # ---- the devices -------------------------------------------------------------------------
     def _set_headroom(
@@ -344,6 +398,7 @@ class Measure:
         return now is None or before is None or now > before
 
     def ran_out_of_memory(self, model: str) -> None:
+        self.raised_before[model] = self.raised.get(model, 1.0)
         k = min(OOM_RAISE_MAX, self.raised.get(model, 1.0) * OOM_RAISE)
         self.raised[model] = k
         self._journal.record("oom", model, factor=k)

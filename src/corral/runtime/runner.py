@@ -28,8 +28,10 @@ import psutil
 from corral.core.gguf import split_parts
 from corral.core.memreport import Allocation, AllocationParser
 from corral.core.spec import Layout, RunnerSpec
+from corral.errors import ApiError
 from corral.runtime.loadwatch import file_bytes, loaded_bytes
 from corral.runtime.runner_api import RunnerAPI
+from corral.runtime.runner_errors import OUT_OF_MEMORY
 
 log = logging.getLogger(__name__)
 
@@ -38,6 +40,8 @@ LOG_TAIL_LINES = 40
 # started beside another CPU runner (`short_spin`): the default long spin burns the cores the
 # other needs. Why and the figures: docs/benchmarks.md, "what the misses mean".
 GOMP_SPINCOUNT = "3000"
+OOM_RETRY_AFTER = 5.0  # seconds: its model is placed anew, with more room, on the next try
+MAX_OOM_LINE = 300  # characters of the line that said it ran out of memory, quoted
 MAX_LINE = 4096  # characters of one log line kept; the rest is drained and dropped
 
 
@@ -79,6 +83,8 @@ class Runner:
         # How much of its model the runner has loaded (0..1, see loadwatch) while it loads;
         # 1.0 once it serves, None where it cannot be read.
         self.progress: float | None = None
+        # The first line of its output that said a buffer did not fit (runner_errors)
+        self.out_of_memory: str | None = None
 
     @property
     def pid(self) -> int | None:
@@ -103,6 +109,15 @@ class Runner:
                 await asyncio.wait_for(asyncio.shield(self.wait_exit()), wait)
         return self.failure_message()
 
+    async def failed(self) -> ApiError:
+        """A request's error for a runner that stopped answering: a 503 if it ran out of memory
+        (its model is booked higher from now on: a retry may be placed where it fits), else a
+        500."""
+        message = await self.why_failed()
+        if self.out_of_memory is not None:
+            return ApiError(503, message, retry_after=OOM_RETRY_AFTER)
+        return ApiError(500, message)
+
     def failure_message(self) -> str:
         if self.stalled is not None:
             return (
@@ -120,6 +135,8 @@ class Runner:
             what = f"was killed by signal {-self.exit_code}"
         else:
             what = f"exited with code {self.exit_code}"
+        if self.out_of_memory is not None:
+            what += f": it ran out of memory ({self.out_of_memory})"
         tail = self.log_tail()
         return f"runner for model '{self.name}' {what}" + (
             f"; last log lines:\n{tail}" if tail else ""
@@ -180,7 +197,7 @@ class Runner:
         self.progress = 1.0
         self.load_duration = time.monotonic() - self.started_at
         if self.api is None:
-            self.api = RunnerAPI(self.base_url, self.why_failed)
+            self.api = RunnerAPI(self.base_url, self.failed)
 
     async def _watch_load(self, interval: float = 0.2) -> None:
         """Keep `progress` up to date until start() returns: the share of the model's files
@@ -277,6 +294,8 @@ class Runner:
         if self._alloc.done:
             self._load_logged.set()
         self._tail.append(text)
+        if self.out_of_memory is None and OUT_OF_MEMORY.search(text):
+            self.out_of_memory = text.strip()[:MAX_OOM_LINE]
         log.debug("[%s] %s", self.name, text)
 
     async def _wait_ready(self) -> str:
@@ -296,7 +315,7 @@ class Runner:
 
     async def _poll_health(self) -> None:
         assert self.proc is not None
-        self.api = RunnerAPI(self.base_url, self.why_failed)
+        self.api = RunnerAPI(self.base_url, self.failed)
         while await self.api.health(5.0) != 200:
             if self.proc.returncode is not None:
                 await self._drain_logs()

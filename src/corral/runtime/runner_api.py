@@ -34,12 +34,13 @@ PROBE_TIMEOUT = 5.0
 
 
 class RunnerAPI:
-    """One runner's llama.cpp server at `base_url`. `why_failed` says why the runner stopped
-    answering (its exit and last log lines), for a request's 500."""
+    """One runner's llama.cpp server at `base_url`. `failed` is the client's error for a
+    runner that stopped answering (its exit and last log lines: a 500, or a 503 where it ran
+    out of memory, which a retry may cure)."""
 
-    def __init__(self, base_url: str, why_failed: Callable[[], Awaitable[str]]) -> None:
+    def __init__(self, base_url: str, failed: Callable[[], Awaitable[ApiError]]) -> None:
         self.base_url = base_url
-        self._why_failed = why_failed
+        self._failed = failed
         self._session = aiohttp.ClientSession(
             base_url=base_url,
             # llama.cpp closes idle connections after 5 s; drop ours first so none is reused dead.
@@ -62,12 +63,12 @@ class RunnerAPI:
         try:
             resp = await open_stream(self.base_url, path, orjson.dumps(payload))
         except OSError:
-            raise ApiError(500, await self._why_failed()) from None
+            raise await self._failed() from None
         if resp.status != 200:
             try:
                 body = await resp.read_all()
             except OSError:
-                raise ApiError(500, await self._why_failed()) from None
+                raise await self._failed() from None
             finally:
                 resp.close()
             raise runner_error(body, resp.status)
@@ -82,7 +83,7 @@ class RunnerAPI:
             async with self._session.post(path, data=orjson.dumps(payload), headers=headers) as r:
                 body = await r.read()
         except (aiohttp.ClientError, OSError):
-            raise ApiError(500, await self._why_failed()) from None
+            raise await self._failed() from None
         if r.status != 200:
             raise runner_error(body, r.status)
         return body
@@ -109,7 +110,7 @@ class RunnerAPI:
             async with self._session.get("/props") as r:
                 return r.status, await r.read()
         except (aiohttp.ClientError, OSError):
-            raise ApiError(500, await self._why_failed()) from None
+            raise await self._failed() from None
 
     # ---- probes: never an exception ----------------------------------------------------------
     async def health(self, timeout: float) -> int | None:

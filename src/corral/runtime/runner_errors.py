@@ -12,6 +12,17 @@ import orjson
 
 from corral.errors import ApiError
 
+# A line of llama.cpp's output that says a buffer did not fit: in system memory (a failed
+# allocation, bad_alloc) or on a GPU (CUDA and HIP print "CUDA error: out of memory" before
+# ggml-cuda.cu's abort, or "cudaMalloc failed"; Vulkan ErrorOutOfDeviceMemory), at load or at a
+# later compute. Read from every line a runner prints (Runner.out_of_memory), not its last few:
+# an abort's backtrace comes after it.
+OUT_OF_MEMORY = re.compile(
+    r"out of memory|failed to allocate|unable to allocate|(?:cuda|hip)Malloc(?:Host)? failed"
+    r"|bad_alloc|OutOfDeviceMemory|OutOfHostMemory",
+    re.I,
+)
+
 # llama.cpp's answer to a batch that no longer finds room in the KV cache (update_slots), sent
 # to every slot then processing.
 CACHE_FULL = "context size has been exceeded"

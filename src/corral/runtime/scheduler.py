@@ -19,7 +19,6 @@ import contextlib
 import itertools
 import logging
 import math
-import re
 import signal
 import time
 from collections.abc import Awaitable, Callable, Mapping, Sequence
@@ -27,7 +26,7 @@ from dataclasses import dataclass
 from typing import Any, Protocol
 
 from corral.core.books import Core
-from corral.core.devices import CPU, GPU_CONTEXT_BYTES, Device
+from corral.core.devices import CPU, GPU_HOST_BYTES, Device
 from corral.core.estimate import RUNNER_CODE_BYTES
 from corral.core.policy import DEFAULT_POLICY, POLICIES
 from corral.core.requests import (
@@ -39,8 +38,6 @@ from corral.core.requests import (
     Request,
     Sizing,
     Stop,
-    cpu_placer,
-    scaled_placer,
 )
 from corral.core.spec import Layout, RunnerSpec
 from corral.runtime.hop import Hop
@@ -54,14 +51,9 @@ from corral.runtime.view import SchedulerView, snapshot
 log = logging.getLogger(__name__)
 
 SHUTDOWN_GRACE = 0.5  # seconds a serving runner gets to exit on SIGTERM when the server stops
+OOM_RETRY_AFTER = 30.0  # a model that ran out of memory twice: room may come as others leave
 SHUTDOWN_RETRY_AFTER = 5.0  # a restarting server is usually back within seconds
 BEFORE_STOP_TIMEOUT = 10.0  # seconds `Hooks.before_stop` may hold a runner's stop
-# What llama.cpp (ggml, CUDA, Vulkan) says when an allocation fails during a load.
-_ALLOC_FAILED = re.compile(
-    r"out of memory|failed to allocate|unable to allocate|cudaMalloc|bad_alloc"
-    r"|ErrorOutOfDeviceMemory|SIGKILL",
-    re.I,
-)
 
 
 class SchedulerError(Exception):
@@ -198,6 +190,8 @@ class Scheduler:
         self._tasks: set[asyncio.Task[Any]] = set()
         self._draining = False  # no new work: granted requests finish, nothing else starts
         self._closing = False
+        # Models whose last load ran out of memory and whose requests were placed again
+        self._oom_retried: set[str] = set()
 
     # ---- the API's side ----------------------------------------------------------------------
     def submit(
@@ -220,17 +214,10 @@ class Scheduler:
         slot the ticket is granted on return. SchedulerError if refused."""
         if self._closing or self._draining:
             raise SchedulerError(503, "server is shutting down", SHUTDOWN_RETRY_AFTER)
-        k = self._measure.raised.get(model)
-        if k is not None:  # it ran out of memory before: ask for more room this time
-            place = scaled_placer(place or cpu_placer(size), k)
-            size = int(size * k)
-            smaller = [
-                Sizing(z.spec, int(z.size * k), scaled_placer(z.place or cpu_placer(z.size), k),
-                       z.process)
-                for z in smaller
-            ]  # fmt: skip
         self._measure.start()
         now = self._clock()
+        if self._core.current(model) is None:  # a load: placed on what the devices have now
+            self._measure.fresh(now)
         rid = next(self._ids)
         fut: asyncio.Future[Hop] = asyncio.get_running_loop().create_future()
         self._waiters[rid] = fut
@@ -239,6 +226,8 @@ class Scheduler:
             arrived=now, deadline=now + self._queue_timeout, pinned=pinned, priority=priority,
             place=place, process=process,
         ).offering(smaller)  # fmt: skip
+        # A model that ran out of memory before asks for more room this time.
+        req = req.scaled(self._measure.raised.get(model, 1.0))
         try:
             self._core.request(req, now)
         except QueueFull as e:
@@ -286,6 +275,11 @@ class Scheduler:
             tuple(self._journal.recent), closing=self._closing or self._draining,
             now=self._clock(),
         )  # fmt: skip
+
+    def gpu_contexts(self) -> Mapping[str, int]:
+        """What a runner was measured to hold on a GPU beyond llama.cpp's buffers, by the
+        card's name (devices.gpu_context)."""
+        return self._measure.learned_context
 
     def listen(self, fn: Listener) -> Callable[[], None]:
         """Call fn with every journal event from now on; returns the function that stops it."""
@@ -388,11 +382,11 @@ class Scheduler:
             else:
                 log.error("loading '%s' failed: %s", runner.name, e)
                 self._journal.record("load_failed", runner.name, runner=rid, message=str(e))
-                found = _ALLOC_FAILED.search(str(e))
-                if found and (found.group(0).upper() != "SIGKILL" or self._measure.oom_killed()):
-                    self._measure.ran_out_of_memory(runner.name)
             self._runners.pop(rid, None)
-            self._core.load_failed(rid, str(e), self._clock())
+            if not runner.shutting_down and self._ran_out_of_memory(runner):
+                self._load_ran_out(rid, runner, str(e))
+            else:
+                self._core.load_failed(rid, str(e), self._clock())
             self._apply()
             return
         except Exception as e:  # spawn failures (OSError, ...): same contract, clear message
@@ -414,6 +408,43 @@ class Scheduler:
             runner.kill_now()
         self._apply()
 
+    def _ran_out_of_memory(self, runner: Runner) -> bool:
+        """Whether the runner ended for want of memory: it said so (on a GPU, or a failed
+        allocation), or the kernel's OOM killer took it. Its model is booked higher from now
+        on, and the devices' free memory is read again for the next placement."""
+        oom = runner.out_of_memory is not None or (
+            runner.exit_code == -signal.SIGKILL and self._measure.oom_killed()
+        )
+        if oom:
+            self._measure.ran_out_of_memory(runner.name)
+            self._measure.fresh(self._clock(), max_age=0.0)
+        return oom
+
+    def _load_ran_out(self, rid: int, runner: Runner, message: str) -> None:
+        """A load that ran out of memory: its requests are placed again with the higher
+        booking (evicting idle models, fewer layers on GPUs, or system memory), once; a second
+        time in a row they get a 503 with the numbers, never the same crash again."""
+        now = self._clock()
+        if runner.name not in self._oom_retried:
+            self._oom_retried.add(runner.name)
+            k = self._measure.raised.get(runner.name, 1.0)
+            before = self._measure.raised_before.get(runner.name, 1.0)
+            log.warning("loading '%s' ran out of memory: placing its requests again", runner.name)
+            self._core.load_failed(rid, message, now, again=k / before)
+            return
+        self._oom_retried.discard(runner.name)
+        book = self._core.runners.get(rid)
+        wanted = ", ".join(f"{n / 2**20:.0f} MiB on {d}" for d, n in (
+            book.devices.items() if book is not None else ()) if n)  # fmt: skip
+        room = ", ".join(
+            f"{d.free / 2**20:.0f} MiB free on {d.id}" for d in self._measure.last_devices
+        )
+        self._core.load_failed(
+            rid, f"model '{runner.name}' ran out of memory twice in a row"
+            + (f" (booked {wanted})" if wanted else "") + f"; {room}: {message}",
+            now, status=503, retry_after=OOM_RETRY_AFTER,
+        )  # fmt: skip
+
     def _loaded(self, rid: int, rec: Record) -> None:
         runner = rec.runner
         log.info(
@@ -423,9 +454,11 @@ class Scheduler:
             runner.base_url,
             runner.pid,
         )
+        self._oom_retried.discard(runner.name)
         alloc = runner.allocation
-        real = alloc.booked(self._core.budgets.keys()) if alloc and alloc.total else None
         book = self._core.runners.get(rid)
+        shown = [d for d, n in book.devices.items() if d != CPU] if book is not None else None
+        real = alloc.booked(self._core.budgets.keys(), shown) if alloc and alloc.total else None
         if real is not None and book is not None:
             log.info(
                 "model '%s' allocated %.1f MiB (estimated %.1f MiB)",
@@ -434,10 +467,12 @@ class Scheduler:
                 book.size / 2**20,
             )
         if real is not None:  # llama.cpp's buffers, the process that holds them, its contexts
+            rec.buffers = dict(real)
+            on_gpu = [d for d, n in real.items() if d != CPU and n]
             real[CPU] = real.get(CPU, 0) + (book.process if book is not None else 0)
-            for dev, n in list(real.items()):
-                if dev != CPU and n:
-                    real[dev] = n + GPU_CONTEXT_BYTES
+            real[CPU] += GPU_HOST_BYTES if on_gpu else 0
+            for dev in on_gpu:
+                real[dev] += self._measure.gpu_context(dev)
             k = self._measure.raised.get(runner.name, 1.0)
             real = {d: int(n * k) for d, n in real.items()}
         self._measure.learn_disk_speed(rec)
@@ -484,8 +519,8 @@ class Scheduler:
         else:
             log.error("%s", runner.failure_message())
             self._journal.record("crash", runner.name, runner=rid, message=runner.failure_message())
-            if code == -signal.SIGKILL and self._measure.oom_killed():
-                self._measure.ran_out_of_memory(runner.name)
+            if self._ran_out_of_memory(runner):
+                pass  # booked higher from now on
             elif code == -signal.SIGKILL:
                 log.warning(
                     "runner for '%s' was killed by someone, not for memory: the kernel's OOM "

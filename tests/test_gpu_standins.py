@@ -1,0 +1,365 @@
+"""corral on a GPU, without one: a fake card (scripted totals, free memory and per-process
+figures, another program taking memory mid-run) and a runner stand-in that prints llama.cpp's
+CUDA out-of-memory output and aborts, as one did on an H200. Real runner processes for the rest.
+
+The scenarios: no load is booked on memory another program holds, even memory it took since the
+last measure; loads onto one card go one at a time, and two that the card holds only one of give
+one answer and one wait (then an eviction), never a crash; an out-of-memory abort is placed again
+once with a higher booking, and a second one in a row is a 503 with the numbers, not a third
+try; a runner that runs out of memory while serving is the client's 503, and its model is booked
+higher; what a runner holds on a card beyond llama.cpp's buffers is learned from NVML for that
+card's name.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import sys
+import types
+from collections.abc import Mapping
+from dataclasses import replace
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from corral.core.devices import Device, gpu_context
+from corral.core.memreport import Allocation
+from corral.core.requests import Fit, Placer
+from corral.core.spec import Layout, RunnerSpec
+from corral.errors import ApiError
+from corral.runtime import devices as runtime_devices
+from corral.runtime.measure import CONTEXT_SLACK, OOM_RAISE
+from corral.runtime.runner import Runner
+from corral.runtime.scheduler import Scheduler, SchedulerError
+
+GiB, MiB = 2**30, 2**20
+CARD = "Fake H200"
+
+# What llama.cpp b11434 prints when CUDA runs out of memory in a compute (ggml_cuda_error, then
+# GGML_ABORT's line and a backtrace), as seen on an H200 shared with another program.
+OOM_OUTPUT = [
+    "CUDA error: out of memory",
+    "  current device: 0, in function ggml_backend_cuda_graph_compute at ggml-cuda.cu:3216",
+    "  cudaStreamSynchronize(cuda_ctx->stream())",
+    "/llama.cpp/ggml/src/ggml-cuda/ggml-cuda.cu:109: CUDA error",
+    *(f"#{i} 0x00007f00deadbe{i:02x} in ggml_abort () from libggml-base.so" for i in range(60)),
+]
+
+# A stand-in llama-server: it serves /health, and prints OOM_OUTPUT and aborts when asked to
+# load (`--abort-at load`, the default) or at the first request (`serve`).
+STANDIN = """\
+import http.server, os, sys
+port = int(sys.argv[sys.argv.index("--port") + 1])
+LINES = {lines!r}
+
+def die():
+    sys.stderr.write("\\n".join(LINES) + "\\n")
+    sys.stderr.flush()
+    os.abort()
+
+if {at!r} == "load":
+    die()
+
+class H(http.server.BaseHTTPRequestHandler):
+    def do_GET(self):
+        body = b'{{"status": "ok"}}' if self.path == "/health" else b"{{}}"
+        self.send_response(200 if self.path == "/health" else 404)
+        self.send_header("Content-Length", str(len(body)))
+        self.end_headers()
+        self.wfile.write(body)
+
+    def do_POST(self):
+        die()
+
+    def log_message(self, *a):
+        pass
+
+http.server.ThreadingHTTPServer(("127.0.0.1", port), H).serve_forever()
+"""
+
+
+def standin(tmp_path: Path, at: str = "load") -> str:
+    path = tmp_path / f"llama-server-oom-{at}"
+    path.write_text(f"#!{sys.executable}\n" + STANDIN.format(lines=OOM_OUTPUT, at=at))
+    path.chmod(0o755)
+    return str(path)
+
+
+def tiny(models_dir: Path) -> RunnerSpec:
+    return RunnerSpec(path=str(models_dir / "tiny.gguf"), n_ctx=512, num_parallel=1)
+
+
+def tiny2(models_dir: Path) -> RunnerSpec:
+    return RunnerSpec(path=str(models_dir / "tiny2.gguf"), n_ctx=512, num_parallel=1)
+
+
+def on_gpu(n: int, host: int = 64 * MiB) -> Placer:
+    """A model that goes wholly on cuda:0 (n bytes there, `host` in system memory), or nowhere."""
+
+    def place(free: Mapping[str, int]) -> Fit | None:
+        if free.get("cuda:0", 0) >= n and free.get("cpu", 0) >= host:
+            return Fit({"cpu": host, "cuda:0": n}, Layout(3))
+        return None
+
+    return place
+
+
+def cuda_booked(sched: Scheduler) -> int:
+    """Bytes booked on the card by runners that are not on their way out."""
+    return sum(
+        r.devices.get("cuda:0", 0) for r in sched.view().runners if r.state != "unloading"
+    )
+
+
+class Card:
+    """A fake 140 GiB card: `others` is what other programs hold; corral's runners hold what
+    they booked (the fake runners allocate nothing on it)."""
+
+    def __init__(self, others: int) -> None:
+        self.others = others
+        self.sched: Scheduler | None = None
+        self.device = Device("cuda:0", "cuda", 0, CARD, 140 * GiB, 140 * GiB - others)
+
+    def devices(self) -> list[Device]:
+        cpu = Device("cpu", "cpu", -1, "Fake CPU", 64 * GiB, 48 * GiB)
+        return [cpu, self.device]
+
+    def refresh(self, devices: list[Device]) -> list[Device]:
+        ours = cuda_booked(self.sched) if self.sched is not None else 0
+        free = max(0, self.device.total - self.others - ours)
+        return [replace(d, free=free) if d.id == "cuda:0" else d for d in devices]
+
+
+class BookedRunner(Runner):
+    """A real runner whose books keep the estimate (as for a build that does not print its
+    buffers): this CPU build's real allocation would take the model off the fake card."""
+
+    @property
+    def allocation(self) -> Allocation | None:
+        return None
+
+
+def booked_runner(name: str, spec: RunnerSpec, *, layout: Layout | None) -> Runner:
+    return BookedRunner(name, spec, layout=layout)
+
+
+def scheduler(card: Card, **kw: Any) -> Scheduler:
+    kw.setdefault("runners", booked_runner)
+    sched = Scheduler(
+        {"cpu": 32 * GiB, "cuda:0": 139 * GiB}, devices=card.devices(), refresh=card.refresh,
+        measure_interval=3600, margin=0, **kw,
+    )  # fmt: skip
+    card.sched = sched
+    return sched
+
+
+# ---- memory other programs hold ----------------------------------------------------------------
+
+
+async def test_a_load_is_never_booked_on_memory_another_program_took_since_the_last_measure(
+    models_dir: Path,
+) -> None:
+    """The card had room for two models at the last read; then another program took most of
+    it. The next load reads the card again (the last read is older than a few seconds), finds
+    room for one, and evicts the idle model instead of booking both."""
+    card = Card(others=100 * GiB)  # 40 GiB free: room for two 12 GiB models
+    now = [1000.0]
+    sched = scheduler(card, clock=lambda: now[0])
+    try:
+        lease = await sched.acquire("tiny", tiny(models_dir), size=12 * GiB, place=on_gpu(12 * GiB))
+        lease.release()
+        card.others = 120 * GiB  # a torch process took 20 GiB more: 8 GiB left beside ours
+        now[0] += 5  # the last read is 5 s old
+        ticket = sched.submit("tiny2", tiny2(models_dir), size=12 * GiB, place=on_gpu(12 * GiB))
+        assert cuda_booked(sched) <= 20 * GiB  # 8 free + our 12: never both booked
+        assert [r.state for r in sched.view().runners] == ["unloading"]  # evicted for it
+        assert sched.view().headroom["cuda:0"] == 20 * GiB
+        lease = await asyncio.wait_for(sched.wait(ticket), 60)
+        assert [r.model for r in sched.view().runners] == ["tiny2"]
+        lease.release()
+    finally:
+        await sched.shutdown()
+
+
+async def test_loads_onto_one_card_go_one_at_a_time(models_dir: Path) -> None:
+    """Two loads the card holds both of by their estimates: the second is placed once the
+    first is in, with its real figure (a GPU has no swap to absorb an estimate that was short)."""
+    card = Card(others=100 * GiB)
+    sched = scheduler(card)
+    try:
+        a = sched.submit("tiny", tiny(models_dir), size=12 * GiB, place=on_gpu(12 * GiB))
+        b = sched.submit("tiny2", tiny2(models_dir), size=12 * GiB, place=on_gpu(12 * GiB))
+        assert [(r.model, r.state) for r in sched.view().runners] == [("tiny", "loading")]
+        first = await asyncio.wait_for(sched.wait(a), 60)
+        second = await asyncio.wait_for(sched.wait(b), 60)
+        assert sorted(r.model for r in sched.view().runners) == ["tiny", "tiny2"]
+        first.release()
+        second.release()
+    finally:
+        await sched.shutdown()
+
+
+async def test_two_loads_at_once_on_a_card_with_room_for_one(models_dir: Path) -> None:
+    """22 GiB free, two 12 GiB models asked for at once: one answers, the other waits until
+    the first is idle and then evicts it. Never both on the card, no crash, no error."""
+    card = Card(others=118 * GiB)
+    sched = scheduler(card)
+    try:
+        a = sched.submit("tiny", tiny(models_dir), size=12 * GiB, place=on_gpu(12 * GiB))
+        b = sched.submit("tiny2", tiny2(models_dir), size=12 * GiB, place=on_gpu(12 * GiB))
+        first = await asyncio.wait_for(sched.wait(a), 60)
+        assert cuda_booked(sched) == 12 * GiB and not b.fut.done()
+        first.release()
+        second = await asyncio.wait_for(sched.wait(b), 60)
+        assert [r.model for r in sched.view().runners] == ["tiny2"]
+        assert cuda_booked(sched) == 12 * GiB
+        second.release()
+    finally:
+        await sched.shutdown()
+
+
+# ---- running out of memory ---------------------------------------------------------------------
+
+
+def runners_that_run_out(tmp_path: Path, times: int, at: str = "load") -> tuple[Any, list[Runner]]:
+    """A runner factory whose first `times` runners are the stand-in that runs out of GPU
+    memory; the rest are real."""
+    made: list[Runner] = []
+    oom = standin(tmp_path, at)
+
+    def make(name: str, spec: RunnerSpec, *, layout: Layout | None) -> Runner:
+        llama_server = oom if len(made) < times else None
+        r = BookedRunner(name, spec, llama_server=llama_server, layout=layout)
+        made.append(r)
+        return r
+
+    return make, made
+
+
+async def test_an_out_of_memory_abort_at_load_is_placed_again_once(
+    models_dir: Path, tmp_path: Path
+) -> None:
+    make, made = runners_that_run_out(tmp_path, 1)
+    card = Card(others=0)
+    sched = scheduler(card, runners=make)
+    try:
+        lease = await sched.acquire("tiny", tiny(models_dir), size=GiB, place=on_gpu(GiB))
+        assert len(made) == 2  # the stand-in, then a real runner
+        # Recognised from the whole output: the abort's backtrace pushed the line out of the
+        # last lines kept.
+        assert made[0].out_of_memory == "CUDA error: out of memory"
+        assert "CUDA error: out of memory" not in made[0].log_tail(40)
+        assert sched.view().raised == {"tiny": OOM_RAISE}
+        (book,) = sched.view().runners
+        assert book.devices["cuda:0"] >= int(GiB * OOM_RAISE) - 1  # placed with more room
+        assert [e.kind for e in sched.view().events if e.kind in ("load_failed", "ready")] == [
+            "load_failed", "ready",
+        ]  # fmt: skip
+        lease.release()
+    finally:
+        await sched.shutdown()
+
+
+async def test_a_second_out_of_memory_in_a_row_is_a_503_with_the_numbers(
+    models_dir: Path, tmp_path: Path
+) -> None:
+    make, made = runners_that_run_out(tmp_path, 5)
+    sched = scheduler(Card(others=0), runners=make)
+    try:
+        with pytest.raises(SchedulerError) as e:
+            await sched.acquire("tiny", tiny(models_dir), size=GiB, place=on_gpu(GiB))
+        assert len(made) == 2  # tried once more, never a third time
+        assert e.value.status == 503 and e.value.retry_after
+        assert "ran out of memory twice in a row" in str(e.value)
+        assert "MiB on cuda:0" in str(e.value) and "MiB free on cuda:0" in str(e.value)
+        assert not sched.view().runners
+    finally:
+        await sched.shutdown()
+
+
+async def test_a_runner_that_runs_out_of_memory_while_serving_is_a_503(
+    models_dir: Path, tmp_path: Path
+) -> None:
+    make, _ = runners_that_run_out(tmp_path, 1, at="serve")
+    sched = scheduler(Card(others=0), runners=make)
+    try:
+        lease = await sched.acquire("tiny", tiny(models_dir), size=GiB, place=on_gpu(GiB))
+        with pytest.raises(ApiError) as e:
+            await lease.hop.api.answer("/completion", {"prompt": "hi", "n_predict": 4})
+        lease.release()
+        assert e.value.status == 503 and e.value.retry_after
+        assert "ran out of memory (CUDA error: out of memory)" in e.value.message
+        for _ in range(600):  # until its end is in the books
+            if not sched.view().runners:
+                break
+            await asyncio.sleep(0.05)
+        assert sched.view().raised == {"tiny": OOM_RAISE}
+        lease = await sched.acquire("tiny", tiny(models_dir), size=GiB, place=on_gpu(GiB))
+        (book,) = sched.view().runners
+        assert book.devices["cuda:0"] >= int(GiB * OOM_RAISE) - 1
+        lease.release()
+    finally:
+        await sched.shutdown()
+
+
+# ---- what a runner holds on a card beyond its buffers ------------------------------------------
+
+
+class GpuRunner(Runner):
+    """A real runner that reports llama.cpp's buffers as a CUDA build would (1 GiB of weights
+    and 256 MiB of KV cache on CUDA0), since this CPU build has none."""
+
+    @property
+    def allocation(self) -> Allocation | None:
+        return Allocation(model={"CUDA0": GiB, "CPU": 8 * MiB}, kv={"CUDA0": 256 * MiB})
+
+
+def fake_nvml(card: Card, used: dict[int, int]) -> Any:
+    """pynvml with the card: its processes hold `used` (pid -> bytes)."""
+    nv: Any = types.ModuleType("pynvml")
+    nv.NVMLError = type("NVMLError", (Exception,), {})
+    nv.nvmlInit = lambda: None
+    nv.nvmlDeviceGetHandleByUUID = lambda uuid: uuid
+    nv.nvmlDeviceGetMemoryInfo = lambda h: types.SimpleNamespace(
+        total=card.device.total, free=card.device.free
+    )
+    nv.nvmlDeviceGetComputeRunningProcesses = lambda h: [
+        types.SimpleNamespace(pid=pid, usedGpuMemory=n) for pid, n in used.items()
+    ]
+    return nv
+
+
+async def test_the_runners_context_on_a_card_is_learned_from_nvml(
+    models_dir: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """NVML says the runner holds 900 MiB on the card beyond llama.cpp's buffers (its CUDA
+    context, cuBLAS, pools): later runners on a card of that name are booked with that, and
+    this one's booking grows to NVML's figure."""
+    card = Card(others=0)
+    card.device = replace(card.device, uuid="GPU-fake")
+    used: dict[int, int] = {}
+    monkeypatch.setitem(sys.modules, "pynvml", fake_nvml(card, used))
+    runtime_devices._reset_nvml()
+    sched = Scheduler(
+        {"cpu": 32 * GiB, "cuda:0": 139 * GiB}, devices=card.devices(), refresh=card.refresh,
+        measure_interval=0.05, margin=0,
+        runners=lambda name, spec, *, layout: GpuRunner(name, spec, layout=layout),
+    )  # fmt: skip
+    card.sched = sched
+    try:
+        assert gpu_context(card.device, sched.gpu_contexts()) == 140 * GiB // 112  # its size's
+        lease = await sched.acquire("tiny", tiny(models_dir), size=2 * GiB, place=on_gpu(2 * GiB))
+        assert lease.runner.pid is not None
+        used[lease.runner.pid] = GiB + 256 * MiB + 900 * MiB
+        for _ in range(600):  # until a measure has read NVML's figure
+            if sched.gpu_contexts():
+                break
+            await asyncio.sleep(0.05)
+        assert sched.gpu_contexts() == {CARD: 900 * MiB + CONTEXT_SLACK}
+        (book,) = sched.view().runners
+        assert book.devices["cuda:0"] >= GiB + 256 * MiB + 900 * MiB
+        lease.release()
+    finally:
+        await sched.shutdown()
+        runtime_devices._reset_nvml()
