@@ -24,7 +24,7 @@ from corral.core.context import (
 from corral.core.devices import CPU, Device
 from corral.core.gguf import read_model_info
 from corral.core.requests import Grant, Load, Request, Sizing, Stop
-from corral.core.spec import RunnerSpec, spec_estimate
+from corral.core.spec import AUTO_PARALLEL, GPU_PARALLEL, RunnerSpec, spec_estimate
 from corral.errors import ApiError
 from corral.runtime.admission import Resolved, output_tokens
 from corral.runtime.registry import ModelEntry
@@ -280,3 +280,47 @@ def test_the_output_a_request_asks_for_is_read_from_any_family_s_field() -> None
     assert output_tokens({"n_predict": -1}) == DEFAULT_OUTPUT  # no limit: the default room
     assert output_tokens({"max_tokens": True}) == DEFAULT_OUTPUT
     assert output_tokens({}) == DEFAULT_OUTPUT
+
+
+# ---- a GPU's slots ------------------------------------------------------------------------------
+
+
+class NothingLearned:
+    """The scheduler's one answer the admission asks for here: no GPU context measured yet."""
+
+    def gpu_contexts(self) -> dict[str, int]:
+        return {}
+
+
+def gpu_load(r: Resolved, gpu: int) -> Load:
+    """What the core loads for an automatic request on a machine with a GPU of `gpu` bytes."""
+    devices = [
+        Device(CPU, "cpu", -1, "cpu", 64 * GIB, 64 * GIB),
+        Device("cuda:0", "cuda", 0, "Fake GPU", gpu, gpu),
+    ]
+    svc = Service(
+        Settings.load(environ={}), None, NothingLearned(), devices, None  # type: ignore[arg-type]
+    )
+    spec, _ = svc.admission.runner_spec(r, {})
+    best, *rest = svc.admission.sizings(r, spec, {}, auto=True)
+    core = Core(budgets={CPU: 64 * GIB, "cuda:0": gpu})
+    core.request(Request(
+        id=1, model=r.runner, spec=best.spec, explicit=frozenset(), size=best.size,
+        keep_alive=None, arrived=0.0, place=best.place, process=best.process,
+    ).offering(rest), 0.0)  # fmt: skip
+    (load,) = [a for a in core.drain() if isinstance(a, Load)]
+    return load
+
+
+def test_an_automatic_slot_count_starts_at_a_gpus_where_the_model_goes_wholly_on_gpus(
+    long_model: Resolved,
+) -> None:
+    load = gpu_load(long_model, 80 * GIB)
+    assert load.spec.num_parallel == GPU_PARALLEL and load.spec.kv_unified
+    assert load.spec.n_ctx == 32768  # and the trained context, as on the CPU
+    assert load.fit.layout.n_gpu_layers == long_model.info.n_layer + 1
+    # A card too small for the whole model: the CPU's count, as many layers as fit
+    small = size(long_model, AUTO_FLOOR) // 2
+    load = gpu_load(long_model, small)
+    assert load.spec.num_parallel == AUTO_PARALLEL
+    assert load.fit.layout.n_gpu_layers < long_model.info.n_layer + 1

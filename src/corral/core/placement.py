@@ -234,6 +234,18 @@ def no_fewer_gpu_layers(place: Placer, base: Placer) -> Placer:
     return guarded
 
 
+def whole_on_gpus(place: Placer, slots: int) -> Placer:
+    """`place`, refused where it would leave any of the model's `slots` (n_layer + 1) in system
+    memory: what a runner with a GPU's many slots needs (on the CPU they would only share its
+    cores)."""
+
+    def guarded(free: Mapping[str, int]) -> Fit | None:
+        fit = place(free)
+        return fit if fit is not None and _gpu_layers(fit) >= slots else None
+
+    return guarded
+
+
 def _gpu_layers(fit: Fit) -> int:
     return int(getattr(fit.layout, "n_gpu_layers", 0) or 0)
 

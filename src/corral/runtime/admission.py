@@ -30,9 +30,9 @@ from corral.core.devices import GPU_CONTEXT_BYTES, Device, gpu_context
 from corral.core.estimate import KV_CACHE_TYPES, check_kv_cache_type
 from corral.core.gguf import AdapterInfo, GGUFError, ModelInfo, ProjectorInfo, read_parts
 from corral.core.gotemplate import TemplateError
-from corral.core.placement import no_fewer_gpu_layers, placer
+from corral.core.placement import no_fewer_gpu_layers, placer, whole_on_gpus
 from corral.core.requests import Sizing
-from corral.core.spec import Estimates, RunnerSpec, runner_spec, slot_choices
+from corral.core.spec import GPU_PARALLEL, Estimates, RunnerSpec, runner_spec, slot_choices
 from corral.errors import ApiError
 from corral.runtime.devices import cpu_cores
 from corral.runtime.registry import ModelEntry
@@ -146,8 +146,10 @@ class Admission:
         """The runners the scheduler may load for `spec`, best first, each with its booking
         and placer. `auto` (`spec` holds the floor): every context of the grid from the
         trained length down (one that would put fewer layers on GPUs than the floor would in
-        the same memory is not offered there), then the floor's fewer slots. Built once per
-        model file and runner shape: every request asks, warm ones too."""
+        the same memory is not offered there), then the floor's fewer slots. With GPUs and an
+        automatic slot count, all of that with a GPU's slots (GPU_PARALLEL) comes first, each
+        offered only where the whole model goes on GPUs. Built once per model file and runner
+        shape: every request asks, warm ones too."""
         parts = self.parts(r)
         # What a runner holds on a GPU beyond its buffers, as measured on these cards so far
         # (the largest where cards differ)
@@ -180,15 +182,29 @@ class Admission:
             return Sizing(s, est.total + est.process, place, est.process)
 
         floor = [sizing(s) for s in slot_choices(spec)]
+        grid = context_grid(r.info.context_length, spec.n_ctx)[1:] if auto else []
+        contexts = tuple(reversed(grid))  # the longest first
         longer = []
-        if auto:
-            for n_ctx in reversed(context_grid(r.info.context_length, spec.n_ctx)[1:]):
-                z = sizing(dataclasses.replace(spec, n_ctx=n_ctx))
-                assert z.place is not None and floor[0].place is not None
-                longer.append(dataclasses.replace(
-                    z, place=no_fewer_gpu_layers(z.place, floor[0].place)
-                ))  # fmt: skip
-        sizes = (*longer, *floor)
+        for n_ctx in contexts:
+            z = sizing(dataclasses.replace(spec, n_ctx=n_ctx))
+            assert z.place is not None and floor[0].place is not None
+            longer.append(dataclasses.replace(
+                z, place=no_fewer_gpu_layers(z.place, floor[0].place)
+            ))  # fmt: skip
+        # Where the whole model goes on GPUs, an automatic slot count starts at a GPU's (each
+        # context of the grid, then the floor's fewer slots down to the CPU's count).
+        wide = []
+        if gpus and spec.kv_unified and not spec.embedding:
+            many = dataclasses.replace(spec, num_parallel=GPU_PARALLEL)
+            for s in (*(dataclasses.replace(many, n_ctx=n) for n in contexts),
+                      *slot_choices(many)):  # fmt: skip
+                if s.num_parallel > spec.num_parallel:
+                    z = sizing(s)
+                    assert z.place is not None
+                    wide.append(dataclasses.replace(
+                        z, place=whole_on_gpus(z.place, r.info.n_layer + 1)
+                    ))  # fmt: skip
+        sizes = (*wide, *longer, *floor)
         if len(self._sizings) > Estimates.LIMIT:
             self._sizings.clear()
         self._sizings[key] = (r.info, parts, sizes)
