@@ -48,7 +48,7 @@ from corral.api.responses import Responses
 from corral.api.router import Router
 from corral.api.service import Service
 from corral.config import ConfigError, Settings
-from corral.core.devices import Device, budgets
+from corral.core.devices import Device, budgets, device_memory
 from corral.errors import ApiError
 from corral.runtime.client import RunnerClient
 from corral.runtime.devices import discover, refresh
@@ -166,15 +166,17 @@ def create_app(settings: Settings, devices: list[Device] | None = None) -> Starl
 
     @contextlib.asynccontextmanager
     async def lifespan(app: Starlette) -> AsyncIterator[None]:
-        books = ", ".join(
-            f"{d} {b / 2**30:.1f} GiB" for d, b in scheduler.view().budgets.items()
-        )
-        log.info(
-            "corral %s serving models from %s (memory budgets: %s)",
-            corral.__version__,
-            settings.models_dir,
-            books,
-        )
+        view = scheduler.view()
+        log.info("corral %s serving models from %s", corral.__version__, settings.models_dir)
+        for d in view.devices:
+            if d.id in view.budgets:  # what a load may book there is the smaller of the two
+                log.info(
+                    "%s (%s): %s; corral may book %.1f GiB", d.id, d.name,
+                    device_memory(d, view.measured.get(d.id, 0)).describe(),
+                    min(view.budgets[d.id], view.headroom.get(d.id, view.budgets[d.id])) / 2**30,
+                )  # fmt: skip
+        for line in service.advice:
+            log.warning("%s", line)
         log.info("%s; dashboard at %s", models_found(registry), dashboard_url(settings))
         yield
         dashboard.close()  # the history's sampler

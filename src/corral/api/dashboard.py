@@ -43,6 +43,7 @@ from corral.api.history import History
 from corral.api.paths import shown_path
 from corral.api.service import Service
 from corral.api.stream import RelayResponse
+from corral.core.devices import device_memory
 from corral.core.gguf import split_parts
 from corral.errors import ApiError
 from corral.runtime.journal import Event
@@ -264,11 +265,14 @@ class Dashboard:
         devices = []
         for dev, budget in v.budgets.items():
             d = last.get(dev)
+            mem = device_memory(d, v.measured[dev]) if d else None
             devices.append({
                 "id": dev,
                 "name": d.name if d else dev,
                 "total": d.total if d else None,
                 "in_use": d.total - d.free if d else None,  # all programs, as reported
+                "others": mem.others if mem else None,  # held by other programs
+                "free": mem.free if mem else None,
                 "budget": budget,
                 "booked": v.booked.get(dev, 0),  # reserved included
                 "reserved": v.reserved.get(dev, 0),  # for all runners: their shared code
@@ -280,6 +284,7 @@ class Dashboard:
             "version": corral.__version__,
             "time": now_wall,
             "devices": devices,
+            "advice": list(self.svc.advice),  # what the operator should do (a GPU left unused)
             "models": models,
             "loaded": sum(1 for r in v.runners if r.state != "unloading"),
             "in_flight": sum(r.inflight for r in v.runners),

@@ -73,6 +73,9 @@ class Service:
         self._vision: dict[Any, tuple[ModelInfo, ModelInfo]] = {}
         self._unusable: set[tuple[Path, float]] = set()  # broken files logged, by modification
         self.client = client  # the hop to the runners
+        # What the operator should do about this machine (a GPU the runner build cannot use),
+        # said at start-up and on the dashboard
+        self.advice: tuple[str, ...] = ()
 
     # ---- models ----------------------------------------------------------------------------
     def entry(self, name: str) -> ModelEntry:

@@ -233,7 +233,7 @@ function renderDevices(s) {
         <div class="device-head">
           <span class="id">${esc(d.id)}</span>
           <span class="dname">${esc(d.name !== d.id ? d.name : "")}</span>
-          <span class="figures"><b>${esc(bytes(d.booked))}</b> booked · ${esc(bytes(d.measured))} measured · budget ${esc(bytes(d.budget))}${d.total ? ` · ${esc(bytes(d.in_use))} of ${esc(bytes(d.total))} in use` : ""}</span>
+          <span class="figures"><b>${esc(bytes(d.booked))}</b> booked · ${esc(bytes(d.measured))} measured · budget ${esc(bytes(d.budget))}${d.total ? ` · ${esc(bytes(d.in_use))} of ${esc(bytes(d.total))} in use` : ""}${d.others ? ` · ${esc(bytes(d.others))} held by other programs` : ""}${d.free != null ? ` · ${esc(bytes(d.free))} free` : ""}</span>
         </div>
         <div class="bar" title="in use on ${esc(d.id)} (all programs): ${esc(bytes(d.in_use))}">
           <div class="inuse" style="width:${small ? "0%" : pct(d.in_use)}"></div>
@@ -244,7 +244,8 @@ function renderDevices(s) {
         <div class="device-foot">${who || '<span class="faint">no model holds memory here</span>'}</div>
       </div>`;
   }).join("");
-  $("devices").innerHTML = html;
+  const advice = (s.advice || []).map((a) => `<div class="advice">${esc(a)}</div>`).join("");
+  $("devices").innerHTML = advice + html;
 }
 
 function stateCell(m) {
