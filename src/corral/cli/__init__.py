@@ -27,6 +27,7 @@ from corral.cli.models import (
     cmd_version,
 )
 from corral.cli.run import cmd_run
+from corral.cli.runner import add_runner_parser
 from corral.cli.serve import SERVE_FLAGS, cmd_serve
 from corral.cli.suggest import close_models, close_words, did_you_mean
 from corral.config import DEFAULTS
@@ -102,6 +103,8 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("version", help="show client and server versions")
     p.set_defaults(func=cmd_version)
+
+    add_runner_parser(sub)  # `corral runner build|list`: local, no server
 
     # Listed for --help only: main() hands `corral bench ...` to corral.bench's own parser.
     sub.add_parser("bench", help="run the benchmarks (corral bench --help)", add_help=False)
