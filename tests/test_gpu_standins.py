@@ -8,7 +8,8 @@ one answer and one wait (then an eviction), never a crash; an out-of-memory abor
 once with a higher booking, and a second one in a row is a 503 with the numbers, not a third
 try; a runner that runs out of memory while serving is the client's 503, and its model is booked
 higher; what a runner holds on a card beyond llama.cpp's buffers is learned from NVML for that
-card's name.
+card's name; a runner build that cannot use the GPU (the default CPU wheel) never books it, and
+the operator is told what to do.
 """
 
 from __future__ import annotations
@@ -22,7 +23,9 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from starlette.testclient import TestClient
 
+from corral.config import Settings
 from corral.core.devices import Device, gpu_context
 from corral.core.memreport import Allocation
 from corral.core.requests import Fit, Placer
@@ -31,7 +34,9 @@ from corral.errors import ApiError
 from corral.runtime import devices as runtime_devices
 from corral.runtime.measure import CONTEXT_SLACK, OOM_RAISE
 from corral.runtime.runner import Runner
+from corral.runtime.runner_devices import RunnerDevice, RunnerDevices, choose_runner
 from corral.runtime.scheduler import Scheduler, SchedulerError
+from corral.server import create_app
 
 GiB, MiB = 2**30, 2**20
 CARD = "Fake H200"
@@ -363,3 +368,51 @@ async def test_the_runners_context_on_a_card_is_learned_from_nvml(
     finally:
         await sched.shutdown()
         runtime_devices._reset_nvml()
+
+
+# ---- what the runner build can use -------------------------------------------------------------
+
+
+def h200() -> list[Device]:
+    return [
+        Device("cpu", "cpu", -1, "Fake CPU", 64 * GiB, 48 * GiB),
+        Device("cuda:0", "cuda", 0, "NVIDIA H200", 140 * GiB, 139 * GiB, compute_capability="9.0"),
+    ]
+
+
+def test_a_cpu_only_runner_never_books_a_gpu(tmp_path: Path) -> None:
+    """The default runner (the xllamacpp wheel, a CPU build) asked at start-up: the GPU is not
+    booked, and the operator is told what to do, at start-up and on the dashboard."""
+    settings = Settings.load({"CORRAL_MODELS": str(tmp_path), "CORRAL_BUILTIN_MODELS": "0"})
+    with TestClient(create_app(settings, h200()), base_url="http://127.0.0.1") as c:
+        state = c.get("/api/corral/state").json()
+    assert [d["id"] for d in state["devices"]] == ["cpu"]
+    (advice,) = state["advice"]
+    assert advice.startswith("GPU found (NVIDIA H200, 140 GiB) but the runner is a CPU build")
+    assert "`corral runner build cuda`" in advice and "CORRAL_LLAMA_SERVER" in advice
+
+
+def test_the_runner_is_chosen_for_the_gpus_and_asked_what_it_can_use() -> None:
+    cuda = RunnerDevices(True, (RunnerDevice("CUDA0", "cuda", 0, "NVIDIA H200", 0, 0),))
+    asked: list[str | None] = []
+
+    def probe(server: str | None) -> RunnerDevices:
+        asked.append(server)
+        return cuda if server == "/runners/b11434-cuda/bin/llama-server" else RunnerDevices(True)
+
+    def installed(backends: set[str]) -> str | None:
+        return "/runners/b11434-cuda/bin/llama-server" if "cuda" in backends else None
+
+    # corral runner build cuda installed one: it is used, and books the GPU
+    chosen = choose_runner(None, h200(), installed, probe)
+    assert chosen.llama_server == "/runners/b11434-cuda/bin/llama-server"
+    assert [d.id for d in chosen.devices] == ["cpu", "cuda:0"] and not chosen.advice
+    # CORRAL_LLAMA_SERVER names a CPU build: the GPU is left alone, and the operator told
+    chosen = choose_runner("/opt/cpu/llama-server", h200(), installed, probe)
+    assert [d.id for d in chosen.devices] == ["cpu"] and len(chosen.advice) == 1
+    # a probe that fails withholds nothing on a guess
+    chosen = choose_runner("/x", h200(), installed, lambda s: RunnerDevices(False, error="boom"))
+    assert [d.id for d in chosen.devices] == ["cpu", "cuda:0"] and not chosen.advice
+    # no GPU: nothing is asked
+    asked.clear()
+    assert choose_runner(None, h200()[:1], installed, probe).llama_server is None and not asked

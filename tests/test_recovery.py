@@ -6,7 +6,7 @@ import dataclasses
 
 from helpers import fake_devices
 
-from corral.runtime.scheduler import wait_for_recovery
+from corral.runtime.measure import wait_for_recovery
 
 GiB = 2**30
 

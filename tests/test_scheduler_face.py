@@ -1,8 +1,8 @@
 """The scheduler shell's narrow face: the rest of corral asks it with `submit`, `wait`,
 `acquire` and `unload`, reads it through `view()` (a plain snapshot), `gpu_contexts()` and
-`listen`, and ends it with `begin_drain`, `begin_shutdown`, `shutdown` and `kill_all`; nothing outside the shell's own
-modules reads its attributes or imports its insides. What it works with (the runner factory,
-the clock, the hooks) is given at its construction."""
+`listen`, and ends it with `begin_drain`, `begin_shutdown`, `shutdown` and `kill_all`; nothing
+outside the shell's own modules reads its attributes or imports its insides. What it works with
+(the runner factory, the clock, the hooks) is given at its construction."""
 
 from __future__ import annotations
 

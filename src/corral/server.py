@@ -51,10 +51,12 @@ from corral.config import ConfigError, Settings
 from corral.core.devices import Device, budgets, device_memory
 from corral.errors import ApiError
 from corral.runtime.client import RunnerClient
-from corral.runtime.devices import discover, refresh
+from corral.runtime.devices import cpu_cores, discover, refresh
 from corral.runtime.kvcache import KVCache
 from corral.runtime.registry import BUILTIN_NAME, Registry
 from corral.runtime.runner import Runner
+from corral.runtime.runner_build import installed_gpu_runner
+from corral.runtime.runner_devices import choose_runner
 from corral.runtime.scheduler import Hooks, Scheduler
 
 log = logging.getLogger("corral")
@@ -111,6 +113,9 @@ def kv_cache(settings: Settings) -> KVCache | None:
 def create_app(settings: Settings, devices: list[Device] | None = None) -> Starlette:
     """The app; `devices` defaults to what this machine has (tests may pass a fake set)."""
     devices = discover() if devices is None else devices
+    # The runner build, and only the GPUs it can use (a CPU build never books a GPU).
+    chosen = choose_runner(settings.llama_server, devices, installed_gpu_runner, cores=cpu_cores())
+    devices = chosen.devices
     registry = Registry(settings.models_dir, builtin=settings.builtin_models)
     if pruned := registry.store.prune():
         log.info("removed %d file(s) no model uses from %s", len(pruned), registry.store.root)
@@ -132,7 +137,7 @@ def create_app(settings: Settings, devices: list[Device] | None = None) -> Starl
         # runners save and restore slots in the KV cache's directory
         runners=functools.partial(
             Runner,
-            llama_server=settings.llama_server,
+            llama_server=chosen.llama_server,
             slot_save_path=cache.slot_save_path if cache else None,
         ),
         hooks=Hooks(before_stop=cache.before_stop if cache else None, on_wait=metrics.waited),
@@ -140,6 +145,7 @@ def create_app(settings: Settings, devices: list[Device] | None = None) -> Starl
     metrics.follow(scheduler)
     # runners are called with the KV cache of saved conversations at hand
     service = Service(settings, registry, scheduler, devices, RunnerClient(cache))
+    service.advice = chosen.advice
     gate = Gate()  # shared by the guard and the graceful shutdown
     atexit.register(scheduler.kill_all)  # last resort if the loop dies without a clean stop
 
@@ -175,6 +181,7 @@ def create_app(settings: Settings, devices: list[Device] | None = None) -> Starl
                     device_memory(d, view.measured.get(d.id, 0)).describe(),
                     min(view.budgets[d.id], view.headroom.get(d.id, view.budgets[d.id])) / 2**30,
                 )  # fmt: skip
+        log.info("runner: %s", chosen.llama_server or "llama.cpp through xllamacpp")
         for line in service.advice:
             log.warning("%s", line)
         log.info("%s; dashboard at %s", models_found(registry), dashboard_url(settings))

@@ -16,6 +16,7 @@ import collections
 import logging
 import math
 import os
+import time
 from collections.abc import Callable, Coroutine, Mapping
 from dataclasses import dataclass, field
 from typing import Any
@@ -414,3 +415,26 @@ def file_size(path: str) -> int:
         return sum(os.stat(p).st_size for p in split_parts(path))
     except OSError:
         return 0
+
+
+async def wait_for_recovery(
+    refresh: Refresh,
+    devices: list[Device],
+    before: Mapping[str, int],
+    booked: Mapping[str, int],
+    timeout: float,
+    interval: float = 0.1,
+) -> bool:
+    """Wait until every GPU a stopped runner used reports most of its bytes free again
+    (drivers release memory a little after the process exits). False on timeout."""
+    want = {
+        d: before[d] + int(0.8 * n) for d, n in booked.items() if n and d in before and d != "cpu"
+    }
+    deadline = time.monotonic() + timeout
+    while True:
+        free = {d.id: d.free for d in refresh(devices)}
+        if all(free.get(d, 0) >= w for d, w in want.items()):
+            return True
+        if time.monotonic() >= deadline:
+            return False
+        await asyncio.sleep(interval)

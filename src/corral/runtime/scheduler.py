@@ -42,7 +42,7 @@ from corral.core.requests import (
 from corral.core.spec import Layout, RunnerSpec
 from corral.runtime.hop import Hop
 from corral.runtime.journal import Journal, Listener
-from corral.runtime.measure import Measure, Record, Refresh
+from corral.runtime.measure import Measure, Record, Refresh, wait_for_recovery
 from corral.runtime.meter import Meter, Tally
 from corral.runtime.pagecache import resident
 from corral.runtime.runner import Runner, RunnerError
@@ -698,25 +698,3 @@ class Scheduler:
         for rec in self._runners.values():
             rec.runner.kill_now()
 
-
-async def wait_for_recovery(
-    refresh: Refresh,
-    devices: list[Device],
-    before: Mapping[str, int],
-    booked: Mapping[str, int],
-    timeout: float,
-    interval: float = 0.1,
-) -> bool:
-    """Wait until every GPU a stopped runner used reports most of its bytes free again
-    (drivers release memory a little after the process exits). False on timeout."""
-    want = {
-        d: before[d] + int(0.8 * n) for d, n in booked.items() if n and d in before and d != "cpu"
-    }
-    deadline = time.monotonic() + timeout
-    while True:
-        free = {d.id: d.free for d in refresh(devices)}
-        if all(free.get(d, 0) >= w for d, w in want.items()):
-            return True
-        if time.monotonic() >= deadline:
-            return False
-        await asyncio.sleep(interval)
