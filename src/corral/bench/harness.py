@@ -21,6 +21,8 @@ if TYPE_CHECKING:
 SECTIONS = ("proxy", "cold", "swap", "estimates")  # what `all` runs
 # Run only when named: the soak is a stress test of a minute or more, with chaos.
 EXTRA = ("soak", "prefetch", "resume", "agent", "agentswap", "concurrency", "embed")
+# `corral bench gpu [...]` has options of its own (corral.bench.gpu): handed over whole.
+OWN_PARSER = ("gpu",)
 TITLES = {
     "proxy": "Proxy overhead",
     "cold": "Cold start",
@@ -33,6 +35,7 @@ TITLES = {
     "agentswap": "Two models used in turn by agents: the hold after a tool call",
     "embed": "Embeddings in bulk",
     "concurrency": "Many clients on one model: corral against llama-server",
+    "gpu": "corral on an NVIDIA GPU (corral bench gpu --help)",
 }
 
 
@@ -115,7 +118,8 @@ def build_parser() -> argparse.ArgumentParser:
         prog="corral bench",
         description="Run corral's benchmarks and print their figures (see docs/benchmarks.md).",
     )
-    p.add_argument("section", nargs="?", default="all", choices=["all", *SECTIONS, *EXTRA],
+    p.add_argument("section", nargs="?", default="all",
+                   choices=["all", *SECTIONS, *EXTRA, *OWN_PARSER],
                    help="which benchmark (default: all; soak only when named)")  # fmt: skip
     size = p.add_mutually_exclusive_group()
     size.add_argument("--quick", action="store_true", help="fewer repetitions (a few minutes)")
@@ -162,7 +166,16 @@ def from_json(path: Path, names: list[str], docs: Path) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(sys.argv[1:] if argv is None else argv)
+    argv = sys.argv[1:] if argv is None else argv
+    if argv[:1] == ["gpu"]:
+        from corral.bench.gpu import main as gpu_main
+
+        return gpu_main(argv[1:])
+    args = build_parser().parse_args(argv)
+    if args.section in OWN_PARSER:  # e.g. `corral bench --quick gpu`
+        from corral.bench.gpu import main as gpu_main
+
+        return gpu_main([a for a in argv if a != args.section])
     from corral.bench.common import SCALES, machine
 
     names = list(SECTIONS) if args.section == "all" else [args.section]
@@ -173,7 +186,7 @@ def main(argv: list[str] | None = None) -> int:
         from corral.bench.llama_build import ENV_BUILD
 
         os.environ[ENV_BUILD] = "1"
-    command = "corral bench " + " ".join(sys.argv[1:] if argv is None else argv)
+    command = "corral bench " + " ".join(argv)
 
     def say(msg: str) -> None:
         print(f"[bench] {msg}", file=sys.stderr, flush=True)
