@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from corral.bench import gpu
+from corral.bench import gpu, gpu_machine
 from corral.bench.common import Section, Table
 
 MIB = 2**20
@@ -41,44 +41,45 @@ evicted for 'a:latest'
 
 
 def test_reads_what_corral_booked_at_each_load() -> None:
-    loads = gpu.booked_lines(LOG)
+    loads = gpu_machine.booked_lines(LOG)
     assert [(b["model"], b["runner"]) for b in loads] == [("a:latest", 1), ("a:latest", 2)]
     assert loads[0]["devices"] == {"cpu": round(101.2 * MIB), "cuda:0": 2048 * MIB}
-    assert gpu.booked_lines(LOG, "a")[-1]["devices"] == {"cpu": 3000 * MIB}
-    assert gpu.booked_lines(LOG, "b") == []
+    assert gpu_machine.booked_lines(LOG, "a")[-1]["devices"] == {"cpu": 3000 * MIB}
+    assert gpu_machine.booked_lines(LOG, "b") == []
 
 
 def test_reads_llama_cpp_buffers_of_one_runner_from_its_lines() -> None:
     # The second load logged no buffers (yet): what the last load allocated is nothing.
-    assert gpu.runner_buffers(LOG, "a", ["cpu", "cuda:0"]) == {}
+    assert gpu_machine.runner_buffers(LOG, "a", ["cpu", "cuda:0"]) == {}
     first = LOG.split("loading model 'a:latest' (runner 2)")[0]
     # b's line is not a's; CPU_Mapped weights are system memory.
-    assert gpu.runner_buffers(first, "a", ["cpu", "cuda:0"]) == {
+    assert gpu_machine.runner_buffers(first, "a", ["cpu", "cuda:0"]) == {
         "cpu": 10 * MIB, "cuda:0": 1512 * MIB,
     }  # fmt: skip
 
 
 def test_finds_what_corral_did_and_what_went_wrong() -> None:
-    did = gpu.what_corral_did(LOG)
+    did = gpu_machine.what_corral_did(LOG)
     assert did["loads"] == ["a:latest: 101 MiB on cpu, 2.00 GiB on cuda:0",
                             "a:latest: 2.93 GiB on cpu"]  # fmt: skip
     assert did["unloads"] == ["b:latest: evicted for 'a:latest'"]
     assert did["waits"] == ["a:latest: other programs leave corral's runners only 1.0 GiB"]
     assert did["oom_retries"] == ["a:latest"]
-    bad = gpu.trouble(LOG)
+    bad = gpu_machine.trouble(LOG)
     # corral's own lines, not the runner's output it repeats at debug level
     assert len(bad) == 2 and "killed by signal 6" in bad[0] and "ran out of memory" in bad[1]
 
 
 def test_models_toml_and_figures() -> None:
-    text = gpu.models_toml({"x-1": {"file": "/m/a b.gguf", "num_ctx": 2048, "num_parallel": 4}})
+    entry = {"file": "/m/a b.gguf", "num_ctx": 2048, "num_parallel": 4}
+    text = gpu_machine.models_toml({"x-1": entry})
     assert text.splitlines() == [
         '[models."x-1"]', 'file = "/m/a b.gguf"', "num_ctx = 2048", "num_parallel = 4",
     ]  # fmt: skip
-    assert gpu.ratio(110, 100) == "1.100x" and gpu.ratio(None, 100) == "-"
-    assert gpu.gib(3 * 2**30) == "3.00 GiB" and gpu.gib(5 * MIB) == "5 MiB"
+    assert gpu_machine.ratio(110, 100) == "1.100x" and gpu_machine.ratio(None, 100) == "-"
+    assert gpu_machine.gib(3 * 2**30) == "3.00 GiB" and gpu_machine.gib(5 * MIB) == "5 MiB"
     table = Table("t", ["a"] * 7)
-    level = gpu.Level(1, 2.0, 100, [0.5, 0.1, 0.2])
+    level = gpu_machine.Level(1, 2.0, 100, [0.5, 0.1, 0.2])
     gpu.speed_rows(table, [1, 64], {"corral": {1: level}}, {})
     assert table.rows[0][:5] == ["1", "50", "-", "-", "200 ms"]
     assert table.rows[1][:3] == ["64", "-", "-"]
@@ -100,20 +101,20 @@ def _run(tmp_path: Path, sections: tuple[str, ...], gpu_here: bool) -> dict[str,
     binary, _ = find_llama_server()  # the CPU build the other benches use, or corral's own
     out = tmp_path / "out"
     done = gpu.run(
-        out, binary, gpu.SMOKE, tmp_path / "models", tmp_path / "work", 600.0,
+        out, binary, gpu_machine.SMOKE, tmp_path / "models", tmp_path / "work", 600.0,
         sections=sections, gpu=gpu_here, say=lambda m: None,
     )  # fmt: skip
     assert [s.name for s in done] == list(sections)
     text = (out / "gpu.md").read_text()
     for name in sections:
-        assert f"## {gpu.TITLES[name]}" in text
-        assert (out / f"{gpu.SECTIONS.index(name) + 1:02d}-{name}.json").is_file()
+        assert f"## {gpu_machine.TITLES[name]}" in text
+        assert (out / f"{gpu_machine.SECTIONS.index(name) + 1:02d}-{name}.json").is_file()
     return {s.name: s.to_json() for s in done}
 
 
 @pytest.mark.e2e
 def test_plumbing_on_the_cpu(tmp_path: Path) -> None:
-    secs = _run(tmp_path, gpu.SECTIONS, gpu_here=False)
+    secs = _run(tmp_path, gpu_machine.SECTIONS, gpu_here=False)
     for name in ("devices", "placement", "speed"):
         assert secs[name]["error"] is None, secs[name]["error"]
         assert secs[name]["tables"] and all(t["rows"] for t in secs[name]["tables"]), name
@@ -126,7 +127,7 @@ def test_plumbing_on_the_cpu(tmp_path: Path) -> None:
     (speed,) = secs["speed"]["tables"]
     assert [r[0] for r in speed["rows"]] == ["1", "2"] and speed["rows"][0][1] != "-"
     for name in ("shared", "oom"):
-        assert secs[name]["tables"] == [] and gpu.NO_GPU in secs[name]["notes"][0]
+        assert secs[name]["tables"] == [] and gpu_machine.NO_GPU in secs[name]["notes"][0]
 
 
 class OtherProgram:

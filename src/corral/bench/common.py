@@ -556,3 +556,20 @@ def interleave(n: int, variants: Sequence[str]) -> Iterable[tuple[int, str]]:
     for i in range(n):
         for j in range(k):
             yield i, variants[(i + j) % k]
+
+
+def jsonable(x: Any) -> Any:
+    """Plain JSON data (NaN and infinities become null)."""
+    if isinstance(x, float) and not math.isfinite(x):
+        return None
+    if isinstance(x, dict):
+        return {str(k): jsonable(v) for k, v in x.items()}
+    if isinstance(x, list | tuple):
+        return [jsonable(v) for v in x]
+    if isinstance(x, str | int | float | bool) or x is None:
+        return x
+    if hasattr(x, "__dataclass_fields__"):
+        from dataclasses import asdict
+
+        return jsonable(asdict(x))
+    return str(x)

@@ -64,7 +64,9 @@ def run_estimates(scale: Scale, work: Path, say: Say) -> Section:
     say("estimates: running corral.bench.estimates")
     rows = mod.run(models_dir=work / "estimate-models", quick=scale.name != "full")
     sec.blocks.append(("Estimated vs allocated memory", str(mod.format_table(rows))))
-    sec.data["rows"] = _jsonable(rows)
+    from corral.bench.common import jsonable
+
+    sec.data["rows"] = jsonable(rows)
     ratios = [r.get("ratio") for r in rows if isinstance(r, dict)]
     measured = [x for x in ratios if isinstance(x, int | float) and math.isfinite(x)]
     if measured:
@@ -76,23 +78,6 @@ def run_estimates(scale: Scale, work: Path, say: Say) -> Section:
             "" if within == len(ratios) else f"{len(ratios) - within} rows outside",
         ))  # fmt: skip
     return sec
-
-
-def _jsonable(x: Any) -> Any:
-    """Plain JSON data (NaN and infinities become null)."""
-    if isinstance(x, float) and not math.isfinite(x):
-        return None
-    if isinstance(x, dict):
-        return {str(k): _jsonable(v) for k, v in x.items()}
-    if isinstance(x, list | tuple):
-        return [_jsonable(v) for v in x]
-    if isinstance(x, str | int | float | bool) or x is None:
-        return x
-    if hasattr(x, "__dataclass_fields__"):
-        from dataclasses import asdict
-
-        return _jsonable(asdict(x))
-    return str(x)
 
 
 def run_section(name: str, scale: Scale, work: Path, say: Say) -> Section:
@@ -208,7 +193,9 @@ def main(argv: list[str] | None = None) -> int:
         "sections": {s.name: s.to_json() for s in sections},
     }  # fmt: skip
     if args.json:
-        Path(args.json).write_text(json.dumps(_jsonable(result), indent=1) + "\n")
+        from corral.bench.common import jsonable
+
+        Path(args.json).write_text(json.dumps(jsonable(result), indent=1) + "\n")
         say(f"wrote {args.json}")
     if args.write_docs:
         from corral.bench.report import write_docs
