@@ -17,22 +17,27 @@ from __future__ import annotations
 import asyncio
 import sys
 import types
-from collections.abc import Mapping
+from collections.abc import Awaitable, Mapping
 from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
+import orjson
 import pytest
 from starlette.testclient import TestClient
 
 from corral.config import Settings
 from corral.core.devices import Device, gpu_context
+from corral.core.gguf import read_model_info
 from corral.core.memreport import Allocation
 from corral.core.requests import Fit, Placer
 from corral.core.spec import Layout, RunnerSpec
 from corral.errors import ApiError
 from corral.runtime import devices as runtime_devices
+from corral.runtime.admission import Admission, Resolved
+from corral.runtime.lease import Lease
 from corral.runtime.measure import CONTEXT_SLACK, OOM_RAISE
+from corral.runtime.registry import ModelEntry
 from corral.runtime.runner import Runner
 from corral.runtime.runner_devices import RunnerDevice, RunnerDevices, choose_runner
 from corral.runtime.scheduler import Scheduler, SchedulerError
@@ -304,6 +309,39 @@ async def test_a_runner_that_runs_out_of_memory_while_serving_is_a_503(
         (book,) = sched.view().runners
         assert book.devices["cuda:0"] >= int(GiB * OOM_RAISE) - 1
         lease.release()
+    finally:
+        await sched.shutdown()
+
+
+async def test_a_request_whose_runner_runs_out_of_memory_before_answering_is_sent_again(
+    models_dir: Path, tmp_path: Path
+) -> None:
+    """Through the admission, as every API family leases: the runner aborts out of memory at
+    the request's first compute; the request is placed again once, with its model booked
+    higher, and answered by the new runner."""
+    make, made = runners_that_run_out(tmp_path, 1, at="serve")
+    card = Card(others=0)
+    sched = scheduler(card, runners=make)
+    admission = Admission(Settings.load(environ={}), sched, card.devices())
+    path = models_dir / "tiny.gguf"
+    r = Resolved("tiny", ModelEntry("tiny", path), read_model_info(path), "tiny")
+
+    async def watch(waiting: Awaitable[Lease]) -> Lease:
+        return await waiting
+
+    async def start(lease: Lease) -> bytes:
+        try:
+            return await lease.hop.api.answer("/completion", {"prompt": "hi", "n_predict": 2})
+        finally:
+            lease.release()
+
+    try:
+        body = await admission.leased(
+            r, {}, None, {}, start, lambda options: admission.lease(r, options, None, watch)
+        )
+        assert "content" in orjson.loads(body)
+        assert len(made) == 2 and made[0].out_of_memory == "CUDA error: out of memory"
+        assert sched.view().raised == {"tiny": OOM_RAISE}
     finally:
         await sched.shutdown()
 

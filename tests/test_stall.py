@@ -20,9 +20,10 @@ import pytest
 
 from corral.config import ConfigError, Settings
 from corral.core.spec import RunnerSpec
+from corral.runtime.lease import Lease
 from corral.runtime.measure import Record
 from corral.runtime.runner_api import RunnerAPI
-from corral.runtime.scheduler import Lease, Scheduler
+from corral.runtime.scheduler import Scheduler
 from corral.testing import synth
 from corral.testing.server import CorralServer
 

@@ -47,8 +47,8 @@ from corral.api.service import Resolved, Service
 from corral.api.stream import RelayResponse
 from corral.errors import ApiError
 from corral.runtime.continuation import Upstream
+from corral.runtime.lease import Lease
 from corral.runtime.meter import settle_whole
-from corral.runtime.scheduler import Lease
 
 T = TypeVar("T")
 

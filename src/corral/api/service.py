@@ -48,9 +48,10 @@ from corral.errors import ApiError
 from corral.runtime.admission import Admission, Resolved, unusable_template
 from corral.runtime.client import RunnerClient
 from corral.runtime.continuation import Upstream
+from corral.runtime.lease import Lease
 from corral.runtime.meter import last_object
 from corral.runtime.registry import ModelEntry, Registry, canonical_name
-from corral.runtime.scheduler import Lease, Scheduler
+from corral.runtime.scheduler import Scheduler
 
 T = TypeVar("T")
 log = logging.getLogger(__name__)

@@ -24,10 +24,10 @@ from corral.api.activity import note_error
 from corral.api.family import OPENAI, Family
 from corral.errors import ApiError
 from corral.runtime.continuation import Upstream
+from corral.runtime.lease import Lease
 from corral.runtime.meter import count_events, last_timings
 from corral.runtime.runner_api import UPSTREAM_ERRORS
 from corral.runtime.runner_errors import SSE_ERROR, stream_error
-from corral.runtime.scheduler import Lease
 
 SSE_DONE = b"data: [DONE]"
 # llama.cpp's error mid-stream (e.g. a context its parallel requests share has filled): an SSE

@@ -35,9 +35,10 @@ from corral.core.requests import Sizing
 from corral.core.spec import GPU_PARALLEL, Estimates, RunnerSpec, runner_spec, slot_choices
 from corral.errors import ApiError
 from corral.runtime.devices import cpu_cores
+from corral.runtime.lease import Lease
 from corral.runtime.registry import ModelEntry
 from corral.runtime.runner_errors import ContextOverflow
-from corral.runtime.scheduler import Lease, Scheduler, SchedulerError
+from corral.runtime.scheduler import Scheduler, SchedulerError
 
 T = TypeVar("T")
 Sizings = tuple[Sizing, ...]
@@ -231,6 +232,14 @@ class Admission:
             return await _owned(first, start)
         except ContextOverflow as e:
             overflow = e
+        except ApiError:
+            if first.runner.out_of_memory is None:
+                raise
+            # Its runner ran out of memory before answering: placed again, once, with the
+            # model booked higher (another runner's room, fewer GPU layers, system memory).
+            log.warning("'%s' ran out of memory before answering: sending it again", r.name)
+            first.runner_failed()
+            return await _owned(await lease(options), start)
         n_ctx = grown_context(overflow.prompt_tokens, output_tokens(payload),
                               r.info.context_length)  # fmt: skip
         if n_ctx is None or n_ctx <= overflow.n_ctx:

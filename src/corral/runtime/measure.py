@@ -61,6 +61,7 @@ class Record:
     free_before: dict[str, int] | None = None  # GPUs' free bytes as it was told to stop
     buffers: dict[str, int] | None = None  # llama.cpp's own buffers per device, at its load
     over: dict[str, int] = field(default_factory=dict)  # device -> excess to warn again from
+    oom_noted: bool = False  # a request found it dead of running out of memory (noted then)
     hop: Hop | None = None  # from its first grant: what its requests are sent through
 
 

@@ -42,8 +42,9 @@ from corral.core.requests import (
 from corral.core.spec import Layout, RunnerSpec
 from corral.runtime.hop import Hop
 from corral.runtime.journal import Journal, Listener
+from corral.runtime.lease import Lease, Ticket
 from corral.runtime.measure import Measure, Record, Refresh, wait_for_recovery
-from corral.runtime.meter import Meter, Tally
+from corral.runtime.meter import Meter
 from corral.runtime.pagecache import resident
 from corral.runtime.runner import Runner, RunnerError
 from corral.runtime.view import SchedulerView, snapshot
@@ -78,55 +79,6 @@ class Hooks:
     # (the KV cache saves its slots); within BEFORE_STOP_TIMEOUT.
     before_stop: Callable[[Hop, bool], Awaitable[None]] | None = None
     on_wait: Callable[[str, float], None] | None = None  # (model, seconds waited) per grant
-
-
-@dataclass
-class Ticket:
-    id: int
-    arrived: float
-    fut: asyncio.Future[Hop]
-
-
-@dataclass
-class Lease:
-    """A granted request's hold on one runner slot. Release exactly once (idempotent)."""
-
-    scheduler: Scheduler
-    request_id: int
-    runner: Runner
-    waited: float  # seconds from arrival to grant (queueing + loading)
-    loaded: bool  # this request waited for its runner to load
-    tally: Tally  # its generated tokens, counted as they are relayed to its client
-    hop: Hop  # its runner's hop (runtime/hop): what the request is sent through
-    released: bool = False
-    # The answer ended in a tool call (set by the API layer as the end passes): the agent will
-    # be back with the result, so the runner is held for that turn on release.
-    tool_call: bool = False
-
-    @property
-    def generated(self) -> int:
-        """The tokens relayed to its client so far (runtime/affinity counts their cells)."""
-        return self.tally.total
-
-    @property
-    def prompt_tokens(self) -> int | None:
-        """Its prompt's tokens as llama.cpp counted them at the end (runtime/affinity learns
-        bytes per token from them)."""
-        return self.tally.prompt
-
-    def release(self) -> None:
-        if not self.released:
-            self.released = True
-            self.tally.end()
-            self.scheduler._release(self.request_id, self.tool_call)
-            self.hop.changed()  # a slot, and room in a shared cache, for those waiting
-
-    # `async with await service.lease(...) as lease:` returns it however the block ends.
-    async def __aenter__(self) -> Lease:
-        return self
-
-    async def __aexit__(self, *exc: object) -> None:
-        self.release()
 
 
 class Scheduler:
@@ -257,6 +209,14 @@ class Scheduler:
 
     async def acquire(self, model: str, spec: RunnerSpec, **kw: Any) -> Lease:
         return await self.wait(self.submit(model, spec, **kw))
+
+    def _runner_failed(self, runner: Runner) -> None:
+        rid = next((i for i, rec in self._runners.items() if rec.runner is runner), None)
+        if rid is None or self._runners[rid].oom_noted:
+            return
+        self._runners[rid].oom_noted = self._ran_out_of_memory(runner)
+        self._core.dying(rid, self._clock())
+        self._apply()
 
     def _release(self, request_id: int, tool_call: bool = False) -> None:
         hold = self._tool_hold if tool_call else 0.0
@@ -519,7 +479,7 @@ class Scheduler:
         else:
             log.error("%s", runner.failure_message())
             self._journal.record("crash", runner.name, runner=rid, message=runner.failure_message())
-            if self._ran_out_of_memory(runner):
+            if rec.oom_noted or self._ran_out_of_memory(runner):
                 pass  # booked higher from now on
             elif code == -signal.SIGKILL:
                 log.warning(
