@@ -23,6 +23,7 @@ OPTIONAL = ("soak", "resume", "agent", "concurrency", "embed", "agentswap")
 # Hand-written blocks (`<!-- bench:notes:NAME -->`) a run keeps as they are, after the goals.
 NOTES = {
     "misses": "What the misses mean",
+    "gpu": "On an NVIDIA GPU (`corral bench gpu`, scripts/gpu-check)",
     "cluster": "Cluster mode (Ray): the hop, a swap trace on three nodes, scale",
     "resume": "What the resumed-conversation figures mean",
     "tools": "Generation with tools: where the time goes (python -m corral.bench.tools)",
