@@ -114,7 +114,12 @@ def test_metrics_follow_a_real_sequence(start_server, models_dir: Path) -> None:
     assert value(m, "corral_device_booked_bytes", device="cpu") == reserved
     # the same books as a cluster's agent reads them
     books = s.client.get("/api/corral/books").json()
+    memory = books.pop("memory")
     assert books == {"budgets": {"cpu": limit}, "reserved": {"cpu": reserved}}
+    # and each device's memory: total, held by corral's runners, by others, free
+    cpu = memory["cpu"]
+    assert cpu["total"] == cpu["ours"] + cpu["others"] + cpu["free"] and cpu["free"] > 0
+    assert cpu["ours"] == 0 and cpu["headroom"] > 0  # nothing loaded
     assert value(m, "corral_models_loaded", state="ready") == 0
     assert value(m, "corral_queue_depth", model=TINY2) == 0
     assert value(m, "corral_device_used_bytes", device="cpu") > 0

@@ -362,9 +362,16 @@ class Dashboard:
 
     async def books_endpoint(self, request: Request) -> Response:
         """The scheduler's budgets and what it holds for all runners at once (their shared
-        code), per device: what a cluster's entry needs of a node's books besides /api/ps."""
+        code), per device: what a cluster's entry needs of a node's books besides /api/ps;
+        and each device's memory as the operator reads it (total, held by corral's runners,
+        by other programs, free), where corral may book the smaller of budget and headroom."""
         v = self.scheduler.view()
-        return json_response({"budgets": v.budgets, "reserved": v.reserved})
+        memory = {
+            d.id: {**vars(device_memory(d, v.measured.get(d.id, 0))),
+                   "headroom": v.headroom.get(d.id)}
+            for d in v.devices if d.id in v.budgets
+        }  # fmt: skip
+        return json_response({"budgets": v.budgets, "reserved": v.reserved, "memory": memory})
 
     # ---- streams ------------------------------------------------------------------------------
     async def events_endpoint(self, request: Request) -> Response:

@@ -176,6 +176,10 @@ class Measure:
         self.last_devices, self._read_at = devices, now
         self._set_headroom(devices, usages, gpu)
 
+    def stale(self) -> None:
+        """A runner exited: the next load reads the devices again first (Measure.fresh)."""
+        self._read_at = -math.inf
+
     def gpu_context(self, device: str) -> int:
         """What a runner holds on this GPU beyond llama.cpp's buffers (devices.gpu_context)."""
         d = next((d for d in self._devices if d.id == device), None)

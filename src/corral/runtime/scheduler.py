@@ -464,6 +464,7 @@ class Scheduler:
         finally:
             dog.cancel()
             self._runners.pop(rid, None)
+            self._measure.stale()
             self._core.exited(rid, self._clock())
             self._apply()
 
