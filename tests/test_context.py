@@ -24,7 +24,13 @@ from corral.core.context import (
 from corral.core.devices import CPU, Device
 from corral.core.gguf import read_model_info
 from corral.core.requests import Grant, Load, Request, Sizing, Stop
-from corral.core.spec import AUTO_PARALLEL, GPU_PARALLEL, RunnerSpec, spec_estimate
+from corral.core.spec import (
+    AUTO_PARALLEL,
+    AUTO_SPECULATIVE,
+    GPU_PARALLEL,
+    RunnerSpec,
+    spec_estimate,
+)
 from corral.errors import ApiError
 from corral.runtime.admission import Resolved, output_tokens
 from corral.runtime.registry import ModelEntry
@@ -105,7 +111,9 @@ def long_model(tmp_path_factory: pytest.TempPathFactory) -> Resolved:
 
 
 def size(r: Resolved, n_ctx: int) -> int:
-    est = spec_estimate(r.info, RunnerSpec(str(r.entry.path), n_ctx, 1))
+    """A runner's booking as the admission sizes it (one slot, its automatic drafter)."""
+    spec = RunnerSpec(str(r.entry.path), n_ctx, 1, speculative=AUTO_SPECULATIVE)
+    est = spec_estimate(r.info, spec)
     return est.total + est.process
 
 

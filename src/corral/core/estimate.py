@@ -126,10 +126,13 @@ class LlamaParams:
     n_ubatch: int  # tokens in the micro-batch the compute graph is reserved for
     has_kv: bool  # encoders (bert, ...) keep no KV cache
     n_seq_max: int = 0  # parallel sequences (slots): one output row each; 0: n_seq
+    # Output rows with speculative decoding: each slot verifies its drafts in one batch, so
+    # llama.cpp reserves 1 + n_draft rows a slot (at most n_batch); 0: none
+    n_outputs_draft: int = 0
 
     @property
     def n_outputs(self) -> int:
-        return self.n_seq_max or self.n_seq
+        return self.n_outputs_draft or self.n_seq_max or self.n_seq
 
 
 def llama_params(
@@ -138,9 +141,11 @@ def llama_params(
     num_parallel: int,
     n_batch: int | None = None,
     unified: bool = False,
+    n_draft: int = 0,
 ) -> LlamaParams:
     """`n_batch`: Ollama's num_batch, which sets llama.cpp's n_batch and n_ubatch both.
-    `unified`: llama.cpp's kv_unified, one KV cache of `n_ctx` cells the slots share."""
+    `unified`: llama.cpp's kv_unified, one KV cache of `n_ctx` cells the slots share.
+    `n_draft`: the most tokens a speculative drafter proposes at once (DRAFT_TOKENS)."""
     n_seq_max = max(1, num_parallel)
     n_seq = 1 if unified else n_seq_max  # llama_kv_cache: n_stream = unified ? 1 : n_seq_max
     # runner_child passes n_ctx * num_parallel for separate caches, n_ctx for a unified one
@@ -167,7 +172,9 @@ def llama_params(
     # sched_reserve sizes the graph for min(n_ctx, n_ubatch) tokens, split equally over the
     # sequences (rounded up: 512 tokens over 5 sequences are 5 x 103); one with kv_unified.
     n_tokens = _pad(min(n_ubatch, total), n_seq)
-    return LlamaParams(total, n_seq, n_ctx_seq, n_ctx_swa, n_tokens, has_kv, n_seq_max)
+    # server_output_limits: min(n_batch, n_parallel * (1 + n_draft)) rows
+    drafts = min(batch, n_seq_max * (1 + n_draft)) if n_draft > 0 else 0
+    return LlamaParams(total, n_seq, n_ctx_seq, n_ctx_swa, n_tokens, has_kv, n_seq_max, drafts)
 
 
 def _is_swa(info: ModelInfo, layer: int) -> bool:
@@ -250,7 +257,12 @@ def compute_bytes(
     mask = sum(t * n_kv * (F16 if flash_attn else F32) for n_kv in kv_lens)
     scores = 0 if flash_attn else t * max(kv_lens) * max(info.n_head, 1) * F32
     quant = len(kinds) * t * PER_TOKEN_QUANT_KV if KV_CACHE_TYPES[kv_type][0] > 1 else 0
-    return activations + mask + scores + quant
+    # Verifying drafts: the graph is reserved with the logits of every output row, beside what
+    # is live at the output (measured on SmolLM2 with ngram-mod: 22.6 MiB without; 25.8, 38.0,
+    # 62.4, 109.6 MiB with 1, 2, 4, 8 slots = the logits + 13.6 MiB; this books the logits +
+    # the activations' peak, 22.6 MiB)
+    logits = p.n_outputs_draft * info.n_vocab * F32
+    return activations + mask + scores + quant + logits
 
 
 def output_bytes(info: ModelInfo, p: LlamaParams) -> int:
@@ -330,6 +342,14 @@ class Estimate:
         )
 
 
+# Tokens each of llama.cpp's drafters proposes at most (common_speculative_n_max, b11434
+# defaults), and what its tables hold in the runner process (ngram-mod: 4M 4-byte entries;
+# the others are taken to hold no more).
+DRAFT_TOKENS = {"off": 0, "ngram-mod": 64, "ngram-simple": 48, "ngram-map-k": 48,
+                "ngram-map-k4v": 48, "ngram-cache": 8}  # fmt: skip
+DRAFTER_BYTES = 16 * 2**20
+
+
 def estimate(
     info: ModelInfo,
     n_ctx: int,
@@ -342,15 +362,18 @@ def estimate(
     adapters: Sequence[AdapterInfo] = (),
     n_cpu_moe: int = 0,
     unified: bool = False,
+    speculative: str = "off",
 ) -> Estimate:
     """What llama.cpp will allocate for `info` at `n_ctx` tokens per request and
     `num_parallel` slots (ValueError for an unknown kv_type), with the model's `projector` and
     LoRA `adapters`; `n_batch` is Ollama's num_batch, `n_cpu_moe` the layers whose experts
     stay in system memory; `unified`: one KV cache of `n_ctx` cells the slots share
-    (llama.cpp's kv_unified) instead of `n_ctx` cells per slot."""
+    (llama.cpp's kv_unified) instead of `n_ctx` cells per slot; `speculative`: the drafter
+    (DRAFT_TOKENS), whose verification batches need more output rows."""
     if kv_type not in KV_CACHE_TYPES:
         raise ValueError(f"unsupported kv_cache_type {kv_type!r}")
-    p = llama_params(info, n_ctx, num_parallel, n_batch, unified)
+    n_draft = DRAFT_TOKENS.get(speculative, 0)
+    p = llama_params(info, n_ctx, num_parallel, n_batch, unified, n_draft)
     # The mapped weights span the tensors with their padding to the file's alignment: up to
     # 32 tensors per layer (llama has 9, gemma3 13, bert 16), 8 outside the layers.
     align = info.metadata.get("general.alignment", GGUF_ALIGNMENT)
@@ -376,7 +399,7 @@ def estimate(
         projector_weights=proj_weights,
         projector_compute=proj_compute,
         cpu_experts_per_layer=tuple(experts) if any(experts) else (),
-        process=process_bytes(info, num_parallel),
+        process=process_bytes(info, num_parallel) + (DRAFTER_BYTES if n_draft else 0),
     )
 
 

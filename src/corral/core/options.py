@@ -17,6 +17,12 @@ import math
 from dataclasses import dataclass
 
 FLASH_ATTN = ("auto", "on", "off")  # llama.cpp's -fa values
+# Speculative decoding (llama.cpp's --spec-type), as a model's runner option: `auto` (the
+# default: n-gram drafting where a runner has few slots, core/spec), `off`, or one of llama.cpp's
+# n-gram drafters, which need no second model and draft tokens that repeat what the context
+# already holds (an agent's edit of a file it was shown).
+SPECULATIVE = ("auto", "off", "ngram-mod", "ngram-simple", "ngram-map-k", "ngram-map-k4v",
+               "ngram-cache")  # fmt: skip
 JsonType = type | tuple[type, ...]
 
 
@@ -76,6 +82,9 @@ OPTIONS: tuple[Option, ...] = (
     # A model's own only (models.toml): the server's settings give their defaults.
     Option("num_parallel", int, request=False, model=True, runner="num_parallel"),
     Option("flash_attn", str, request=False, model=True, runner="flash_attn", choices=FLASH_ATTN),
+    Option(
+        "speculative", str, request=False, model=True, runner="speculative", choices=SPECULATIVE
+    ),
     Option("n_cpu_moe", int, request=False, model=True, runner="n_cpu_moe"),
     Option("kv_cache_type", str, request=False, model=True, runner="kv_cache_type"),
 )  # fmt: skip

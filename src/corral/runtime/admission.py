@@ -157,7 +157,10 @@ class Admission:
         gpus = [d for d in self.devices if d.library != "cpu"]
         learned = self.scheduler.gpu_contexts() if gpus else {}
         context = max((gpu_context(d, learned) for d in gpus), default=GPU_CONTEXT_BYTES)
-        key = (spec, auto, chosen.get("num_gpu"), chosen.get("main_gpu"), r.entry.devices, context)
+        # A GPU's many slots draft only if the model asks (below)
+        drafter = spec.speculative if "speculative" in r.entry.options else "off"
+        key = (spec, auto, chosen.get("num_gpu"), chosen.get("main_gpu"), r.entry.devices, context,
+               drafter)  # fmt: skip
         hit = self._sizings.get(key)
         # read_model_info (and the parts' readers) return a new object when a file changed
         if (
@@ -196,7 +199,9 @@ class Admission:
         # context of the grid, then the floor's fewer slots down to the CPU's count).
         wide = []
         if gpus and spec.kv_unified and not spec.embedding:
-            many = dataclasses.replace(spec, num_parallel=GPU_PARALLEL)
+            # (no drafter unless the model asks for one: verifying drafts for a GPU's slots
+            # reserves logits for n_batch rows, and its slots are busy when they pay least)
+            many = dataclasses.replace(spec, num_parallel=GPU_PARALLEL, speculative=drafter)
             for s in (*(dataclasses.replace(many, n_ctx=n) for n in contexts),
                       *slot_choices(many)):  # fmt: skip
                 if s.num_parallel > spec.num_parallel:

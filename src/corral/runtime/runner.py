@@ -268,6 +268,8 @@ class Runner:
             cmd += ["--n-cpu-moe", str(s.n_cpu_moe)]
         if s.chat_template:
             cmd += ["--jinja", "--chat-template", s.chat_template]
+        if s.speculative != "off":
+            cmd += ["--spec-type", s.speculative]
         return cmd
 
     async def _read(self, stream: asyncio.StreamReader, ready: bool) -> None:

@@ -73,6 +73,9 @@ def build_params(spec: dict[str, Any]) -> Any:
     # Same type for K and V. A quantized V cache needs flash attention, which llama.cpp's
     # default (flash_attn auto) turns on for it, or fails to create the context if it cannot.
     p.cache_type_k = p.cache_type_v = getattr(x.ggml_type, f"GGML_TYPE_{kv_type.upper()}")
+    if spec.get("speculative", "off") != "off":  # an n-gram drafter (llama.cpp's --spec-type)
+        kind = "COMMON_SPECULATIVE_TYPE_" + spec["speculative"].upper().replace("-", "_")
+        p.speculative.types = [getattr(x.common_speculative_type, kind)]
     if spec.get("embedding"):
         p.embedding = True
         if spec.get("pooling_type") is not None:
