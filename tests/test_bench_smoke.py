@@ -351,3 +351,29 @@ def test_smoke_run_of_the_embed_section(tmp_path: Path) -> None:
         assert len(variants) == 2
     text = docs.read_text()
     assert f"## {TITLES['embed']}" in text and "<!-- bench:results:embed -->" in text
+
+
+# --------------------------------------------------------------------------- speculative
+
+
+def test_speculative_tables_pair_each_round_and_compare_the_answers() -> None:
+    from corral.bench.speculative import CASES, Run, tables
+
+    def side(rate: float, drafted: int, answer: str) -> dict[str, Run]:
+        return {f"{c}@{n}": Run(1.0, int(rate), drafted, drafted // 2, [answer] * n)
+                for c, _, n in CASES}  # fmt: skip
+
+    runs = {
+        "corral": [side(160, 100, "a"), side(150, 90, "a")],
+        "corral, speculative off": [side(100, 0, "a"), side(100, 0, "a")],
+        "llama-server": [side(100, 0, "b"), side(75, 0, "b")],
+    }
+    sec = Section("speculative", "t")
+    tables(sec, runs, 300)
+    cases = sec.data["cases"]
+    assert cases["edit@1"]["vs_llama_server"] == (1.6 + 2.0) / 2  # each round's own ratio
+    assert cases["edit@1"]["vs_off"] == (1.6 + 1.5) / 2
+    assert cases["edit@1"]["drafted"] == 190 and cases["edit@1"]["same_answer"] is True
+    assert [g.met for g in sec.goals] == [True, True, True, True]
+    (t,) = sec.tables
+    assert len(t.rows) == len(CASES) and t.rows[0][-1] == "yes"

@@ -20,7 +20,9 @@ if TYPE_CHECKING:
 
 SECTIONS = ("proxy", "cold", "swap", "estimates")  # what `all` runs
 # Run only when named: the soak is a stress test of a minute or more, with chaos.
-EXTRA = ("soak", "prefetch", "resume", "agent", "agentswap", "concurrency", "embed")
+EXTRA = (
+    "soak", "prefetch", "resume", "agent", "agentswap", "concurrency", "embed", "speculative",
+)  # fmt: skip
 # `corral bench gpu [...]` has options of its own (corral.bench.gpu): handed over whole.
 OWN_PARSER = ("gpu",)
 TITLES = {
@@ -35,6 +37,7 @@ TITLES = {
     "agentswap": "Two models used in turn by agents: the hold after a tool call",
     "embed": "Embeddings in bulk",
     "concurrency": "Many clients on one model: corral against llama-server",
+    "speculative": "Speculative decoding: where it pays, where it must not hurt",
     "gpu": "corral on an NVIDIA GPU (corral bench gpu --help)",
 }
 

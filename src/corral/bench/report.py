@@ -16,10 +16,10 @@ from corral.bench.common import Section, machine_line
 
 ORDER = (
     "proxy", "cold", "swap", "estimates", "soak", "resume", "agent", "concurrency", "embed",
-    "agentswap",
+    "agentswap", "speculative",
 )  # fmt: skip
 # On the page once measured (`all` does not run them).
-OPTIONAL = ("soak", "resume", "agent", "concurrency", "embed", "agentswap")
+OPTIONAL = ("soak", "resume", "agent", "concurrency", "embed", "agentswap", "speculative")
 # Hand-written blocks (`<!-- bench:notes:NAME -->`) a run keeps as they are, after the goals.
 NOTES = {
     "misses": "What the misses mean",
@@ -39,6 +39,7 @@ TITLES = {
     "concurrency": "8. Many clients on one model: corral against llama-server",
     "embed": "9. Embeddings in bulk",
     "agentswap": "10. Two models used in turn by agents: the hold after a tool call",
+    "speculative": "11. Speculative decoding: where it pays, where it must not hurt",
 }
 
 INTRO = """\
@@ -176,6 +177,17 @@ tokens over the time from the clients' common start to the last answer's end. Mo
 and a synthetic llama trained for 64k tokens. `llama-server` is found as for the swap traces
 (`CORRAL_BENCH_LLAMA_SERVER`, `~/.cache/corral/llama-server`, `--build-llama-server`). Goal:
 corral >= 1.0x llama-server's tokens/s at every level.""",
+    "speculative": """\
+`corral bench speculative --write-docs`: SmolLM2-135M served by corral with its defaults
+(`speculative: auto`, llama.cpp's ngram-mod drafter), by corral with `speculative = "off"` for the
+model, and by `llama-server -m MODEL` with its defaults (no drafting), one server at a time,
+rounds interleaved. Cases: an agent's edit (a 50-function Python file returned with one change)
+at 1, 4 and 8 clients at once, and a story at 1 client; /v1/chat/completions at temperature 0, up
+to 300 tokens, the answer's own end. Tokens/s: all generated tokens over the time from the
+clients' common start to the last answer's end; ratios paired within a round. Drafted and
+accepted tokens from llama.cpp's timings; "same answer": corral's answers with and without
+drafting, compared byte for byte. Goals: the edit at 1 client >= 1.5x llama-server, the story
+>= 0.98x, the edit at 4 and 8 clients >= 0.98x of corral without drafting.""",
     "agentswap": """\
 Two models that agents use in turn, under a memory limit that holds one and a half of them, with
 and without the hold of a model whose answer ended in a tool call (`CORRAL_TOOL_HOLD`; `corral
