@@ -20,7 +20,8 @@ GiB = 2**30
 def runner(model: str, inflight: int) -> RunnerView:
     return RunnerView(
         id=1, model=model, state="ready", draining=False, pid=1, devices={"cpu": GiB},
-        size=GiB, slots=2, context_length=1024, inflight=inflight, waiting_for_room=0,
+        size=GiB, slots=2, context_length=1024, speculative="off", inflight=inflight,
+        waiting_for_room=0,
         keep_alive=300.0,
         expires_in=math.inf, pinned=False, priority=0, uses=1, load_cost=1.0, progress=None,
         loading_for=None, load_seconds=1.0, measured=GiB // 2, measured_devices={},
@@ -34,6 +35,7 @@ def view(**kw: Any) -> SchedulerView:
         runners=(), queued={}, budgets={"cpu": 8 * GiB}, booked={"cpu": 0},
         reserved={"cpu": 0}, headroom={}, measured={"cpu": 0},
         devices=(Device("cpu", "cpu", -1, "CPU", 16 * GiB, 10 * GiB),), code=0, tokens={},
+        drafts={},
         relayed={}, tokens_per_second={}, raised={}, disk_seconds_per_byte=0.0, events=(),
         closing=False,
     )  # fmt: skip

@@ -126,9 +126,14 @@ async def test_the_answer_at_temperature_0_is_the_same_with_drafts() -> None:
                 "messages": [{"role": "user", "content": EDIT}], "max_tokens": 200,
                 "temperature": 0, "cache_prompt": False,
             })  # fmt: skip
+            counts = await runner.api.token_counts()  # what /metrics and the dashboard add up
         finally:
             await runner.stop()
         answers[drafter] = out["choices"][0]["message"]["content"]
+        assert counts is not None
         if drafter != "off":
             assert out["timings"]["draft_n"] > 0 and out["timings"]["draft_n_accepted"] > 0
+            assert counts[2:] == (out["timings"]["draft_n"], out["timings"]["draft_n_accepted"])
+        else:
+            assert counts[2:] == (0, 0)
     assert answers["off"] == answers["ngram-mod"] and len(answers["off"]) > 100

@@ -206,9 +206,12 @@ class Dashboard:
             counts = v.tokens.get(name)
             relayed = v.relayed.get(name)
             if counts is not None or relayed is not None:
+                drafts = v.drafts.get(name, (0, 0))
                 item["tokens"] = {"prompt": counts[0] if counts else 0,
                                   "generated": counts[1] if counts else 0,
-                                  "relayed": relayed or 0}  # fmt: skip
+                                  "relayed": relayed or 0,
+                                  # speculative decoding: drafted, and accepted by the model
+                                  "drafted": drafts[0], "accepted": drafts[1]}  # fmt: skip
             prompt = self._rates.rate(name, counts, now)
             if prompt is not None or name in v.tokens_per_second:
                 # generated: as corral relays them (live); prompt: from the runner's counters
@@ -242,6 +245,7 @@ class Dashboard:
                 # of those, granted requests waiting for room in the slots' shared cache
                 "waiting_for_room": r.waiting_for_room,
                 "context_length": r.context_length,
+                "speculative": r.speculative,  # its drafter, or "off"
                 "keep_alive": _num(r.keep_alive),  # null: forever
                 "expires_in": _num(expires_in) if expires_in is not None else None,
                 "expires_at": _num(now_wall + expires_in) if expires_in is not None else None,

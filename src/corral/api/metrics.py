@@ -276,6 +276,18 @@ class _Books(Collector):
             generated.add_metric([m], g)
         yield prompt
         yield generated
+        drafted = CounterMetricFamily(
+            "corral_draft_tokens", "Tokens speculative decoding drafted (models that drafted)",
+            labels=["model"],
+        )  # fmt: skip
+        accepted = CounterMetricFamily(
+            "corral_draft_accepted_tokens", "Drafted tokens the model accepted", labels=["model"]
+        )
+        for m, (n, ok) in sorted(v.drafts.items()):
+            drafted.add_metric([m], n)
+            accepted.add_metric([m], ok)
+        yield drafted
+        yield accepted
         relayed = CounterMetricFamily(
             "corral_relayed_tokens", "Generated tokens corral relayed to clients, counted as "
             "they passed (rate() of it is the live tokens per second)", labels=["model"],

@@ -55,7 +55,8 @@ class Record:
     own: int | None = None  # its own memory at the last measure (resident less its code)
     devices: dict[str, int] = field(default_factory=dict)  # ... per device (GPU: NVML's figure)
     code: int | None = None  # its resident code (memwatch.code_rss, measured once)
-    tokens: tuple[int, int] = (0, 0)  # its counters (prompt, generated) at the last read
+    # its counters (prompt, generated, drafted, accepted drafts) at the last read
+    tokens: tuple[int, int, int, int] = (0, 0, 0, 0)
     cached_at_load: float | None = None  # share of its file in the page cache as its load began
     cached: float | None = None  # ... and at the last look
     free_before: dict[str, int] | None = None  # GPUs' free bytes as it was told to stop
@@ -97,8 +98,8 @@ class Measure:
         # The last runner's code measured: for a runner whose own is not yet in.
         self.code_last = 0
         self.last_devices: list[Device] = list(devices)  # as last measured
-        # Tokens each model's runners processed (prompt, generated), summed over the runners'
-        # own counters (llama.cpp's /metrics), read with every measure.
+        # Tokens each model's runners processed (prompt, generated, drafted, accepted drafts),
+        # summed over the runners' own counters (llama.cpp's /metrics), read every measure.
         self.tokens: dict[str, list[int]] = {}
         self.raised: dict[str, float] = {}  # model -> booking factor after running out of memory
         self.raised_before: dict[str, float] = {}  # ... and before it last ran out
@@ -324,9 +325,9 @@ class Measure:
         if c is None:
             return
         before = rec.tokens
-        total = self.tokens.setdefault(rec.runner.name, [0, 0])
-        total[0] += max(0, c[0] - before[0])
-        total[1] += max(0, c[1] - before[1])
+        total = self.tokens.setdefault(rec.runner.name, [0, 0, 0, 0])
+        for i, (now, then) in enumerate(zip(c, before, strict=True)):
+            total[i] += max(0, now - then)
         rec.tokens = c
 
     # ---- the page cache ----------------------------------------------------------------------

@@ -149,15 +149,18 @@ class RunnerAPI:
                     found[name] = float(value)
         return found
 
-    async def token_counts(self, timeout: float = 1.0) -> tuple[int, int] | None:
-        """(prompt tokens, generated tokens) the runner has processed since it started; None
-        if it does not say."""
+    async def token_counts(self, timeout: float = 1.0) -> tuple[int, int, int, int] | None:
+        """(prompt tokens, generated tokens, drafted tokens, drafts accepted) the runner has
+        processed since it started (the drafts: speculative decoding's, 0 without); None if
+        it does not say."""
         found = await self.metrics(timeout)
         prompt = found.get("llamacpp:prompt_tokens_total")
         generated = found.get("llamacpp:tokens_predicted_total")
         if prompt is None or generated is None:
             return None
-        return int(prompt), int(generated)
+        drafted = found.get("llamacpp:spec_decode_num_draft_tokens_total", 0)
+        accepted = found.get("llamacpp:spec_decode_num_accepted_tokens_total", 0)
+        return int(prompt), int(generated), int(drafted), int(accepted)
 
     async def get_json(self, path: str, timeout: float = PROBE_TIMEOUT) -> Any:
         """The runner's JSON answer to a GET (e.g. `/slots`); None if it gives none."""

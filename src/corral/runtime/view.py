@@ -30,6 +30,7 @@ class RunnerView:
     size: int  # bytes booked in all
     slots: int
     context_length: int
+    speculative: str  # its drafter (llama.cpp's --spec-type), or "off"
     inflight: int  # requests it serves (those waiting for room among them)
     waiting_for_room: int  # granted requests waiting for room in its shared KV cache
     keep_alive: float  # seconds; inf: forever
@@ -65,6 +66,8 @@ class SchedulerView:
     devices: tuple[Device, ...]  # as last measured (totals and free figures the OS reports)
     code: int  # the runners' shared code as last measured (resident once for all of them)
     tokens: Mapping[str, tuple[int, int]]  # model -> tokens its runners processed (prompt, out)
+    # model -> speculative decoding's drafted tokens and those accepted (models that drafted)
+    drafts: Mapping[str, tuple[int, int]]
     # model -> generated tokens relayed to clients, counted as they passed, all along ...
     relayed: Mapping[str, int]
     tokens_per_second: Mapping[str, float]  # ... and per second over the last few seconds
@@ -106,6 +109,7 @@ def snapshot(
             id=b.id, model=b.model, state=b.state, draining=b.draining,
             pid=runner.pid if runner else None, devices=dict(b.devices), size=b.size,
             slots=b.spec.num_parallel, context_length=b.spec.n_ctx, inflight=b.inflight,
+            speculative=b.spec.speculative,
             waiting_for_room=len(rec.hop.waiting) if rec and rec.hop else 0,
             keep_alive=b.keep_alive,
             expires_in=b.expires_at - now if math.isfinite(b.expires_at) else math.inf,
@@ -142,7 +146,8 @@ def snapshot(
         measured=measured,
         devices=tuple(measure.last_devices),
         code=measure.code_last,
-        tokens={m: (p, g) for m, (p, g) in measure.tokens.items()},
+        tokens={m: (c[0], c[1]) for m, c in measure.tokens.items()},
+        drafts={m: (c[2], c[3]) for m, c in measure.tokens.items() if c[2]},
         relayed=meter.relayed,
         tokens_per_second=meter.rates,
         raised=dict(measure.raised),
