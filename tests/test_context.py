@@ -26,7 +26,6 @@ from corral.core.gguf import read_model_info
 from corral.core.requests import Grant, Load, Request, Sizing, Stop
 from corral.core.spec import (
     AUTO_PARALLEL,
-    AUTO_SPECULATIVE,
     GPU_PARALLEL,
     RunnerSpec,
     spec_estimate,
@@ -111,9 +110,7 @@ def long_model(tmp_path_factory: pytest.TempPathFactory) -> Resolved:
 
 
 def size(r: Resolved, n_ctx: int) -> int:
-    """A runner's booking as the admission sizes it (one slot, its automatic drafter)."""
-    spec = RunnerSpec(str(r.entry.path), n_ctx, 1, speculative=AUTO_SPECULATIVE)
-    est = spec_estimate(r.info, spec)
+    est = spec_estimate(r.info, RunnerSpec(str(r.entry.path), n_ctx, 1))
     return est.total + est.process
 
 

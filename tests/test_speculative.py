@@ -1,7 +1,8 @@
-"""Speculative decoding as a model's runner option (`speculative`): `auto` (the default) drafts
-with llama.cpp's ngram-mod where the model generates and the runner has the CPU's few slots,
-models.toml sets it per model, both runner kinds get it, the estimate books what verifying
-drafts costs, and the answer at temperature 0 is the same with and without it (real SmolLM2)."""
+"""Speculative decoding as a model's runner option (`speculative`): a model drafts with one of
+llama.cpp's n-gram drafters when models.toml (or a Modelfile) says so (`auto`, the default, does
+not draft yet: core/spec.speculation says why), both runner kinds get it, the estimate books what
+verifying drafts costs, what was drafted is counted, and the answer at temperature 0 is the same
+with and without it (real SmolLM2)."""
 
 from __future__ import annotations
 
@@ -13,7 +14,7 @@ import pytest
 from corral.config import Settings
 from corral.core.estimate import estimate
 from corral.core.gguf import read_model_info
-from corral.core.spec import AUTO_SPECULATIVE, GPU_PARALLEL, RunnerSpec, runner_spec
+from corral.core.spec import GPU_PARALLEL, RunnerSpec, runner_spec
 from corral.runtime.registry import ModelEntry, Registry, smollm2_path
 from corral.runtime.runner import Runner
 from corral.testing import synth
@@ -33,13 +34,17 @@ def spec_of(entry: ModelEntry) -> RunnerSpec:
     return runner_spec(entry, read_model_info(entry.path), {}, Settings.load(environ={}), 2)[0]
 
 
-def test_auto_drafts_with_ngrams_for_a_model_that_generates(tmp_path: Path) -> None:
+def test_a_model_drafts_when_it_says_so(tmp_path: Path) -> None:
+    """`auto` drafts nothing yet (llama.cpp returns no logprobs for accepted drafts, and no
+    request can turn drafting off); a model's own drafter is used; an embedding model never
+    drafts."""
     chat = synth.write_llama_model(tmp_path / "chat.gguf")
     embed = synth.write_bert_model(tmp_path / "embed.gguf")
-    assert spec_of(ModelEntry("chat", chat)).speculative == AUTO_SPECULATIVE == "ngram-mod"
-    assert spec_of(ModelEntry("embed", embed)).speculative == "off"
-    own = ModelEntry("chat", chat, options={"speculative": "off"})
-    assert spec_of(own).speculative == "off"
+    assert spec_of(ModelEntry("chat", chat)).speculative == "off"
+    own = ModelEntry("chat", chat, options={"speculative": "ngram-mod"})
+    assert spec_of(own).speculative == "ngram-mod"
+    asked = ModelEntry("embed", embed, options={"speculative": "ngram-mod"})
+    assert spec_of(asked).speculative == "off"
 
 
 def test_models_toml_sets_it_and_refuses_what_llama_cpp_has_not(tmp_path: Path) -> None:
@@ -104,7 +109,7 @@ def test_a_gpus_many_slots_draft_only_if_the_model_asks(tmp_path: Path) -> None:
         spec, _ = svc.admission.runner_spec(r, {})
         sizes = svc.admission.sizings(r, spec, {})
         assert sizes[0].spec.num_parallel == GPU_PARALLEL and sizes[0].spec.speculative == wide
-        assert sizes[-1].spec.speculative == "ngram-mod"  # the CPU's few slots draft
+        assert sizes[-1].spec.speculative == wide  # the CPU's few slots: the model's choice
 
 
 SMOLLM2 = smollm2_path()

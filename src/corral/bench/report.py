@@ -178,9 +178,9 @@ and a synthetic llama trained for 64k tokens. `llama-server` is found as for the
 (`CORRAL_BENCH_LLAMA_SERVER`, `~/.cache/corral/llama-server`, `--build-llama-server`). Goal:
 corral >= 1.0x llama-server's tokens/s at every level.""",
     "speculative": """\
-`corral bench speculative --write-docs`: SmolLM2-135M served by corral with its defaults
-(`speculative: auto`, llama.cpp's ngram-mod drafter), by corral with `speculative = "off"` for the
-model, and by `llama-server -m MODEL` with its defaults (no drafting), one server at a time,
+`corral bench speculative --write-docs`: SmolLM2-135M served by corral with `speculative =
+"ngram-mod"` for the model, by corral with its defaults (`auto`: no drafting yet), and by
+`llama-server -m MODEL` with its defaults (no drafting), one server at a time,
 rounds interleaved. Cases: an agent's edit (a 50-function Python file returned with one change)
 at 1, 4 and 8 clients at once, and a story at 1 client; /v1/chat/completions at temperature 0, up
 to 300 tokens, the answer's own end. Tokens/s: all generated tokens over the time from the

@@ -1,7 +1,7 @@
 """`corral bench speculative`: where speculative decoding pays and where it must not hurt.
 
-Three servers on the same GGUF (SmolLM2-135M), one at a time, rounds interleaved: corral with its
-defaults (`speculative: auto`), corral with `speculative = "off"` for the model, and
+Three servers on the same GGUF (SmolLM2-135M), one at a time, rounds interleaved: corral with
+`speculative = "ngram-mod"` for the model, corral with its defaults (`auto`: no drafting yet), and
 llama-server with its defaults (no drafting). Cases, each a closed loop of clients sending
 /v1/chat/completions at temperature 0 (the answer's own end, no ignore_eos):
 
@@ -48,7 +48,7 @@ EDIT = (
 STORY = "Write a long story about a lighthouse keeper, the sea and a storm."
 # (case, prompt, clients)
 CASES = (("edit", EDIT, 1), ("story", STORY, 1), ("edit", EDIT, 4), ("edit", EDIT, 8))
-SIDES = ("corral", "corral, speculative off", "llama-server")
+SIDES = ("corral", "corral, speculative off", "llama-server")  # corral: ngram-mod
 ROUNDS = {"smoke": 1, "quick": 2, "full": 3}
 TOKENS = {"smoke": 16, "quick": 300, "full": 300}
 MODEL = "smollm2-spec"
@@ -115,8 +115,8 @@ def run(scale: Scale, work: Path, say: Say) -> Section:
     models = work / "speculative-models"
     models.mkdir(parents=True, exist_ok=True)
     (models / "models.toml").write_text(
-        f'[models.{MODEL}]\nfile = "{gguf}"\n'
-        f'[models.{MODEL}-off]\nfile = "{gguf}"\nspeculative = "off"\n'
+        f'[models.{MODEL}]\nfile = "{gguf}"\nspeculative = "ngram-mod"\n'
+        f'[models.{MODEL}-off]\nfile = "{gguf}"\n'
     )
     binary, origin = llama_server(say)
     sides = [s for s in SIDES if binary is not None or s != "llama-server"]

@@ -18,9 +18,9 @@ from dataclasses import dataclass
 
 FLASH_ATTN = ("auto", "on", "off")  # llama.cpp's -fa values
 # Speculative decoding (llama.cpp's --spec-type), as a model's runner option: `auto` (the
-# default: n-gram drafting where a runner has few slots, core/spec), `off`, or one of llama.cpp's
-# n-gram drafters, which need no second model and draft tokens that repeat what the context
-# already holds (an agent's edit of a file it was shown).
+# default; no drafting yet, core/spec.speculation says why), `off`, or one of llama.cpp's n-gram
+# drafters, which need no second model and draft tokens that repeat what the context already
+# holds (an agent's edit of a file it was shown).
 SPECULATIVE = ("auto", "off", "ngram-mod", "ngram-simple", "ngram-map-k", "ngram-map-k4v",
                "ngram-cache")  # fmt: skip
 JsonType = type | tuple[type, ...]

@@ -31,7 +31,6 @@ AUTO_PARALLEL = 4
 # output row (~3 MiB with a 49k vocabulary). llama-server `-np 64 --kv-unified` served 64
 # clients 1.47x faster than corral's 4 slots on an H200.
 GPU_PARALLEL = 64
-AUTO_SPECULATIVE = "ngram-mod"  # what `speculative: auto` drafts with (speculation())
 # Slots an embedding or rerank model gets with an automatic count. llama.cpp makes each input
 # of a request a task and puts the inputs of all busy slots into one batch (up to n_ubatch,
 # 512 tokens): with 4 slots a batch of short inputs holds some 50 tokens, with 16 some 200.
@@ -176,15 +175,18 @@ def _server_ctx(server: ServerDefaults) -> int:
 
 
 def speculation(choice: str, embedding: bool) -> str:
-    """The drafter a runner starts with for a model's `speculative` option: `auto` is n-gram
-    drafting (ngram-mod) for a model that generates. Measured on 2 cores with SmolLM2-135M
-    (llama-server b11434, temperature 0, 300 tokens): an edit that returns a file it was shown
-    1.6-1.8x the tokens/s without (the same answer), a story 1.0-1.1x (nothing matches, so
-    nothing is drafted), the edit at 4 clients at once 1.1x. A runner of a GPU's many slots
-    gets none (see admission): verifying drafts for 64 slots reserves logits for 2,048 rows."""
-    if choice != "auto":
-        return choice
-    return "off" if embedding else AUTO_SPECULATIVE
+    """The drafter a runner starts with for a model's `speculative` option. Measured on 2 cores
+    with SmolLM2-135M (llama-server b11434, temperature 0, 300 tokens), ngram-mod gives an edit
+    that returns a file it was shown 1.6-1.8x the tokens/s without (the same answer), a story
+    1.0-1.1x (nothing matches, nothing is drafted), the edit at 4 clients at once 1.1x. Yet
+    `auto` does not draft yet: llama.cpp b11434 lets no request turn drafting off
+    (server-schema.cpp keeps the per-request fields under `#if 0`), returns no logprobs for the
+    drafted tokens it accepts (an OpenAI client asking for logprobs would get fewer than its
+    tokens), and drafts take cells of a shared cache. So drafting is a model's choice
+    (`speculative = "ngram-mod"`), never an embedding model's."""
+    if embedding or choice == "auto":
+        return "off"
+    return choice
 
 
 def slot_choices(spec: RunnerSpec) -> tuple[RunnerSpec, ...]:
