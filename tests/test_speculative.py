@@ -1,5 +1,5 @@
 """Speculative decoding as a model's runner option (`speculative`): a model drafts with one of
-llama.cpp's n-gram drafters when models.toml (or a Modelfile) says so (`auto`, the default, does
+llama.cpp's n-gram drafters when its models.toml entry says so (`auto`, the default, does
 not draft yet: core/spec.speculation says why), both runner kinds get it, the estimate books what
 verifying drafts costs, what was drafted is counted, and the answer at temperature 0 is the same
 with and without it (real SmolLM2)."""
