@@ -320,7 +320,9 @@ def test_claude_code_session_evaluates_only_new_tokens(
 def test_show_keeps_arrays_for_verbose(server) -> None:
     client = ollama.Client(host=server.url)
     plain = client.show(SMOL).modelinfo or {}
-    assert plain["tokenizer.ggml.tokens"] is None  # as Ollama: no array elements read
+    # as Ollama's docs show it: the arrays present and empty unless verbose
+    assert plain["tokenizer.ggml.tokens"] == plain["tokenizer.ggml.merges"] == []
+    assert plain["tokenizer.ggml.token_type"] == []
     full = server.client.post("/api/show", json={"model": SMOL, "verbose": True}).json()
     tokens = full["model_info"]["tokenizer.ggml.tokens"]
     assert len(tokens) == 49152 and tokens[:3] == ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]

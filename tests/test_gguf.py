@@ -188,10 +188,10 @@ def test_smollm2_model_info_is_ollama_shaped(smollm2: ModelInfo) -> None:
     assert info["llama.attention.head_count_kv"] == 3
     assert info["llama.attention.layer_norm_rms_epsilon"] == 1e-05
     assert info["tokenizer.ggml.model"] == "gpt2"
-    # arrays are null, the way Ollama answers a non-verbose /api/show
-    assert info["tokenizer.ggml.tokens"] is None
-    assert info["tokenizer.ggml.merges"] is None
-    assert info["tokenizer.ggml.token_type"] is None
+    # arrays are empty, the way Ollama answers a non-verbose /api/show (its docs' example)
+    assert info["tokenizer.ggml.tokens"] == []
+    assert info["tokenizer.ggml.merges"] == []
+    assert info["tokenizer.ggml.token_type"] == []
     # returned elsewhere in /api/show, so not here
     assert "general.name" not in info
     assert "tokenizer.chat_template" not in info
@@ -395,7 +395,7 @@ def test_bert_embedding_model(tmp_path: Path) -> None:
     assert info.parameter_count == 2 * (64 + 8) + 128 + 8
     assert info.parameter_size == "280"
     assert info.model_info()["bert.pooling_type"] == 1
-    assert info.model_info()["tokenizer.ggml.tokens"] is None
+    assert info.model_info()["tokenizer.ggml.tokens"] == []
 
 
 @pytest.mark.parametrize(
@@ -439,7 +439,7 @@ def test_per_layer_head_count_kv(tmp_path: Path) -> None:
     assert info.head_dim_k == 16
     assert info.head_dim_v == 1  # default: n_embd // n_head = 8 // 8
     assert info.metadata["openelm.attention.head_count_kv"] == (1, 2, 4)
-    assert info.model_info()["openelm.attention.head_count_kv"] is None  # arrays: null
+    assert info.model_info()["openelm.attention.head_count_kv"] == []  # arrays: empty
 
 
 def test_head_count_kv_defaults_to_head_count(tmp_path: Path) -> None:

@@ -140,13 +140,14 @@ class ModelInfo:
 
     def model_info(self) -> dict[str, Any]:
         """Ollama's /api/show "model_info" for a non-verbose request: every metadata key, sorted,
-        with each non-empty array given as null (Ollama reads no array elements then), and
+        with each array given as [] (Ollama reads no array elements then: its docs' example and
+        its servers answer `"tokenizer.ggml.tokens": []`; `verbose` fills them in), and
         general.parameter_count counted from the tensors."""
         out: dict[str, Any] = {
             k: v for k, v in self.metadata.items() if k not in self.array_lengths
         }
-        for key, length in self.array_lengths.items():
-            out[key] = None if length else []
+        for key in self.array_lengths:
+            out[key] = []
         for key in _NOT_IN_MODEL_INFO:
             out.pop(key, None)
         out["general.parameter_count"] = self.parameter_count
