@@ -150,7 +150,9 @@ def test_disconnect_mid_stream_frees_the_slot_at_once(short_keepalive) -> None:
             assert r.status_code == 200, r.read()
             lines = r.iter_lines()  # keep a reference: a dropped iterator closes the stream
             next(lines)
-            assert loaded(s)["long:latest"]["requests_in_flight"] == 1
+            ps = loaded(s)["long:latest"]
+            assert ps["requests_in_flight"] == 1 and ps["queued"] == 0
+            assert ps["waiting_for_room"] == 0 and ps["speculative"] == "off"
     s.wait_for(
         lambda: loaded(s)["long:latest"]["requests_in_flight"] == 0,
         timeout=5,

@@ -315,6 +315,9 @@ class Ollama:
                 # corral's own additions
                 "state": run.state, "requests_in_flight": run.inflight,
                 "queued": view.queued.get(run.model, 0),
+                # of those in flight, the ones waiting for room in its shared context
+                "waiting_for_room": run.waiting_for_room,
+                "speculative": run.speculative,  # its drafter (models.toml), or "off"
                 "num_parallel": run.slots, "pid": run.pid,
                 # every model it serves: models of one file and runner shape share a runner
                 "models": self.svc.registry.sharing(run.model),
