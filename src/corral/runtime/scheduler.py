@@ -437,6 +437,10 @@ class Scheduler:
             real = {d: int(n * k) for d, n in real.items()}
         self._measure.learn_disk_speed(rec)
         now = self._clock()
+        if book is not None and any(n for d, n in book.devices.items() if d != CPU):
+            # The next load onto this card is placed on what it left free (seen on an H200:
+            # one placed on the headroom read while this one loaded ran out of memory).
+            self._measure.fresh(now, max_age=0.0)
         self._core.loaded(rid, now, real)  # the real allocation replaces the estimate
         if book is not None:
             self._journal.record(
