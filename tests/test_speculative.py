@@ -11,6 +11,7 @@ from pathlib import Path
 
 import pytest
 
+from corral.bench.speculative import EDIT  # an agent's edit: a file it was shown, changed
 from corral.config import Settings
 from corral.core.estimate import estimate
 from corral.core.gguf import read_model_info
@@ -18,16 +19,6 @@ from corral.core.spec import GPU_PARALLEL, RunnerSpec, runner_spec
 from corral.runtime.registry import ModelEntry, Registry, smollm2_path
 from corral.runtime.runner import Runner
 from corral.testing import synth
-
-# An agent's edit: a file it was shown, returned with one change (what n-gram drafting predicts
-# for free: the answer repeats the prompt).
-FILE = "\n".join(
-    f"def function_{i}(x, y):\n    total = x + y * {i}\n    return total - {i}\n" for i in range(50)
-)
-EDIT = (
-    "Here is a Python file:\n```python\n" + FILE + "```\nReturn the whole file unchanged except "
-    "that function_7 must return total + 7. Output only the file in a code block."
-)
 
 
 def spec_of(entry: ModelEntry) -> RunnerSpec:
