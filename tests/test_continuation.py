@@ -14,7 +14,6 @@ import pytest
 from corral.api.family import ANTHROPIC
 from corral.errors import ApiError
 from corral.runtime.affinity import Slots
-from corral.runtime.client import RunnerClient
 from corral.runtime.continuation import (
     ContinuedStream,
     Reader,
@@ -23,7 +22,7 @@ from corral.runtime.continuation import (
     continuable,
     continued,
 )
-from corral.runtime.hop import Hop
+from corral.runtime.hop import Hop, RunnerClient
 from corral.runtime.runner_errors import CacheFull, stream_failure
 
 CHAT = "/v1/chat/completions"

@@ -35,7 +35,7 @@ from corral.core.spec import Layout, RunnerSpec
 from corral.errors import ApiError
 from corral.runtime import devices as runtime_devices
 from corral.runtime.admission import Admission, Resolved
-from corral.runtime.lease import Lease
+from corral.runtime.hop import Lease
 from corral.runtime.measure import CONTEXT_SLACK, OOM_RAISE
 from corral.runtime.registry import ModelEntry
 from corral.runtime.runner import Runner

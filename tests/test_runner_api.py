@@ -25,7 +25,7 @@ def _misuses(tree: ast.AST) -> Iterator[tuple[int, str]]:
         elif isinstance(node, ast.ImportFrom) and node.module:
             if node.module.startswith("aiohttp"):
                 yield node.lineno, node.module
-            elif node.module == "corral.runtime.runner_stream":
+            elif node.module == "corral.runtime.runner_api":
                 yield from ((node.lineno, a.name) for a in node.names if a.name == "open_stream")
         elif isinstance(node, ast.Attribute) and node.attr == "_session":
             yield node.lineno, "._session"
@@ -44,7 +44,7 @@ def test_only_the_runner_api_talks_http_to_a_runner() -> None:
 def test_the_check_sees_a_second_way_to_a_runner() -> None:
     tree = ast.parse(
         "import aiohttp\n"
-        "from corral.runtime.runner_stream import open_stream, RunnerStream\n"
+        "from corral.runtime.runner_api import open_stream, RunnerStream\n"
         "x = runner.api._session.get('/metrics')\n"
         "from corral.runtime.runner_api import RunnerAPI\n"
     )

@@ -16,8 +16,8 @@ from corral.core.gguf import read_model_info
 from corral.core.options import CLAMPED
 from corral.core.spec import Adapter, Estimates, Layout, RunnerSpec, spec_estimate
 from corral.runtime import runner_child
-from corral.runtime.client import RunnerClient
 from corral.runtime.devices import cpu_cores
+from corral.runtime.hop import RunnerClient
 from corral.runtime.registry import ModelEntry, Registry
 from corral.runtime.runner import GOMP_SPINCOUNT, Runner, runner_env
 from corral.testing import synth

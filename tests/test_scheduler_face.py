@@ -24,7 +24,7 @@ FACE = {
     "begin_drain", "begin_shutdown", "shutdown", "kill_all",
 }  # fmt: skip
 # The shell and the modules it is made of.
-SHELL = {"runtime/scheduler.py", "runtime/measure.py", "runtime/view.py", "runtime/lease.py"}
+SHELL = {"runtime/scheduler.py", "runtime/measure.py", "runtime/view.py", "runtime/hop.py"}
 NAMES = {"scheduler", "sched"}  # what corral's modules call a scheduler
 ROOT = Path(corral.__file__).parent
 

@@ -20,7 +20,7 @@ import pytest
 
 from corral.config import ConfigError, Settings
 from corral.core.spec import RunnerSpec
-from corral.runtime.lease import Lease
+from corral.runtime.hop import Lease
 from corral.runtime.measure import Record
 from corral.runtime.runner_api import RunnerAPI
 from corral.runtime.scheduler import Scheduler

@@ -1,4 +1,4 @@
-"""The streaming relay's pieces: RunnerStream (corral.runtime.runner_stream) against a local
+"""The streaming relay's pieces: RunnerStream (corral.runtime.runner_api) against a local
 server that writes what a test says when it says, and RelayResponse (corral.api.stream) driven
 as an ASGI app."""
 
@@ -15,8 +15,8 @@ from typing import Any
 import pytest
 
 from corral.api.stream import RelayResponse
-from corral.runtime import runner_stream as relay
-from corral.runtime.runner_stream import RunnerStream, open_stream
+from corral.runtime import runner_api as relay
+from corral.runtime.runner_api import RunnerStream, open_stream
 
 Writer = Callable[[socket.socket], None]
 

@@ -33,8 +33,8 @@ from corral.api.toolprompt import (
     template_body,
 )
 from corral.core.gguf import model_capabilities, template_has_tools
-from corral.runtime.lease import Lease
-from corral.runtime.runner_stream import RunnerStream
+from corral.runtime.hop import Lease
+from corral.runtime.runner_api import RunnerStream
 from corral.testing import synth
 from corral.testing.server import CorralServer
 

@@ -1,6 +1,6 @@
 """The error a client hears, with its HTTP status: raised from the runner client up and answered
 by each API family in its own shape (never a traceback). Below api/, so that runtime/ raises it
-too (runtime.client: a runner's failure or refusal as the client's)."""
+too (runtime.hop: a runner's failure or refusal as the client's)."""
 
 from __future__ import annotations
 

@@ -50,8 +50,8 @@ from corral.api.service import Service
 from corral.config import ConfigError, Settings
 from corral.core.devices import Device, budgets, device_memory
 from corral.errors import ApiError
-from corral.runtime.client import RunnerClient
 from corral.runtime.devices import cpu_cores, discover, refresh
+from corral.runtime.hop import RunnerClient
 from corral.runtime.kvcache import KVCache
 from corral.runtime.registry import BUILTIN_NAME, Registry
 from corral.runtime.runner import Runner

@@ -40,7 +40,7 @@ from corral.api.family import ANTHROPIC, FamilyRoute, sse
 from corral.api.service import Resolved, Service, effective_template
 from corral.core.roles import place_system, renders_later_system
 from corral.errors import ApiError
-from corral.runtime.lease import Lease
+from corral.runtime.hop import Lease
 
 log = logging.getLogger("corral.anthropic")
 

@@ -25,10 +25,6 @@ LENGTH_KEYS = ("n_predict", "max_tokens", "max_completion_tokens")
 SYSTEM_ROLES = ("system", "developer")
 
 
-def has_defaults(entry: ModelEntry) -> bool:
-    return bool(entry.system or entry.messages or entry.parameters)
-
-
 def messages(entry: ModelEntry, msgs: list[dict[str, Any]]) -> list[dict[str, Any]]:
     """The model's system prompt and messages around the request's (OpenAI-style) messages."""
     if not entry.system and not entry.messages:
@@ -71,7 +67,7 @@ def stop(entry: ModelEntry, stops: list[str] | None) -> list[str] | None:
 
 def chat(entry: ModelEntry, c: Chat, stops: list[str] | None) -> tuple[Chat, list[str] | None]:
     """A neutral chat request with the model's defaults (Service.generate)."""
-    if not has_defaults(entry):
+    if not entry.has_defaults:
         return c, stops
     return (
         replace(c, messages=messages(entry, c.messages),
@@ -82,7 +78,7 @@ def chat(entry: ModelEntry, c: Chat, stops: list[str] | None) -> tuple[Chat, lis
 
 def openai_body(entry: ModelEntry, body: dict[str, Any], chat: bool) -> dict[str, Any]:
     """An OpenAI chat or completions body with the model's defaults (the pass-through path)."""
-    if not has_defaults(entry):
+    if not entry.has_defaults:
         return body
     out = sampling(entry, body, "max_tokens")
     if chat and isinstance(body.get("messages"), list):

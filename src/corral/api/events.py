@@ -49,7 +49,7 @@ from corral.api.stream import RelayResponse
 from corral.api.toolprompt import Call, CallScanner
 from corral.errors import ApiError
 from corral.runtime.continuation import Upstream
-from corral.runtime.lease import Lease
+from corral.runtime.hop import Lease
 from corral.runtime.meter import Tally, token_events
 from corral.runtime.runner_api import UPSTREAM_ERRORS
 from corral.runtime.runner_errors import runner_error_message, stream_failure

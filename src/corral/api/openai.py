@@ -47,7 +47,7 @@ from corral.api.service import Resolved, Service
 from corral.api.stream import RelayResponse
 from corral.errors import ApiError
 from corral.runtime.continuation import Upstream
-from corral.runtime.lease import Lease
+from corral.runtime.hop import Lease
 from corral.runtime.meter import settle_whole
 
 T = TypeVar("T")
@@ -88,7 +88,8 @@ class OpenAI:
         int_in(body, "top_logprobs", 0, MAX_TOP_LOGPROBS)
         r = self.svc.resolve(model_field(body))
         self.svc.check_chat(r, messages)
-        body = defaults.openai_body(r.entry, body, chat=True)  # a created model's defaults
+        if r.entry.has_defaults:  # a created model's defaults
+            body = defaults.openai_body(r.entry, body, chat=True)
         forced = choice not in ("auto", "none")
         # A model whose template knows no tools gets them from corral (api/toolprompt), on
         # the events path that forced calls take; llama.cpp's chat endpoint would drop them.
@@ -180,7 +181,8 @@ class OpenAI:
         echo = field(body, "echo", bool, False)
         r = self.svc.resolve(model_field(body))
         self.svc.require(r, "completion", "completions")
-        body = defaults.openai_body(r.entry, body, chat=False)  # a created model's defaults
+        if r.entry.has_defaults:  # a created model's defaults
+            body = defaults.openai_body(r.entry, body, chat=False)
         # llama.cpp streams several prompts with a `data: null` first event, which OpenAI's
         # clients cannot parse: such streams are rebuilt too.
         several = isinstance(prompt, list) and bool(prompt) and not isinstance(prompt[0], int)

@@ -2,7 +2,7 @@
 
 Adapters stay thin: they translate wire formats. Which runner a request needs and its lease
 are decided below the API (runtime/admission, `Service.admission`); the runner is called
-through the hop's pipeline (runtime/client, `Service.client`) or its API (`Lease.hop.api`).
+through the hop's pipeline (runtime/hop, `Service.client`) or its API (`Lease.hop.api`).
 """
 
 from __future__ import annotations
@@ -46,9 +46,8 @@ from corral.core.roles import has_later_system, place_system, renders_later_syst
 from corral.core.spec import jinja_template
 from corral.errors import ApiError
 from corral.runtime.admission import Admission, Resolved, unusable_template
-from corral.runtime.client import RunnerClient
 from corral.runtime.continuation import Upstream
-from corral.runtime.lease import Lease
+from corral.runtime.hop import Lease, RunnerClient
 from corral.runtime.meter import last_object
 from corral.runtime.registry import ModelEntry, Registry, canonical_name
 from corral.runtime.scheduler import Scheduler
@@ -229,7 +228,8 @@ class Service:
         text can be reported. `prefix` (token ids, Ollama's `context`) goes before the rendered
         prompt. Every check the client can fail comes before the lease."""
         self.check_chat(r, chat.messages)
-        chat, stop = defaults.chat(r.entry, chat, stop)  # a created model's system, parameters
+        if r.entry.has_defaults:  # a created model's system, parameters
+            chat, stop = defaults.chat(r.entry, chat, stop)
         if has_later_system(chat.messages):  # e.g. Codex's developer messages, Claude Code's
             template = effective_template(r)
             placed = place_system(chat.messages, renders_later_system(template))
@@ -312,8 +312,9 @@ class Service:
     ) -> Generation:
         """Lease a slot and start a raw completion (llama.cpp's /completion or /infill)."""
         self.require(r, "completion", "generate")
-        payload = defaults.sampling(r.entry, payload, "n_predict")  # a created model's parameters
-        stop = defaults.stop(r.entry, stop)
+        if r.entry.has_defaults:  # a created model's parameters
+            payload = defaults.sampling(r.entry, payload, "n_predict")
+            stop = defaults.stop(r.entry, stop)
         return await self.leased(
             request, r, options, keep_alive, payload,
             lambda lease: self._start(lease, path, payload, CompletionEvents, stop),

@@ -3,7 +3,7 @@ as the guarantees allow.
 
 What a relayed token costs is mostly fixed per wake-up, read and write (the event loop's turn,
 a system call each, the ASGI send through the middleware), not per byte. So:
-- the runner's stream is read by a `RunnerStream` (runtime/runner_stream.py), which coalesces a fast
+- the runner's stream is read by a `RunnerStream` (runtime/runner_api.py), which coalesces a fast
   runner's tokens into a few per read;
 - `RelayResponse` sends with a plain loop (no task group per response, no wrapper per chunk),
   joining what one read brought into one write, and watches for the client leaving with one
@@ -24,7 +24,7 @@ from corral.api.activity import note_error
 from corral.api.family import OPENAI, Family
 from corral.errors import ApiError
 from corral.runtime.continuation import Upstream
-from corral.runtime.lease import Lease
+from corral.runtime.hop import Lease
 from corral.runtime.meter import count_events, last_timings
 from corral.runtime.runner_api import UPSTREAM_ERRORS
 from corral.runtime.runner_errors import SSE_ERROR, stream_error

@@ -35,7 +35,7 @@ from corral.core.requests import Sizing
 from corral.core.spec import GPU_PARALLEL, Estimates, RunnerSpec, runner_spec, slot_choices
 from corral.errors import ApiError
 from corral.runtime.devices import cpu_cores
-from corral.runtime.lease import Lease
+from corral.runtime.hop import Lease
 from corral.runtime.registry import ModelEntry
 from corral.runtime.runner_errors import ContextOverflow
 from corral.runtime.scheduler import Scheduler, SchedulerError

@@ -116,6 +116,20 @@ def copy_pays(
     return shared / BYTES_PER_TOKEN / prompt_tps > copy_s
 
 
+def has_media(payload: dict[str, Any]) -> bool:
+    """Images or audio in the request: their chunks are not text tokens corral can match."""
+    for m in payload.get("messages") or ():
+        content = m.get("content") if isinstance(m, dict) else None
+        if isinstance(content, list) and any(
+            isinstance(p, dict) and p.get("type") not in (None, "text") for p in content
+        ):
+            return True
+    prompt = payload.get("prompt")
+    return isinstance(prompt, dict) or (
+        isinstance(prompt, list) and any(isinstance(p, dict) for p in prompt)
+    )
+
+
 def prompt_pieces(path: str, payload: Mapping[str, Any]) -> tuple[bytes, ...]:
     """The prompt of a request to a runner, as pieces in the order its template renders them
     (near enough): a chat's system message, its tools, then each other message; a raw prompt

@@ -160,7 +160,7 @@ def cache_full_at(data: bytes) -> int:
 
 
 class Upstream(Protocol):
-    """A runner's streamed answer as the API layer reads it: a RunnerStream (runtime/runner_stream),
+    """A runner's streamed answer as the API layer reads it: a RunnerStream (runtime/runner_api),
     or a ContinuedStream of them."""
 
     status: int

@@ -54,6 +54,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from corral.runtime.affinity import has_media
 from corral.runtime.runner import Runner
 from corral.runtime.slotfile import CorruptEntry, common_prefix, read_tokens, token_digest
 
@@ -303,7 +304,9 @@ class KVCache:
                 with contextlib.suppress(OSError):
                     names = {p.name: p for p in self.directory.glob(f"{key}-*{SUFFIX}")}
             st = hop.restore = RestoreState(key or "", names)
-        return st.checks_left > 0 and bool(st.pending)
+        wanted = st.checks_left > 0 and bool(st.pending)
+        hop.restoring = wanted  # once not, never again for this runner: the pipeline skips it
+        return wanted
 
     async def prepare(self, hop: Hop, path: str, payload: dict[str, Any]) -> dict[str, Any]:
         """`payload` for the runner at `path`, pinned to a slot where the saved conversation its
@@ -600,17 +603,3 @@ class KVCache:
         if evaluated is None or cached is None:
             return None
         return evaluated, cached
-
-
-def has_media(payload: dict[str, Any]) -> bool:
-    """Images or audio in the request: their chunks are not text tokens corral can match."""
-    for m in payload.get("messages") or ():
-        content = m.get("content") if isinstance(m, dict) else None
-        if isinstance(content, list) and any(
-            isinstance(p, dict) and p.get("type") not in (None, "text") for p in content
-        ):
-            return True
-    prompt = payload.get("prompt")
-    return isinstance(prompt, dict) or (
-        isinstance(prompt, list) and any(isinstance(p, dict) for p in prompt)
-    )

@@ -90,6 +90,11 @@ class ModelEntry:
     nodes: tuple[str, ...] = ()
 
     @property
+    def has_defaults(self) -> bool:
+        """Whether it has defaults of its own for each request (api/defaults applies them)."""
+        return bool(self.system or self.messages or self.parameters)
+
+    @property
     def modified_at(self) -> float:
         """When the model was made: its manifest's time for a model corral made (a copy is
         new, whatever its file's age), else its file's."""
@@ -158,7 +163,9 @@ class Registry:
             except OSError:
                 return -1.0
 
-        return mtime(self.models_dir), mtime(self.models_dir / "models.toml"), self.store.stamp()
+        # corral's manifests directory changes whenever a manifest is written or removed
+        return (mtime(self.models_dir), mtime(self.models_dir / "models.toml"),
+                mtime(self.store.manifests))  # fmt: skip
 
     def _refresh(self) -> None:
         stamp = self._current_stamp()

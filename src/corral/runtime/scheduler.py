@@ -40,9 +40,8 @@ from corral.core.requests import (
     Stop,
 )
 from corral.core.spec import Layout, RunnerSpec
-from corral.runtime.hop import Hop
+from corral.runtime.hop import Hop, Lease, Ticket
 from corral.runtime.journal import Journal, Listener
-from corral.runtime.lease import Lease, Ticket
 from corral.runtime.measure import Measure, Record, Refresh, wait_for_recovery
 from corral.runtime.meter import Meter
 from corral.runtime.pagecache import resident
@@ -166,9 +165,9 @@ class Scheduler:
         slot the ticket is granted on return. SchedulerError if refused."""
         if self._closing or self._draining:
             raise SchedulerError(503, "server is shutting down", SHUTDOWN_RETRY_AFTER)
-        self._measure.start()
         now = self._clock()
         if self._core.current(model) is None:  # a load: placed on what the devices have now
+            self._measure.start()  # (from the first load on: there is nothing to measure before)
             self._measure.fresh(now)
         rid = next(self._ids)
         fut: asyncio.Future[Hop] = asyncio.get_running_loop().create_future()

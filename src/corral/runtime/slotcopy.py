@@ -35,8 +35,8 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from corral.core.gguf import ModelInfo, read_model_info
-from corral.runtime.affinity import BYTES_PER_TOKEN, CopyPays, Pick, copy_pays
-from corral.runtime.kvcache import TMP_PREFIX, KVCache, has_media, runner_key
+from corral.runtime.affinity import BYTES_PER_TOKEN, CopyPays, Pick, copy_pays, has_media
+from corral.runtime.kvcache import TMP_PREFIX, KVCache, runner_key
 
 if TYPE_CHECKING:
     from corral.runtime.hop import Hop

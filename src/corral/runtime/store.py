@@ -261,13 +261,6 @@ class Store:
             out.append(m)
         return out
 
-    def stamp(self) -> float:
-        """Changes whenever a manifest is written or removed (the directory's mtime)."""
-        try:
-            return self.manifests.stat().st_mtime_ns
-        except OSError:
-            return -1.0
-
     def write(self, manifest: Manifest) -> list[str]:
         """Write (or replace) a manifest atomically. The blobs only the replaced manifest used
         are removed; returns their paths."""

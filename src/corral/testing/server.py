@@ -8,7 +8,7 @@ import signal
 import subprocess
 import sys
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -92,9 +92,11 @@ class CorralServer:
 
 
 def start_corral(
-    models: Path, log_path: Path, env: Mapping[str, str] | None = None, timeout: float = 30.0
+    models: Path, log_path: Path, env: Mapping[str, str] | None = None, timeout: float = 30.0,
+    command: Sequence[str] = ("-m", "corral", "serve"),
 ) -> CorralServer:
-    """`corral serve` on a free loopback port, returned once it answers."""
+    """`corral serve` on a free loopback port, returned once it answers (`command`: what the
+    Python interpreter runs, for a test that wraps the server)."""
     port = free_port()
     full_env = {
         **os.environ,
@@ -107,7 +109,7 @@ def start_corral(
     }
     with open(log_path, "wb") as log:
         proc = subprocess.Popen(
-            [sys.executable, "-m", "corral", "serve"],
+            [sys.executable, *command],
             env=full_env,
             stdout=log,
             stderr=subprocess.STDOUT,
