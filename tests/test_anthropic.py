@@ -12,8 +12,8 @@ import httpx
 import orjson
 import pytest
 
-from corral.api.anthropic import sse_stream, to_chat
 from corral.api.chat import Done, Event, Text, Thinking, ToolCall, Usage
+from corral.api.families.anthropic.routes import sse_stream, to_chat
 from corral.errors import ApiError
 
 SMOL = "smollm2:135m"

@@ -104,7 +104,7 @@ def test_the_graph_is_read() -> None:
     """The reader itself: it sees a late import, a relative one and a package's module."""
     g = graph()
     assert "corral.core.devices" in g["corral.core.placement"]
-    assert "corral.api.service" in g["corral.api.openai"]
+    assert "corral.api.service" in g["corral.api.families.openai.routes"]
     assert g["corral.core.units"] == set()
     assert find_circles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [["a", "b", "c", "a"]]
 

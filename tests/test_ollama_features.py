@@ -13,7 +13,7 @@ import ollama
 import pytest
 
 from corral.api.chat import Done, Event, Text, Thinking, ToolCall, Usage
-from corral.api.ollama_chunks import OllamaChunks, merge
+from corral.api.families.ollama.render import OllamaChunks, merge
 
 SMOL = "smollm2:135m"
 PNG = (  # a 1x1 PNG

@@ -606,7 +606,7 @@ def test_a_client_that_leaves_stops_every_choice(server, http: httpx.Client) -> 
 def test_legacy_offsets_count_characters() -> None:
     # Tokens holding parts of one UTF-8 character (llama.cpp gives their bytes) add no
     # characters until it completes: offsets index the returned text.
-    from corral.api.openai import _Legacy
+    from corral.api.families.openai.routes import _Legacy
 
     legacy = _Legacy([], 1, False)
     content = [

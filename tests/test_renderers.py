@@ -13,10 +13,10 @@ from pathlib import Path
 import corral
 
 RENDERERS = {
-    "api/ollama_chunks.py",  # Ollama's NDJSON chunks
-    "api/openai.py",  # OpenAI's chat completion chunks
-    "api/anthropic.py",  # Anthropic's content-block events
-    "api/responses_output.py",  # OpenAI Responses' output items and events
+    "api/families/ollama/render.py",  # Ollama's NDJSON chunks
+    "api/families/openai/routes.py",  # OpenAI's chat completion chunks
+    "api/families/anthropic/routes.py",  # Anthropic's content-block events
+    "api/families/responses/render.py",  # OpenAI Responses' output items and events
     "api/events.py",  # Generation.collect: a whole answer
 }
 

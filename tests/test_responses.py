@@ -18,8 +18,8 @@ import pytest
 from openai.types.responses import Response, ResponseStreamEvent
 
 from corral.api.chat import Done, Event, Text, Thinking, ToolCall, Usage
-from corral.api.responses import parse_request
-from corral.api.responses_output import Builder, CustomInput, ToolRef
+from corral.api.families.responses.render import Builder, CustomInput, ToolRef
+from corral.api.families.responses.routes import parse_request
 from corral.errors import ApiError
 from corral.testing.server import CorralServer
 
@@ -669,7 +669,7 @@ CODEX: dict[str, Any] = {
 
 
 def test_codex_request_becomes_chat(caplog: pytest.LogCaptureFixture) -> None:
-    with caplog.at_level(logging.INFO, logger="corral.api.responses"):
+    with caplog.at_level(logging.INFO, logger="corral.api.families.responses.routes"):
         req = parse_request(CODEX)
     tools = {t["function"]["name"]: t["function"] for t in req.chat.tools}
     # Namespaces flattened into their functions under their own names; hosted tools left out.
@@ -694,7 +694,7 @@ def test_codex_request_becomes_chat(caplog: pytest.LogCaptureFixture) -> None:
         "apply_patch": ToolRef("apply_patch", custom=True),
     }
     # One log line names what was left out.
-    lines = [r for r in caplog.records if r.name == "corral.api.responses"]
+    lines = [r for r in caplog.records if r.name == "corral.api.families.responses.routes"]
     assert len(lines) == 1 and lines[0].levelno == logging.INFO
     msg = lines[0].getMessage()
     assert all(

@@ -384,7 +384,7 @@ def test_plain_tokens_are_written_as_the_parsed_way_writes_them(kind: str) -> No
     bytes, line for line, as parsing every event and writing every chunk with orjson."""
     import orjson
 
-    from corral.api.ollama_chunks import OllamaChunks, ollama_ndjson
+    from corral.api.families.ollama.render import OllamaChunks, ollama_ndjson
 
     reads = sse_body(LITERALS)
 

@@ -24,8 +24,8 @@ MIDDLEWARES = {"server", "logs", "api.guard", "api.activity", "api.metrics"}
 # and chat types, the service and the relay), the admission and the core's books, the hop's
 # pipeline and its policies, the runner's API.
 OLLAMA_CHAT = {
-    "api.ollama", "api.common", "api.service", "api.chat", "api.events", "api.ollama_chunks",
-    "api.stream",
+    "api.families.ollama.routes", "api.families.ollama.render",
+    "api.common", "api.service", "api.chat", "api.events", "api.stream",
     "runtime.registry", "core.gguf", "core.roles", "runtime.admission", "core.spec",
     "runtime.scheduler", "core.books", "core.requests",
     "runtime.hop", "runtime.affinity", "runtime.slotcopy", "runtime.runner_api",
@@ -34,8 +34,10 @@ OLLAMA_CHAT = {
 # The same chat through OpenAI's API, whose stream is llama.cpp's own, relayed as it is (its
 # error lines read as llama.cpp writes them)
 OPENAI_CHAT = (
-    OLLAMA_CHAT - {"api.ollama", "api.ollama_chunks", "api.events", "api.chat", "core.roles"}
-) | {"api.openai", "api.openai_checks", "runtime.runner_errors"}
+    OLLAMA_CHAT
+    - {"api.families.ollama.routes", "api.families.ollama.render", "api.events", "api.chat",
+       "core.roles"}
+) | {"api.families.openai.routes", "api.families.openai.protocol", "runtime.runner_errors"}
 
 
 @pytest.fixture(scope="module")

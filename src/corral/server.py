@@ -26,9 +26,13 @@ from uvicorn.protocols.http.auto import AutoHTTPProtocol
 import corral
 from corral import logs
 from corral.api.activity import Activity, RequestLog, note_error
-from corral.api.anthropic import Anthropic
 from corral.api.common import json_response
 from corral.api.dashboard import Dashboard, wants_html
+from corral.api.families.anthropic.routes import Anthropic
+from corral.api.families.llamacpp.routes import Native
+from corral.api.families.ollama.routes import Ollama
+from corral.api.families.openai.routes import OpenAI
+from corral.api.families.responses.routes import Responses
 from corral.api.family import OLLAMA, Families, FamilyRoute
 from corral.api.guard import (
     Gate,
@@ -38,13 +42,9 @@ from corral.api.guard import (
     loopback_bind,
     raise_open_files_limit,
 )
-from corral.api.llamacpp import Native
 from corral.api.manage import Manage
 from corral.api.metrics import MeasureRequests, Metrics
-from corral.api.ollama import Ollama
-from corral.api.openai import OpenAI
 from corral.api.rerank import Rerank
-from corral.api.responses import Responses
 from corral.api.router import Router
 from corral.api.service import Service
 from corral.config import ConfigError, Settings

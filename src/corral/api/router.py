@@ -1,7 +1,8 @@
 """llama.cpp's router-mode API, so its clients and web UI can drive corral: `GET /models` (every
 model with its status), `POST /models/load`, `POST /models/unload`, the router's event stream
 `GET /models/sse`, and corral's additions there, `POST /models` (download from Hugging Face)
-and `DELETE /models`. (llama.cpp's server API, routed by `model`, is api/llamacpp.py.)
+and `DELETE /models`. (llama.cpp's server API, routed by `model`, is
+api/families/llamacpp.)
 
 Errors take corral's plain shape (`family.OLLAMA`), as they always have on these paths.
 

@@ -32,9 +32,9 @@ from starlette.requests import Request
 from starlette.types import Message, Receive, Scope, Send
 
 import corral
-from corral.api import ollama
+from corral.api.families.llamacpp.routes import NATIVE_PATHS
+from corral.api.families.ollama import routes as ollama
 from corral.api.family import LLAMACPP, NDJSON, OLLAMA, OPENAI, SSE, Families
-from corral.api.llamacpp import NATIVE_PATHS
 from corral.cluster.membership import Cluster, Node, Relay, Usage
 from corral.cluster.placement import Choice
 from corral.cluster.relay import Broken, Unreachable, exchange

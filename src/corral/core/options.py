@@ -5,8 +5,8 @@ the runner process and which are llama.cpp sampling parameters.
 Every check, mapping and runner parameter of an option is derived from its row here: the
 request check (api/common.check_options, /api/create's parameters), the models.toml check and
 the split of a created model's parameters (runtime/registry), the runner spec
-(core/spec.runner_spec) and the sampling names (api/ollama, api/defaults). Adding an option is
-one row, plus, when it shapes the runner, a RunnerSpec field and its llama.cpp parameter
+(core/spec.runner_spec) and the sampling names (api/families/ollama, api/defaults). Adding an
+option is one row, plus, when it shapes the runner, a RunnerSpec field and its llama.cpp parameter
 (runtime/runner_child; llama-server's flag in runtime/runner), which tests/test_options.py
 checks every runner option reaches.
 """

@@ -3,7 +3,7 @@
 The request becomes a neutral `chat.Chat` (input items -> chat messages, function tools ->
 chat tools, text.format -> llama.cpp's response_format, reasoning.effort -> the template's
 enable_thinking) and the generation's events are rendered as Responses output items, streamed
-as Responses SSE events or returned whole (api/responses_output.py).
+as Responses SSE events or returned whole (api/families/responses/render.py).
 
 corral is stateless: nothing is stored, so `store` is accepted (and echoed as false) while
 `previous_response_id`, `conversation` and item references are refused with a 400 that says to
@@ -51,8 +51,8 @@ from starlette.routing import Route
 from corral.api.chat import Chat
 from corral.api.common import field as get
 from corral.api.common import json_response, model_field, read_json, until_disconnect
+from corral.api.families.responses.render import Builder, ToolRef
 from corral.api.family import RESPONSES, FamilyRoute
-from corral.api.responses_output import Builder, ToolRef
 from corral.api.service import Service
 from corral.errors import ApiError
 

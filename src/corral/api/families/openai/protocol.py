@@ -1,6 +1,6 @@
 """An OpenAI chat or completions body checked field by field, as llama.cpp will read it: a
 wrong type, range or shape is a 400 naming the field, never a parse error or a 500 from the
-runner (api/openai.py)."""
+runner (api/families/openai/routes.py)."""
 
 from __future__ import annotations
 

@@ -31,9 +31,7 @@ from corral.api.activity import note_model
 from corral.api.chat import Chat, Done, Event, Text, Thinking, ToolCall, Usage, new_id, unhandled
 from corral.api.common import field, json_response, model_field, read_json, until_disconnect
 from corral.api.events import sse_events
-from corral.api.family import OPENAI, FamilyRoute
-from corral.api.model_lists import anthropic_model, anthropic_model_list, openai_model
-from corral.api.openai_checks import (
+from corral.api.families.openai.protocol import (
     check_messages,
     check_params,
     check_prompts,
@@ -43,6 +41,8 @@ from corral.api.openai_checks import (
     stream_fields,
     tool_choice,
 )
+from corral.api.family import OPENAI, FamilyRoute
+from corral.api.model_lists import anthropic_model, anthropic_model_list, openai_model
 from corral.api.service import Resolved, Service
 from corral.api.stream import RelayResponse
 from corral.errors import ApiError

@@ -1,6 +1,7 @@
 """Ollama's answers from a generation's events: NDJSON chunks (`response` for generate,
 `message` for chat) streamed a read from the runner at a time, or merged into one answer; a
-failure mid-stream ends the stream with the family's error line (api/ollama.py has the routes).
+failure mid-stream ends the stream with the family's error line (the routes are in
+routes.py).
 """
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
 """OpenAI Responses output: a generation's events as Responses output items (reasoning,
 message, function and custom tool calls) and the `response.*` server-sent events that build
-them, streamed or whole from the same `Builder` (the request side is api/responses.py)."""
+them, streamed or whole from the same `Builder` (the request side is in routes.py)."""
 
 from __future__ import annotations
 

@@ -5,7 +5,7 @@ Generation goes through the shared layer (api/events): chat and templated genera
 neutral `Chat` (the model's chat template applies, tools and thinking included); raw prompts,
 a request's own Go `template` (rendered here, core/gotemplate), template-less models and
 fill-in-the-middle go to llama.cpp's /completion or /infill. The
-events become NDJSON chunks (api/ollama_chunks.py).
+events become NDJSON chunks (api/families/ollama/render.py).
 """
 
 from __future__ import annotations
@@ -37,8 +37,8 @@ from corral.api.common import (
     rfc3339,
     until_disconnect,
 )
+from corral.api.families.ollama.render import ns, respond
 from corral.api.family import OLLAMA, FamilyRoute
-from corral.api.ollama_chunks import ns, respond
 from corral.api.paths import entry_paths, hide_paths
 from corral.api.service import Resolved, Service
 from corral.config import ConfigError, parse_duration
