@@ -13,7 +13,7 @@ import ollama
 import orjson
 import pytest
 
-from corral.api.families.anthropic.routes import to_chat
+from corral.api.families.anthropic.protocol import to_chat
 from corral.api.model_lists import anthropic_model_list as model_list
 from corral.core.roles import place_system, renders_later_system
 from corral.errors import ApiError

@@ -13,7 +13,8 @@ import orjson
 import pytest
 
 from corral.api.chat import Done, Event, Text, Thinking, ToolCall, Usage
-from corral.api.families.anthropic.routes import sse_stream, to_chat
+from corral.api.families.anthropic.protocol import to_chat
+from corral.api.families.anthropic.render import sse_stream
 from corral.errors import ApiError
 
 SMOL = "smollm2:135m"

@@ -606,9 +606,9 @@ def test_a_client_that_leaves_stops_every_choice(server, http: httpx.Client) -> 
 def test_legacy_offsets_count_characters() -> None:
     # Tokens holding parts of one UTF-8 character (llama.cpp gives their bytes) add no
     # characters until it completes: offsets index the returned text.
-    from corral.api.families.openai.routes import _Legacy
+    from corral.api.families.openai.render import Legacy
 
-    legacy = _Legacy([], 1, False)
+    legacy = Legacy([], 1, False)
     content = [
         {"token": "h", "bytes": [104], "logprob": -1.0, "top_logprobs": []},
         {"token": "\ufffd", "bytes": [230], "logprob": -2.0, "top_logprobs": []},

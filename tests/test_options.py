@@ -11,7 +11,7 @@ from typing import Any
 import pytest
 
 from corral.api.common import check_options
-from corral.api.families.ollama import routes as ollama
+from corral.api.families.ollama import protocol as ollama
 from corral.api.manage import check_parameters
 from corral.config import Settings
 from corral.core.gguf import read_model_info

@@ -14,8 +14,8 @@ import corral
 
 RENDERERS = {
     "api/families/ollama/render.py",  # Ollama's NDJSON chunks
-    "api/families/openai/routes.py",  # OpenAI's chat completion chunks
-    "api/families/anthropic/routes.py",  # Anthropic's content-block events
+    "api/families/openai/render.py",  # OpenAI's chat completion chunks
+    "api/families/anthropic/render.py",  # Anthropic's content-block events
     "api/families/responses/render.py",  # OpenAI Responses' output items and events
     "api/events.py",  # Generation.collect: a whole answer
 }

@@ -10,25 +10,26 @@ and rebuilt here:
 - `n` > 1: n generations on n leased slots (seed+i), merged into one answer or one stream.
 - completions `logprobs` / `echo`: llama.cpp's chat-style logprobs become the legacy shape.
 - embeddings `dimensions` / `encoding_format: "base64"`: truncated, renormalised, encoded here.
+
+The checks of a request's fields are in protocol.py; the chunks the shared events render to,
+the legacy completions' shape and the merged stream of n choices are in render.py.
 """
 
 from __future__ import annotations
 
 import asyncio
-import codecs
 import sys
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any, TypeVar
 
-import orjson
 from starlette.requests import Request
 from starlette.responses import Response
 from starlette.routing import Route
 
 from corral.api import defaults, embed
 from corral.api.activity import note_model
-from corral.api.chat import Chat, Done, Event, Text, Thinking, ToolCall, Usage, new_id, unhandled
+from corral.api.chat import Chat, Usage, new_id
 from corral.api.common import field, json_response, model_field, read_json, until_disconnect
 from corral.api.events import sse_events
 from corral.api.families.openai.protocol import (
@@ -41,10 +42,21 @@ from corral.api.families.openai.protocol import (
     stream_fields,
     tool_choice,
 )
+from corral.api.families.openai.render import (
+    Fan,
+    FanStream,
+    Legacy,
+    add_usage,
+    chat_logprobs,
+    choice_chunk,
+    chunks_of,
+    fan_stream,
+    prepend,
+    usage_object,
+)
 from corral.api.family import OPENAI, FamilyRoute
 from corral.api.model_lists import anthropic_model, anthropic_model_list, openai_model
 from corral.api.service import Resolved, Service
-from corral.api.stream import RelayResponse
 from corral.errors import ApiError
 from corral.runtime.continuation import Upstream
 from corral.runtime.hop import Lease
@@ -147,9 +159,9 @@ class OpenAI:
                 for c in res.tool_calls
             ]  # fmt: skip
         return {
-            "choices": [{"index": 0, "message": message, "logprobs": _chat_logprobs(res.logprobs),
+            "choices": [{"index": 0, "message": message, "logprobs": chat_logprobs(res.logprobs),
                          "finish_reason": res.done.reason}],
-            "usage": _usage(res.done.usage),
+            "usage": usage_object(res.done.usage),
         }  # fmt: skip
 
     async def _forced_chunks(
@@ -157,9 +169,9 @@ class OpenAI:
     ) -> AsyncIterator[dict[str, Any]]:
         gen = await self.svc.generate(request, r, chat, {}, None)
         try:
-            yield _chunk({"role": "assistant", "content": None})
+            yield choice_chunk({"role": "assistant", "content": None})
             async for ev in gen.events():
-                for c in _chunks(ev):
+                for c in chunks_of(ev):
                     yield c
         finally:
             gen.close()
@@ -194,8 +206,8 @@ class OpenAI:
         if k is not None:
             upstream["logprobs"] = max(k, 1)  # llama.cpp returns none at 0; the sampled token
 
-        def legacy() -> _Legacy | None:
-            return _Legacy(prompts, k, echo) if k is not None or echo else None
+        def legacy() -> Legacy | None:
+            return Legacy(prompts, k, echo) if k is not None or echo else None
 
         def whole(i: int) -> Awaitable[dict[str, Any]]:
             payload = {**_seeded(upstream, seed, i), "stream": False}
@@ -256,7 +268,7 @@ class OpenAI:
         r: Resolved,
         path: str,
         payload: dict[str, Any],
-        legacy: _Legacy | None = None,
+        legacy: Legacy | None = None,
     ) -> dict[str, Any]:
 
         async def send(lease: Lease) -> dict[str, Any]:
@@ -280,7 +292,7 @@ class OpenAI:
         r: Resolved,
         path: str,
         payload: dict[str, Any],
-        legacy: _Legacy | None = None,
+        legacy: Legacy | None = None,
     ) -> AsyncIterator[dict[str, Any]]:
         payload = {**payload, "stream_options": {"include_usage": True}}
 
@@ -319,12 +331,12 @@ class OpenAI:
     ) -> Response:
         """n whole answers, one choice each (one per prompt for several), as one answer."""
         results = await until_disconnect(request, _gather([whole(i) for i in range(n)]))
-        choices, usage = [], _usage(Usage())
+        choices, usage = [], usage_object(Usage())
         for i, res in enumerate(results):
             for c in res.get("choices") or ():
                 c["index"] = int(c.get("index") or 0) * n + i  # prompt-major, as OpenAI orders
                 choices.append(c)
-            _add_usage(usage, res.get("usage"))
+            add_usage(usage, res.get("usage"))
         choices.sort(key=lambda c: c["index"])
         out: dict[str, Any] = {"id": new_id(prefix), "object": obj, "created": int(time.time()),
                                "model": r.requested}  # fmt: skip
@@ -349,14 +361,14 @@ class OpenAI:
         """n streamed generations as one SSE stream, each chunk carrying its choice's index.
         The first chunk is awaited before the response starts, so that a failure to start
         (unknown tool, full queue, a runner that refuses the request) is an HTTP error."""
-        fan = _Fan([chunks(i) for i in range(n)])
-        body = _render(fan, n, obj, new_id(prefix), r.requested, include_usage)
+        fan = Fan([chunks(i) for i in range(n)])
+        body = fan_stream(fan, n, obj, new_id(prefix), r.requested, include_usage)
         try:
             first = await until_disconnect(request, anext(body))
         except BaseException:
             fan.close()
             raise
-        return _FanStream(_prepend(first, body), fan)
+        return FanStream(prepend(first, body), fan)
 
     # ---- models ----------------------------------------------------------------------------
     async def models(self, request: Request) -> Response:
@@ -386,254 +398,6 @@ def _ends_in_tool_calls(data: dict[str, Any]) -> bool:
 def _seeded(params: dict[str, Any], seed: int | None, i: int) -> dict[str, Any]:
     """Choice i's parameters: its own seed, so that seeded choices differ yet reproduce."""
     return params if seed is None else {**params, "seed": seed + i}
-
-
-# ---- rendering -----------------------------------------------------------------------------
-
-
-def _usage(u: Usage) -> dict[str, Any]:
-    return {
-        "prompt_tokens": u.prompt_tokens,
-        "completion_tokens": u.completion_tokens,
-        "total_tokens": u.prompt_tokens + u.completion_tokens,
-        "prompt_tokens_details": {"cached_tokens": u.cached_tokens},
-    }
-
-
-def _add_usage(total: dict[str, Any], u: Any) -> None:
-    if not isinstance(u, dict):
-        return
-    for key in ("prompt_tokens", "completion_tokens", "total_tokens"):
-        total[key] += int(u.get(key) or 0)
-    details = u.get("prompt_tokens_details") or {}
-    total["prompt_tokens_details"]["cached_tokens"] += int(details.get("cached_tokens") or 0)
-
-
-def _chunk(
-    delta: dict[str, Any], finish: str | None = None, logprobs: dict[str, Any] | None = None
-) -> dict[str, Any]:
-    return {"choices": [{"index": 0, "delta": delta, "logprobs": logprobs,
-                         "finish_reason": finish}]}  # fmt: skip
-
-
-def _chunks(ev: Event) -> list[dict[str, Any]]:
-    """The chat completion chunks an event renders to."""
-    match ev:
-        case Text():
-            return [_chunk({"content": ev.text}, None, _chat_logprobs(ev.logprobs))]
-        case Thinking():
-            return [_chunk({"reasoning_content": ev.text})]
-        case ToolCall():
-            call: dict[str, Any] = {"index": ev.index}
-            if ev.id:
-                call["id"] = ev.id
-                call["type"] = "function"
-            call["function"] = ({"name": ev.name, "arguments": ev.arguments} if ev.name
-                                else {"arguments": ev.arguments})  # fmt: skip
-            return [_chunk({"tool_calls": [call]})]
-        case Done():
-            return [_chunk({}, ev.reason), {"choices": [], "usage": _usage(ev.usage)}]
-        case _:
-            unhandled(ev)
-
-
-def _chat_logprobs(entries: Sequence[dict[str, Any]]) -> dict[str, Any] | None:
-    return {"content": list(entries)} if entries else None
-
-
-class _Cursor:
-    """Character offsets of tokens in the text they make up. A token can hold part of a UTF-8
-    character (llama.cpp then gives its bytes): it adds no characters until one completes."""
-
-    def __init__(self, at: int = 0) -> None:
-        self.at = at
-        self.decoder = codecs.getincrementaldecoder("utf-8")("replace")
-
-    def advance(self, data: bytes) -> int:
-        """The offset of a token with these bytes, moving past it."""
-        start = self.at
-        self.at += len(self.decoder.decode(data))
-        return start
-
-
-def _token_bytes(token: Any) -> bytes:
-    # llama.cpp gives a token that is not valid UTF-8 on its own as a list of byte values.
-    return bytes(token) if isinstance(token, list) else str(token).encode()
-
-
-class _Legacy:
-    """One generation's completions in OpenAI's legacy shape: the echoed prompt before the
-    text, and logprobs as parallel lists (tokens, token_logprobs, top_logprobs, text_offset)
-    instead of llama.cpp's chat-style `content` list.
-
-    llama.cpp cannot score prompt tokens, so an echoed prompt's tokens (as the model's
-    tokenizer splits its text) come with null token_logprobs and top_logprobs."""
-
-    def __init__(self, prompts: list[str | list[int]], k: int | None, echo: bool) -> None:
-        self.prompts = prompts
-        self.k = k
-        self.echo = echo
-        self.prefix: list[tuple[str, dict[str, Any] | None]] = []  # per prompt: text, logprobs
-        self.cursors: dict[int, _Cursor] = {}  # per prompt: where its next token starts
-
-    async def prepare(self, svc: Service, lease: Lease) -> None:
-        if not self.echo:
-            return
-        for p in self.prompts:
-            if isinstance(p, str):
-                text = p
-            else:
-                detok = await lease.hop.api.post_json("/detokenize", {"tokens": p})
-                text = detok["content"]
-            lp = None
-            if self.k is not None:
-                toks = await lease.hop.api.post_json(
-                    "/tokenize", {"content": text, "with_pieces": True}
-                )
-                pieces = [_token_bytes(t.get("piece", "")) for t in toks.get("tokens") or ()]
-                cursor = _Cursor()
-                lp = {
-                    "tokens": [b.decode(errors="replace") for b in pieces],
-                    "token_logprobs": [None] * len(pieces),
-                    "top_logprobs": [None] * len(pieces),
-                    "text_offset": [cursor.advance(b) for b in pieces],
-                }
-            self.prefix.append((text, lp))
-
-    def _convert(self, choice: dict[str, Any]) -> None:
-        p = int(choice.get("index") or 0)
-        cursor = self.cursors.get(p)
-        if cursor is None:  # the generated text starts after the echoed prompt
-            start = len(self.prefix[p][0]) if p < len(self.prefix) else 0
-            cursor = self.cursors[p] = _Cursor(start)
-        lp = choice.get("logprobs")
-        content = lp.get("content") if isinstance(lp, dict) else None
-        if self.k is not None and content is not None:
-            out: dict[str, list[Any]] = {
-                "tokens": [], "token_logprobs": [], "top_logprobs": [], "text_offset": [],
-            }  # fmt: skip
-            for t in content:
-                token = str(t.get("token", ""))
-                top = {
-                    str(x.get("token", "")): x.get("logprob")
-                    for x in (t.get("top_logprobs") or ())[: self.k]
-                }
-                top.setdefault(token, t.get("logprob"))  # OpenAI: the top k plus the sampled
-                out["tokens"].append(token)
-                out["token_logprobs"].append(t.get("logprob"))
-                out["top_logprobs"].append(top)
-                out["text_offset"].append(cursor.advance(_token_bytes(t.get("bytes", token))))
-            choice["logprobs"] = out
-        else:
-            choice["logprobs"] = None
-        choice["text"] = str(choice.get("text") or "")
-
-    def whole(self, data: dict[str, Any]) -> None:
-        for choice in data.get("choices") or ():
-            p = int(choice.get("index") or 0)
-            self._convert(choice)
-            if self.echo and p < len(self.prefix):
-                text, plp = self.prefix[p]
-                choice["text"] = text + choice["text"]
-                lp = choice.get("logprobs")
-                if plp is not None:
-                    lp = lp or {key: [] for key in plp}
-                    choice["logprobs"] = {key: plp[key] + lp[key] for key in plp}
-
-    def head(self) -> list[dict[str, Any]]:
-        """Streamed: one chunk per prompt with the echoed prompt, before the generated text."""
-        return [
-            {"choices": [{"text": text, "index": p, "logprobs": lp, "finish_reason": None}]}
-            for p, (text, lp) in enumerate(self.prefix)
-        ]
-
-    def chunk(self, data: dict[str, Any]) -> None:
-        for choice in data.get("choices") or ():
-            self._convert(choice)
-
-
-class _Fan:
-    """n chunk sources pumped concurrently into one queue, tagged with their choice index."""
-
-    def __init__(self, sources: list[AsyncIterator[dict[str, Any]]]) -> None:
-        self.n = len(sources)
-        self.queue: asyncio.Queue[tuple[int, dict[str, Any] | BaseException | None]] = (
-            asyncio.Queue()
-        )
-        self.tasks = [asyncio.ensure_future(self._pump(i, s)) for i, s in enumerate(sources)]
-
-    async def _pump(self, i: int, source: AsyncIterator[dict[str, Any]]) -> None:
-        try:
-            async for chunk in source:
-                self.queue.put_nowait((i, chunk))
-        except Exception as e:  # handed to the reader, which reports it
-            self.queue.put_nowait((i, e))
-        else:
-            self.queue.put_nowait((i, None))
-
-    async def __aiter__(self) -> AsyncIterator[tuple[int, dict[str, Any]]]:
-        left = self.n
-        while left:
-            i, item = await self.queue.get()
-            if item is None:
-                left -= 1
-            elif isinstance(item, BaseException):
-                raise item
-            else:
-                yield i, item
-
-    def close(self) -> None:
-        """Stop every generation: their leases go back and the runner stops generating."""
-        for t in self.tasks:
-            t.cancel()
-
-
-async def _render(
-    fan: _Fan, n: int, obj: str, ident: str, model: str, include_usage: bool
-) -> AsyncIterator[bytes]:
-    """The merged SSE stream. An error before the first chunk is raised (an HTTP error);
-    after it, it is reported in the stream as OpenAI does."""
-    created = int(time.time())
-    usage = _usage(Usage())
-    sent = False
-    try:
-        async for i, chunk in fan:
-            _add_usage(usage, chunk.pop("usage", None))
-            choices = chunk.get("choices")
-            if not choices:
-                continue
-            for c in choices:
-                c["index"] = int(c.get("index") or 0) * n + i
-            chunk.update(id=ident, object=obj, created=created, model=model)
-            sent = True
-            yield b"data: " + orjson.dumps(chunk) + b"\n\n"
-    except ApiError as e:
-        if not sent:
-            raise
-        yield OPENAI.event(e)
-        return
-    if include_usage:
-        last = {"id": ident, "object": obj, "created": created, "model": model,
-                "choices": [], "usage": usage}  # fmt: skip
-        yield b"data: " + orjson.dumps(last) + b"\n\n"
-    yield b"data: [DONE]\n\n"
-
-
-async def _prepend(first: bytes, rest: AsyncIterator[bytes]) -> AsyncIterator[bytes]:
-    yield first
-    async for chunk in rest:
-        yield chunk
-
-
-class _FanStream(RelayResponse):
-    """Streams a fan-out; every generation is stopped however the response ends."""
-
-    def __init__(self, body: AsyncIterator[bytes], fan: _Fan) -> None:
-        super().__init__(body, OPENAI.media_type)
-        self.fan = fan
-
-    async def close(self) -> None:
-        self.fan.close()
 
 
 async def _gather(aws: list[Awaitable[T]]) -> list[T]:
