@@ -73,7 +73,9 @@ OLLAMA = Family(
 def openai_error(e: ApiError) -> dict[str, Any]:
     """The object under OpenAI's `error` key."""
     kind = "invalid_request_error" if e.status < 500 else "server_error"
-    code = "model_not_found" if e.status == 404 and e.param == "model" else None
+    code = e.code
+    if code is None and e.status == 404 and e.param == "model":
+        code = "model_not_found"
     return {"message": e.message, "type": kind, "param": e.param, "code": code}
 
 
