@@ -444,13 +444,6 @@ def test_input_items_become_chat_messages() -> None:
 # ---- errors ------------------------------------------------------------------------------
 
 
-def test_previous_response_id_is_refused(openai_client: openai.OpenAI) -> None:
-    with pytest.raises(openai.BadRequestError) as e:
-        openai_client.responses.create(model=SMOL, input="x", previous_response_id="resp_123")
-    assert "previous_response_id" in e.value.message
-    assert isinstance(e.value.body, dict) and e.value.body["param"] == "previous_response_id"
-
-
 def test_unknown_tool_type_is_refused(openai_client: openai.OpenAI) -> None:
     with pytest.raises(openai.BadRequestError) as e:
         openai_client.responses.create(model=SMOL, input="x", tools=[{"type": "teleport"}])  # type: ignore[misc,list-item]

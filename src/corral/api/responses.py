@@ -5,9 +5,11 @@ chat tools, text.format -> llama.cpp's response_format, reasoning.effort -> the 
 enable_thinking) and the generation's events are rendered as Responses output items, streamed
 as Responses SSE events or returned whole (api/responses_output.py).
 
-corral is stateless: nothing is stored, so `store` is accepted (and echoed as false) while
-`previous_response_id`, `conversation` and item references are refused with a 400 that says to
-send the whole conversation in `input`.
+Responses are stored as OpenAI stores them (`store`, true by default): `previous_response_id`
+continues a stored response's conversation, and `GET`/`DELETE /v1/responses/{id}` and
+`/input_items` read and delete them (api/responses_stored.py, runtime/response_store.py).
+`conversation` objects and item references are refused with a 400 that says to send the
+conversation in `input` or continue it with `previous_response_id`.
 
 Tools, as agents such as the Codex CLI send them (in `tools` and in `additional_tools` input
 items):
@@ -53,8 +55,10 @@ from corral.api.common import field as get
 from corral.api.common import json_response, model_field, read_json, until_disconnect
 from corral.api.family import RESPONSES, FamilyRoute
 from corral.api.responses_output import Builder, ToolRef
+from corral.api.responses_stored import StoredResponses, previous_id, stored_items
 from corral.api.service import Service
 from corral.errors import ApiError
+from corral.runtime.response_store import ResponseStore, Stored
 
 log = logging.getLogger(__name__)
 
@@ -80,6 +84,8 @@ class Parsed:
     chat: Chat
     echo: dict[str, Any] = field(default_factory=dict)
     tools: dict[str, ToolRef] = field(default_factory=dict)  # by the name the model sees
+    store: bool = True
+    items: list[dict[str, Any]] = field(default_factory=list)  # the input as stored
 
 
 @dataclass
@@ -102,17 +108,27 @@ class Tools:
 
 
 class Responses:
-    def __init__(self, service: Service) -> None:
+    def __init__(self, service: Service, store: ResponseStore | None = None) -> None:
         self.svc = service
+        self.stored = StoredResponses(store if store is not None else ResponseStore(None))
 
     def routes(self) -> list[Route]:
-        return [FamilyRoute(RESPONSES, "/v1/responses", self.create, ["POST"])]
+        return [
+            FamilyRoute(RESPONSES, "/v1/responses", self.create, ["POST"]),
+            *self.stored.routes(),
+        ]
 
     async def create(self, request: Request) -> Response:
-        req = parse_request(await read_json(request))
+        body = await read_json(request)
+        previous = previous_id(body)
+        base = self.stored.previous(previous) if previous is not None else None
+        req = parse_request(body, base)
         r = self.svc.resolve(req.model)
         gen = await self.svc.generate(request, r, req.chat, options={}, keep_alive=None)
-        out = Builder(req.model, req.echo, req.tools)
+        store = self.stored.store
+        # Kept as it ends, whole or streamed, whatever its status.
+        keep = (lambda resp: store.put(resp, req.items, base)) if req.store else None
+        out = Builder(req.model, req.echo, req.tools, on_end=keep)
         if req.stream:
             return gen.response(out.sse, RESPONSES)
         try:
@@ -125,21 +141,16 @@ class Responses:
 # ---- the request ---------------------------------------------------------------------------
 
 
-def parse_request(body: dict[str, Any]) -> Parsed:
-    """The body checked field by field (400 naming the field) and turned into a Chat."""
+def parse_request(body: dict[str, Any], base: Stored | None = None) -> Parsed:
+    """The body checked field by field (400 naming the field) and turned into a Chat; `base`:
+    the stored response it continues (`previous_response_id`)."""
     model = model_field(body)
     stream = get(body, "stream", bool, False)
-    if get(body, "previous_response_id", str):
-        raise ApiError(
-            400,
-            "corral does not store responses, so 'previous_response_id' cannot be used: "
-            "send the whole conversation in 'input'",
-            "previous_response_id",
-        )
     if body.get("conversation") is not None:
         raise ApiError(
             400,
-            "corral does not store conversations: send the whole conversation in 'input'",
+            "conversation objects are not supported by corral: send the conversation in "
+            "'input', or continue a stored response with 'previous_response_id'",
             "conversation",
         )
     if get(body, "background", bool):
@@ -149,7 +160,13 @@ def parse_request(body: dict[str, Any]) -> Parsed:
 
     instructions = get(body, "instructions", str)
     tools = parse_tools([("tools", get(body, "tools", list, [])), *additional_tools(body)])
-    messages = input_messages(body.get("input"), tools)
+    messages = input_messages(body.get("input"), tools)  # errors name the request's own items
+    own: str | list[Any] = body["input"]  # a string or a list: checked
+    if base is not None:
+        # The stored conversation and then the new input, read as one (a tool output names
+        # its call from the earlier turn), so the prompt continues the earlier one.
+        items = [{"role": "user", "content": own}] if isinstance(own, str) else own
+        messages = input_messages([*base.conversation(), *items], tools)
     if instructions:
         messages.insert(0, {"role": "system", "content": instructions})
     messages = merge_leading_system(messages)
@@ -187,11 +204,11 @@ def parse_request(body: dict[str, Any]) -> Parsed:
     if parallel is not None and tools.chat:
         params["parallel_tool_calls"] = parallel
 
+    store = get(body, "store", bool, True)  # OpenAI's default: kept
     # Accepted and echoed; corral has nothing to do with them.
     metadata = get(body, "metadata", dict, {})
     if not all(isinstance(v, str) for v in metadata.values()):
         raise ApiError(400, "invalid type for 'metadata': values must be strings", "metadata")
-    get(body, "store", bool)
     get(body, "stream_options", dict)
     truncation = get(body, "truncation", str, "disabled")
     echo = {
@@ -200,10 +217,10 @@ def parse_request(body: dict[str, Any]) -> Parsed:
         "max_tool_calls": get(body, "max_tool_calls", int),
         "metadata": metadata,
         "parallel_tool_calls": True if parallel is None else parallel,
-        "previous_response_id": None,
+        "previous_response_id": base.id if base is not None else None,
         "reasoning": {"effort": effort, "summary": reasoning.get("summary")},
         "service_tier": get(body, "service_tier", str, "default"),
-        "store": False,  # whatever was asked: nothing is kept
+        "store": store,
         "temperature": params.get("temperature"),
         "text": {**text, "format": fmt},
         "tool_choice": echo_choice,
@@ -215,7 +232,9 @@ def parse_request(body: dict[str, Any]) -> Parsed:
         "safety_identifier": get(body, "safety_identifier", str),
         "prompt_cache_key": get(body, "prompt_cache_key", str),
     }
-    return Parsed(model, stream, Chat(messages, tools.chat, choice, params), echo, tools.refs)
+    chat = Chat(messages, tools.chat, choice, params)
+    items = stored_items(own) if store else []
+    return Parsed(model, stream, chat, echo, tools.refs, store, items)
 
 
 def input_messages(value: Any, tools: Tools | None = None) -> list[dict[str, Any]]:
@@ -286,8 +305,8 @@ def input_messages(value: Any, tools: Tools | None = None) -> list[dict[str, Any
         elif kind == "item_reference":
             raise ApiError(
                 400,
-                f"'{where}': corral does not store items, so item references cannot be "
-                "used: send the item itself",
+                f"'{where}': item references are not supported by corral: send the item "
+                "itself, or continue a stored response with 'previous_response_id'",
                 "input",
             )
         else:
