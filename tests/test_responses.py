@@ -18,8 +18,8 @@ import pytest
 from openai.types.responses import Response, ResponseStreamEvent
 
 from corral.api.chat import Done, Event, Text, Thinking, ToolCall, Usage
+from corral.api.families.responses.protocol import parse_request
 from corral.api.families.responses.render import Builder, CustomInput, ToolRef
-from corral.api.families.responses.routes import parse_request
 from corral.errors import ApiError
 from corral.testing.server import CorralServer
 
@@ -444,13 +444,6 @@ def test_input_items_become_chat_messages() -> None:
 # ---- errors ------------------------------------------------------------------------------
 
 
-def test_previous_response_id_is_refused(openai_client: openai.OpenAI) -> None:
-    with pytest.raises(openai.BadRequestError) as e:
-        openai_client.responses.create(model=SMOL, input="x", previous_response_id="resp_123")
-    assert "previous_response_id" in e.value.message
-    assert isinstance(e.value.body, dict) and e.value.body["param"] == "previous_response_id"
-
-
 def test_unknown_tool_type_is_refused(openai_client: openai.OpenAI) -> None:
     with pytest.raises(openai.BadRequestError) as e:
         openai_client.responses.create(model=SMOL, input="x", tools=[{"type": "teleport"}])  # type: ignore[misc,list-item]
@@ -669,7 +662,7 @@ CODEX: dict[str, Any] = {
 
 
 def test_codex_request_becomes_chat(caplog: pytest.LogCaptureFixture) -> None:
-    with caplog.at_level(logging.INFO, logger="corral.api.families.responses.routes"):
+    with caplog.at_level(logging.INFO, logger="corral.api.families.responses.protocol"):
         req = parse_request(CODEX)
     tools = {t["function"]["name"]: t["function"] for t in req.chat.tools}
     # Namespaces flattened into their functions under their own names; hosted tools left out.
@@ -694,7 +687,7 @@ def test_codex_request_becomes_chat(caplog: pytest.LogCaptureFixture) -> None:
         "apply_patch": ToolRef("apply_patch", custom=True),
     }
     # One log line names what was left out.
-    lines = [r for r in caplog.records if r.name == "corral.api.families.responses.routes"]
+    lines = [r for r in caplog.records if r.name == "corral.api.families.responses.protocol"]
     assert len(lines) == 1 and lines[0].levelno == logging.INFO
     msg = lines[0].getMessage()
     assert all(

@@ -14,9 +14,11 @@ class ApiError(Exception):
         message: str,
         param: str | None = None,
         retry_after: float | None = None,
+        code: str | None = None,
     ) -> None:
         super().__init__(message)
         self.status = status
         self.message = message
         self.param = param
         self.retry_after = retry_after  # seconds: sent as Retry-After (503 when busy)
+        self.code = code  # a machine-readable code where the API has one (OpenAI's `code`)

@@ -54,6 +54,7 @@ from corral.runtime.devices import cpu_cores, discover, refresh
 from corral.runtime.hop import RunnerClient
 from corral.runtime.kvcache import KVCache
 from corral.runtime.registry import BUILTIN_NAME, Registry
+from corral.runtime.response_store import ResponseStore, journal_path
 from corral.runtime.runner import Runner
 from corral.runtime.runner_build import installed_gpu_runner
 from corral.runtime.runner_devices import choose_runner
@@ -200,7 +201,7 @@ def create_app(settings: Settings, devices: list[Device] | None = None) -> Starl
         *Ollama(service).routes(),
         *OpenAI(service).routes(),
         *Anthropic(service).routes(),
-        *Responses(service).routes(),
+        *Responses(service, ResponseStore(journal_path(settings.models_dir))).routes(),
         *Rerank(service).routes(),
         *Router(service, manage).routes(),
         *Native(service).routes(),

@@ -73,7 +73,9 @@ OLLAMA = Family(
 def openai_error(e: ApiError) -> dict[str, Any]:
     """The object under OpenAI's `error` key."""
     kind = "invalid_request_error" if e.status < 500 else "server_error"
-    code = "model_not_found" if e.status == 404 and e.param == "model" else None
+    code = e.code
+    if code is None and e.status == 404 and e.param == "model":
+        code = "model_not_found"
     return {"message": e.message, "type": kind, "param": e.param, "code": code}
 
 
@@ -90,7 +92,7 @@ OPENAI = Family(
 def _response_failed(e: ApiError) -> bytes:
     """A stream cut short where nothing of the response is known (the cluster entry); a
     stream that has a response renders it failed with what it had
-    (responses_output.Builder.fail)."""
+    (families/responses/render.Builder.fail)."""
     fail = {"status": "failed", "error": {"code": "server_error", "message": e.message}}
     return sse("response.failed", {"type": "response.failed", "response": fail})
 

@@ -7,7 +7,7 @@ from __future__ import annotations
 import json
 import re
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -35,13 +35,22 @@ class Builder:
 
     `tools` maps the names the model sees to the client's tools: a call to a namespace's
     member comes back under its own name with its `namespace`, one to a custom tool as a
-    `custom_tool_call`."""
+    `custom_tool_call`.
+
+    `on_end` gets the final response object (completed, incomplete or failed) before the event
+    that carries it is sent: a client that continues from it at once finds it stored."""
 
     def __init__(
-        self, model: str, echo: dict[str, Any], tools: dict[str, ToolRef] | None = None
+        self,
+        model: str,
+        echo: dict[str, Any],
+        tools: dict[str, ToolRef] | None = None,
+        on_end: Callable[[dict[str, Any]], object] | None = None,
     ) -> None:
         self.id = new_id("resp_")
         self.created_at = int(time.time())
+        self.completed_at: int | None = None
+        self.on_end = on_end
         self.model = model
         self.echo = echo
         self.tools = tools or {}
@@ -181,7 +190,8 @@ class Builder:
         if not self.items:  # clients read output[0]: an empty answer is an empty message
             out += self._open_message()
         out += self._close("incomplete" if done.reason == "length" else "completed")
-        snapshot = self.response()
+        self.completed_at = int(time.time())
+        snapshot = self._ended()
         kind = "response.incomplete" if snapshot["status"] == "incomplete" else "response.completed"
         return [*out, self._ev(kind, response=snapshot)]
 
@@ -191,7 +201,13 @@ class Builder:
         if self.open is not None:
             self.open["status"] = "incomplete"
             self.open = None
-        return [self._ev("response.failed", response=self.response())]
+        return [self._ev("response.failed", response=self._ended())]
+
+    def _ended(self) -> dict[str, Any]:
+        snapshot = self.response()
+        if self.on_end is not None:
+            self.on_end(snapshot)
+        return snapshot
 
     # -- items --------------------------------------------------------------------------------
     def _is_open(self, kind: str) -> bool:
@@ -309,7 +325,7 @@ class Builder:
             "created_at": self.created_at,
             "status": status,
             "background": False,
-            "completed_at": int(time.time()) if status == "completed" else None,
+            "completed_at": self.completed_at if status == "completed" else None,
             "error": None
             if self.error is None
             else {"code": "server_error", "message": self.error},
