@@ -84,7 +84,8 @@ def model(tmp_path_factory: pytest.TempPathFactory) -> Path:
 RUNNER_VALUES = {"num_ctx": 300, "num_batch": 64, "num_gpu": 3, "main_gpu": 1, "num_thread": 1,
                  "use_mmap": False, "use_mlock": True, "num_parallel": 3, "flash_attn": "off",
                  "n_cpu_moe": 1, "kv_cache_type": "q8_0",
-                 "speculative": "ngram-simple"}  # fmt: skip
+                 "speculative": "ngram-simple", "draft": "/draft.gguf", "draft_max": 8,
+                 "draft_min": 2}  # fmt: skip
 
 
 def test_every_runner_option_shapes_the_spec(model: Path) -> None:

@@ -24,7 +24,7 @@ MIDDLEWARES = {"server", "logs", "api.guard", "api.activity", "api.metrics"}
 # and chat types, the service and the relay), the admission and the core's books, the hop's
 # pipeline and its policies, the runner's API.
 OLLAMA_CHAT = {
-    "api.families.ollama.routes", "api.families.ollama.render",
+    "api.families.ollama.routes", "api.families.ollama.protocol", "api.families.ollama.render",
     "api.common", "api.service", "api.chat", "api.events", "api.stream",
     "runtime.registry", "core.gguf", "core.roles", "runtime.admission", "core.spec",
     "runtime.scheduler", "core.books", "core.requests",
@@ -35,8 +35,8 @@ OLLAMA_CHAT = {
 # error lines read as llama.cpp writes them)
 OPENAI_CHAT = (
     OLLAMA_CHAT
-    - {"api.families.ollama.routes", "api.families.ollama.render", "api.events", "api.chat",
-       "core.roles"}
+    - {"api.families.ollama.routes", "api.families.ollama.protocol", "api.families.ollama.render",
+       "api.events", "api.chat", "core.roles"}
 ) | {"api.families.openai.routes", "api.families.openai.protocol", "runtime.runner_errors"}
 
 
@@ -75,7 +75,7 @@ def test_a_warm_streamed_ollama_chat(traced: CorralServer) -> None:
     later = {**chat, "messages": [{"role": "user", "content": "hello there"}]}
     mods = _request_modules(traced, [("/api/chat", chat), ("/api/chat", later)])
     assert mods == OLLAMA_CHAT, (sorted(mods - OLLAMA_CHAT), sorted(OLLAMA_CHAT - mods))
-    assert len(mods) == 21
+    assert len(mods) == 22
 
 
 def test_a_warm_streamed_openai_chat(traced: CorralServer) -> None:

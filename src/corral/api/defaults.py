@@ -18,7 +18,7 @@ from dataclasses import replace
 from typing import Any
 
 from corral.api.chat import Chat
-from corral.core.options import REQUEST_OPTIONS, SAMPLING
+from corral.core.options import MODEL_OPTIONS, REQUEST_OPTIONS, SAMPLING
 from corral.runtime.registry import ModelEntry
 
 LENGTH_KEYS = ("n_predict", "max_tokens", "max_completion_tokens")
@@ -130,9 +130,10 @@ def modelfile(entry: ModelEntry, params: Mapping[str, Any]) -> str:
         lines.append(f"TEMPLATE {_quoted(entry.template)}")
     if entry.system is not None:
         lines.append(f"SYSTEM {_quoted(entry.system)}")
-    # A model's own runner settings (models.toml's num_parallel, ...) are no create parameters:
-    # they come with FROM, and are shown as comments.
-    lines += [f"{'' if k in REQUEST_OPTIONS else '# '}PARAMETER {k} {v}" for k, v in _pairs(params)]
+    # A model's own runner settings (models.toml's num_parallel, speculative, draft, ...) are
+    # create parameters too (they also come with FROM)
+    known = REQUEST_OPTIONS.keys() | MODEL_OPTIONS.keys()
+    lines += [f"{'' if k in known else '# '}PARAMETER {k} {v}" for k, v in _pairs(params)]
     lines += [f"MESSAGE {m.get('role', 'user')} {_quoted(str(m.get('content', '')))}"
               for m in entry.messages]  # fmt: skip
     if entry.license is not None:

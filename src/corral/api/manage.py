@@ -30,9 +30,10 @@ from corral.api.common import field, json_response, option_value, read_json, unt
 from corral.api.family import NDJSON, OLLAMA, FamilyRoute
 from corral.api.service import Service
 from corral.api.stream import RelayResponse
-from corral.core.gguf import GGUFError, read_model_info
+from corral.core.draft import draft_problem
+from corral.core.gguf import GGUFError, read_model_info, read_tokens
 from corral.core.gotemplate import TemplateError
-from corral.core.options import REQUEST_OPTIONS
+from corral.core.options import MODEL_OPTIONS, REQUEST_OPTIONS, speculation_problem
 from corral.core.spec import jinja_template
 from corral.errors import ApiError
 from corral.runtime import hub
@@ -237,6 +238,7 @@ class Manage:
         else:
             raise ApiError(400, "'from' (a model) or 'files' (uploaded GGUF blobs) is required",
                            "from")  # fmt: skip
+        self._check_speculation({**base.parameters, **params}, base)
         for ref in base.refs():
             if ref.digest:
                 lines.append({"status": f"using existing layer {ref.digest}"})
@@ -268,6 +270,29 @@ class Manage:
             source=base.source,
         )
         return manifest, lines
+
+    def _check_speculation(self, params: dict[str, Any], base: Manifest) -> None:
+        """400 unless the model's speculative options go together and its draft model (a model
+        name, or a GGUF path on the server) exists and shares the model's vocabulary, as
+        llama.cpp requires of a draft model (core/draft)."""
+        problem = speculation_problem(params)
+        if problem:
+            raise ApiError(400, f"parameters: {problem}", "parameters")
+        name = params.get("draft")
+        if not name:
+            return
+        path = self.svc.registry.draft_file(name)
+        if path is None:
+            raise ApiError(400, f"draft model '{name}' not found: name a model (corral list) "
+                           "or a GGUF file on the server", "parameters")  # fmt: skip
+        try:
+            target, draft = read_model_info(self.store.model_path(base)), read_model_info(path)
+            problem = draft_problem(target, draft, read_tokens(target), read_tokens(draft))
+        except (GGUFError, OSError) as e:
+            raise ApiError(400, f"draft model '{name}' cannot be used: {e}", "parameters") from None
+        if problem:
+            raise ApiError(400, f"draft model '{name}' cannot draft for this model: {problem}",
+                           "parameters")  # fmt: skip
 
     def _manifest_of(self, source: str, name: str) -> Manifest:
         """What model `source` is made of, as a manifest for `name` (its own if corral made it;
@@ -408,19 +433,30 @@ class Manage:
 
 # ---- field checks ----------------------------------------------------------------------------
 def check_parameters(params: Any) -> dict[str, Any]:
-    """Ollama's create `parameters`: known option names with their types and ranges."""
+    """Ollama's create `parameters`: known option names with their types, ranges and choices:
+    a request's options (defaults for its requests) and a model's own runner settings, as
+    models.toml sets them (num_parallel, speculative, draft, ...)."""
     if params is None:
         return {}
     if not isinstance(params, dict):
         raise ApiError(400, "invalid type for 'parameters': expected an object", "parameters")
     out: dict[str, Any] = {}
     for key in params:
-        opt = REQUEST_OPTIONS.get(key)
+        opt = REQUEST_OPTIONS.get(key) or MODEL_OPTIONS.get(key)
         if opt is None:
             raise ApiError(400, f"unknown parameter '{key}'", "parameters")
-        value = option_value(params, opt, "parameters.", "parameters")
-        if value is not None:
-            out[key] = value
+        values = params
+        if key == "flash_attn" and isinstance(params[key], bool):  # as models.toml takes it
+            values = {key: "on" if params[key] else "off"}
+        value = option_value(values, opt, "parameters.", "parameters")
+        if value is None:
+            continue
+        where = f"'parameters.{key}'"
+        if opt.choices and value not in opt.choices:
+            raise ApiError(400, f"{where} must be one of {', '.join(opt.choices)}", "parameters")
+        if not opt.request and isinstance(value, int) and value < 0 and not opt.negative:
+            raise ApiError(400, f"{where} must not be negative", "parameters")
+        out[key] = value
     return out
 
 

@@ -1,7 +1,8 @@
 """Ollama's Modelfile, read into the JSON form of /api/create (what `ollama create` sends).
 
     FROM <model name | path to a GGUF file>     (a second FROM may name the mmproj file)
-    PARAMETER <name> <value>                    (repeated `stop` lines make a list)
+    PARAMETER <name> <value>                    (repeated `stop` lines make a list; `draft`
+                                                 a model name or a GGUF path, made absolute)
     TEMPLATE / SYSTEM / LICENSE <text>          (text in triple quotes may span lines)
     ADAPTER <path to a LoRA adapter GGUF>
     MESSAGE <role> <content>
@@ -131,6 +132,11 @@ def parse(text: str, base: Path) -> Parsed:
                 raise ModelfileError(f"PARAMETER {name}: missing value")
             if name == "stop":
                 params.setdefault("stop", []).append(_unquote(value))
+            elif name == "draft":  # a model name, or a GGUF file (on the server's machine)
+                value = _unquote(value)
+                path = Path(os.path.expanduser(value))
+                path = path if path.is_absolute() else base / path
+                params[name] = str(path.resolve()) if path.is_file() else value
             else:
                 params[name] = typed(value)
         elif cmd in ("template", "system"):

@@ -241,5 +241,6 @@ def runner_need(settings: Settings, entry: ModelEntry) -> int:
     info = read_model_info(entry.path)
     projector, adapters = read_parts(info, entry.projector, entry.adapters)
     spec, _ = runner_spec(entry, info, {}, settings, cpu_cores())
-    est = spec_estimate(info, spec, projector, adapters)
+    draft = read_model_info(spec.draft) if spec.draft else None  # booked with its target
+    est = spec_estimate(info, spec, projector, adapters, draft)
     return int(est.total + est.process)

@@ -26,6 +26,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
+from corral.core.options import DRAFT_MAX
+
 if TYPE_CHECKING:  # runner_child imports this module and must not pay for the GGUF reader
     from corral.core.gguf import AdapterInfo, ModelInfo, ProjectorInfo
 
@@ -35,6 +37,7 @@ __all__ = [
     "Estimate",
     "LlamaParams",
     "check_kv_cache_type",
+    "draft_estimate",
     "estimate",
     "estimate_bytes",
     "llama_params",
@@ -323,6 +326,10 @@ class Estimate:
     # tied embeddings llama.cpp makes there): not in `total`, which counts them once, in
     # `non_layer` (system memory)
     head: int = 0
+    # The draft model's own buffers (speculative "draft"): its weights, its KV cache of the
+    # target's context, its compute and output buffers; in `total`. Its process memory is in
+    # this estimate's `process`, not in its own.
+    draft: Estimate | None = None
 
     @property
     def projector(self) -> int:
@@ -339,14 +346,15 @@ class Estimate:
             + sum(self.adapters_per_layer)
             + self.adapters_other
             + self.projector
+            + (self.draft.total if self.draft is not None else 0)
         )
 
 
 # Tokens each of llama.cpp's drafters proposes at most (common_speculative_n_max, b11434
-# defaults), and what its tables hold in the runner process (ngram-mod: 4M 4-byte entries;
-# the others are taken to hold no more).
-DRAFT_TOKENS = {"off": 0, "ngram-mod": 64, "ngram-simple": 48, "ngram-map-k": 48,
-                "ngram-map-k4v": 48, "ngram-cache": 8}  # fmt: skip
+# defaults; a draft model's is its draft_max), and what an n-gram drafter's tables hold in the
+# runner process (ngram-mod: 4M 4-byte entries; the others are taken to hold no more).
+DRAFT_TOKENS = {"off": 0, "draft": DRAFT_MAX, "ngram-mod": 64, "ngram-simple": 48,
+                "ngram-map-k": 48, "ngram-map-k4v": 48, "ngram-cache": 8}  # fmt: skip
 DRAFTER_BYTES = 16 * 2**20
 
 
@@ -363,21 +371,29 @@ def estimate(
     n_cpu_moe: int = 0,
     unified: bool = False,
     speculative: str = "off",
+    draft: ModelInfo | None = None,
+    draft_max: int | None = None,
 ) -> Estimate:
     """What llama.cpp will allocate for `info` at `n_ctx` tokens per request and
     `num_parallel` slots (ValueError for an unknown kv_type), with the model's `projector` and
     LoRA `adapters`; `n_batch` is Ollama's num_batch, `n_cpu_moe` the layers whose experts
     stay in system memory; `unified`: one KV cache of `n_ctx` cells the slots share
     (llama.cpp's kv_unified) instead of `n_ctx` cells per slot; `speculative`: the drafter
-    (DRAFT_TOKENS), whose verification batches need more output rows."""
+    (DRAFT_TOKENS), whose verification batches need more output rows; `draft`: the draft
+    model of speculative "draft", drafting `draft_max` tokens at most (`draft_estimate`)."""
     if kv_type not in KV_CACHE_TYPES:
         raise ValueError(f"unsupported kv_cache_type {kv_type!r}")
     n_draft = DRAFT_TOKENS.get(speculative, 0)
+    drafter = DRAFTER_BYTES if n_draft and speculative != "draft" else 0
+    own: Estimate | None = None
+    if speculative == "draft" and draft is not None:
+        n_draft = DRAFT_MAX if draft_max is None else draft_max
+        own = draft_estimate(draft, n_ctx, num_parallel, flash_attn, n_batch, unified)
+        drafter = own.process
     p = llama_params(info, n_ctx, num_parallel, n_batch, unified, n_draft)
     # The mapped weights span the tensors with their padding to the file's alignment: up to
     # 32 tensors per layer (llama has 9, gemma3 13, bert 16), 8 outside the layers.
-    align = info.metadata.get("general.alignment", GGUF_ALIGNMENT)
-    align = align if isinstance(align, int) and align > 0 else GGUF_ALIGNMENT
+    align = _alignment(info)
     lora = [0] * info.n_layer
     lora_other = 0
     for a in adapters:  # mapped from the adapter's file like the model's weights
@@ -399,8 +415,40 @@ def estimate(
         projector_weights=proj_weights,
         projector_compute=proj_compute,
         cpu_experts_per_layer=tuple(experts) if any(experts) else (),
-        process=process_bytes(info, num_parallel) + (DRAFTER_BYTES if n_draft else 0),
+        process=process_bytes(info, num_parallel) + drafter,
+        draft=own,
     )
+
+
+def draft_estimate(
+    draft: ModelInfo,
+    n_ctx: int,
+    num_parallel: int,
+    flash_attn: bool = True,
+    n_batch: int | None = None,
+    unified: bool = False,
+) -> Estimate:
+    """What a draft model adds to its target's runner. llama.cpp makes its context from the
+    target's parameters (common_base_params_to_speculative, common_speculative_init_result):
+    the target's cells (llama_n_ctx of the target), slots, unified cache, batch and flash
+    attention; its own KV cache type (f16 unless told) and one output row a slot. Its process
+    memory is its vocabulary's tables and one sampler a slot (`process_bytes` less the base)."""
+    p = llama_params(draft, n_ctx, num_parallel, n_batch, unified)
+    align = _alignment(draft)
+    return Estimate(
+        weights_per_layer=tuple(b + 32 * align for b in draft.layer_bytes),
+        kv_per_layer=kv_per_layer(draft, p),
+        non_layer=draft.output_bytes + 8 * align,
+        head=draft.head_bytes + 2 * align if draft.head_bytes else 0,
+        compute=compute_bytes(draft, p, "f16", flash_attn),
+        overhead=output_bytes(draft, p) + SLACK,
+        process=process_bytes(draft, num_parallel) - PROCESS_BASE,
+    )
+
+
+def _alignment(info: ModelInfo) -> int:
+    align = info.metadata.get("general.alignment", GGUF_ALIGNMENT)
+    return align if isinstance(align, int) and align > 0 else GGUF_ALIGNMENT
 
 
 def process_bytes(info: ModelInfo, num_parallel: int = 1) -> int:

@@ -22,7 +22,7 @@ from typing import Any
 from gguf.constants import LlamaFileType
 from gguf.gguf_reader import GGUFReader, ReaderField, ReaderTensor
 
-from corral.core.ggufreader import GGUFError, metadata, open_reader, scalar_value
+from corral.core.ggufreader import GGUFError, metadata, open_reader, scalar_value, string_array
 
 __all__ = [
     "EMBEDDING_ARCHITECTURES",
@@ -36,6 +36,7 @@ __all__ = [
     "read_adapter_info",
     "read_model_info",
     "read_projector_info",
+    "read_tokens",
     "template_has_tools",
 ]
 
@@ -206,6 +207,14 @@ def read_arrays(path: str | Path, keys: Iterable[str]) -> dict[str, list[Any]]:
     ModelInfo keeps only their lengths, since they are large and rarely wanted."""
     fields = GGUFReader(path).fields
     return {k: list(fields[k].contents()) for k in keys if k in fields}
+
+
+def read_tokens(info: ModelInfo) -> tuple[bytes, ...]:
+    """The model's vocabulary, each token's text as bytes (to compare a draft model's with its
+    target's, as llama.cpp does); () if the file has none. Not cached: it is read once per
+    draft model and runner shape."""
+    reader = open_reader(info.path, info.path.stat().st_size)
+    return string_array(reader, "tokenizer.ggml.tokens") or ()
 
 
 def read_model_info(path: str | Path) -> ModelInfo:

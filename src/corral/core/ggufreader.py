@@ -20,7 +20,8 @@ import numpy.typing as npt
 from gguf.constants import GGML_QUANT_SIZES, GGMLQuantizationType, GGUFEndian, GGUFValueType
 from gguf.gguf_reader import READER_SUPPORTED_VERSIONS, GGUFReader, ReaderField
 
-__all__ = ["GGUFError", "Reader", "array_value", "metadata", "open_reader", "scalar_value"]
+__all__ = ["GGUFError", "Reader", "array_value", "metadata", "open_reader", "scalar_value",
+           "string_array"]  # fmt: skip
 
 _MAGIC = b"GGUF"
 _HEADER_SIZE = 24  # magic, version (u32), tensor count (u64), metadata count (u64)
@@ -220,6 +221,28 @@ def open_reader(path: Path, size: int) -> Reader:
         ) from None
     except _PARSE_ERRORS as e:
         raise GGUFError(f"invalid GGUF file: {_describe(e)}") from e
+
+
+def string_array(reader: Reader, key: str) -> tuple[bytes, ...] | None:
+    """The metadata array `key` of strings, each as its bytes (None if absent or not strings),
+    walked with struct as `Reader._skip_array` walks it: a numpy view per string would take
+    seconds for a tokenizer's 150,000 tokens."""
+    fld = reader.fields.get(key)
+    if fld is None or fld.types[:2] != [GGUFValueType.ARRAY, GGUFValueType.STRING]:
+        return None
+    count = int(fld.parts[4][0])  # parts: key length, key, type, item type, count, ...
+    offs = int(fld.offset) + 8 + len(fld.name.encode()) + 4 + 4 + 8
+    unpack = struct.Struct("<Q" if reader.endianess == GGUFEndian.LITTLE else ">Q").unpack_from
+    out = []
+    with reader.data.data as buf:
+        try:
+            for _ in range(count):
+                (n,) = unpack(buf, offs)
+                out.append(bytes(buf[offs + 8 : offs + 8 + n]))
+                offs += 8 + n
+        except (struct.error, OverflowError):
+            raise GGUFError(f"file is truncated: the metadata array {key} ends early") from None
+    return tuple(out)
 
 
 def _decode(part: npt.NDArray[Any]) -> str:

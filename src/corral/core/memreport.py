@@ -16,7 +16,8 @@ size: N MiB` on the backend named by `clip_ctx: CLIP using X backend`, and its g
 `reserve_compute_meta: X compute buffer size`. These are LLAMA_LOG_INFO lines, which
 llama.cpp's common logger maps to verbosity 4 ("trace"), one above the default; runner_child
 raises the verbosity for the load only. The per-cache summary `llama_kv_cache: size = ...`
-restates the KV buffer line and is not counted again.
+restates the KV buffer line and is not counted again. A draft model (speculative decoding)
+logs its own buffers after `loading draft model`: its compute buffer is a new one.
 
 `AllocationParser` is fed the runner's log line by line; `Allocation` is the result, bytes per
 kind and per device ("CPU", "CUDA0", ...). Weights mapped from the file (CPU_Mapped) count as
@@ -36,6 +37,9 @@ __all__ = ["LOADED_MARKER", "Allocation", "AllocationParser", "device_of", "pars
 LOADED_MARKER = "corral-runner: load log complete"
 
 KINDS = ("model", "kv", "compute", "output")
+# What llama.cpp logs before it loads a draft model (common/speculative.cpp), whose buffers
+# follow the target's in the same words
+DRAFT_MARKER = "loading draft model"
 _MIB = 1024 * 1024
 
 # `%12s model buffer size = %8.2f MiB`, `%10s KV buffer size`, `%10s compute buffer size`,
@@ -144,7 +148,9 @@ def parse_line(state: _State, line: str) -> bool:
         state.done = True
         return False
     if "buffer size" not in line:  # cheap reject: nearly every line
-        if "clip_ctx" in line and (c := _CLIP_BACKEND_RE.search(line)):
+        if DRAFT_MARKER in line:  # a second model and context: its compute buffers are new
+            state.compute.clear()
+        elif "clip_ctx" in line and (c := _CLIP_BACKEND_RE.search(line)):
             state.clip_device = device_of(c["buf"])
         elif "model size:" in line and (c := _CLIP_WEIGHTS_RE.search(line)):
             _add(state, "model", state.clip_device, round(float(c["mib"]) * _MIB))

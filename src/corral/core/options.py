@@ -14,15 +14,26 @@ checks every runner option reaches.
 from __future__ import annotations
 
 import math
+from collections.abc import Mapping
 from dataclasses import dataclass
+from typing import Any
 
 FLASH_ATTN = ("auto", "on", "off")  # llama.cpp's -fa values
 # Speculative decoding (llama.cpp's --spec-type), as a model's runner option: `auto` (the
-# default; no drafting yet, core/spec.speculation says why), `off`, or one of llama.cpp's n-gram
-# drafters, which need no second model and draft tokens that repeat what the context already
-# holds (an agent's edit of a file it was shown).
-SPECULATIVE = ("auto", "off", "ngram-mod", "ngram-simple", "ngram-map-k", "ngram-map-k4v",
-               "ngram-cache")  # fmt: skip
+# default: the draft model where the model names one, else no drafting yet, core/spec.speculation
+# says why), `off`, `draft` (a small model of the same vocabulary drafts: the `draft` option), or
+# one of llama.cpp's n-gram drafters, which need no second model and draft tokens that repeat
+# what the context already holds (an agent's edit of a file it was shown).
+SPECULATIVE = ("auto", "off", "draft", "ngram-mod", "ngram-simple", "ngram-map-k",
+               "ngram-map-k4v", "ngram-cache")  # fmt: skip
+# llama.cpp's --spec-draft-n-max default (common_params_speculative_draft.n_max, b11434)
+DRAFT_MAX = 3
+
+
+def spec_type(choice: str) -> str:
+    """llama.cpp's --spec-type for a `speculative` choice: a draft model is its "draft-simple"
+    (a model of its own, greedy drafts), the n-gram drafters their own names."""
+    return "draft-simple" if choice == "draft" else choice
 JsonType = type | tuple[type, ...]
 
 
@@ -85,6 +96,11 @@ OPTIONS: tuple[Option, ...] = (
     Option(
         "speculative", str, request=False, model=True, runner="speculative", choices=SPECULATIVE
     ),
+    # The draft model (a model name the registry resolves, or a GGUF path) and how many tokens
+    # it drafts at most and at least (llama.cpp's --spec-draft-n-max/-n-min; n_max >= 0)
+    Option("draft", str, request=False, model=True, runner="draft"),
+    Option("draft_max", int, (0, 2**16), request=False, model=True, runner="draft_max"),
+    Option("draft_min", int, (0, 2**16), request=False, model=True, runner="draft_min"),
     Option("n_cpu_moe", int, request=False, model=True, runner="n_cpu_moe"),
     Option("kv_cache_type", str, request=False, model=True, runner="kv_cache_type"),
 )  # fmt: skip
@@ -100,3 +116,15 @@ CLAMPED: dict[str, tuple[int, int]] = {
     o.runner: o.clamp for o in OPTIONS if o.runner is not None and o.clamp is not None
 }
 SAMPLING: dict[str, str] = {o.name: o.sampling for o in OPTIONS if o.sampling}
+
+
+def speculation_problem(options: Mapping[str, Any]) -> str | None:
+    """What is wrong with a model's speculative options together (each alone is checked by its
+    row), or None: a draft model drafts only with `speculative` auto, draft or off."""
+    choice, draft = options.get("speculative"), options.get("draft")
+    if choice == "draft" and not draft:
+        return 'speculative "draft" needs a draft model: set draft to a model name or GGUF path'
+    if draft and choice not in (None, "auto", "draft", "off"):
+        return (f'draft names a draft model, but speculative is "{choice}", an n-gram drafter '
+                'that takes none: set speculative to "draft" (or auto)')  # fmt: skip
+    return None

@@ -35,13 +35,15 @@ and the model may spill layers to system memory (rules 3-4) only when "cpu" is n
 ["cpu"] alone keeps it on the CPU. A vision projector goes to the first GPU (lowest index) that
 runs layers, as llama.cpp puts it on the first GPU the runner sees, or to system memory when no
 layer is on a GPU. Experts kept in system memory (`--n-cpu-moe`) are in `host`, whatever
-placement does with their layers; LoRA tensors travel with the layers they change.
+placement does with their layers; LoRA tensors travel with the layers they change, and a draft
+model (speculative decoding) with its target: its layers spread over the target's, started with
+as many of its own on GPUs as the target's share (`draft_gpu_layers`).
 """
 
 from __future__ import annotations
 
 from collections.abc import Iterable, Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from corral.core.devices import CPU, GPU_CONTEXT_BYTES, GPU_HOST_BYTES, Device
 from corral.core.estimate import Estimate
@@ -131,20 +133,38 @@ def model_need(est: Estimate, gpu_context: int = 0, gpu_host: int = 0) -> ModelN
     n = len(est.weights_per_layer)
     lora = est.adapters_per_layer or (0,) * n
     moe = (*est.cpu_experts_per_layer, *(0,) * n)[:n]
+    # A draft model follows its target (`draft_gpu_layers`): its layers, spread evenly over
+    # the target's, go where the target's go, its head with the target's output slot, the
+    # rest with the target's (its process memory is in est.process already).
+    d = est.draft
+    spread = -(-(sum(d.weights_per_layer) + sum(d.kv_per_layer)) // max(n, 1)) if d else 0
     return ModelNeed(
         layers=tuple(
-            w + kv + a - x
+            w + kv + a - x + spread
             for w, kv, a, x in zip(est.weights_per_layer, est.kv_per_layer, lora, moe, strict=True)
         ),
         # The output slot: on a GPU, its head (a copy, with tied embeddings); in system memory
         # nothing beyond `host`, which holds every weight outside the layers.
-        output=est.head,
-        gpu_compute=est.compute + gpu_context,
-        cpu_compute=est.compute,
-        host=est.non_layer + est.overhead + est.adapters_other + sum(moe) + est.process,
+        output=est.head + (d.head if d else 0),
+        gpu_compute=est.compute + gpu_context + (d.compute if d else 0),
+        cpu_compute=est.compute + (d.compute if d else 0),
+        host=est.non_layer + est.overhead + est.adapters_other + sum(moe) + est.process
+        + (d.non_layer + d.overhead if d else 0),
         projector=est.projector,
         gpu_host=gpu_host,
     )
+
+
+def draft_gpu_layers(n_gpu_layers: int, n_layer: int, draft: Estimate | None) -> int | None:
+    """The draft model's offload slots for a target with `n_gpu_layers` of its `n_layer` + 1
+    on GPUs, in the same share (as `model_need` books it): none with none, all with all, else
+    its output slot and its layers in proportion. None without a draft model."""
+    if draft is None:
+        return None
+    slots = len(draft.weights_per_layer) + 1
+    if n_gpu_layers <= 0 or n_gpu_layers >= n_layer + 1:
+        return 0 if n_gpu_layers <= 0 else slots
+    return 1 + round((slots - 1) * (n_gpu_layers - 1) / max(n_layer, 1))
 
 
 def place(
@@ -215,7 +235,11 @@ def placer(
 
     def fit(free: Mapping[str, int]) -> Fit | None:
         p = place(need, devices, free, num_gpu=num_gpu, main_gpu=main_gpu, allowed=allowed)
-        return Fit(p.devices, launch_layout(p, devices)) if isinstance(p, Placement) else None
+        if not isinstance(p, Placement):
+            return None
+        layout = launch_layout(p, devices)
+        draft = draft_gpu_layers(p.n_gpu_layers, p.n_layer, est.draft)
+        return Fit(p.devices, replace(layout, draft_gpu_layers=draft))
 
     return fit
 

@@ -77,7 +77,10 @@ class RunnerSpec:
     # The chat template the runner renders with instead of the GGUF's (Jinja): a created
     # model's TEMPLATE, translated from Ollama's Go syntax (core.gotemplate)
     chat_template: str | None = None
-    speculative: str = "off"  # llama.cpp's --spec-type: "off" or an n-gram drafter
+    speculative: str = "off"  # llama.cpp's --spec-type: "off", "draft" or an n-gram drafter
+    draft: str | None = None  # the draft model's GGUF (with speculative "draft")
+    draft_max: int | None = None  # tokens it drafts at most (None: llama.cpp's DRAFT_MAX)
+    draft_min: int | None = None  # ... and at least (None: llama.cpp's 0)
 
 
 @dataclass(frozen=True)
@@ -88,6 +91,9 @@ class Layout:
     tensor_split: tuple[float, ...] | None = None  # per visible GPU
     main_gpu: int | None = None  # index among the visible GPUs
     env: tuple[tuple[str, str], ...] = ()  # e.g. CUDA_VISIBLE_DEVICES: only the GPUs booked
+    # The draft model's offload slots on the same GPUs (llama.cpp's -ngld); None: as llama.cpp
+    # decides (all where the target has any on a GPU)
+    draft_gpu_layers: int | None = None
 
 
 class Model(Protocol):
@@ -104,6 +110,8 @@ class Model(Protocol):
     def adapters(self) -> tuple[Adapter, ...]: ...
     @property
     def template(self) -> str | None: ...  # a created model's TEMPLATE (Ollama's Go syntax)
+    @property
+    def draft(self) -> Path | None: ...  # its `draft` option resolved to a file (registry)
 
 
 class ServerDefaults(Protocol):
@@ -140,7 +148,9 @@ def runner_spec(
         "kv_unified": not (spec.get("num_parallel") or server.num_parallel),
         "kv_cache_type": spec.get("kv_cache_type") or server.kv_cache_type,
         "flash_attn": spec.get("flash_attn") or "auto",
-        "speculative": speculation(spec.get("speculative") or "auto", embedding),
+        "speculative": speculation(
+            spec.get("speculative") or "auto", embedding, bool(spec.get("draft"))
+        ),
         "n_cpu_moe": spec.get("n_cpu_moe") or 0,
         "embedding": embedding,
         "pooling_type": info.pooling_type if embedding else None,
@@ -148,6 +158,10 @@ def runner_spec(
         "adapters": tuple(model.adapters),
         "chat_template": jinja_template(model.template) if model.template else None,
     }
+    # The draft model's file: as the registry resolved its name (else the option, a path);
+    # loaded only where it drafts
+    resolved = model.draft if model.draft is not None else spec.get("draft")
+    spec["draft"] = str(resolved) if spec["speculative"] == "draft" and resolved else None
     # The model's parts are what the model is: a runner with other ones never serves it.
     explicit = {"projector", "adapters"}
     for name, fld in SHAPING.items():
@@ -174,7 +188,7 @@ def _server_ctx(server: ServerDefaults) -> int:
     return AUTO_FLOOR if server.context_length is None else server.context_length
 
 
-def speculation(choice: str, embedding: bool) -> str:
+def speculation(choice: str, embedding: bool, draft: bool = False) -> str:
     """The drafter a runner starts with for a model's `speculative` option. Measured on 2 cores
     with SmolLM2-135M (llama-server b11434, temperature 0, 300 tokens), ngram-mod gives an edit
     that returns a file it was shown 1.6-1.8x the tokens/s without (the same answer), a story
@@ -183,9 +197,12 @@ def speculation(choice: str, embedding: bool) -> str:
     (server-schema.cpp keeps the per-request fields under `#if 0`), returns no logprobs for the
     drafted tokens it accepts (an OpenAI client asking for logprobs would get fewer than its
     tokens), and drafts take cells of a shared cache. So drafting is a model's choice
-    (`speculative = "ngram-mod"`), never an embedding model's."""
-    if embedding or choice == "auto":
+    (`speculative = "ngram-mod"`), never an embedding model's. A model that names a `draft`
+    model drafts with it (auto or "draft"): its operator chose a drafter of its vocabulary."""
+    if embedding:
         return "off"
+    if choice in ("auto", "draft"):
+        return "draft" if draft else "off"
     return choice
 
 
@@ -228,13 +245,16 @@ def spec_estimate(
     spec: RunnerSpec,
     projector: ProjectorInfo | None = None,
     adapters: Sequence[AdapterInfo] = (),
+    draft: ModelInfo | None = None,
 ) -> Estimate:
-    """What a runner of `spec` will hold, with the model's projector and adapters."""
+    """What a runner of `spec` will hold, with the model's projector and adapters, and its
+    draft model (`draft`: the file `spec.draft` names, read)."""
     return estimate(
         info, spec.n_ctx, spec.num_parallel, spec.kv_cache_type,
         flash_attn=spec.flash_attn != "off", n_batch=spec.n_batch, projector=projector,
         adapters=adapters, n_cpu_moe=spec.n_cpu_moe, unified=spec.kv_unified,
-        speculative=spec.speculative,
+        speculative=spec.speculative, draft=draft if spec.draft else None,
+        draft_max=spec.draft_max,
     )  # fmt: skip
 
 
@@ -254,8 +274,9 @@ class Estimates:
         spec: RunnerSpec,
         projector: ProjectorInfo | None = None,
         adapters: Sequence[AdapterInfo] = (),
+        draft: ModelInfo | None = None,
     ) -> Estimate:
-        parts = (projector, *adapters)
+        parts = (projector, draft, *adapters)
         hit = self._memo.get(spec)
         # read_model_info (and the parts' readers) return a new object when a file changed
         if (
@@ -267,6 +288,6 @@ class Estimates:
             return hit[2]
         if len(self._memo) > self.LIMIT:
             self._memo.clear()
-        est = spec_estimate(info, spec, projector, adapters)
+        est = spec_estimate(info, spec, projector, adapters, draft)
         self._memo[spec] = (info, parts, est)
         return est

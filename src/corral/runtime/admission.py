@@ -27,8 +27,17 @@ from typing import Any, TypeVar
 from corral.config import Settings
 from corral.core.context import DEFAULT_OUTPUT, UNKNOWN_TRAINED_CAP, context_grid, grown_context
 from corral.core.devices import GPU_CONTEXT_BYTES, Device, gpu_context
+from corral.core.draft import draft_problem
 from corral.core.estimate import KV_CACHE_TYPES, check_kv_cache_type
-from corral.core.gguf import AdapterInfo, GGUFError, ModelInfo, ProjectorInfo, read_parts
+from corral.core.gguf import (
+    AdapterInfo,
+    GGUFError,
+    ModelInfo,
+    ProjectorInfo,
+    read_model_info,
+    read_parts,
+    read_tokens,
+)
 from corral.core.gotemplate import TemplateError
 from corral.core.placement import no_fewer_gpu_layers, placer, whole_on_gpus
 from corral.core.requests import Sizing
@@ -91,6 +100,28 @@ class Admission:
             return read_parts(r.info, r.entry.projector, r.entry.adapters)
         except GGUFError as e:
             raise ApiError(500, f"model '{r.requested}' cannot be loaded: {e}") from None
+
+    def draft(self, r: Resolved, spec: RunnerSpec) -> ModelInfo | None:
+        """The draft model `spec` loads, read and checked against the model's vocabulary
+        (llama.cpp's rules: core/draft); 500 naming it if it is missing or cannot draft for
+        this model: the model's own settings are wrong, not the request."""
+        if spec.draft is None:
+            return None
+        name = r.entry.options.get("draft", spec.draft)
+        why = f"model '{r.requested}' cannot be loaded: its draft model '{name}'"
+        if r.entry.draft is None:
+            raise ApiError(500, f"{why} is not found (no model of that name, no GGUF file "
+                           "at that path)")  # fmt: skip
+        try:
+            info = read_model_info(spec.draft)
+            problem = draft_problem(r.info, info, read_tokens(r.info), read_tokens(info))
+        except FileNotFoundError:
+            raise ApiError(500, f"{why} is not found: {spec.draft} is missing") from None
+        except (GGUFError, OSError) as e:
+            raise ApiError(500, f"{why} is unusable: {e}") from None
+        if problem:
+            raise ApiError(500, f"{why} cannot draft for it: {problem}")
+        return info
 
     def runner_spec(
         self, r: Resolved, options: dict[str, Any]
@@ -157,8 +188,9 @@ class Admission:
         gpus = [d for d in self.devices if d.library != "cpu"]
         learned = self.scheduler.gpu_contexts() if gpus else {}
         context = max((gpu_context(d, learned) for d in gpus), default=GPU_CONTEXT_BYTES)
-        # A GPU's many slots draft only if the model asks (below)
-        drafter = spec.speculative if "speculative" in r.entry.options else "off"
+        # A GPU's many slots draft only if the model asks (below): a drafter, or a draft model
+        asked = "speculative" in r.entry.options or spec.draft is not None
+        drafter = spec.speculative if asked else "off"
         key = (spec, auto, chosen.get("num_gpu"), chosen.get("main_gpu"), r.entry.devices, context,
                drafter)  # fmt: skip
         hit = self._sizings.get(key)
@@ -166,9 +198,10 @@ class Admission:
         if (
             hit is not None
             and hit[0] is r.info
-            and all(a is b for a, b in zip(hit[1], parts, strict=True))
+            and all(a is b for a, b in zip(hit[1], (*parts, _draft_now(spec)), strict=True))
         ):
             return hit[2]
+        draft = self.draft(r, spec)  # checked once per shape and file, as below
         try:  # what llama.cpp would refuse to load (checked once per shape: then cached)
             check_kv_cache_type(r.info, spec.kv_cache_type)
         except ValueError as e:
@@ -180,7 +213,7 @@ class Admission:
             )  # fmt: skip
 
         def sizing(s: RunnerSpec) -> Sizing:
-            est = self._estimates.get(r.info, s, *parts)
+            est = self._estimates.get(r.info, s, *parts, draft=draft)
             place = placer(est, self.devices, chosen.get("num_gpu"), chosen.get("main_gpu"),
                            r.entry.devices, context)  # fmt: skip
             return Sizing(s, est.total + est.process, place, est.process)
@@ -213,7 +246,7 @@ class Admission:
         sizes = (*wide, *longer, *floor)
         if len(self._sizings) > Estimates.LIMIT:
             self._sizings.clear()
-        self._sizings[key] = (r.info, parts, sizes)
+        self._sizings[key] = (r.info, (*parts, draft), sizes)
         return sizes
 
     async def leased(
@@ -268,6 +301,17 @@ class Admission:
             return await _owned(second, start)
         except ContextOverflow as e:
             raise too_long(r, e.prompt_tokens, e.n_ctx) from None
+
+
+def _draft_now(spec: RunnerSpec) -> ModelInfo | None:
+    """The draft model's file as it is now (a new object once it changed), None if none or
+    unreadable."""
+    if spec.draft is None:
+        return None
+    try:
+        return read_model_info(spec.draft)
+    except (OSError, GGUFError):
+        return None
 
 
 def unusable_template(r: Resolved, e: TemplateError) -> ApiError:

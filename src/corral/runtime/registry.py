@@ -14,13 +14,13 @@ import logging
 import os
 import sys
 from collections.abc import Iterable, Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
 from corral.config import ConfigError, parse_duration
 from corral.core.gguf import SPLIT_RE, is_later_split_part, split_parts
-from corral.core.options import MODEL_OPTIONS
+from corral.core.options import MODEL_OPTIONS, speculation_problem
 from corral.core.spec import Adapter
 from corral.runtime.store import Manifest, Store
 
@@ -88,6 +88,9 @@ class ModelEntry:
     devices: tuple[str, ...] | None = None
     # The cluster nodes it may be placed on (models.toml `nodes`; cluster mode only); (): any.
     nodes: tuple[str, ...] = ()
+    # Its `draft` option (a draft model for speculative decoding) resolved to a file: the
+    # model of that name, else a GGUF at that path; None where it names neither (or no draft)
+    draft: Path | None = None
 
     @property
     def has_defaults(self) -> bool:
@@ -124,6 +127,7 @@ def sharing_key(entry: ModelEntry) -> tuple[Any, ...]:
     return (
         real(entry.path), real(entry.projector) if entry.projector else None,
         tuple((real(a.path), a.scale) for a in entry.adapters), entry.template,
+        real(entry.draft) if entry.draft else None,
         repr(sorted(entry.options.items())), entry.devices,
         entry.keep_alive, entry.keep_alive_fixed, entry.pinned, entry.priority,
     )  # fmt: skip
@@ -212,9 +216,32 @@ class Registry:
         for n, entry in list(models.items()):
             if entry.path in parts and n not in toml_names and entry.manifest is None:
                 del models[n]
+        for n, entry in list(models.items()):
+            if entry.options.get("draft"):
+                models[n] = replace(entry, draft=self.draft_file(entry.options["draft"], models,
+                                                                 aliases))  # fmt: skip
         self._models, self._aliases, self.errors = models, aliases, errors
         self._toml_names = toml_names
         self._runner_names = runner_names(models.values())
+
+    def draft_file(
+        self,
+        name: str,
+        models: Mapping[str, ModelEntry] | None = None,
+        aliases: Mapping[str, str] | None = None,
+    ) -> Path | None:
+        """The file a `draft` option names: the model of that name (or alias), else a GGUF at
+        that path (relative to the models directory); None if neither exists."""
+        if models is None or aliases is None:
+            self._refresh()
+            models, aliases = self._models, self._aliases
+        key = canonical_name(name)
+        entry = models.get(aliases.get(key, key))
+        if entry is not None:
+            return entry.path
+        p = Path(os.path.expanduser(name))
+        p = p if p.is_absolute() else self.models_dir / p
+        return p if p.suffix.lower() == ".gguf" and p.is_file() else None
 
     def _folder_models(self) -> list[ModelEntry]:
         """Models in folders of the models directory, as llama.cpp's router lays them out: a
@@ -271,7 +298,12 @@ class Registry:
                     )
                 if isinstance(value, int) and value < 0 and not opt.negative:
                     raise ConfigError(f"models.{raw_name}.{key}: must not be negative")
+                if isinstance(value, int) and value > opt.range[1]:
+                    raise ConfigError(f"models.{raw_name}.{key}: must be at most {opt.range[1]:g}")
                 options[key] = value
+        problem = speculation_problem(options)
+        if problem:
+            raise ConfigError(f"models.{raw_name}: {problem}")
         ka = spec.get("keep_alive")
         aliases = spec.get("aliases", [])
         if not isinstance(aliases, list) or not all(isinstance(a, str) for a in aliases):

@@ -27,6 +27,7 @@ import psutil
 
 from corral.core.gguf import split_parts
 from corral.core.memreport import Allocation, AllocationParser
+from corral.core.options import spec_type
 from corral.core.spec import Layout, RunnerSpec
 from corral.errors import ApiError
 from corral.runtime.loadwatch import file_bytes, loaded_bytes
@@ -155,6 +156,7 @@ class Runner:
             payload = {
                 **asdict(self.spec),
                 "n_gpu_layers": self.layout.n_gpu_layers,
+                "draft_gpu_layers": self.layout.draft_gpu_layers,
                 "main_gpu": self.layout.main_gpu,
                 "tensor_split": self.layout.tensor_split,
                 "name": self.name,
@@ -204,7 +206,8 @@ class Runner:
         (with its projector and adapters) the runner process holds in memory or has read."""
         s = self.spec
         paths = [*map(str, split_parts(s.path)), *([s.projector] if s.projector else []),
-                 *(a.path for a in s.adapters)]  # fmt: skip
+                 *(a.path for a in s.adapters), *([s.draft] if s.draft else [])]  # fmt: skip
+        paths = list(dict.fromkeys(paths))  # a model may draft for itself
         total, pid = file_bytes(paths), self.pid
         if not total or pid is None:
             return
@@ -269,7 +272,15 @@ class Runner:
         if s.chat_template:
             cmd += ["--jinja", "--chat-template", s.chat_template]
         if s.speculative != "off":
-            cmd += ["--spec-type", s.speculative]
+            cmd += ["--spec-type", spec_type(s.speculative)]
+        if s.draft:  # the draft model, on the target's devices (placement's share of them)
+            cmd += ["--spec-draft-model", s.draft]
+            if self.layout.draft_gpu_layers is not None:
+                cmd += ["-ngld", str(self.layout.draft_gpu_layers)]
+        if s.draft_max is not None:
+            cmd += ["--spec-draft-n-max", str(s.draft_max)]
+        if s.draft_min is not None:
+            cmd += ["--spec-draft-n-min", str(s.draft_min)]
         return cmd
 
     async def _read(self, stream: asyncio.StreamReader, ready: bool) -> None:

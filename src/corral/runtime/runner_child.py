@@ -22,7 +22,7 @@ from typing import Any
 
 from corral.core.estimate import KV_CACHE_TYPES, check_kv_cache_type
 from corral.core.memreport import LOADED_MARKER
-from corral.core.options import FLASH_ATTN
+from corral.core.options import FLASH_ATTN, spec_type
 
 PR_SET_PDEATHSIG = 1
 LOAD_VERBOSITY = 4  # LLAMA_LOG_INFO maps to verbosity 4 ("trace") in llama.cpp's common log
@@ -73,9 +73,18 @@ def build_params(spec: dict[str, Any]) -> Any:
     # Same type for K and V. A quantized V cache needs flash attention, which llama.cpp's
     # default (flash_attn auto) turns on for it, or fails to create the context if it cannot.
     p.cache_type_k = p.cache_type_v = getattr(x.ggml_type, f"GGML_TYPE_{kv_type.upper()}")
-    if spec.get("speculative", "off") != "off":  # an n-gram drafter (llama.cpp's --spec-type)
-        kind = "COMMON_SPECULATIVE_TYPE_" + spec["speculative"].upper().replace("-", "_")
+    if spec.get("speculative", "off") != "off":  # llama.cpp's --spec-type
+        kind = "COMMON_SPECULATIVE_TYPE_" + spec_type(spec["speculative"]).upper().replace("-", "_")
         p.speculative.types = [getattr(x.common_speculative_type, kind)]
+    draft = p.speculative.draft
+    if spec.get("draft"):  # the draft model, on the target's devices (placement's share)
+        draft.mparams.path = spec["draft"]
+        if spec.get("draft_gpu_layers") is not None:
+            draft.n_gpu_layers = spec["draft_gpu_layers"]
+    if spec.get("draft_max") is not None:
+        draft.n_max = spec["draft_max"]
+    if spec.get("draft_min") is not None:
+        draft.n_min = spec["draft_min"]
     if spec.get("embedding"):
         p.embedding = True
         if spec.get("pooling_type") is not None:
