@@ -40,7 +40,7 @@ from corral.runtime.measure import CONTEXT_SLACK, OOM_RAISE
 from corral.runtime.registry import ModelEntry
 from corral.runtime.runner import Runner
 from corral.runtime.runner_devices import RunnerDevice, RunnerDevices, choose_runner
-from corral.runtime.scheduler import Scheduler, SchedulerError
+from corral.runtime.scheduler import Scheduler, SchedulerConfig, SchedulerError
 from corral.server import create_app
 
 GiB, MiB = 2**30, 2**20
@@ -157,8 +157,8 @@ def booked_runner(name: str, spec: RunnerSpec, *, layout: Layout | None) -> Runn
 def scheduler(card: Card, **kw: Any) -> Scheduler:
     kw.setdefault("runners", booked_runner)
     sched = Scheduler(
-        {"cpu": 32 * GiB, "cuda:0": 139 * GiB}, devices=card.devices(), refresh=card.refresh,
-        measure_interval=3600, margin=0, **kw,
+        {"cpu": 32 * GiB, "cuda:0": 139 * GiB}, SchedulerConfig(measure_interval=3600, margin=0),
+        devices=card.devices(), refresh=card.refresh, **kw,
     )  # fmt: skip
     card.sched = sched
     return sched
@@ -385,8 +385,8 @@ async def test_the_runners_context_on_a_card_is_learned_from_nvml(
     monkeypatch.setitem(sys.modules, "pynvml", fake_nvml(card, used))
     runtime_devices._reset_nvml()
     sched = Scheduler(
-        {"cpu": 32 * GiB, "cuda:0": 139 * GiB}, devices=card.devices(), refresh=card.refresh,
-        measure_interval=0.05, margin=0,
+        {"cpu": 32 * GiB, "cuda:0": 139 * GiB}, SchedulerConfig(measure_interval=0.05, margin=0),
+        devices=card.devices(), refresh=card.refresh,
         runners=lambda name, spec, *, layout: GpuRunner(name, spec, layout=layout),
     )  # fmt: skip
     card.sched = sched

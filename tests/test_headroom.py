@@ -19,7 +19,7 @@ from corral.runtime import measure
 from corral.runtime.measure import OOM_RAISE
 from corral.runtime.memwatch import oom_kills
 from corral.runtime.runner_errors import OUT_OF_MEMORY
-from corral.runtime.scheduler import Scheduler
+from corral.runtime.scheduler import Scheduler, SchedulerConfig
 
 GiB = 2**30
 
@@ -40,7 +40,8 @@ async def test_a_load_waits_for_memory_another_program_took(
         return [replace(d, free=free["now"]) for d in devices]
 
     sched = Scheduler(
-        {"cpu": 4 * GiB}, devices=[cpu], refresh=refresh, measure_interval=0.05, margin=0
+        {"cpu": 4 * GiB}, SchedulerConfig(measure_interval=0.05, margin=0), devices=[cpu],
+        refresh=refresh,
     )
     caplog.set_level(logging.WARNING, "corral.runtime.measure")
     try:
@@ -70,7 +71,7 @@ async def test_a_runner_killed_for_memory_is_booked_higher_next_time(
     that model books its allocation OOM_RAISE times higher."""
     kills = [7]
     monkeypatch.setattr(measure, "oom_kills", lambda: kills[0])
-    sched = Scheduler({"cpu": 8 * GiB}, measure_interval=3600)
+    sched = Scheduler({"cpu": 8 * GiB}, SchedulerConfig(measure_interval=3600))
     caplog.set_level(logging.WARNING, "corral.runtime.measure")
     try:
         lease = await sched.acquire("tiny", tiny(models_dir), size=64 * 2**20)
@@ -133,7 +134,7 @@ async def test_a_runner_killed_by_someone_else_is_not_taken_for_out_of_memory(
     """`kill -9` by hand (the kernel's OOM kill count stays): the runner's end is a crash, and
     the model's booking stays as it was."""
     monkeypatch.setattr(measure, "oom_kills", lambda: 7)
-    sched = Scheduler({"cpu": 8 * GiB}, measure_interval=3600)
+    sched = Scheduler({"cpu": 8 * GiB}, SchedulerConfig(measure_interval=3600))
     caplog.set_level(logging.WARNING, "corral.runtime.scheduler")
     try:
         lease = await sched.acquire("tiny", tiny(models_dir), size=64 * 2**20)

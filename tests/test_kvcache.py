@@ -352,14 +352,14 @@ async def test_a_load_waiting_for_the_memory_is_not_held_up_by_saving(
     from corral.core.spec import RunnerSpec
     from corral.runtime import kvcache
     from corral.runtime.runner import Runner
-    from corral.runtime.scheduler import Hooks, Scheduler
+    from corral.runtime.scheduler import Hooks, Scheduler, SchedulerConfig
 
     caplog.set_level(logging.INFO, "corral.runtime.kvcache")
     monkeypatch.setattr(kvcache, "WAITING_BUDGET", 0.0)
     cache = KVCache(tmp_path / "kv", 2**30)
     mib = 2**20
     sched = Scheduler(
-        {"cpu": 400 * mib}, max_loaded=1, measure_interval=3600,
+        {"cpu": 400 * mib}, SchedulerConfig(max_loaded=1, measure_interval=3600),
         runners=functools.partial(Runner, slot_save_path=cache.slot_save_path),
         hooks=Hooks(before_stop=cache.before_stop),
     )  # fmt: skip

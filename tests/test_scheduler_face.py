@@ -17,7 +17,7 @@ import pytest
 import corral
 from corral.core.spec import Layout, RunnerSpec
 from corral.runtime.runner import Runner, RunnerError
-from corral.runtime.scheduler import Scheduler, SchedulerError
+from corral.runtime.scheduler import Scheduler, SchedulerConfig, SchedulerError
 
 FACE = {
     "submit", "wait", "acquire", "unload", "view", "listen", "gpu_contexts",
@@ -67,7 +67,7 @@ def test_the_face_is_the_shells_public_methods() -> None:
 
 
 def test_the_shell_keeps_no_public_attribute() -> None:
-    s = Scheduler({"cpu": 2**30}, measure_interval=math.inf)
+    s = Scheduler({"cpu": 2**30}, SchedulerConfig(measure_interval=math.inf))
     assert [n for n in vars(s) if not n.startswith("_")] == []
 
 
@@ -96,7 +96,8 @@ async def test_what_the_shell_works_with_comes_through_its_constructor(tmp_path:
         return Failing(name, spec, layout=layout)
 
     s = Scheduler(
-        {"cpu": 2**30}, measure_interval=math.inf, runners=runners, clock=lambda: 1000.0
+        {"cpu": 2**30}, SchedulerConfig(measure_interval=math.inf), runners=runners,
+        clock=lambda: 1000.0,
     )
     spec = RunnerSpec(path=str(tmp_path / "m.gguf"), n_ctx=512, num_parallel=1)
     try:
@@ -126,7 +127,7 @@ async def test_a_drain_refuses_who_waits_and_abandons_the_load(tmp_path: Path) -
         def kill_now(self) -> None:
             killed.set()
 
-    s = Scheduler({"cpu": 2**30}, measure_interval=math.inf, runners=Held)
+    s = Scheduler({"cpu": 2**30}, SchedulerConfig(measure_interval=math.inf), runners=Held)
     spec = RunnerSpec(path=str(tmp_path / "m.gguf"), n_ctx=512, num_parallel=1)
     try:
         waiting = asyncio.ensure_future(s.acquire("m", spec, size=2**20))

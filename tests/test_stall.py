@@ -23,7 +23,7 @@ from corral.core.spec import RunnerSpec
 from corral.runtime.hop import Lease
 from corral.runtime.measure import Record
 from corral.runtime.runner_api import RunnerAPI
-from corral.runtime.scheduler import Scheduler
+from corral.runtime.scheduler import Scheduler, SchedulerConfig
 from corral.testing import synth
 from corral.testing.server import CorralServer
 
@@ -168,7 +168,7 @@ def test_long_prompt_does_not_trip_the_watchdog(stall_server: CorralServer) -> N
 
 
 async def leased(models_dir: Path, stall: float = math.inf) -> tuple[Scheduler, Lease]:
-    sched = Scheduler({"cpu": 8 * 2**30}, stall_timeout=stall)
+    sched = Scheduler({"cpu": 8 * 2**30}, SchedulerConfig(stall_timeout=stall))
     spec = RunnerSpec(path=str(models_dir / "long.gguf"), n_ctx=16384, num_parallel=1)
     return sched, await sched.acquire("long", spec, size=2**20)
 

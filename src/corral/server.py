@@ -58,7 +58,7 @@ from corral.runtime.response_store import ResponseStore, journal_path
 from corral.runtime.runner import Runner
 from corral.runtime.runner_build import installed_gpu_runner
 from corral.runtime.runner_devices import choose_runner
-from corral.runtime.scheduler import Hooks, Scheduler
+from corral.runtime.scheduler import Hooks, Scheduler, SchedulerConfig
 
 log = logging.getLogger("corral")
 
@@ -124,17 +124,9 @@ def create_app(settings: Settings, devices: list[Device] | None = None) -> Starl
     metrics = Metrics()
     scheduler = Scheduler(
         budgets(devices, settings.memory_margin, settings.memory_limit),
-        max_loaded=settings.max_loaded_models,
-        max_queue=settings.max_queue,
-        default_keep_alive=settings.keep_alive,
-        load_timeout=settings.load_timeout,
-        queue_timeout=settings.queue_timeout,
-        policy=settings.eviction_policy,
-        tool_hold=settings.tool_hold,
+        SchedulerConfig.of(settings),
         devices=devices,
         refresh=refresh,
-        stall_timeout=settings.runner_stall_timeout,
-        margin=settings.memory_margin,
         # runners save and restore slots in the KV cache's directory
         runners=functools.partial(
             Runner,

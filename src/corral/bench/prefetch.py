@@ -17,7 +17,7 @@ from typing import Any
 from corral.bench.common import Goal, Say, Scale, Section, Table, median, secs
 from corral.core.spec import RunnerSpec
 from corral.runtime import pagecache
-from corral.runtime.scheduler import Hooks, Scheduler
+from corral.runtime.scheduler import Hooks, Scheduler, SchedulerConfig
 from corral.testing import synth
 
 TARGET_BYTES = 256 * 10**6
@@ -31,9 +31,10 @@ async def _trial(
         await asyncio.sleep(SLOW_STOP)
 
     sched = Scheduler(
-        {"cpu": 16 * 2**30}, max_loaded=1, measure_interval=3600, prefetch=prefetch,
+        {"cpu": 16 * 2**30},
+        SchedulerConfig(max_loaded=1, measure_interval=3600, prefetch=prefetch),
         hooks=Hooks(before_stop=hold if slow_stop else None),
-    )  # fmt: skip
+    )
     small = RunnerSpec(path=str(models / "victim.gguf"), n_ctx=512, num_parallel=1)
     big = RunnerSpec(path=str(models / "target.gguf"), n_ctx=512, num_parallel=1)
     try:

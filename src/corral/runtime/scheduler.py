@@ -25,6 +25,7 @@ from collections.abc import Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol
 
+from corral.config import Settings
 from corral.core.books import Core
 from corral.core.devices import CPU, GPU_HOST_BYTES, Device
 from corral.core.estimate import RUNNER_CODE_BYTES
@@ -80,49 +81,69 @@ class Hooks:
     on_wait: Callable[[str, float], None] | None = None  # (model, seconds waited) per grant
 
 
+@dataclass(frozen=True)
+class SchedulerConfig:
+    """How the scheduler decides and how long it waits: the server's settings (`of`), or a
+    test's. `measure_interval`: seconds between measures of the runners and devices;
+    `prefetch`: read a waiting load's file ahead while its victims exit; `tool_hold`: seconds a
+    runner whose answer ended in a tool call is held for the agent's turn."""
+
+    max_loaded: int = 0  # 0: memory decides
+    max_queue: int = 512
+    default_keep_alive: float = 300.0
+    load_timeout: float = 300.0
+    queue_timeout: float = math.inf
+    policy: str = DEFAULT_POLICY
+    tool_hold: float = 0.0
+    recovery_timeout: float = 5.0
+    stall_timeout: float = math.inf  # inf: no watchdog
+    measure_interval: float = 2.0
+    margin: int = 0
+    prefetch: bool = True
+
+    @classmethod
+    def of(cls, settings: Settings) -> SchedulerConfig:
+        return cls(
+            max_loaded=settings.max_loaded_models, max_queue=settings.max_queue,
+            default_keep_alive=settings.keep_alive, load_timeout=settings.load_timeout,
+            queue_timeout=settings.queue_timeout, policy=settings.eviction_policy,
+            tool_hold=settings.tool_hold, stall_timeout=settings.runner_stall_timeout,
+            margin=settings.memory_margin,
+        )  # fmt: skip
+
+
 class Scheduler:
     def __init__(
         self,
         budgets: dict[str, int],
+        config: SchedulerConfig = SchedulerConfig(),
         *,
-        max_loaded: int = 0,
-        max_queue: int = 512,
-        default_keep_alive: float = 300.0,
-        load_timeout: float = 300.0,
-        queue_timeout: float = math.inf,
-        policy: str = DEFAULT_POLICY,
-        tool_hold: float = 0.0,
         devices: list[Device] | None = None,
         refresh: Refresh | None = None,
-        recovery_timeout: float = 5.0,
-        stall_timeout: float = math.inf,
-        measure_interval: float = 2.0,
-        margin: int = 0,
-        prefetch: bool = True,
         runners: RunnerFactory = Runner,
         hooks: Hooks | None = None,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
         """`runners` makes a runner process; `clock` is the time of the books and of every
         deadline the shell keeps (a runner stamps its start with time.monotonic, the default);
-        `prefetch`: read a waiting load's file ahead while its victims exit; `tool_hold`:
-        seconds a runner whose answer ended in a tool call is held for the agent's turn."""
+        `refresh` re-reads the devices (runtime/devices)."""
+        c = config
         self._core = Core(
             budgets=budgets,
-            max_loaded=max_loaded,
-            max_queue=max_queue,
-            default_keep_alive=default_keep_alive,
-            policy=POLICIES[policy],
+            max_loaded=c.max_loaded,
+            max_queue=c.max_queue,
+            default_keep_alive=c.default_keep_alive,
+            policy=POLICIES[c.policy],
             # The runners' shared code, resident once for all of them (raised if measured more)
             reserved={CPU: RUNNER_CODE_BYTES} if CPU in budgets else {},
         )
-        self._tool_hold = tool_hold
-        self._load_timeout = load_timeout
-        self._queue_timeout = queue_timeout
+        self._tool_hold = c.tool_hold
+        self._load_timeout = c.load_timeout
+        self._queue_timeout = c.queue_timeout
         self._devices = devices or []
         self._refresh = refresh
-        self._recovery_timeout = recovery_timeout
-        self._stall_timeout = stall_timeout  # inf: no watchdog
+        self._recovery_timeout = c.recovery_timeout
+        self._stall_timeout = c.stall_timeout
         self._new_runner = runners
         self._hooks = hooks or Hooks()
         self._clock = clock
@@ -130,7 +151,7 @@ class Scheduler:
         self._runners: dict[int, Record] = {}  # runner id -> its process and measures
         self._measure = Measure(
             self._core, self._runners, self._journal, devices=self._devices, refresh=refresh,
-            margin=margin, interval=measure_interval, read_ahead=prefetch, clock=clock,
+            margin=c.margin, interval=c.measure_interval, read_ahead=c.prefetch, clock=clock,
             apply=self._apply, spawn=self._spawn,
         )  # fmt: skip
         self._meter = Meter(clock)  # generated tokens as they are relayed
