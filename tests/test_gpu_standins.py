@@ -271,6 +271,48 @@ async def test_an_out_of_memory_abort_at_load_is_placed_again_once(
         await sched.shutdown()
 
 
+async def test_a_load_that_ran_out_of_memory_is_placed_again_once_the_driver_released_it(
+    models_dir: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The driver releases a dead process's memory a little after it ends: the retry waits
+    until NVML no longer lists the dead runner (its bytes booked meanwhile), not a fixed time.
+    Held here until the test lets the stand-in driver release it."""
+    make, made = runners_that_run_out(tmp_path, 1)
+    released = asyncio.Event()
+    asked: list[int] = []
+
+    def per_process(gpus: Any) -> dict[int, dict[str, int]]:
+        dead = made[0].pid if made else None
+        asked.append(len(made))
+        return {} if released.is_set() or dead is None else {dead: {"cuda:0": GiB}}
+
+    monkeypatch.setattr("corral.runtime.measure.gpu_process_memory", per_process)
+    card = Card(others=0)
+    sched = Scheduler(
+        {"cpu": 32 * GiB, "cuda:0": 139 * GiB},
+        SchedulerConfig(measure_interval=3600, margin=0, recovery_timeout=3600),
+        devices=card.devices(), refresh=card.refresh, runners=make,
+    )  # fmt: skip
+    card.sched = sched
+    try:
+        acquiring = asyncio.ensure_future(
+            sched.acquire("tiny", tiny(models_dir), size=GiB, place=on_gpu(GiB))
+        )
+        while not any(e.kind == "load_failed" for e in sched.view().events):
+            await asyncio.sleep(0.01)
+        while len(asked) < 3:  # the scheduler is asking the driver, and waits
+            await asyncio.sleep(0.01)
+        assert len(made) == 1 and not acquiring.done()
+        (book,) = sched.view().runners  # the dead runner's bytes stay booked meanwhile
+        assert book.devices["cuda:0"] >= GiB
+        released.set()
+        lease = await acquiring
+        assert len(made) == 2 and made[1].out_of_memory is None
+        lease.release()
+    finally:
+        await sched.shutdown()
+
+
 async def test_a_second_out_of_memory_in_a_row_is_a_503_with_the_numbers(
     models_dir: Path, tmp_path: Path
 ) -> None:

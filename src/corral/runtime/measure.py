@@ -177,6 +177,22 @@ class Measure:
         self.last_devices, self._read_at = devices, now
         self._set_headroom(devices, usages, gpu)
 
+    async def released(self, pid: int, timeout: float, interval: float = 0.1) -> bool:
+        """Wait until the driver no longer lists the ended process `pid` as holding GPU memory
+        (it releases a process's memory a little after the process ends), at most `timeout`
+        seconds; False if it still holds some then. True at once where the driver does not say
+        what each process holds."""
+        gpus = [d for d in self._devices if d.library != "cpu"]
+        deadline = time.monotonic() + timeout
+        while gpus:
+            held = await asyncio.to_thread(gpu_process_memory, gpus)
+            if not any(held.get(pid, {}).values()):
+                return True
+            if time.monotonic() >= deadline:
+                return False
+            await asyncio.sleep(interval)
+        return True
+
     def stale(self) -> None:
         """A runner exited: the next load reads the devices again first (Measure.fresh)."""
         self._read_at = -math.inf

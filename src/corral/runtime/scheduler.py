@@ -364,6 +364,14 @@ class Scheduler:
                 self._journal.record("load_failed", runner.name, runner=rid, message=str(e))
             self._runners.pop(rid, None)
             if not runner.shutting_down and self._ran_out_of_memory(runner):
+                # Placed again only once the driver has released what the dead runner held
+                # (its bytes stay booked meanwhile), on free memory read after that.
+                if runner.pid and not await self._measure.released(
+                    runner.pid, self._recovery_timeout
+                ):
+                    log.warning("GPU memory of '%s' was not released within %.0fs",
+                                runner.name, self._recovery_timeout)  # fmt: skip
+                self._measure.fresh(self._clock(), max_age=0.0)
                 self._load_ran_out(rid, runner, str(e))
             else:
                 self._core.load_failed(rid, str(e), self._clock())
