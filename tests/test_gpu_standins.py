@@ -36,7 +36,7 @@ from corral.errors import ApiError
 from corral.runtime import devices as runtime_devices
 from corral.runtime.admission import Admission, Resolved
 from corral.runtime.hop import Lease
-from corral.runtime.measure import CONTEXT_SLACK, OOM_RAISE
+from corral.runtime.measure import CONTEXT_SLACK, OOM_RAISE, read_learned, write_learned
 from corral.runtime.registry import ModelEntry
 from corral.runtime.runner import Runner
 from corral.runtime.runner_devices import RunnerDevice, RunnerDevices, choose_runner
@@ -278,13 +278,18 @@ async def test_a_load_that_ran_out_of_memory_is_placed_again_once_the_driver_rel
     until NVML no longer lists the dead runner (its bytes booked meanwhile), not a fixed time.
     Held here until the test lets the stand-in driver release it."""
     make, made = runners_that_run_out(tmp_path, 1)
-    released = asyncio.Event()
-    asked: list[int] = []
+    released, polled = asyncio.Event(), asyncio.Event()
+    loop = asyncio.get_running_loop()
+    polls: list[int] = []
 
-    def per_process(gpus: Any) -> dict[int, dict[str, int]]:
-        dead = made[0].pid if made else None
-        asked.append(len(made))
-        return {} if released.is_set() or dead is None else {dead: {"cuda:0": GiB}}
+    def per_process(gpus: Any) -> dict[int, dict[str, int]]:  # (in a worker thread, too)
+        dead = made[0].pid if made and made[0].exit_code is not None else None
+        if dead is None or released.is_set():
+            return {}
+        polls.append(dead)
+        if len(polls) >= 3:  # asked again and again: the scheduler waits for the release
+            loop.call_soon_threadsafe(polled.set)
+        return {dead: {"cuda:0": GiB}}
 
     monkeypatch.setattr("corral.runtime.measure.gpu_process_memory", per_process)
     card = Card(others=0)
@@ -298,10 +303,7 @@ async def test_a_load_that_ran_out_of_memory_is_placed_again_once_the_driver_rel
         acquiring = asyncio.ensure_future(
             sched.acquire("tiny", tiny(models_dir), size=GiB, place=on_gpu(GiB))
         )
-        while not any(e.kind == "load_failed" for e in sched.view().events):
-            await asyncio.sleep(0.01)
-        while len(asked) < 3:  # the scheduler is asking the driver, and waits
-            await asyncio.sleep(0.01)
+        await polled.wait()
         assert len(made) == 1 and not acquiring.done()
         (book,) = sched.view().runners  # the dead runner's bytes stay booked meanwhile
         assert book.devices["cuda:0"] >= GiB
@@ -416,19 +418,21 @@ def fake_nvml(card: Card, used: dict[int, int]) -> Any:
 
 
 async def test_the_runners_context_on_a_card_is_learned_from_nvml(
-    models_dir: Path, monkeypatch: pytest.MonkeyPatch
+    models_dir: Path, monkeypatch: pytest.MonkeyPatch, tmp_path: Path
 ) -> None:
     """NVML says the runner holds 900 MiB on the card beyond llama.cpp's buffers (its CUDA
     context, cuBLAS, pools): later runners on a card of that name are booked with that, and
-    this one's booking grows to NVML's figure."""
+    this one's booking grows to NVML's figure. It is kept across a restart."""
+    kept = tmp_path / ".corral" / "gpu-contexts.json"
     card = Card(others=0)
     card.device = replace(card.device, uuid="GPU-fake")
     used: dict[int, int] = {}
     monkeypatch.setitem(sys.modules, "pynvml", fake_nvml(card, used))
     runtime_devices._reset_nvml()
+    config = SchedulerConfig(measure_interval=0.05, margin=0, learned_path=kept)
     sched = Scheduler(
-        {"cpu": 32 * GiB, "cuda:0": 139 * GiB}, SchedulerConfig(measure_interval=0.05, margin=0),
-        devices=card.devices(), refresh=card.refresh,
+        {"cpu": 32 * GiB, "cuda:0": 139 * GiB}, config, devices=card.devices(),
+        refresh=card.refresh,
         runners=lambda name, spec, *, layout: GpuRunner(name, spec, layout=layout),
     )  # fmt: skip
     card.sched = sched
@@ -445,6 +449,10 @@ async def test_the_runners_context_on_a_card_is_learned_from_nvml(
         (book,) = sched.view().runners
         assert book.devices["cuda:0"] >= GiB + 256 * MiB + 900 * MiB
         lease.release()
+        # After a restart the first runner there is booked with it already
+        assert orjson.loads(kept.read_bytes()) == {CARD: 900 * MiB + CONTEXT_SLACK}
+        again = Scheduler({"cpu": 32 * GiB, "cuda:0": 139 * GiB}, config)
+        assert again.gpu_contexts() == {CARD: 900 * MiB + CONTEXT_SLACK}
     finally:
         await sched.shutdown()
         runtime_devices._reset_nvml()
@@ -496,3 +504,14 @@ def test_the_runner_is_chosen_for_the_gpus_and_asked_what_it_can_use() -> None:
     # no GPU: nothing is asked
     asked.clear()
     assert choose_runner(None, h200()[:1], installed, probe).llama_server is None and not asked
+
+
+def test_learned_allowances_from_a_damaged_file_are_learned_again(tmp_path: Path) -> None:
+    kept = tmp_path / "gpu-contexts.json"
+    assert read_learned(kept) == {}  # none yet
+    kept.write_text('{"NVIDIA H200": 7')  # cut short
+    assert read_learned(kept) == {}
+    kept.write_text('{"NVIDIA H200": 1073741824, "odd": "x", "negative": -1}')
+    assert read_learned(kept) == {"NVIDIA H200": GiB}
+    write_learned(tmp_path / "new" / "gpu-contexts.json", {"NVIDIA H200": 2 * GiB})
+    assert read_learned(tmp_path / "new" / "gpu-contexts.json") == {"NVIDIA H200": 2 * GiB}

@@ -13,12 +13,14 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import json
 import logging
 import math
 import os
 import time
 from collections.abc import Callable, Coroutine, Mapping
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 import psutil
@@ -81,6 +83,7 @@ class Measure:
         clock: Callable[[], float],
         apply: Callable[[], None],
         spawn: Callable[[Coroutine[Any, Any, Any]], None],
+        learned_path: Path | None = None,
     ) -> None:
         self._core = core
         self._records = records
@@ -105,7 +108,9 @@ class Measure:
         self.raised_before: dict[str, float] = {}  # ... and before it last ran out
         # Card name -> the most a runner was measured to hold on such a GPU beyond llama.cpp's
         # buffers (NVML's figure less its buffers): booked with every later runner there.
-        self.learned_context: dict[str, int] = {}
+        # Kept in `learned_path` (when given), so the first load after a restart books it too.
+        self._learned_path = learned_path
+        self.learned_context: dict[str, int] = read_learned(learned_path)
         self._read_at = -math.inf  # when the devices were last read (headroom)
         # What a byte read from disk costs beyond one in the page cache (learned from two loads
         # of one file with different residency), and each file's last load (seconds, residency).
@@ -281,6 +286,7 @@ class Measure:
             if extra > self.learned_context.get(d.name, 0):
                 before = gpu_context(d, self.learned_context)
                 self.learned_context[d.name] = extra
+                write_learned(self._learned_path, self.learned_context)
                 log.info(
                     "a runner holds %.0f MiB on %s (%s) beyond llama.cpp's buffers: booking "
                     "that with each runner there (was %.0f MiB)",
@@ -460,3 +466,33 @@ async def wait_for_recovery(
         if time.monotonic() >= deadline:
             return False
         await asyncio.sleep(interval)
+
+
+def read_learned(path: Path | None) -> dict[str, int]:
+    """The GPU context allowances learned before (card name -> bytes); none if the file is
+    missing or unreadable (then they are learned again)."""
+    if path is None:
+        return {}
+    try:
+        data = json.loads(path.read_text())
+    except FileNotFoundError:
+        return {}
+    except (OSError, ValueError) as e:
+        log.warning("ignoring %s: %s", path, e)
+        return {}
+    if not isinstance(data, dict):
+        return {}
+    return {str(k): v for k, v in data.items() if isinstance(v, int) and v > 0}
+
+
+def write_learned(path: Path | None, learned: Mapping[str, int]) -> None:
+    """Keep the learned allowances (atomically; a failure only costs relearning them)."""
+    if path is None:
+        return
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_suffix(".tmp")
+        tmp.write_text(json.dumps(dict(learned), indent=1, sort_keys=True))
+        tmp.replace(path)
+    except OSError as e:
+        log.warning("could not keep the learned GPU allowances in %s: %s", path, e)
