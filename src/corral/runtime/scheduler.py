@@ -48,6 +48,7 @@ from corral.runtime.measure import Measure, Record, Refresh, wait_for_recovery
 from corral.runtime.meter import Meter
 from corral.runtime.pagecache import resident
 from corral.runtime.runner import Runner, RunnerError
+from corral.runtime.store import STORE_DIR
 from corral.runtime.view import SchedulerView, snapshot
 
 log = logging.getLogger(__name__)
@@ -112,7 +113,7 @@ class SchedulerConfig:
             queue_timeout=settings.queue_timeout, policy=settings.eviction_policy,
             tool_hold=settings.tool_hold, stall_timeout=settings.runner_stall_timeout,
             margin=settings.memory_margin,
-            learned_path=settings.models_dir / ".corral" / "gpu-contexts.json",
+            learned_path=settings.models_dir / STORE_DIR / "gpu-contexts.json",
         )  # fmt: skip
 
 
