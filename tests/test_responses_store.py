@@ -152,7 +152,8 @@ def test_streamed_response_is_stored(openai_client: openai.OpenAI, server: Corra
         stream=True,
     )  # fmt: skip
     *_, end = stream
-    assert end.type == "response.incomplete"
+    # (cut at 2 tokens, unless the model ends its answer sooner)
+    assert end.type in ("response.completed", "response.incomplete")
     again = end.response
     assert again.previous_response_id == stored["id"]
     assert len(openai_client.responses.input_items.list(again.id).data) == 3

@@ -54,6 +54,7 @@ class Model:
     projector: Path | None = None
     adapters: tuple[Adapter, ...] = ()
     template: str | None = None
+    draft: Path | None = None
 
 
 @pytest.fixture(scope="module")
