@@ -42,13 +42,12 @@ from corral.api.family import OLLAMA, SSE, FamilyRoute
 from corral.api.history import History
 from corral.api.paths import shown_path
 from corral.api.service import Service
-from corral.api.stream import RelayResponse
+from corral.api.stream import SSE_HEADERS, RelayResponse, stopping
 from corral.core.devices import device_memory
 from corral.core.gguf import split_parts
 from corral.errors import ApiError
 from corral.runtime.journal import Event
 from corral.runtime.registry import canonical_name
-from corral.runtime.scheduler import Scheduler
 from corral.runtime.view import RunnerView
 
 ASSETS = {
@@ -75,9 +74,6 @@ REQUESTS_SHOWN = 200  # finished requests the events stream starts with
 LINES_SHOWN = 500  # log lines the events stream starts with
 FEED_MAX = 5000  # what may wait for a slow page (then the newest is dropped)
 BATCH = 0.05  # seconds what comes together waits to go in one event
-SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
-
-
 def ui_file(name: str) -> bytes:
     return resources.files("corral.ui").joinpath(name).read_bytes()
 
@@ -481,25 +477,3 @@ def _sse(event: str, data: Any) -> bytes:
 def wants_html(request: Request) -> bool:
     """A browser asking for a page (not a client probing `GET /`)."""
     return "text/html" in request.headers.get("accept", "")
-
-
-def stopping(request: Request, scheduler: Scheduler) -> bool:
-    """Whether the server is on its way down: an endless stream ends."""
-    gate = getattr(request.app.state, "gate", None)
-    return scheduler.view().closing or bool(getattr(gate, "draining", False))
-
-
-@contextlib.asynccontextmanager
-async def journal_events(scheduler: Scheduler) -> AsyncIterator[asyncio.Queue[Event]]:
-    """Journal events from now on, in a queue (listeners must not block)."""
-    q: asyncio.Queue[Event] = asyncio.Queue(maxsize=1000)
-
-    def put(ev: Event) -> None:
-        with contextlib.suppress(asyncio.QueueFull):
-            q.put_nowait(ev)
-
-    stop: Callable[[], Any] = scheduler.listen(put)
-    try:
-        yield q
-    finally:
-        stop()

@@ -26,12 +26,11 @@ from starlette.responses import Response
 from starlette.routing import Route
 
 from corral.api.common import json_response, model_field, read_json, until_disconnect
-from corral.api.dashboard import SSE_HEADERS, journal_events, stopping
 from corral.api.family import OLLAMA, SSE, FamilyRoute
 from corral.api.manage import Manage, model_name, store_error
 from corral.api.paths import shown_path
 from corral.api.service import Service
-from corral.api.stream import RelayResponse
+from corral.api.stream import SSE_HEADERS, RelayResponse, journal_events, stopping
 from corral.errors import ApiError
 from corral.runtime import hub
 from corral.runtime.store import StoreError

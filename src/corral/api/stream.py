@@ -10,13 +10,19 @@ a system call each, the ASGI send through the middleware), not per byte. So:
   idle task;
 - `LeasedStream` passes the runner's SSE bytes on, cut only at event boundaries, through the
   `Relay` every path of llama.cpp's own bytes goes through.
+
+The endless event streams (the dashboard's, llama.cpp's router's `/models/sse`) take the
+scheduler's journal from here too (`journal_events`, `stopping`).
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 from collections.abc import AsyncIterator, Callable, Mapping
+from typing import Any
 
+from starlette.requests import Request
 from starlette.responses import Response
 from starlette.types import Message, Receive, Scope, Send
 
@@ -25,9 +31,11 @@ from corral.api.family import OPENAI, Family
 from corral.errors import ApiError
 from corral.runtime.continuation import Upstream
 from corral.runtime.hop import Lease
+from corral.runtime.journal import Event
 from corral.runtime.meter import count_events, last_timings
 from corral.runtime.runner_api import UPSTREAM_ERRORS
 from corral.runtime.runner_errors import SSE_ERROR, stream_error
+from corral.runtime.scheduler import Scheduler
 
 SSE_DONE = b"data: [DONE]"
 # llama.cpp's error mid-stream (e.g. a context its parallel requests share has filled): an SSE
@@ -220,3 +228,30 @@ class LeasedStream(RelayResponse):
         if self.upstream is not None:
             self.upstream.close()
         self.lease.release()
+
+
+# ---- endless event streams (the dashboard's, llama.cpp's router's) -------------------------
+
+SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
+
+
+def stopping(request: Request, scheduler: Scheduler) -> bool:
+    """Whether the server is on its way down: an endless stream ends."""
+    gate = getattr(request.app.state, "gate", None)
+    return scheduler.view().closing or bool(getattr(gate, "draining", False))
+
+
+@contextlib.asynccontextmanager
+async def journal_events(scheduler: Scheduler) -> AsyncIterator[asyncio.Queue[Event]]:
+    """Journal events from now on, in a queue (listeners must not block)."""
+    q: asyncio.Queue[Event] = asyncio.Queue(maxsize=1000)
+
+    def put(ev: Event) -> None:
+        with contextlib.suppress(asyncio.QueueFull):
+            q.put_nowait(ev)
+
+    stop: Callable[[], Any] = scheduler.listen(put)
+    try:
+        yield q
+    finally:
+        stop()
