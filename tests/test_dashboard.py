@@ -226,7 +226,7 @@ def test_dashboard_shows_who_waits(
 
     # A long greedy generation holds the only slot until its client leaves.
     body = {"model": "long", "prompt": "once upon a time", "raw": True,
-            "options": {"num_predict": 100000, "num_ctx": 16384, "temperature": 0}}  # fmt: skip
+            "options": {"num_predict": 100000, "num_ctx": 32768, "temperature": 0}}  # fmt: skip
     served: list[int] = []
     with httpx.Client(base_url=s.url, timeout=60) as holder:
         with holder.stream("POST", "/api/generate", json=body) as r:
