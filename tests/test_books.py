@@ -14,6 +14,7 @@ from corral.core.books import QUEUE_FULL_MESSAGE, Core
 from corral.core.policy import POLICIES
 from corral.core.requests import Fail, Grant, Load, QueueFull, Request, Sizing, Stop
 from corral.core.spec import RunnerSpec
+from corral.core.waits import waits
 
 MODELS = {"a": 300, "b": 500, "c": 700, "d": 1200}  # name -> bytes; budget 1000 holds 1-2
 # Models with an automatic slot count: bytes before slots; each of up to 4 slots costs SLOT.
@@ -110,6 +111,26 @@ class Harness:
                     # only a runner a starving load needs may hold back later requests
                     assert starving is not None and starving.arrived < q.arrived, "HOL"
         assert {q.id for q in c.queue} == self.pending
+        # Who waits and why (core/waits): every queued request once, in queue order, placed
+        # 1..n among its model's, and a reason the books bear out.
+        ws = waits(c)
+        assert [w.request.id for w in ws] == [q.id for q in c.queue]
+        for model in {q.model for q in c.queue}:
+            mine = [w for w in ws if w.request.model == model]
+            assert [(w.place, w.of) for w in mine] == [(i + 1, len(mine)) for i in range(len(mine))]
+        for w in ws:
+            r = c.current(w.request.model)
+            if r is None:  # it needs a load
+                assert w.runner is None
+                assert w.why in ("exiting", "behind_load", "gpu", "evicting", "memory")
+            else:
+                assert w.runner == r.id and w.why in ("reload", "loading", "busy", "behind_load")
+            if w.why == "busy":
+                assert r is not None and r.state == "ready" and r.inflight == r.spec.num_parallel
+            elif w.why == "loading":
+                assert r is not None and r.state == "loading"
+            elif w.why == "evicting":
+                assert any(b.state == "unloading" for b in c.runners.values())
 
     # ---- events ----------------------------------------------------------------------------
     def request(self, model: str, ctx: int | None = None, keep_alive: float | None = None) -> int:

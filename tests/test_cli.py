@@ -557,6 +557,36 @@ def test_ps_shows_the_names_a_shared_runner_serves(
     assert lines[1].endswith("captain:latest, pirate:latest") and lines[2].endswith("-")
 
 
+def test_ps_shows_who_waits_only_while_something_does(
+    server: FakeServer, capsys: pytest.CaptureFixture[str]
+) -> None:
+    idle = [{"name": "idle:latest", "queued": 0, "waiting_for_room": 0, "num_parallel": 1}]
+    assert "QUEUE" not in ps_lines(server, capsys, idle)[0]  # Ollama's columns otherwise
+    busy = [
+        {"name": "busy:latest", "requests_in_flight": 4, "num_parallel": 4, "queued": 2,
+         "waiting_for_room": 1},
+        {"name": "idle:latest", "requests_in_flight": 0, "num_parallel": 1, "queued": 0},
+    ]  # fmt: skip
+    # corral's books list every waiting request, those for a model not loaded yet included
+    server.routes["GET", "/api/corral/books"] = lambda _: (200, {"waiting": [
+        {"model": "busy:latest", "place": 1, "why": "busy", "waited": 3.0,
+         "reason": "every slot of its model is busy"},
+        {"model": "cold:latest", "place": 1, "why": "memory", "waited": 12.4,
+         "reason": "waiting for memory the busy models hold"},
+        {"model": "cold:latest", "place": 2, "why": "memory", "waited": 2.0,
+         "reason": "waiting for memory the busy models hold"},
+    ]})  # fmt: skip
+    lines = ps_lines(server, capsys, busy)
+    assert lines[0].split()[-2:] == ["SLOTS", "QUEUE"]
+    assert lines[1].split()[-6:] == ["4/4", "2", "queued,", "1", "for", "room"]
+    assert lines[2].split()[-2:] == ["0/1", "-"]
+    assert lines[3] == ""
+    assert lines[4].split() == ["WAITING", "FOR", "REQUESTS", "LONGEST", "WHY"]
+    assert lines[5].split() == ["cold:latest", "2", "12", "seconds", "waiting", "for", "memory",
+                                "the", "busy", "models", "hold"]  # fmt: skip
+    assert len(lines) == 6
+
+
 def test_list_and_ls(server: FakeServer, capsys: pytest.CaptureFixture[str]) -> None:
     modified = _iso(datetime.now(timezone.utc) - timedelta(hours=2))
     models = [

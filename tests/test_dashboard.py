@@ -208,3 +208,46 @@ def test_dashboard_shows_an_eviction_and_a_crash(
     page.screenshot(path=str(tmp_path / "events.png"), full_page=True)
     assert problems == []
     page.close()
+
+
+def test_dashboard_shows_who_waits(
+    start_server, models_dir: Path, browser: Any, tmp_path: Path
+) -> None:
+    """A request queued behind the only slot of a busy runner shows in the Waiting list (its
+    model, place 1 of 1, the time it has waited, why); the list goes once it is served."""
+    s = start_server(models_dir, CORRAL_BUILTIN_MODELS="0")  # one slot per runner
+    page = browser.new_page(viewport={"width": 1440, "height": 900})
+    problems: list[str] = []
+    page.on("console", lambda m: m.type in ("error", "warning") and problems.append(m.text))
+    page.on("pageerror", lambda e: problems.append(str(e)))
+    page.goto(s.url + "/ui")
+    page.wait_for_selector("#conn[data-state='live']")
+    assert page.locator("#waiting").is_hidden()  # nothing waits: nothing shows
+
+    # A long greedy generation holds the only slot until its client leaves.
+    body = {"model": "long", "prompt": "once upon a time", "raw": True,
+            "options": {"num_predict": 100000, "num_ctx": 32768, "temperature": 0}}  # fmt: skip
+    served: list[int] = []
+    with httpx.Client(base_url=s.url, timeout=60) as holder:
+        with holder.stream("POST", "/api/generate", json=body) as r:
+            assert r.status_code == 200, r.read()
+            lines = r.iter_lines()  # keep a reference: a dropped iterator closes the stream
+            next(lines)
+            t = threading.Thread(target=lambda: served.append(s.client.post("/api/generate", json={
+                "model": "long", "prompt": "hi", "stream": False,
+                "options": {"num_predict": 2}}).status_code))  # fmt: skip
+            t.start()
+            row = page.locator("#waiting tr[data-waiting='long:latest']")
+            row.wait_for(timeout=15000)
+            assert page.locator("#waiting").is_visible()
+            assert row.get_attribute("data-why") == "busy"
+            assert row.locator(".place").inner_text() == "1 of 1"
+            assert row.locator(".why").inner_text() == "every slot of its model is busy"
+            assert re.search(r"\d s", row.inner_text()), row.inner_text()  # the time it waited
+            page.screenshot(path=str(tmp_path / "waiting.png"), full_page=True)
+    t.join(30)
+    assert served == [200]
+    page.wait_for_selector("#waiting", state="hidden", timeout=15000)
+    assert page.locator("#waiting-rows tr").count() == 0
+    assert problems == []
+    page.close()

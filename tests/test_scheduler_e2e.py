@@ -444,6 +444,33 @@ def test_queue_limit_answers_server_busy_in_both_api_shapes(serve) -> None:
     assert_no_leak(s)
 
 
+def test_a_request_queued_behind_a_busy_runner_is_listed_until_it_is_served(serve) -> None:
+    """The dashboard's state and /api/corral/books list a request waiting for a's only slot:
+    place 1 of 1, why it waits, for how long; once the slot frees it is served and gone."""
+    s = serve()
+
+    def waiting(path: str = "/api/corral/state") -> list[dict[str, Any]]:
+        return list(s.client.get(path).json()["waiting"])
+
+    bg = Background()
+    with streams(s, "a") as st:  # a's only slot is busy until the stream closes
+        assert waiting() == []
+        bg.gen(s, "q", "a")
+        s.wait_for(lambda: bool(waiting()), timeout=10, what="the request listed")
+        (w,) = waiting()
+        assert (w["model"], w["place"], w["of"], w["position"]) == (name("a"), 1, 1, 1)
+        assert w["why"] == "busy" and w["reason"] == "every slot of its model is busy"
+        doc = s.client.get("/api/corral/state", params={"model": "a"}).json()
+        assert w["waited"] >= 0 and w["runner"] == doc["models"][0]["runner"]["id"]
+        assert [x["request"] for x in waiting("/api/corral/books")] == [w["request"]]
+        assert loaded(s)[name("a")]["queued"] == 1
+        st["a"].more()
+    (done,) = bg.join(s)
+    assert done[1] == 200
+    assert waiting() == [] and waiting("/api/corral/books") == []
+    assert_no_leak(s)
+
+
 def test_client_leaving_while_its_model_loads_leaves_no_queue_entry_or_runner(serve) -> None:
     s = serve()
     body = {"model": "big", "prompt": "hi", "stream": False, "options": {"num_predict": 2}}

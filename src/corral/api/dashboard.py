@@ -6,10 +6,11 @@ CDN, works offline). It reads one JSON document, built here from the scheduler's
 request: every registered model with its runner's state (loading with its progress, ready,
 draining, unloading), bytes per device booked and measured, slots, queue, keep-alive,
 tokens per second (generated ones counted as corral relays them, per runner and slot); a bar
-per device (budget, booked by corral, in use as the device reports it); the journal's recent
-decisions. The events stream pushes that document every second and
-at once after each journal event (load, ready, eviction, crash, refusal), so the page updates
-without a reload and without polling; the last hour's history (api/history.py) for the
+per device (budget, booked by corral, in use as the device reports it); who waits (each
+request's model, place, time waited and why: `waiting`); the journal's recent decisions.
+The events stream pushes that document every second and at once after each journal event
+(load, ready, eviction, crash, refusal), so the page updates without a reload and without
+polling; the last hour's history (api/history.py) for the
 page's charts; the requests as they end (the activity ring, api/activity.py) and the server's
 log lines (logs.RING), for the activity view and the log pane. `GET /api/corral/model` adds to
 /api/show what the page's detail view shows.
@@ -45,10 +46,11 @@ from corral.api.service import Service
 from corral.api.stream import SSE_HEADERS, RelayResponse, stopping
 from corral.core.devices import device_memory
 from corral.core.gguf import split_parts
+from corral.core.waits import WHY
 from corral.errors import ApiError
 from corral.runtime.journal import Event
 from corral.runtime.registry import canonical_name
-from corral.runtime.view import RunnerView
+from corral.runtime.view import RunnerView, SchedulerView
 
 ASSETS = {
     "app.js": "text/javascript",
@@ -80,6 +82,18 @@ def ui_file(name: str) -> bytes:
 
 def _num(x: float) -> float | None:
     return round(x, 3) if math.isfinite(x) else None
+
+
+def waiting(v: SchedulerView) -> list[dict[str, Any]]:
+    """Each request waiting for its turn, the queue's first: its model, its place among its
+    model's requests (`of` them; for room, on its runner), its place in the one queue across
+    models, the seconds it has waited, and why it waits (a code, and in words)."""
+    return [
+        {"request": w.request, "model": w.model, "place": w.place, "of": w.of,
+         "position": w.position, "waited": round(w.waited, 1), "why": w.why,
+         "reason": WHY[w.why], "runner": w.runner}
+        for w in v.waiting
+    ]  # fmt: skip
 
 
 class _Rates:
@@ -289,6 +303,7 @@ class Dashboard:
             "loaded": sum(1 for r in v.runners if r.state != "unloading"),
             "in_flight": sum(r.inflight for r in v.runners),
             "queued": sum(v.queued.values()),
+            "waiting": waiting(v),  # who waits for a slot or for room, and why
             "events": events[::-1],  # newest first
         }
 
@@ -364,14 +379,16 @@ class Dashboard:
         """The scheduler's budgets and what it holds for all runners at once (their shared
         code), per device: what a cluster's entry needs of a node's books besides /api/ps;
         and each device's memory as the operator reads it (total, held by corral's runners,
-        by other programs, free), where corral may book the smaller of budget and headroom."""
+        by other programs, free), where corral may book the smaller of budget and headroom;
+        and who waits for a slot or for room (as in the state document)."""
         v = self.scheduler.view()
         memory = {
             d.id: {**vars(device_memory(d, v.measured.get(d.id, 0))),
                    "headroom": v.headroom.get(d.id)}
             for d in v.devices if d.id in v.budgets
         }  # fmt: skip
-        return json_response({"budgets": v.budgets, "reserved": v.reserved, "memory": memory})
+        return json_response({"budgets": v.budgets, "reserved": v.reserved, "memory": memory,
+                              "waiting": waiting(v)})  # fmt: skip
 
     # ---- streams ------------------------------------------------------------------------------
     async def events_endpoint(self, request: Request) -> Response:

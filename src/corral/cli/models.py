@@ -32,6 +32,7 @@ from corral.cli.display import (
     _int,
     _number,
     human_bytes,
+    human_duration,
     human_number,
     human_time,
     parse_time,
@@ -79,6 +80,36 @@ def slots_text(m: Mapping[str, Any]) -> str:
     if "num_parallel" not in m:
         return "-"
     return f"{_int(m.get('requests_in_flight'))}/{_int(m.get('num_parallel'))}"
+
+
+def queue_text(m: Mapping[str, Any]) -> str:
+    """The QUEUE column of `ps`: the requests queued for the model's runner, and of those it
+    serves, the ones waiting for room in its shared context ("2 queued, 1 for room")."""
+    parts = []
+    if queued := _int(m.get("queued")):
+        parts.append(f"{queued} queued")
+    if room := _int(m.get("waiting_for_room")):
+        parts.append(f"{room} for room")
+    return ", ".join(parts) or "-"
+
+
+def unloaded_waiting_rows(
+    waiting: Sequence[Mapping[str, Any]], shown: set[str]
+) -> list[list[str]]:
+    """WAITING FOR, REQUESTS, LONGEST, WHY rows from /api/corral/books' `waiting`: per model
+    with no runner in `ps` (its load waits), how many wait, the longest wait, and why the
+    first waits."""
+    by_model: dict[str, list[Mapping[str, Any]]] = {}
+    for w in waiting:
+        model = str(w.get("model") or "")
+        if model and model not in shown:
+            by_model.setdefault(model, []).append(w)
+    return [
+        [model, str(len(ws)),
+         human_duration(max(float(w.get("waited") or 0) for w in ws)),
+         str(ws[0].get("reason") or ws[0].get("why") or "")]
+        for model, ws in by_model.items()
+    ]  # fmt: skip
 
 
 def list_rows(models: Sequence[Mapping[str, Any]], now: datetime | None = None) -> list[list[str]]:
@@ -146,6 +177,10 @@ def format_show(info: Mapping[str, Any]) -> str:
 def cmd_ps(args: argparse.Namespace) -> int:
     with connect() as client:
         data = client.get("/api/ps")
+        try:  # corral's own: who waits, models not loaded yet included
+            waiting = client.get("/api/corral/books").get("waiting") or []
+        except CLIError:  # an Ollama server, or a corral from before the list
+            waiting = []
     models = data.get("models") or []
     headers = ["NAME", "ID", "SIZE", "PROCESSOR", "CONTEXT", "UNTIL"]
     rows = ps_rows(models)
@@ -155,6 +190,9 @@ def cmd_ps(args: argparse.Namespace) -> int:
     if any("num_parallel" in m for m in models):  # corral's own: slots in use / slots
         headers.append("SLOTS")
         rows = [[*row, slots_text(m)] for row, m in zip(rows, models, strict=True)]
+    if any(_int(m.get("queued")) or _int(m.get("waiting_for_room")) for m in models):
+        headers.append("QUEUE")  # only while something waits, as Ollama shows none
+        rows = [[*row, queue_text(m)] for row, m in zip(rows, models, strict=True)]
     if any(len(m.get("models") or ()) > 1 for m in models):  # one runner, several names
         headers.append("ALSO SERVES")
         rows = [[*row, ", ".join((m.get("models") or [])[1:]) or "-"]
@@ -163,6 +201,10 @@ def cmd_ps(args: argparse.Namespace) -> int:
         headers.append("NODE")
         rows = [[*row, str(m.get("node", ""))] for row, m in zip(rows, models, strict=True)]
     print_table(headers, rows)
+    shown = {str(m.get("name") or m.get("model") or "") for m in models}
+    if more := unloaded_waiting_rows(waiting, shown):  # requests for models not loaded yet
+        print()
+        print_table(["WAITING FOR", "REQUESTS", "LONGEST", "WHY"], more)
     return 0
 
 

@@ -257,6 +257,11 @@ class Core:
         self.queue.append(req)
         self._pump(now)
 
+    def load_order(self) -> list[Request]:
+        """The queue in the order loads are tried: first come, first served, but a model
+        reloading with new options first (stable: each model's requests keep their order)."""
+        return sorted(self.queue, key=lambda q: q.model not in self._reloading)
+
     def queued(self, model: str) -> int:
         return sum(1 for q in self.queue if q.model == model)
 
@@ -511,9 +516,7 @@ class Core:
             # Draining follows the queue: if the request that wanted new options leaves, the
             # runner serves again instead of being stopped for nothing.
             b.draining = False
-        order = list(self.queue)
-        if loads and self._reloading:  # stable: each model's requests keep their order
-            order.sort(key=lambda q: q.model not in self._reloading)
+        order = self.load_order() if loads else list(self.queue)
         for q in order:
             r = self.current(q.model)
             if r is not None and not compatible(r.spec, q):
@@ -572,7 +575,7 @@ class Core:
         that fits in free memory, or else, evicting idle runners, the first that fits then
         (its load starts once they have exited). Fail q if even its smallest can never fit,
         or leave it waiting for requests to finish; all three return None."""
-        gpu_loading = self._gpu_loading(q)
+        gpu_loading = self.gpu_loading(q)
         for c in q.choices:
             fit = self._fit(c)
             if fit is not None and not gpu_loading:
@@ -615,7 +618,7 @@ class Core:
             self._hold_wake = min(self._hold_wake, *ends)
         return None  # busy (or held) runners hold the room: wait for them
 
-    def _gpu_loading(self, q: Request) -> bool:
+    def gpu_loading(self, q: Request) -> bool:
         """Whether q would use a GPU (as placed on an empty machine) onto which another runner
         is loading: loads onto one GPU go one at a time, each placed with the real figures of
         those before it (a GPU has no swap: a second load booked on an estimate that proves

@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Literal, Protocol, overload
@@ -66,15 +67,23 @@ class Hop:
     restore: RestoreState | None = None
     restoring: bool = True  # until runtime/kvcache says no saved conversation is left to check
     copies: CopyState | None = None
+    clock: Callable[[], float] = time.monotonic  # the scheduler's: when a wait for room began
     _changed: asyncio.Event | None = None
+    # id(holder) -> (its request's id, when it began to wait for room), while it waits
+    _since: dict[int, tuple[int | None, float]] = field(default_factory=dict)
 
     @classmethod
-    def of(cls, runner: Runner) -> Hop:
+    def of(cls, runner: Runner, clock: Callable[[], float] = time.monotonic) -> Hop:
         spec = runner.spec
         slots = None
         if spec.num_parallel > 1:
             slots = Slots(spec.num_parallel, spec.n_ctx if spec.kv_unified else None)
-        return cls(runner, slots)
+        return cls(runner, slots, clock=clock)
+
+    def waiters(self) -> list[tuple[int | None, float]]:
+        """Those waiting for room, first come first served: each one's request id (None for
+        a holder that is not a scheduler Lease) and when it began to wait."""
+        return [self._since.get(id(h), (None, 0.0)) for h in self.waiting]
 
     @property
     def api(self) -> RunnerAPI:
@@ -95,6 +104,9 @@ class Hop:
         two never wait for each other."""
         waiting = self.waiting
         waiting.append(holder)
+        self._since[id(holder)] = (
+            holder.request_id if isinstance(holder, Lease) else None, self.clock()
+        )
         self.changed()  # one waiting to run alone may wait only for this one to wait too
         try:
             while not (waiting[0] is holder and ready(waiting)):
@@ -104,6 +116,7 @@ class Hop:
         finally:
             # by identity: leases are dataclasses, equal by their fields
             del waiting[next(i for i, w in enumerate(waiting) if w is holder)]
+            self._since.pop(id(holder), None)
             self.changed()
 
 

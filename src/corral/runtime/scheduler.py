@@ -280,7 +280,7 @@ class Scheduler:
                     continue
                 rec = self._runners[a.runner]
                 if rec.hop is None:  # its first grant
-                    rec.hop = Hop.of(rec.runner)
+                    rec.hop = Hop.of(rec.runner, self._clock)
                 fut.set_result(rec.hop)
             elif isinstance(a, Fail):
                 fut = self._waiters.pop(a.request, None)

@@ -14,6 +14,7 @@ from dataclasses import dataclass
 
 from corral.core.books import Core
 from corral.core.devices import CPU, Device
+from corral.core.waits import Why, waits
 from corral.runtime.journal import Event
 from corral.runtime.measure import Measure, Record
 from corral.runtime.meter import Readings
@@ -55,9 +56,24 @@ class RunnerView:
 
 
 @dataclass(frozen=True)
+class Waiting:
+    """A request waiting for its turn: queued for a slot (core/waits says why), or granted one
+    and waiting for room in its runner's shared KV cache (`why` "room")."""
+
+    request: int | None  # its id in the books
+    model: str
+    place: int  # 1: next; among its model's queued requests (for room: its runner's wait list)
+    of: int  # how many wait there in all
+    position: int | None  # its place in the one queue across models (None: waiting for room)
+    waited: float  # seconds since it arrived (for room: since it began to wait for room)
+    why: Why
+    runner: int | None  # the runner it waits on, where its model has one
+
+
+@dataclass(frozen=True)
 class SchedulerView:
     runners: tuple[RunnerView, ...]  # every runner in the books, in the order they were booked
-    queued: Mapping[str, int]  # model -> requests waiting for it
+    queued: Mapping[str, int]  # model -> requests waiting for it (`waiting` lists them)
     budgets: Mapping[str, int]  # device -> bytes corral's runners may book there
     booked: Mapping[str, int]  # device -> bytes booked (the reserved bytes included)
     reserved: Mapping[str, int]  # device -> bytes held for all runners at once (shared code)
@@ -75,6 +91,8 @@ class SchedulerView:
     disk_seconds_per_byte: float  # what a byte read from disk costs beyond the page cache
     events: tuple[Event, ...]  # the journal's recent decisions, oldest first
     closing: bool  # the server is shutting down
+    # each request waiting: the queue in its order, then those waiting for room, per runner
+    waiting: tuple[Waiting, ...] = ()
 
 
 def snapshot(
@@ -125,6 +143,18 @@ def snapshot(
     queued: dict[str, int] = {}
     for q in core.queue:
         queued[q.model] = queued.get(q.model, 0) + 1
+    waiting = [
+        Waiting(w.request.id, w.request.model, w.place, w.of, w.position,
+                max(0.0, now - w.request.arrived), w.why, w.runner)
+        for w in waits(core)
+    ]  # fmt: skip
+    for rid, b in core.runners.items():
+        rec = records.get(rid)
+        room = rec.hop.waiters() if rec is not None and rec.hop is not None else []
+        waiting += [
+            Waiting(req, b.model, i + 1, len(room), None, max(0.0, now - since), "room", rid)
+            for i, (req, since) in enumerate(room)
+        ]  # fmt: skip
     measured: dict[str, int] = {}
     for dev in core.budgets:
         n = 0
@@ -139,6 +169,7 @@ def snapshot(
     return SchedulerView(
         runners=tuple(runners),
         queued=queued,
+        waiting=tuple(waiting),
         budgets=dict(core.budgets),
         booked=core.used(),
         reserved=dict(core.reserved),

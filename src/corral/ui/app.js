@@ -191,6 +191,7 @@ function render() {
   $("version").textContent = "v" + s.version;
   renderSummary(s);
   renderDevices(s);
+  renderWaiting(s);
   renderModels(s);
   renderEvents(s);
   for (const f of stateHooks) f(s);
@@ -377,6 +378,25 @@ function renderModels(s) {
       </tr>`;
   }).join("");
   $("model-rows").innerHTML = rows;
+}
+
+// Who waits for a slot (or, granted one, for room in its runner's shared context), the queue's
+// first; nothing shows when nobody waits.
+function renderWaiting(s) {
+  const list = s.waiting || [];
+  $("waiting").hidden = list.length === 0;
+  $("waiting-count").textContent = list.length ? `(${list.length})` : "";
+  $("waiting-rows").innerHTML = list.map((w) => {
+    const where = w.why === "room"
+      ? "among those waiting for room on its runner"
+      : `among the requests for ${w.model}; #${w.position} in the queue across models`;
+    return `<tr data-request="${esc(w.request)}" data-why="${esc(w.why)}" data-waiting="${esc(w.model)}">
+      <td>${esc(w.model)}</td>
+      <td class="num place" title="${esc(where)}">${esc(w.place)} of ${esc(w.of)}</td>
+      <td class="num">${esc(duration(w.waited + since()))}</td>
+      <td class="why">${esc(w.reason)}</td>
+    </tr>`;
+  }).join("");
 }
 
 function eventText(e) {
