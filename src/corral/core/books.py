@@ -135,7 +135,7 @@ class Core:
         """Whether q's load fits under the budgets but not under what other programs leave:
         the case the shell tells the operator about."""
         least = q.least
-        return self._fit(least) is None and least.fit(self.free()) is not None
+        return self.fit(least) is None and least.fit(self.free()) is not None
 
     def expected_wait(self, req: Request, now: float) -> float | None:
         """Seconds req would likely wait for a slot, from the models' measured service times
@@ -174,7 +174,7 @@ class Core:
         free = [r for r in self.runners.values() if r.state == "unloading" or (
             r.state == "ready" and r.inflight == 0 and not r.pinned and r.held_until <= now
         )]  # fmt: skip
-        if self._fit(req, _sum_devices(free), len(free)) is not None:
+        if self.fit(req, _sum_devices(free), len(free)) is not None:
             return 0.0
         busy: list[tuple[float, RunnerBook]] = []
         for r in self.runners.values():
@@ -194,7 +194,7 @@ class Core:
             busy.append((left + math.ceil(waiting / max(1, r.spec.num_parallel)) * s, r))
         for t, r in sorted(busy, key=lambda x: x[0]):
             free.append(r)
-            if self._fit(req, _sum_devices(free), len(free)) is not None:
+            if self.fit(req, _sum_devices(free), len(free)) is not None:
                 return t
         return None
 
@@ -479,7 +479,7 @@ class Core:
         self._granted_at[q.id] = now
         self.actions.append(Grant(q.id, r.id))
 
-    def _fit(
+    def fit(
         self, q: Request, freed: Mapping[str, int] | None = None, leaving: int = 0
     ) -> Fit | None:
         """Where q's runner would go if `freed` bytes (of `leaving` runners) were free."""
@@ -577,7 +577,7 @@ class Core:
         or leave it waiting for requests to finish; all three return None."""
         gpu_loading = self.gpu_loading(q)
         for c in q.choices:
-            fit = self._fit(c)
+            fit = self.fit(c)
             if fit is not None and not gpu_loading:
                 return c, fit
         least = q.least
@@ -605,7 +605,7 @@ class Core:
         if ends:
             idle = [r for r in idle if self._hold_end(r, q.arrived) <= now]
         for c in q.choices:
-            if self._fit(c, _sum_devices(stopping), len(stopping)) is not None:
+            if self.fit(c, _sum_devices(stopping), len(stopping)) is not None:
                 return None  # enough is already on its way out
             victims = self._victims(c, idle, now)
             if victims is None:
@@ -646,14 +646,14 @@ class Core:
         for rid in self.policy(cands, snap):
             if rid in pool_by_id:
                 victims.append(pool_by_id[rid])
-                if self._fit(q, _sum_devices(stopping + victims), len(stopping) + len(victims)):
+                if self.fit(q, _sum_devices(stopping + victims), len(stopping) + len(victims)):
                     break
         else:
             return None  # even the whole pool would not make room: wait
         # Spare any victim the load turns out not to need (e.g. a small one offered first).
         for v in list(victims):
             rest = [x for x in victims if x is not v]
-            if self._fit(q, _sum_devices(stopping + rest), len(stopping) + len(rest)):
+            if self.fit(q, _sum_devices(stopping + rest), len(stopping) + len(rest)):
                 victims = rest
         return victims
 

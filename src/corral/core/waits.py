@@ -82,17 +82,9 @@ def waits(core: Core) -> list[Wait]:
             why = "behind_load"
         elif core.gpu_loading(q):
             why = "gpu"
-        elif leaving and _fits(core, q.least, stopping, leaving):
+        elif leaving and core.fit(q.least, stopping, leaving) is not None:
             why = "evicting"
         else:
             why = "memory"
         out.append(Wait(q, seen[q.model], counts[q.model], i + 1, why, r.id if r else None))
     return out
-
-
-def _fits(core: Core, q: Request, freed: dict[str, int], leaving: int) -> bool:
-    """Whether q's runner fits once the runners on their way out (`leaving` of them, holding
-    `freed`) have exited: then those exits are all it waits for."""
-    if core.max_loaded and len(core.runners) - leaving >= core.max_loaded:
-        return False
-    return q.fit(core.free(freed, live=True)) is not None
