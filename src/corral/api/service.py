@@ -228,12 +228,7 @@ class Service:
         text can be reported. `prefix` (token ids, Ollama's `context`) goes before the rendered
         prompt. Every check the client can fail comes before the lease."""
         self.check_chat(r, chat.messages)
-        if r.entry.has_defaults:  # a created model's system, parameters
-            chat, stop = defaults.chat(r.entry, chat, stop)
-        if has_later_system(chat.messages):  # e.g. Codex's developer messages, Claude Code's
-            template = effective_template(r)
-            placed = place_system(chat.messages, renders_later_system(template))
-            chat = dataclasses.replace(chat, messages=placed)
+        chat, stop = self.prepared(r, chat, stop)
         forced = chat.forced_tools
         if forced is not None and not forced:
             raise ApiError(
@@ -246,6 +241,19 @@ class Service:
             request, r, options, keep_alive, chat.params,
             lambda lease: self._generate(lease, chat, stop, prefix, forced, fallback),
         )  # fmt: skip
+
+    def prepared(
+        self, r: Resolved, chat: Chat, stop: list[str] | None = None
+    ) -> tuple[Chat, list[str] | None]:
+        """`chat` as the runner gets it: a created model's system prompt, messages and
+        parameters applied, a later system message placed where the template renders it."""
+        if r.entry.has_defaults:  # a created model's system, parameters
+            chat, stop = defaults.chat(r.entry, chat, stop)
+        if has_later_system(chat.messages):  # e.g. Codex's developer messages, Claude Code's
+            template = effective_template(r)
+            placed = place_system(chat.messages, renders_later_system(template))
+            chat = dataclasses.replace(chat, messages=placed)
+        return chat, stop
 
     async def _generate(
         self,
@@ -286,10 +294,11 @@ class Service:
         fallback_events = functools.partial(FallbackEvents, tools=names)
         return await self._start(lease, "/completion", payload, fallback_events, stop)
 
-    async def prompt_tokens(self, lease: Lease, chat: Chat) -> list[int]:
+    async def prompt_tokens(self, lease: Lease, chat: Chat, bos: bool = True) -> list[int]:
         """The token ids of `chat`'s prompt as the runner renders it: its own chat template
-        (with the tools, as generate sends them), then its tokenizer, as for generation.
-        Image tokens are not counted."""
+        (with the tools, as generate sends them), then its tokenizer, as for generation
+        (`bos` false: as llama.cpp reads it after token ids, Ollama's `context`). Image tokens
+        are not counted."""
         spec = lease.runner.spec
         template = spec.chat_template or read_model_info(spec.path).chat_template
         fallback = bool(chat.tools) and chat.tool_choice != "none"
@@ -298,7 +307,7 @@ class Service:
         if "chat_template_kwargs" in chat.params:
             payload["chat_template_kwargs"] = chat.params["chat_template_kwargs"]
         api = lease.hop.api
-        return await api.tokenize(await api.apply_template(payload), special=True)
+        return await api.tokenize(await api.apply_template(payload), special=True, bos=bos)
 
     async def complete(
         self,
