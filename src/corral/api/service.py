@@ -49,7 +49,7 @@ from corral.runtime.admission import Admission, Resolved, unusable_template
 from corral.runtime.continuation import Upstream
 from corral.runtime.hop import Lease, RunnerClient
 from corral.runtime.meter import last_object
-from corral.runtime.registry import ModelEntry, Registry, canonical_name
+from corral.runtime.registry import ModelEntry, Registry, canonical_name, embedding_runner
 from corral.runtime.scheduler import Scheduler
 
 T = TypeVar("T")
@@ -122,12 +122,18 @@ class Service:
 
     def unload(self, name: str) -> bool:
         """Unload a model by name: a model on disk, or a loaded one whose file is gone (the
-        scheduler still knows it). False if it was not loaded; 404 if it is neither."""
+        scheduler still knows it), with its embedding runner; or that runner alone, by its
+        name. False if it was not loaded; 404 if it is neither."""
         loaded = {canonical_name(r.model): r.model for r in self.scheduler.view().runners}
         model = loaded.get(canonical_name(name))
         if model is None:
             model = self.registry.runner_name(self.entry(name).name)
-        return self.scheduler.unload(model)
+        stopped = self.scheduler.unload(model)
+        # a generative model's embedding runner goes with it
+        embedder = embedding_runner(model)
+        if embedder in loaded.values():
+            stopped = self.scheduler.unload(embedder) or stopped
+        return stopped
 
     def native_tools(self, r: Resolved) -> bool:
         """Whether the model's chat template (a created model's own, else the GGUF's) renders
@@ -138,6 +144,16 @@ class Service:
     def require(self, r: Resolved, capability: str, what: str) -> None:
         if capability not in r.info.capabilities:
             raise ApiError(400, f"model '{r.requested}' does not support {what}", "model")
+
+    def embedder(self, r: Resolved) -> Resolved:
+        """The model as it embeds: an embedding model by its runner; a generative model, as
+        Ollama embeds with any model, by a second runner of its file in embedding mode (the
+        last token's hidden state: core/spec.LAST_POOLING), booked, kept alive and unloaded
+        as any runner, under its own name (registry.embedding_runner). A rerank model: 400."""
+        if "embedding" in r.info.capabilities:
+            return r
+        self.require(r, "completion", "embeddings")
+        return dataclasses.replace(r, runner=embedding_runner(r.runner), embedding=True)
 
     # ---- leases ----------------------------------------------------------------------------
     async def lease(

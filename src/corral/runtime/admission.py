@@ -56,6 +56,9 @@ class Resolved:
     # The name its runner is known by: models of one file and runner shape share one runner
     # (runtime.registry.runner_names), the first of them made names it.
     runner: str
+    # Served by the model's embedding runner (a generative model asked for embeddings: a
+    # second runner of its file, `runner` its name, registry.embedding_runner)
+    embedding: bool = False
 
     @property
     def name(self) -> str:
@@ -97,7 +100,9 @@ class Admission:
     ) -> tuple[RunnerSpec, frozenset[str]]:
         """The runner to load for these options, and which spec fields the request pinned."""
         try:
-            return runner_spec(r.entry, r.info, options, self.settings, self._cores)
+            return runner_spec(
+                r.entry, r.info, options, self.settings, self._cores, embedder=r.embedding
+            )
         except TemplateError as e:  # /api/create refuses these: a manifest from elsewhere
             raise unusable_template(r, e) from None
 
@@ -132,7 +137,8 @@ class Admission:
             ticket = self.scheduler.submit(
                 r.runner, best.spec, explicit=explicit, size=best.size,
                 keep_alive=self.keep_alive(r.entry, keep_alive),
-                pinned=r.entry.pinned, priority=r.entry.priority,
+                # a pinned model keeps its own runner, not one it loads for embeddings
+                pinned=r.entry.pinned and not r.embedding, priority=r.entry.priority,
                 place=best.place, process=best.process, smaller=sizes[1:],
             )  # fmt: skip
             if ticket.fut.done():  # a warm runner had a free slot: no need to watch the client

@@ -59,6 +59,7 @@ from corral.core.gguf import read_arrays
 from corral.core.gotemplate import TemplateError
 from corral.core.gotemplate import render as render_template
 from corral.errors import ApiError
+from corral.runtime.registry import runner_model
 
 T = TypeVar("T")
 log = logging.getLogger(__name__)
@@ -224,8 +225,7 @@ class Ollama:
         cut = field(body, "truncate", bool, True)
         options = check_options(body.get("options"))
         keep_alive = keep_alive_field(body)
-        r = self.svc.resolve(name)
-        self.svc.require(r, "embedding", "embeddings")
+        r = self.svc.embedder(self.svc.resolve(name))
         start = time.monotonic()
         async with await self.svc.lease(request, r, options, keep_alive) as lease:
             # in chunks over the runner's slots, the vectors decoded by numpy (api/embed.py)
@@ -246,14 +246,16 @@ class Ollama:
         prompt = field(body, "prompt", str, "")
         options = check_options(body.get("options"))
         keep_alive = keep_alive_field(body)
-        r = self.svc.resolve(name)
-        self.svc.require(r, "embedding", "embeddings")
+        r = self.svc.embedder(self.svc.resolve(name))
+        # A generative model's vector as its runner makes it: Ollama normalised /api/embed's
+        # vectors, never this legacy route's
+        extra = {"embd_normalize": -1} if r.embedding else None
         async with await self.svc.lease(request, r, options, keep_alive) as lease:
             if not prompt:
                 return json_response({"embedding": []})
             # Cut to what the runner embeds at once, as /api/embed does by default.
             fitted = await embed.fit(lease.hop, [prompt], True)
-            work = embed.embed(lease.hop, fitted)
+            work = embed.embed(lease.hop, fitted, extra)
             vectors, _ = await until_disconnect(request, work)
         return json_response({"embedding": embed.as_json_numbers(vectors)[0]})
 
@@ -279,8 +281,8 @@ class Ollama:
         view = self.svc.scheduler.view()
         models = []
         for run in view.runners:
-            try:
-                r: Resolved | None = self.svc.resolve(run.model)
+            try:  # (a generative model's embedding runner: its model's details)
+                r: Resolved | None = self.svc.resolve(runner_model(run.model))
             except ApiError:  # its file was removed or broken while loaded: still listed
                 r = None
             if run.state != "ready":
@@ -301,6 +303,8 @@ class Ollama:
                 # of those in flight, the ones waiting for room in its shared context
                 "waiting_for_room": run.waiting_for_room,
                 "speculative": run.speculative,  # its drafter (models.toml), or "off"
+                # a generative model's embedding runner, beside the one that generates
+                "embedding": run.model != runner_model(run.model),
                 "num_parallel": run.slots, "pid": run.pid,
                 # every model it serves: models of one file and runner shape share a runner
                 "models": self.svc.registry.sharing(run.model),
