@@ -158,6 +158,8 @@ class Admission:
         offered only where the whole model goes on GPUs. Built once per model file and runner
         shape: every request asks, warm ones too."""
         parts = self.parts(r)
+        if spec.projector is None:  # a vision model's embedding runner loads none
+            parts = (None, parts[1])
         # What a runner holds on a GPU beyond its buffers, as measured on these cards so far
         # (the largest where cards differ)
         gpus = [d for d in self.devices if d.library != "cpu"]
