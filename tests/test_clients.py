@@ -212,6 +212,15 @@ def test_ollama_embeddings(server: CorralServer) -> None:
     assert max(abs(a - b) for a, b in zip(docs[2], q, strict=True)) < 1e-5
 
 
+def test_ollama_embeddings_from_a_chat_model(server: CorralServer) -> None:
+    # Ollama embeds with any model: LangChain's RAG examples use the chat model's name
+    emb = OllamaEmbeddings(model="smollm2:135m", base_url=server.url, keep_alive=0)
+    q = emb.embed_query("hello there")
+    assert len(q) == 576 and math.isclose(math.hypot(*q), 1.0, rel_tol=1e-3)
+    docs = emb.embed_documents(["first text", "hello there"])
+    assert max(abs(a - b) for a, b in zip(docs[1], q, strict=True)) < 1e-5
+
+
 # ---- LangChain: langchain_openai -----------------------------------------------------------
 def chat_openai(
     server: CorralServer, model: str = SMOL, max_tokens: int = 8, **kw: Any

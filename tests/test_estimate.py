@@ -21,7 +21,7 @@ from corral.core.estimate import (
 )
 from corral.core.gguf import ModelInfo, read_model_info
 from corral.core.memreport import LOADED_MARKER, AllocationParser, device_of
-from corral.core.spec import RunnerSpec
+from corral.core.spec import LAST_POOLING, RunnerSpec, spec_estimate
 from corral.runtime.runner import Runner, RunnerError
 from corral.testing import synth
 
@@ -269,6 +269,28 @@ async def test_estimate_covers_the_real_allocation(
 ) -> None:
     est, real = await load(models[model], n_ctx, par, kv, unified, speculative)
     assert real <= est <= 1.10 * real, f"estimate {est} vs real {real} ({est / real:.3f})"
+
+
+@pytest.mark.e2e
+@pytest.mark.parametrize(("n_ctx", "par", "unified"), [(512, 1, False), (2048, 4, True)])
+async def test_estimate_covers_a_chat_models_embedding_runner(
+    models: dict[str, ModelInfo], n_ctx: int, par: int, unified: bool
+) -> None:
+    info = models["llama"]
+    spec = RunnerSpec(path=str(info.path), n_ctx=n_ctx, num_parallel=par, kv_unified=unified,
+                      embedding=True, pooling_type=LAST_POOLING)  # fmt: skip
+    runner = Runner("llama", spec)
+    await runner.start(60)
+    try:
+        real = runner.allocation
+    finally:
+        await runner.stop()
+    assert real is not None
+    # its output buffer, a row a slot at load, grows to a micro-batch of outputs (every token
+    # of an input is one) with the first input that long
+    grown = (min(n_ctx, 512) - par) * (info.n_vocab + info.n_embd) * 4
+    est = spec_estimate(info, spec).total
+    assert real.total + grown <= est <= 1.10 * (real.total + grown), f"{est} vs {real.total}"
 
 
 @pytest.mark.e2e

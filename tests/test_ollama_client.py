@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import math
 
+import numpy as np
 import ollama
 import pytest
 
@@ -92,10 +93,42 @@ def test_embed_and_legacy_embeddings(ollama_client: ollama.Client) -> None:
     assert len(short.embeddings[0]) == 16
 
 
-def test_embed_on_a_chat_model_is_refused(ollama_client: ollama.Client) -> None:
-    with pytest.raises(ollama.ResponseError) as e:
-        ollama_client.embed(model=SMOL, input="x")
-    assert e.value.status_code == 400 and "does not support embeddings" in e.value.error
+def test_embed_with_a_chat_model(ollama_client: ollama.Client, server) -> None:
+    """Ollama embeds with any model: a chat model's vectors come from a second runner of its
+    file in embedding mode (the last token's hidden state), listed, kept and unloaded as any
+    runner, beside the one that chats."""
+    n_embd = ollama_client.show(SMOL).modelinfo["llama.embedding_length"]
+    r = ollama_client.embed(model=SMOL, input=["hello world", "the sky is blue", "hello world"])
+    v = np.asarray(r.embeddings)
+    assert r.model == SMOL and v.shape == (3, n_embd) and r.prompt_eval_count
+    # normalised, as Ollama's /api/embed returns them
+    np.testing.assert_allclose(np.linalg.norm(v, axis=1), 1.0, atol=1e-5)
+    np.testing.assert_allclose(v[0], v[2], atol=1e-6)
+    assert not np.allclose(v[0], v[1], atol=1e-3)
+    again = ollama_client.embed(model=SMOL, input="hello world")
+    np.testing.assert_allclose(again.embeddings[0], v[0], atol=1e-6)
+    # the legacy route gives the runner's vector as it is: Ollama never normalised it
+    legacy = np.asarray(ollama_client.embeddings(model=SMOL, prompt="hello world").embedding)
+    assert np.linalg.norm(legacy) > 2
+    np.testing.assert_allclose(legacy / np.linalg.norm(legacy), v[0], atol=1e-5)
+    chat = ollama_client.chat(model=SMOL, messages=[{"role": "user", "content": "Hi"}],
+                              options={"num_predict": 3})  # fmt: skip
+    assert chat.done and chat.message.content
+    # two runners of one model, each its own line in ps
+    ps = {m["name"]: m for m in server.ps()}
+    embedder = ps[f"{SMOL} (embedding)"]
+    assert embedder["embedding"] and not ps[SMOL]["embedding"]
+    assert embedder["state"] == "ready" and embedder["size"] > 0
+    assert embedder["models"] == [SMOL] and embedder["details"]["family"] == "llama"
+    assert embedder["num_parallel"] == 2  # the shared server's fixed count
+    # Ollama lists no "embedding" capability for a chat model
+    assert "embedding" not in ollama_client.show(SMOL).capabilities
+    # unloading the model unloads both
+    ollama_client.generate(model=SMOL, keep_alive=0)
+    server.wait_for(
+        lambda: not {SMOL, f"{SMOL} (embedding)"} & {m["name"] for m in server.ps()},
+        what="both runners to unload",
+    )
 
 
 def test_list_show_ps(ollama_client: ollama.Client) -> None:

@@ -113,20 +113,10 @@ def test_generate_details(ollama_client: ollama.Client, server) -> None:
     with pytest.raises(ollama.ResponseError) as e:
         ollama_client.generate(model=SMOL, prompt="def f(", suffix="return 1")
     assert e.value.status_code == 400 and "does not support insert" in e.value.error
-    plain = ollama_client.generate(model=SMOL, prompt="Hi", options={"num_predict": 3})
-    assert plain.context is None  # opt-in: it costs runner calls
-    r = ollama_client.generate(
-        model=SMOL, prompt="Hi", context=[], options={"num_predict": 3, "temperature": 0}
-    )
-    assert r.context and all(isinstance(t, int) for t in r.context)
-    again = ollama_client.generate(
-        model=SMOL, prompt="And again?", context=r.context, options={"num_predict": 3}
-    )
-    assert again.done and len(again.context or []) > len(r.context)
     raw = ollama_client.generate(
         model=SMOL, prompt="The sky is", raw=True, options={"num_predict": 3}
     )
-    assert raw.response and raw.context is None
+    assert raw.response and raw.context is None  # as Ollama: no context for a raw prompt
     # A request's own Go template, as Ollama renders it, completed as a raw prompt.
     templated = server.client.post("/api/generate", json={
         "model": SMOL, "prompt": "The sky is", "system": "Be brief.", "stream": False,
@@ -137,14 +127,60 @@ def test_generate_details(ollama_client: ollama.Client, server) -> None:
         "model": SMOL, "content": "[Be brief.] Q: The sky is A:", "add_special": True,
     }).json()["tokens"]  # fmt: skip
     assert templated["prompt_eval_count"] == len(toks)
+    # Ollama gives a templated prompt its context too: the prompt's ids, then the answer's
+    assert templated["context"][: len(toks)] == toks
+    assert len(templated["context"]) == len(toks) + templated["eval_count"]
     resp = server.client.post(
         "/api/generate", json={"model": SMOL, "prompt": "x", "template": "{{ html .Prompt }}"}
     )
     assert resp.status_code == 400 and "html" in resp.json()["error"]
-    for body in ({"think": "max"}, {"top_logprobs": 50, "logprobs": True}, {"context": ["a"]},
-                 {"images": "x"}):  # fmt: skip
+    for body in ({"think": "max"}, {"top_logprobs": 50, "logprobs": True}, {"images": "x"}):
         resp = server.client.post("/api/generate", json={"model": SMOL, "prompt": "x", **body})
         assert resp.status_code == 400, body
+
+
+def test_generate_context_continues_the_conversation(
+    ollama_client: ollama.Client, http: httpx.Client
+) -> None:
+    # Ollama's `context` (deprecated, still read by older clients): every templated answer
+    # ends with the token ids of its prompt and answer, streamed or not.
+    opts = {"num_predict": 12, "temperature": 0}
+    first = ollama_client.generate(model=SMOL, prompt="My name is Ada. Greet me.", options=opts)
+    ctx = first.context
+    assert ctx and all(type(t) is int for t in ctx)
+    assert len(ctx) == first.prompt_eval_count + first.eval_count
+    answer = http.post("/tokenize", json={"model": SMOL, "content": first.response}).json()
+    assert ctx[-len(answer["tokens"]) :] == answer["tokens"]
+    chunks = list(ollama_client.generate(
+        model=SMOL, prompt="My name is Ada. Greet me.", options=opts, stream=True
+    ))  # fmt: skip
+    assert chunks[-1].done and chunks[-1].context == ctx
+    assert all(c.context is None for c in chunks[:-1])
+    # Sent back, it goes before the next prompt: the model reads both, and the new context
+    # extends the old one.
+    alone = ollama_client.generate(model=SMOL, prompt="What is my name?", options=opts)
+    follow = ollama_client.generate(model=SMOL, prompt="What is my name?", context=ctx,
+                                    options=opts)  # fmt: skip
+    assert follow.prompt_eval_count == len(ctx) + alone.prompt_eval_count
+    assert follow.context[: len(ctx)] == ctx
+    assert len(follow.context) == follow.prompt_eval_count + follow.eval_count
+    again = ollama_client.generate(model=SMOL, prompt="What is my name?", context=ctx,
+                                   options=opts)  # fmt: skip
+    assert again.response == follow.response and again.context == follow.context
+    # the raw HTTP answer, streamed: one final line with the same ids
+    with http.stream("POST", "/api/generate", json={
+        "model": SMOL, "prompt": "What is my name?", "context": ctx, "options": opts,
+    }) as r:  # fmt: skip
+        lines = [json.loads(line) for line in r.iter_lines() if line]
+    assert lines[-1]["done"] and lines[-1]["context"] == follow.context
+    assert not any("context" in line for line in lines[:-1])
+
+
+@pytest.mark.parametrize("context", ["x", {"a": 1}, ["a"], [1.5], [-1], [True], [10**9], [2**70]])
+def test_generate_context_of_the_wrong_kind_is_a_400(http: httpx.Client, context: Any) -> None:
+    resp = http.post("/api/generate", json={"model": SMOL, "prompt": "x", "context": context})
+    assert resp.status_code == 400, resp.text
+    assert "'context'" in resp.json()["error"]
 
 
 def test_chat_format_schema_and_stop(ollama_client: ollama.Client) -> None:

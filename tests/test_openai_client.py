@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import httpx
+import numpy as np
 import openai
 import pytest
 
@@ -50,6 +52,21 @@ def test_embeddings(openai_client: openai.OpenAI) -> None:
     r = openai_client.embeddings.create(model="embed", input=["a", "b", "c"])
     assert [d.index for d in r.data] == [0, 1, 2]
     assert all(len(d.embedding) == 64 for d in r.data)
+
+
+def test_embeddings_from_a_chat_model(openai_client: openai.OpenAI, http: httpx.Client) -> None:
+    # served by the chat model's embedding runner (as the Ollama routes are)
+    r = openai_client.embeddings.create(model=SMOL, input=["hello world", "the sky is blue"])
+    assert r.model == SMOL and [d.index for d in r.data] == [0, 1]
+    v = np.asarray([d.embedding for d in r.data])
+    assert v.shape == (2, 576) and r.usage.prompt_tokens > 0
+    np.testing.assert_allclose(np.linalg.norm(v, axis=1), 1.0, atol=1e-5)
+    ollama = http.post("/api/embed", json={"model": SMOL, "input": "hello world"}).json()
+    np.testing.assert_allclose(ollama["embeddings"][0], v[0], atol=1e-6)
+    short = openai_client.embeddings.create(model=SMOL, input="hello world", dimensions=32)
+    assert len(short.data[0].embedding) == 32
+    # its embedding runner alone unloaded, by the name ps gives it
+    http.post("/api/generate", json={"model": f"{SMOL} (embedding)", "keep_alive": 0})
 
 
 def test_models(openai_client: openai.OpenAI) -> None:

@@ -26,6 +26,7 @@ from corral.core.requests import Fail, Grant, Load, Request, Sizing, Stop
 from corral.core.spec import (
     AUTO_PARALLEL,
     EMBED_PARALLEL,
+    LAST_POOLING,
     Adapter,
     RunnerSpec,
     runner_spec,
@@ -123,6 +124,39 @@ def test_an_embedding_slot_books_no_sampler(models: dict[str, ModelInfo]) -> Non
     assert per_slot(big(llama)) > per_slot(llama) > 0
     assert per_slot(big(bert)) == per_slot(bert) > 0
     assert process_bytes(big(bert), EMBED_PARALLEL) < process_bytes(big(llama), AUTO_PARALLEL)
+
+
+def test_a_chat_models_embedding_runner_is_a_second_shape_of_its_file(
+    models: dict[str, ModelInfo],
+) -> None:
+    """Embeddings from a generative model come from a runner of its file in embedding mode:
+    the last token's hidden state (llama.cpp's /v1/embeddings refuses no pooling), an embedding
+    model's slots, no drafter, no projector; it books no sampler, and its graph the logits of
+    every token of the micro-batch (llama.cpp makes each an output)."""
+    info = models["llama"]
+    model = Model(Path(info.path), {"speculative": "ngram-mod"}, projector=Path("/p.gguf"))
+    settings = Settings.load(environ={})
+    chat, _ = runner_spec(model, info, {}, settings, 4)
+    embed, _ = runner_spec(model, info, {}, settings, 4, embedder=True)
+    assert not chat.embedding and chat.pooling_type is None and chat.projector == "/p.gguf"
+    assert embed.embedding and embed.pooling_type == LAST_POOLING
+    assert embed.num_parallel == EMBED_PARALLEL and embed.kv_unified
+    assert embed.speculative == "off" and embed.projector is None
+    assert embed.path == chat.path and embed.n_ctx == chat.n_ctx
+    # an embedding model's runner is the same whichever way it is asked
+    bert = models["bert"]
+    assert runner_spec(Model(Path(bert.path)), bert, {}, settings, 4, embedder=True) == (
+        runner_spec(Model(Path(bert.path)), bert, {}, settings, 4)
+    )
+    gen = estimate(info, 2048, 16, unified=True)
+    emb = estimate(info, 2048, 16, unified=True, embedding=True)
+    rows = llama_params(info, 2048, 16, unified=True).n_ubatch
+    assert emb.compute == gen.compute + rows * info.n_vocab * 4
+    assert emb.overhead == gen.overhead + rows * (info.n_vocab + info.n_embd) * 4 - (
+        16 * info.n_vocab * 4
+    )
+    assert emb.process == process_bytes(info, 16, embedding=True) != gen.process
+    assert estimate(bert, 512, 4).total == estimate(bert, 512, 4, embedding=True).total
 
 
 # ---- the estimate of a unified cache ---------------------------------------------------------

@@ -12,6 +12,7 @@ import time
 from collections.abc import AsyncIterator, Callable
 from typing import Any
 
+import orjson
 import pytest
 
 from corral.api.stream import RelayResponse
@@ -408,6 +409,33 @@ def test_plain_tokens_are_written_as_the_parsed_way_writes_them(kind: str) -> No
     assert len(fast) == len(reads)  # what one read brought goes out in one piece
     # every literal but the empty one is a chunk, and the thinking, "lp" and the last
     assert len(normal(fast)) == len(LITERALS) - 1 + 3
+
+
+def test_plain_tokens_still_give_the_context_its_answer() -> None:
+    """Ollama's generate needs the answer's text for `context`: the plain path keeps the
+    literals it writes and decodes them at the end, to the text the parsed way joins."""
+    from corral.api.families.ollama.render import OllamaChunks, ollama_ndjson
+
+    reads = sse_body(LITERALS)
+
+    async def answer(plain: bool) -> str:
+        seen: list[str] = []
+
+        async def context_of(text: str) -> list[int]:
+            seen.append(text)
+            return [len(text)]
+
+        gen = _generation(reads)
+        render = OllamaChunks(gen, "m", "response", 0.0, None, context_of)
+        if plain:
+            lines = b"".join([b async for b in ollama_ndjson(render)]).splitlines()
+        else:
+            lines = [orjson.dumps(c) async for c in render.of(gen.events())]
+        assert orjson.loads(lines[-1])["context"] == [len(seen[0])]
+        return seen[0]
+
+    fast, slow = asyncio.run(answer(True)), asyncio.run(answer(False))
+    assert fast == slow and "Hello world" in fast and fast.endswith("lp")
 
 
 def test_only_plain_deltas_skip_the_parser() -> None:

@@ -5,12 +5,14 @@ tokens; a model without a projector still answers 400."""
 from __future__ import annotations
 
 import base64
+import json
 import struct
 import zlib
 from pathlib import Path
 from typing import Any
 
 import ollama
+import psutil
 import pytest
 from helpers import parse_log
 
@@ -141,6 +143,19 @@ def test_ollama_chat_and_generate_take_images(vserver: CorralServer) -> None:
     plain = client.generate(model="seeing", prompt=PROMPT, options={"num_predict": 2})
     seen = client.generate(model="seeing", prompt=PROMPT, images=[B64], options={"num_predict": 2})
     assert seen.prompt_eval_count == plain.prompt_eval_count + IMAGE_TOKENS  # type: ignore[operator]
+
+
+def test_a_vision_models_embeddings_come_from_a_runner_without_its_projector(
+    vserver: CorralServer,
+) -> None:
+    r = vserver.client.post("/api/embed", json={"model": "seeing", "input": ["a", "b"]})
+    assert r.status_code == 200, r.text
+    assert [len(v) for v in r.json()["embeddings"]] == [64, 64]
+    ps = {m["name"]: m for m in vserver.ps()}
+    pid = ps["seeing:latest (embedding)"]["pid"]
+    spec = json.loads(psutil.Process(pid).cmdline()[-1])  # the runner child's spec
+    assert spec["embedding"] and spec["projector"] is None
+    vserver.client.post("/api/generate", json={"model": "seeing", "keep_alive": 0})
 
 
 def _openai(server: CorralServer, content: Any) -> dict[str, Any]:

@@ -49,7 +49,7 @@ from corral.core.gguf import split_parts
 from corral.core.waits import WHY
 from corral.errors import ApiError
 from corral.runtime.journal import Event
-from corral.runtime.registry import canonical_name
+from corral.runtime.registry import canonical_name, runner_model
 from corral.runtime.view import RunnerView, SchedulerView
 
 ASSETS = {
@@ -199,10 +199,13 @@ class Dashboard:
             names = [e.name if e else canonical_name(model)]
         models = []
         for name in names:
-            e = entries.get(name)
+            # a generative model's embedding runner: a row of its own, its model's details
+            of = runner_model(name) if name not in entries else name
+            e = entries.get(of)
             item: dict[str, Any] = {
                 "name": name,
                 "registered": e is not None,
+                "embedding_of": of if of != name else None,
                 "file_bytes": e.size if e else None,
                 "pinned": bool(e and e.pinned),
                 "priority": e.priority if e else 0,
@@ -212,7 +215,7 @@ class Dashboard:
                 "tokens_per_second": None,
             }
             if e is not None:
-                item |= self._model_details(name, e.modified_at, e.size)
+                item |= self._model_details(of, e.modified_at, e.size)
             counts = v.tokens.get(name)
             relayed = v.relayed.get(name)
             if counts is not None or relayed is not None:

@@ -37,7 +37,7 @@ from corral.core.options import MODEL_OPTIONS, REQUEST_OPTIONS, speculation_prob
 from corral.core.spec import jinja_template
 from corral.errors import ApiError
 from corral.runtime import hub
-from corral.runtime.registry import ModelEntry, canonical_name
+from corral.runtime.registry import ModelEntry, canonical_name, embedding_runner
 from corral.runtime.store import Adapter, FileRef, Manifest, StoreError, norm_digest
 
 log = logging.getLogger(__name__)
@@ -415,14 +415,19 @@ class Manage:
                 "kept": [self.shown(p) for p in kept]}  # fmt: skip
 
     async def _unload(self, model: str) -> bool:
-        """Unload the model if it is loaded; wait (a while) until its runner has gone."""
+        """Unload the model if it is loaded, its embedding runner too; wait (a while) until
+        they have gone."""
+        runners = {model, embedding_runner(model)}
 
         def loaded() -> bool:
-            return any(canonical_name(r.model) == model for r in self.svc.scheduler.view().runners)
+            return any(
+                canonical_name(r.model) in runners for r in self.svc.scheduler.view().runners
+            )
 
         if not loaded():
             return False
-        self.svc.scheduler.unload(model)
+        for name in runners:
+            self.svc.scheduler.unload(name)
         deadline = asyncio.get_running_loop().time() + UNLOAD_WAIT
         while asyncio.get_running_loop().time() < deadline:
             if not loaded():

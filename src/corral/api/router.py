@@ -33,6 +33,7 @@ from corral.api.service import Service
 from corral.api.stream import SSE_HEADERS, RelayResponse, journal_events, stopping
 from corral.errors import ApiError
 from corral.runtime import hub
+from corral.runtime.registry import runner_model
 from corral.runtime.store import StoreError
 
 PROGRESS_INTERVAL = 0.2  # seconds between looks at loading runners on /models/sse
@@ -113,6 +114,8 @@ class Router:
         router), so that the "unloaded" event can tell a crash (exit_code 1) from a stop."""
         out: dict[str, tuple[str, float | None]] = {}
         for r in self.scheduler.view().runners:
+            if runner_model(r.model) != r.model:  # a model's embedding runner: no model's status
+                continue
             if r.state == "unloading":
                 out.setdefault(r.model, ("loaded", None))
             elif r.state == "loading":

@@ -49,7 +49,7 @@ from corral.runtime.admission import Admission, Resolved, unusable_template
 from corral.runtime.continuation import Upstream
 from corral.runtime.hop import Lease, RunnerClient
 from corral.runtime.meter import last_object
-from corral.runtime.registry import ModelEntry, Registry, canonical_name
+from corral.runtime.registry import ModelEntry, Registry, canonical_name, embedding_runner
 from corral.runtime.scheduler import Scheduler
 
 T = TypeVar("T")
@@ -122,12 +122,18 @@ class Service:
 
     def unload(self, name: str) -> bool:
         """Unload a model by name: a model on disk, or a loaded one whose file is gone (the
-        scheduler still knows it). False if it was not loaded; 404 if it is neither."""
+        scheduler still knows it), with its embedding runner; or that runner alone, by its
+        name. False if it was not loaded; 404 if it is neither."""
         loaded = {canonical_name(r.model): r.model for r in self.scheduler.view().runners}
         model = loaded.get(canonical_name(name))
         if model is None:
             model = self.registry.runner_name(self.entry(name).name)
-        return self.scheduler.unload(model)
+        stopped = self.scheduler.unload(model)
+        # a generative model's embedding runner goes with it
+        embedder = embedding_runner(model)
+        if embedder in loaded.values():
+            stopped = self.scheduler.unload(embedder) or stopped
+        return stopped
 
     def native_tools(self, r: Resolved) -> bool:
         """Whether the model's chat template (a created model's own, else the GGUF's) renders
@@ -138,6 +144,16 @@ class Service:
     def require(self, r: Resolved, capability: str, what: str) -> None:
         if capability not in r.info.capabilities:
             raise ApiError(400, f"model '{r.requested}' does not support {what}", "model")
+
+    def embedder(self, r: Resolved) -> Resolved:
+        """The model as it embeds: an embedding model by its runner; a generative model, as
+        Ollama embeds with any model, by a second runner of its file in embedding mode (the
+        last token's hidden state: core/spec.LAST_POOLING), booked, kept alive and unloaded
+        as any runner, under its own name (registry.embedding_runner). A rerank model: 400."""
+        if "embedding" in r.info.capabilities:
+            return r
+        self.require(r, "completion", "embeddings")
+        return dataclasses.replace(r, runner=embedding_runner(r.runner), embedding=True)
 
     # ---- leases ----------------------------------------------------------------------------
     async def lease(
@@ -228,12 +244,7 @@ class Service:
         text can be reported. `prefix` (token ids, Ollama's `context`) goes before the rendered
         prompt. Every check the client can fail comes before the lease."""
         self.check_chat(r, chat.messages)
-        if r.entry.has_defaults:  # a created model's system, parameters
-            chat, stop = defaults.chat(r.entry, chat, stop)
-        if has_later_system(chat.messages):  # e.g. Codex's developer messages, Claude Code's
-            template = effective_template(r)
-            placed = place_system(chat.messages, renders_later_system(template))
-            chat = dataclasses.replace(chat, messages=placed)
+        chat, stop = self.prepared(r, chat, stop)
         forced = chat.forced_tools
         if forced is not None and not forced:
             raise ApiError(
@@ -246,6 +257,19 @@ class Service:
             request, r, options, keep_alive, chat.params,
             lambda lease: self._generate(lease, chat, stop, prefix, forced, fallback),
         )  # fmt: skip
+
+    def prepared(
+        self, r: Resolved, chat: Chat, stop: list[str] | None = None
+    ) -> tuple[Chat, list[str] | None]:
+        """`chat` as the runner gets it: a created model's system prompt, messages and
+        parameters applied, a later system message placed where the template renders it."""
+        if r.entry.has_defaults:  # a created model's system, parameters
+            chat, stop = defaults.chat(r.entry, chat, stop)
+        if has_later_system(chat.messages):  # e.g. Codex's developer messages, Claude Code's
+            template = effective_template(r)
+            placed = place_system(chat.messages, renders_later_system(template))
+            chat = dataclasses.replace(chat, messages=placed)
+        return chat, stop
 
     async def _generate(
         self,
@@ -286,10 +310,11 @@ class Service:
         fallback_events = functools.partial(FallbackEvents, tools=names)
         return await self._start(lease, "/completion", payload, fallback_events, stop)
 
-    async def prompt_tokens(self, lease: Lease, chat: Chat) -> list[int]:
+    async def prompt_tokens(self, lease: Lease, chat: Chat, bos: bool = True) -> list[int]:
         """The token ids of `chat`'s prompt as the runner renders it: its own chat template
-        (with the tools, as generate sends them), then its tokenizer, as for generation.
-        Image tokens are not counted."""
+        (with the tools, as generate sends them), then its tokenizer, as for generation
+        (`bos` false: as llama.cpp reads it after token ids, Ollama's `context`). Image tokens
+        are not counted."""
         spec = lease.runner.spec
         template = spec.chat_template or read_model_info(spec.path).chat_template
         fallback = bool(chat.tools) and chat.tool_choice != "none"
@@ -298,7 +323,7 @@ class Service:
         if "chat_template_kwargs" in chat.params:
             payload["chat_template_kwargs"] = chat.params["chat_template_kwargs"]
         api = lease.hop.api
-        return await api.tokenize(await api.apply_template(payload), special=True)
+        return await api.tokenize(await api.apply_template(payload), special=True, bos=bos)
 
     async def complete(
         self,

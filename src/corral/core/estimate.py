@@ -132,10 +132,14 @@ class LlamaParams:
     # Output rows with speculative decoding: each slot verifies its drafts in one batch, so
     # llama.cpp reserves 1 + n_draft rows a slot (at most n_batch); 0: none
     n_outputs_draft: int = 0
+    # Rows of logits the compute graph is reserved with, and the output buffer grows to: the
+    # drafts' rows, or where a generative model embeds, every token of the micro-batch
+    # (llama.cpp makes each one an output, and its graph still ends in the output head)
+    n_logits: int = 0
 
     @property
     def n_outputs(self) -> int:
-        return self.n_outputs_draft or self.n_seq_max or self.n_seq
+        return self.n_logits or self.n_seq_max or self.n_seq
 
 
 def llama_params(
@@ -145,10 +149,12 @@ def llama_params(
     n_batch: int | None = None,
     unified: bool = False,
     n_draft: int = 0,
+    embedding: bool = False,
 ) -> LlamaParams:
     """`n_batch`: Ollama's num_batch, which sets llama.cpp's n_batch and n_ubatch both.
     `unified`: llama.cpp's kv_unified, one KV cache of `n_ctx` cells the slots share.
-    `n_draft`: the most tokens a speculative drafter proposes at once (DRAFT_TOKENS)."""
+    `n_draft`: the most tokens a speculative drafter proposes at once (DRAFT_TOKENS).
+    `embedding`: the runner embeds (llama.cpp's --embeddings)."""
     n_seq_max = max(1, num_parallel)
     n_seq = 1 if unified else n_seq_max  # llama_kv_cache: n_stream = unified ? 1 : n_seq_max
     # runner_child passes n_ctx * num_parallel for separate caches, n_ctx for a unified one
@@ -177,7 +183,15 @@ def llama_params(
     n_tokens = _pad(min(n_ubatch, total), n_seq)
     # server_output_limits: min(n_batch, n_parallel * (1 + n_draft)) rows
     drafts = min(batch, n_seq_max * (1 + n_draft)) if n_draft > 0 else 0
-    return LlamaParams(total, n_seq, n_ctx_seq, n_ctx_swa, n_tokens, has_kv, n_seq_max, drafts)
+    # A generative model's embedding runner: measured on SmolLM2 (pooling last), its compute
+    # buffer is 18.6 -> 105.6 MiB at n_ubatch 512, 9.3 -> 52.8 at 256, 0.91 x the logits of
+    # n_ubatch rows each time; its output buffer, 3 MiB at load with 16 slots, grows with its
+    # first long input to 512 rows of logits and embedding (+97 MiB resident). (Causal
+    # embedding models were not measured: left as they were.)
+    logits = n_tokens if embedding and causal and has_kv and not is_embedder(info) else drafts
+    return LlamaParams(
+        total, n_seq, n_ctx_seq, n_ctx_swa, n_tokens, has_kv, n_seq_max, drafts, logits
+    )
 
 
 def _is_swa(info: ModelInfo, layer: int) -> bool:
@@ -264,15 +278,23 @@ def compute_bytes(
     # is live at the output (measured on SmolLM2 with ngram-mod: 22.6 MiB without; 25.8, 38.0,
     # 62.4, 109.6 MiB with 1, 2, 4, 8 slots = the logits + 13.6 MiB; this books the logits +
     # the activations' peak, 22.6 MiB)
-    logits = p.n_outputs_draft * info.n_vocab * F32
+    logits = p.n_logits * info.n_vocab * F32
     return activations + mask + scores + quant + logits
 
 
-def output_bytes(info: ModelInfo, p: LlamaParams) -> int:
+def output_bytes(info: ModelInfo, p: LlamaParams, embedding: bool | None = None) -> int:
     """llama_context's output buffer: f32 logits of one token per sequence (n_outputs_max),
-    plus its embeddings for an embedding model."""
-    per_row = info.n_vocab + (info.n_embd if "embedding" in info.capabilities else 0)
+    plus its embeddings where the runner embeds (None: where the model is an embedding
+    model)."""
+    if embedding is None:
+        embedding = "embedding" in info.capabilities
+    per_row = info.n_vocab + (info.n_embd if embedding else 0)
     return p.n_outputs * per_row * F32
+
+
+def is_embedder(info: ModelInfo) -> bool:
+    """Whether the model's own runner embeds: an embedding or rerank model."""
+    return bool({"embedding", "rerank"} & set(info.capabilities))
 
 
 # A projector's graph: the image input (3 x side^2 f32) stays allocated throughout; beside it the
@@ -373,6 +395,7 @@ def estimate(
     speculative: str = "off",
     draft: ModelInfo | None = None,
     draft_max: int | None = None,
+    embedding: bool | None = None,
 ) -> Estimate:
     """What llama.cpp will allocate for `info` at `n_ctx` tokens per request and
     `num_parallel` slots (ValueError for an unknown kv_type), with the model's `projector` and
@@ -380,7 +403,9 @@ def estimate(
     stay in system memory; `unified`: one KV cache of `n_ctx` cells the slots share
     (llama.cpp's kv_unified) instead of `n_ctx` cells per slot; `speculative`: the drafter
     (DRAFT_TOKENS), whose verification batches need more output rows; `draft`: the draft
-    model of speculative "draft", drafting `draft_max` tokens at most (`draft_estimate`)."""
+    model of speculative "draft", drafting `draft_max` tokens at most (`draft_estimate`);
+    `embedding`: the runner embeds (None: as the model's own runner does, an embedding model's;
+    True for a generative model's embedding runner)."""
     if kv_type not in KV_CACHE_TYPES:
         raise ValueError(f"unsupported kv_cache_type {kv_type!r}")
     n_draft = DRAFT_TOKENS.get(speculative, 0)
@@ -390,7 +415,8 @@ def estimate(
         n_draft = DRAFT_MAX if draft_max is None else draft_max
         own = draft_estimate(draft, n_ctx, num_parallel, flash_attn, n_batch, unified)
         drafter = own.process
-    p = llama_params(info, n_ctx, num_parallel, n_batch, unified, n_draft)
+    embeds = is_embedder(info) if embedding is None else embedding
+    p = llama_params(info, n_ctx, num_parallel, n_batch, unified, n_draft, embeds)
     # The mapped weights span the tensors with their padding to the file's alignment: up to
     # 32 tensors per layer (llama has 9, gemma3 13, bert 16), 8 outside the layers.
     align = _alignment(info)
@@ -409,13 +435,13 @@ def estimate(
         non_layer=info.output_bytes + 8 * align,
         head=info.head_bytes + 2 * align if info.head_bytes else 0,
         compute=compute_bytes(info, p, kv_type, flash_attn),
-        overhead=output_bytes(info, p) + SLACK,
+        overhead=output_bytes(info, p, embedding) + SLACK,
         adapters_per_layer=tuple(lora) if adapters else (),
         adapters_other=lora_other,
         projector_weights=proj_weights,
         projector_compute=proj_compute,
         cpu_experts_per_layer=tuple(experts) if any(experts) else (),
-        process=process_bytes(info, num_parallel) + drafter,
+        process=process_bytes(info, num_parallel, embeds) + drafter,
         draft=own,
     )
 
@@ -451,11 +477,12 @@ def _alignment(info: ModelInfo) -> int:
     return align if isinstance(align, int) and align > 0 else GGUF_ALIGNMENT
 
 
-def process_bytes(info: ModelInfo, num_parallel: int = 1) -> int:
-    """A runner process's own memory beyond llama.cpp's buffers (see PROCESS_BASE)."""
+def process_bytes(info: ModelInfo, num_parallel: int = 1, embedding: bool | None = None) -> int:
+    """A runner process's own memory beyond llama.cpp's buffers (see PROCESS_BASE); an
+    embedding runner's (None: the model's own runner's kind) makes no sampler."""
     slots = max(1, num_parallel)
     vocab = max(0, info.n_vocab)
-    if {"embedding", "rerank"} & set(info.capabilities):  # no sampler in any slot
+    if is_embedder(info) if embedding is None else embedding:  # no sampler in any slot
         return PROCESS_BASE + PROCESS_PER_EMBED_SLOT * slots + vocab * PROCESS_PER_TOKEN
     per_token = PROCESS_PER_TOKEN + PROCESS_PER_TOKEN_SLOT * slots
     return PROCESS_BASE + PROCESS_PER_SLOT * slots + vocab * per_token

@@ -40,6 +40,11 @@ GPU_PARALLEL = 64
 # 340 us; beyond, an encoder's attention over the whole batch (each input masked from the
 # others) costs each input more.
 EMBED_PARALLEL = 16
+# How a generative model's embedding runner pools: the last token's hidden state, the vector
+# Ollama's llama.cpp runner returned for such a model (its context had embeddings on and no
+# pooling, and it read the embedding of the sequence's last token). llama.cpp's own default for
+# a file without a pooling_type is none, which its /v1/embeddings refuses.
+LAST_POOLING = 3  # LLAMA_POOLING_TYPE_LAST
 
 
 @dataclass(frozen=True)
@@ -63,6 +68,8 @@ class RunnerSpec:
     kv_unified: bool = False
     n_gpu_layers: int = 0
     main_gpu: int | None = None
+    # Serves embeddings (llama.cpp's --embeddings): an embedding or rerank model's runner, or
+    # a generative model's embedding runner, a second runner of its file
     embedding: bool = False
     pooling_type: int | None = None
     threads: int | None = None
@@ -127,16 +134,27 @@ class ServerDefaults(Protocol):
 
 
 def runner_spec(
-    model: Model, info: ModelInfo, options: Mapping[str, Any], server: ServerDefaults, cores: int
+    model: Model,
+    info: ModelInfo,
+    options: Mapping[str, Any],
+    server: ServerDefaults,
+    cores: int,
+    embedder: bool = False,
 ) -> tuple[RunnerSpec, frozenset[str]]:
     """The runner to load for a request's checked `options` on `model` (its file read into
     `info`), and which spec fields the request pinned; TemplateError if the model's own
-    template cannot be translated. `cores`: the CPU cores corral may run on."""
-    embedding = "embedding" in info.capabilities or "rerank" in info.capabilities
+    template cannot be translated. `cores`: the CPU cores corral may run on. `embedder`: a
+    generative model's embedding runner (its GGUF's pooling, else the last token's; no vision
+    projector: it embeds text)."""
+    own = "embedding" in info.capabilities or "rerank" in info.capabilities
+    embedding = own or embedder
+    pooling = info.pooling_type
+    if embedding and not own and not pooling:  # none (0) would leave nothing to return
+        pooling = LAST_POOLING
     auto_slots = EMBED_PARALLEL if embedding else AUTO_PARALLEL
-    own = model.options
+    given = model.options
     spec: dict[str, Any] = {
-        o.runner: own[o.name] for o in OPTIONS if o.runner is not None and o.name in own
+        o.runner: given[o.name] for o in OPTIONS if o.runner is not None and o.name in given
     }
     spec |= {
         "path": str(model.path),
@@ -153,8 +171,8 @@ def runner_spec(
         ),
         "n_cpu_moe": spec.get("n_cpu_moe") or 0,
         "embedding": embedding,
-        "pooling_type": info.pooling_type if embedding else None,
-        "projector": str(model.projector) if model.projector else None,
+        "pooling_type": pooling if embedding else None,
+        "projector": str(model.projector) if model.projector and not embedder else None,
         "adapters": tuple(model.adapters),
         "chat_template": jinja_template(model.template) if model.template else None,
     }
@@ -254,7 +272,7 @@ def spec_estimate(
         flash_attn=spec.flash_attn != "off", n_batch=spec.n_batch, projector=projector,
         adapters=adapters, n_cpu_moe=spec.n_cpu_moe, unified=spec.kv_unified,
         speculative=spec.speculative, draft=draft if spec.draft else None,
-        draft_max=spec.draft_max,
+        draft_max=spec.draft_max, embedding=spec.embedding,
     )  # fmt: skip
 
 

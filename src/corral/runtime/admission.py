@@ -65,6 +65,9 @@ class Resolved:
     # The name its runner is known by: models of one file and runner shape share one runner
     # (runtime.registry.runner_names), the first of them made names it.
     runner: str
+    # Served by the model's embedding runner (a generative model asked for embeddings: a
+    # second runner of its file, `runner` its name, registry.embedding_runner)
+    embedding: bool = False
 
     @property
     def name(self) -> str:
@@ -128,7 +131,9 @@ class Admission:
     ) -> tuple[RunnerSpec, frozenset[str]]:
         """The runner to load for these options, and which spec fields the request pinned."""
         try:
-            return runner_spec(r.entry, r.info, options, self.settings, self._cores)
+            return runner_spec(
+                r.entry, r.info, options, self.settings, self._cores, embedder=r.embedding
+            )
         except TemplateError as e:  # /api/create refuses these: a manifest from elsewhere
             raise unusable_template(r, e) from None
 
@@ -163,7 +168,8 @@ class Admission:
             ticket = self.scheduler.submit(
                 r.runner, best.spec, explicit=explicit, size=best.size,
                 keep_alive=self.keep_alive(r.entry, keep_alive),
-                pinned=r.entry.pinned, priority=r.entry.priority,
+                # a pinned model keeps its own runner, not one it loads for embeddings
+                pinned=r.entry.pinned and not r.embedding, priority=r.entry.priority,
                 place=best.place, process=best.process, smaller=sizes[1:],
             )  # fmt: skip
             if ticket.fut.done():  # a warm runner had a free slot: no need to watch the client
@@ -183,6 +189,8 @@ class Admission:
         offered only where the whole model goes on GPUs. Built once per model file and runner
         shape: every request asks, warm ones too."""
         parts = self.parts(r)
+        if spec.projector is None:  # a vision model's embedding runner loads none
+            parts = (None, parts[1])
         # What a runner holds on a GPU beyond its buffers, as measured on these cards so far
         # (the largest where cards differ)
         gpus = [d for d in self.devices if d.library != "cpu"]

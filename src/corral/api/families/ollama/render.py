@@ -36,12 +36,13 @@ class OllamaChunks:
         kind: str,
         start: float,
         top: int | None,
-        context_of: Callable[[str], Awaitable[list[int]]] | None = None,
+        context_of: Callable[[str], Awaitable[list[int] | None]] | None = None,
     ) -> None:
         self.gen, self.model, self.kind, self.start, self.top = gen, model, kind, start, top
         self.context_of = context_of
         self.calls: dict[int, dict[str, str]] = {}
-        self.answer: list[str] = []
+        # the answer's text, for `context`: strings, and the plain path's JSON string literals
+        self.answer: list[str | bytes] = []
 
     async def feed(self, ev: Event) -> list[dict[str, Any]]:
         """The chunks `ev` renders to: a tool call's go out whole with the last chunk."""
@@ -78,7 +79,9 @@ class OllamaChunks:
             "done": True, "done_reason": "length" if ev.reason == "length" else "stop",
         }  # fmt: skip
         if self.context_of is not None:
-            final["context"] = await self.context_of("".join(self.answer))
+            context = await self.context_of(self.answer_text())
+            if context is not None:
+                final["context"] = context
         final |= {
             "total_duration": ns(time.monotonic() - self.start),
             "load_duration": ns(self.gen.lease.waited) if self.gen.lease.loaded else 0,
@@ -89,6 +92,14 @@ class OllamaChunks:
         }
         out.append(final)
         return out
+
+    def answer_text(self) -> str:
+        """The answer so far: the plain path's literals decoded at once, here at the end."""
+        texts = [a for a in self.answer if isinstance(a, str)]
+        if len(texts) == len(self.answer):
+            return "".join(texts)
+        literals = [a if isinstance(a, bytes) else orjson.dumps(a) for a in self.answer]
+        return "".join(orjson.loads(b"[" + b",".join(literals) + b"]"))
 
     async def of(self, events: AsyncIterator[Event]) -> AsyncIterator[dict[str, Any]]:
         """The chunks of `events`, one by one."""
@@ -101,8 +112,9 @@ async def ollama_ndjson(render: OllamaChunks) -> AsyncIterator[bytes]:
     """The streamed answer: the chunks of one read from the runner in one piece. A plain
     content token (Generation.batches) is written around its JSON string as it came: the same
     bytes as its chunk through orjson, without parsing and re-encoding it; the chunks of one
-    read share their `created_at`."""
-    plain = render.top is None and render.context_of is None
+    read share their `created_at`; the literals are kept where `context` needs the answer."""
+    plain = render.top is None
+    keep = render.answer if render.context_of is not None else None
     head = b'{"model":' + orjson.dumps(render.model) + b',"created_at":"'
     if render.kind == "response":
         mid, tail = b'","response":', b',"done":false}\n'
@@ -117,6 +129,8 @@ async def ollama_ndjson(render: OllamaChunks) -> AsyncIterator[bytes]:
                     if not stamp:
                         stamp = head + created_at().encode() + mid
                     out += (stamp, ev.literal, tail)
+                    if keep is not None:
+                        keep.append(ev.literal)
                 else:
                     out += [orjson.dumps(c) + b"\n" for c in await render.feed(ev)]
             if out:
@@ -213,7 +227,7 @@ async def respond(
     kind: str,
     start: float,
     top: int | None,
-    context_of: Callable[[str], Awaitable[list[int]]] | None = None,
+    context_of: Callable[[str], Awaitable[list[int] | None]] | None = None,
 ) -> Response:
     render = OllamaChunks(gen, model, kind, start, top, context_of)
     if stream:

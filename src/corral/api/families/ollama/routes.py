@@ -11,9 +11,10 @@ converted in protocol.py; the events become NDJSON chunks in render.py.
 from __future__ import annotations
 
 import asyncio
+import logging
 import math
 import time
-from collections.abc import Awaitable
+from collections.abc import Awaitable, Callable
 from typing import Any, TypeVar
 
 from starlette.requests import Request
@@ -38,6 +39,7 @@ from corral.api.families.ollama.protocol import (
     chat_params,
     check_think,
     check_tool,
+    check_vocabulary,
     completion_logprobs,
     format_params,
     image_list,
@@ -57,8 +59,10 @@ from corral.core.gguf import read_arrays
 from corral.core.gotemplate import TemplateError
 from corral.core.gotemplate import render as render_template
 from corral.errors import ApiError
+from corral.runtime.registry import runner_model
 
 T = TypeVar("T")
+log = logging.getLogger(__name__)
 
 
 class Ollama:
@@ -99,9 +103,13 @@ class Ollama:
             return await self._load_or_unload(request, name, keep_alive, options, {"response": ""})
         r = self.svc.resolve(name)
         self.svc.require(r, "completion", "generate")
+        check_vocabulary(context, r.info.n_vocab)
         check_think(r, think)
         if images and "vision" not in r.info.capabilities:
             raise ApiError(400, f"model '{name}' does not support images", "images")
+        # Ollama answers with `context` unless the prompt is raw (or fills in the middle,
+        # which corral leaves to llama.cpp's /infill)
+        with_context = not raw and not suffix
         if template and not raw:
             # The request's own template (Go, as Ollama takes it): rendered here, then
             # completed as a raw prompt.
@@ -116,6 +124,7 @@ class Ollama:
             raw = True
         stop = options.get("stop")
         start = time.monotonic()
+        prompt_ids: Awaitable[list[int]] | None = None
         if suffix or raw or not r.info.chat_template:
             if suffix and "insert" not in r.info.capabilities:
                 raise ApiError(400, f"model '{name}' does not support insert", "suffix")
@@ -128,7 +137,9 @@ class Ollama:
             gen = await self.svc.complete(
                 request, r, path, payload | params, options, keep_alive, stop
             )
-            context_of = None
+            if with_context:  # the prompt's ids as llama.cpp reads them (after the context's)
+                tokenize = gen.lease.hop.api.tokenize
+                prompt_ids = background(tokenize(prompt, special=True, bos=not context))
         else:
             messages = [{"role": "system", "content": system}] if system else []
             messages.append(user_message(prompt, images))
@@ -136,19 +147,13 @@ class Ollama:
             gen = await self.svc.generate(
                 request, r, chat, options, keep_alive, stop, prefix=context
             )
-
-            context_of = None
-            if "context" in body:
-                # Ollama's `context` (deprecated there): the conversation's token ids, for the
-                # client to send back. It costs runner calls, so only a client that sends one
-                # (`[]` to start) gets it back; the prompt's are counted during generation.
-                prompt_ids = background(self.svc.prompt_tokens(gen.lease, chat))
-
-                async def context_of(answer: str) -> list[int]:
-                    api = gen.lease.hop.api
-                    answer_ids = await api.tokenize(answer) if answer else []
-                    return [*context, *await prompt_ids, *answer_ids]
-
+            # the prompt's ids counted while the answer is generated: the chat as the runner
+            # renders it (a created model's defaults applied)
+            sent, _ = self.svc.prepared(r, chat)
+            prompt_ids = background(self.svc.prompt_tokens(gen.lease, sent, bos=not context))
+        context_of = None
+        if prompt_ids is not None:
+            context_of = conversation(gen.lease.hop.api.tokenize, context, prompt_ids)
         return await respond(request, stream, gen, r.requested, "response", start, top, context_of)
 
     async def chat(self, request: Request) -> Response:
@@ -220,8 +225,7 @@ class Ollama:
         cut = field(body, "truncate", bool, True)
         options = check_options(body.get("options"))
         keep_alive = keep_alive_field(body)
-        r = self.svc.resolve(name)
-        self.svc.require(r, "embedding", "embeddings")
+        r = self.svc.embedder(self.svc.resolve(name))
         start = time.monotonic()
         async with await self.svc.lease(request, r, options, keep_alive) as lease:
             # in chunks over the runner's slots, the vectors decoded by numpy (api/embed.py)
@@ -242,14 +246,16 @@ class Ollama:
         prompt = field(body, "prompt", str, "")
         options = check_options(body.get("options"))
         keep_alive = keep_alive_field(body)
-        r = self.svc.resolve(name)
-        self.svc.require(r, "embedding", "embeddings")
+        r = self.svc.embedder(self.svc.resolve(name))
+        # A generative model's vector as its runner makes it: Ollama normalised /api/embed's
+        # vectors, never this legacy route's
+        extra = {"embd_normalize": -1} if r.embedding else None
         async with await self.svc.lease(request, r, options, keep_alive) as lease:
             if not prompt:
                 return json_response({"embedding": []})
             # Cut to what the runner embeds at once, as /api/embed does by default.
             fitted = await embed.fit(lease.hop, [prompt], True)
-            work = embed.embed(lease.hop, fitted)
+            work = embed.embed(lease.hop, fitted, extra)
             vectors, _ = await until_disconnect(request, work)
         return json_response({"embedding": embed.as_json_numbers(vectors)[0]})
 
@@ -275,8 +281,8 @@ class Ollama:
         view = self.svc.scheduler.view()
         models = []
         for run in view.runners:
-            try:
-                r: Resolved | None = self.svc.resolve(run.model)
+            try:  # (a generative model's embedding runner: its model's details)
+                r: Resolved | None = self.svc.resolve(runner_model(run.model))
             except ApiError:  # its file was removed or broken while loaded: still listed
                 r = None
             if run.state != "ready":
@@ -297,6 +303,8 @@ class Ollama:
                 # of those in flight, the ones waiting for room in its shared context
                 "waiting_for_room": run.waiting_for_room,
                 "speculative": run.speculative,  # its drafter (models.toml), or "off"
+                # a generative model's embedding runner, beside the one that generates
+                "embedding": run.model != runner_model(run.model),
                 "num_parallel": run.slots, "pid": run.pid,
                 # every model it serves: models of one file and runner shape share a runner
                 "models": self.svc.registry.sharing(run.model),
@@ -371,6 +379,27 @@ OLLAMA_API_VERSION = "0.23.4"
 
 def version() -> dict[str, str]:
     return {"version": OLLAMA_API_VERSION, "corral": corral.__version__}
+
+
+def conversation(
+    tokenize: Callable[[str], Awaitable[list[int]]],
+    context: list[int],
+    prompt_ids: Awaitable[list[int]],
+) -> Callable[[str], Awaitable[list[int] | None]]:
+    """Ollama's `context` (deprecated there, still read by older clients): the conversation's
+    token ids, the request's context, then its prompt and the answer as the model's tokenizer
+    gives them, for the client to send back. None (the field left out) if the runner could not
+    count them: the answer itself was given."""
+
+    async def context_of(answer: str) -> list[int] | None:
+        try:
+            answer_ids = await tokenize(answer) if answer else []
+            return [*context, *await prompt_ids, *answer_ids]
+        except ApiError as e:
+            log.warning("no context for an answer: %s", e.message)
+            return None
+
+    return context_of
 
 
 def background(work: Awaitable[T]) -> asyncio.Future[T]:

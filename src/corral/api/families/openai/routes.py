@@ -238,8 +238,7 @@ class OpenAI:
         fmt = field(body, "encoding_format", str, "float")
         if fmt not in ("float", "base64"):
             raise ApiError(400, "'encoding_format' must be 'float' or 'base64'", "encoding_format")
-        r = self.svc.resolve(model_field(body))
-        self.svc.require(r, "embedding", "embeddings")
+        r = self.svc.embedder(self.svc.resolve(model_field(body)))
         if (
             len(prompts) <= embed.CHUNK_MIN
             and dims is None
