@@ -115,7 +115,7 @@ def test_metrics_follow_a_real_sequence(start_server, models_dir: Path) -> None:
     # the same books as a cluster's agent reads them
     books = s.client.get("/api/corral/books").json()
     memory = books.pop("memory")
-    assert books == {"budgets": {"cpu": limit}, "reserved": {"cpu": reserved}}
+    assert books == {"budgets": {"cpu": limit}, "reserved": {"cpu": reserved}, "waiting": []}
     # and each device's memory: total, held by corral's runners, by others, free
     cpu = memory["cpu"]
     assert cpu["total"] == cpu["ours"] + cpu["others"] + cpu["free"] and cpu["free"] > 0

@@ -52,14 +52,12 @@ from array import array
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 from corral.runtime.affinity import has_media
 from corral.runtime.runner import Runner
+from corral.runtime.runner_api import RunnerAPI
 from corral.runtime.slotfile import CorruptEntry, common_prefix, read_tokens, token_digest
-
-if TYPE_CHECKING:
-    from corral.runtime.hop import Hop
 
 log = logging.getLogger(__name__)
 
@@ -108,6 +106,18 @@ class RestoreState:
     # A restore whose request's reuse is still to be read from the runner's counters:
     # (what was restored, the counters before the request)
     measuring: tuple[dict[str, Any], tuple[float, float]] | None = None
+
+
+class RunnerHop(Protocol):
+    """What the restore step needs of a runner's hop (runtime/hop.Hop, which runs this step):
+    its runner, its API and its restore state."""
+
+    runner: Runner
+    restore: RestoreState | None
+    restoring: bool
+
+    @property
+    def api(self) -> RunnerAPI: ...
 
 
 _ENGINE: str | None = None
@@ -177,7 +187,7 @@ class KVCache:
         return str(self.directory)
 
     # ---- saving ----------------------------------------------------------------------------
-    async def before_stop(self, hop: Hop, waiting: bool) -> None:
+    async def before_stop(self, hop: RunnerHop, waiting: bool) -> None:
         """Save the runner's conversations before it stops (scheduler.Hooks.before_stop). With a
         load `waiting` for its memory, only saves that cost it less than they spare later,
         within WAITING_BUDGET seconds in all."""
@@ -220,7 +230,7 @@ class KVCache:
             spent += time.monotonic() - t0
         await asyncio.to_thread(self.enforce_cap)
 
-    async def _save_slot(self, hop: Hop, key: str, slot: int) -> None:
+    async def _save_slot(self, hop: RunnerHop, key: str, slot: int) -> None:
         tmp = f"{TMP_PREFIX}{secrets.token_hex(8)}.part"
         t0 = time.monotonic()
         res = await hop.api.slot_action(slot, "save", tmp, HTTP_TIMEOUT)
@@ -293,7 +303,7 @@ class KVCache:
                      p.name, size / 2**20, self.max_bytes / 2**20)  # fmt: skip
 
     # ---- restoring -------------------------------------------------------------------------
-    def wants(self, hop: Hop) -> bool:
+    def wants(self, hop: RunnerHop) -> bool:
         """Whether a request to its runner should be compared with saved conversations: among
         its first requests, while conversations saved for its key were not restored yet."""
         st = hop.restore
@@ -308,7 +318,7 @@ class KVCache:
         hop.restoring = wanted  # once not, never again for this runner: the pipeline skips it
         return wanted
 
-    async def prepare(self, hop: Hop, path: str, payload: dict[str, Any]) -> dict[str, Any]:
+    async def prepare(self, hop: RunnerHop, path: str, payload: dict[str, Any]) -> dict[str, Any]:
         """`payload` for the runner at `path`, pinned to a slot where the saved conversation its
         prompt continues was restored; `payload` unchanged when there is none (or anything
         fails: a restore is an optimisation)."""
@@ -349,7 +359,7 @@ class KVCache:
         return {**payload, "id_slot": slot} if restored else payload
 
     async def _restore(
-        self, hop: Hop, st: RestoreState, entry: Entry, slot: int, prompt: Sequence[int],
+        self, hop: RunnerHop, st: RestoreState, entry: Entry, slot: int, prompt: Sequence[int],
         shared: int, started: float,
     ) -> bool:  # fmt: skip
         """Restore `entry` into `slot` and see to it that what llama.cpp reuses of it is
@@ -404,7 +414,7 @@ class KVCache:
             r["shared"], r["prompt"], r["seconds"] * 1e3,
         )  # fmt: skip
 
-    async def _measure_request(self, hop: Hop, st: RestoreState) -> None:
+    async def _measure_request(self, hop: RunnerHop, st: RestoreState) -> None:
         """Wait for the runner to read its next prompt (the restored request's) and count
         what it took from the cache (before_stop reads it one last time)."""
         deadline = time.monotonic() + PROBE_TIMEOUT
@@ -416,7 +426,7 @@ class KVCache:
                 return
             await self._read_measure(hop, st)
 
-    async def _read_measure(self, hop: Hop, st: RestoreState) -> None:
+    async def _read_measure(self, hop: RunnerHop, st: RestoreState) -> None:
         if st.measuring is None:
             return
         restore, before = st.measuring
@@ -426,7 +436,7 @@ class KVCache:
             self._reused(hop, st, restore, int(now[1] - before[1]), "request")
 
     def _reused(
-        self, hop: Hop, st: RestoreState, restore: dict[str, Any], reused: int, how: str
+        self, hop: RunnerHop, st: RestoreState, restore: dict[str, Any], reused: int, how: str
     ) -> None:
         """Record and report what llama.cpp really reused after a restore."""
         self.stats["reused_tokens"] += reused
@@ -467,7 +477,7 @@ class KVCache:
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
 
-    async def _claim_slot(self, hop: Hop, st: RestoreState, wanted: Any) -> int | None:
+    async def _claim_slot(self, hop: RunnerHop, st: RestoreState, wanted: Any) -> int | None:
         if hop.runner.spec.num_parallel == 1 and wanted in (None, -1, 0):
             return 0  # the lease held for this request is the one slot's
         async with st.lock:
@@ -488,7 +498,7 @@ class KVCache:
             st.claimed.add(slot)
             return int(slot)
 
-    async def _prompt_tokens(self, hop: Hop, path: str, payload: dict[str, Any]) -> list[int]:
+    async def _prompt_tokens(self, hop: RunnerHop, path: str, payload: dict[str, Any]) -> list[int]:
         """The prompt's token ids as llama.cpp will see them: a chat rendered by the runner's
         own template (`/apply-template` takes the request's body as the chat endpoint does),
         then its tokenizer with special tokens, as for generation."""
@@ -517,7 +527,7 @@ class KVCache:
                 return []
         return out
 
-    async def _tokenize(self, hop: Hop, text: str, add_special: bool) -> list[int]:
+    async def _tokenize(self, hop: RunnerHop, text: str, add_special: bool) -> list[int]:
         res = await hop.api.try_post("/tokenize", {
             "content": text, "add_special": add_special, "parse_special": True,
         }, HTTP_TIMEOUT)  # fmt: skip
@@ -571,12 +581,12 @@ class KVCache:
                         p.unlink()
 
     # ---- the runner ---------------------------------------------------------------------
-    def bytes_per_token(self, hop: Hop, key: str) -> float:
+    def bytes_per_token(self, hop: RunnerHop, key: str) -> float:
         """Bytes of KV state a token of the hop's runner (of `key`) takes: measured by saves, else
         estimated from its allocation; 0.0 if unknown (runtime/slotcopy too)."""
         return self._estimate_bytes_per_token(hop, key)
 
-    async def prompt_speed(self, hop: Hop) -> float | None:
+    async def prompt_speed(self, hop: RunnerHop) -> float | None:
         """The runner's prompt tokens per second so far: 0.0 if it has read no prompt yet,
         None if it does not say (no /metrics) (runtime/slotcopy)."""
         found = await hop.api.metrics()
@@ -586,7 +596,7 @@ class KVCache:
             return None
         return toks / secs if secs > 0 and toks > 0 else 0.0
 
-    def _estimate_bytes_per_token(self, hop: Hop, key: str) -> float:
+    def _estimate_bytes_per_token(self, hop: RunnerHop, key: str) -> float:
         known = self._bytes_per_token.get(key)
         if known is not None:
             return known
@@ -594,7 +604,7 @@ class KVCache:
         cells = spec.n_ctx * (1 if spec.kv_unified else spec.num_parallel)
         return alloc.kv_bytes / cells if alloc is not None and cells else 0.0
 
-    async def _prompt_counters(self, hop: Hop) -> tuple[float, float] | None:
+    async def _prompt_counters(self, hop: RunnerHop) -> tuple[float, float] | None:
         """(prompt tokens evaluated, prompt tokens taken from the cache) since the runner
         started, from llama.cpp's /metrics; None if it does not say."""
         found = await hop.api.metrics()

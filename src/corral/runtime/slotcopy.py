@@ -32,14 +32,11 @@ import logging
 import secrets
 import time
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 from corral.core.gguf import ModelInfo, read_model_info
 from corral.runtime.affinity import BYTES_PER_TOKEN, CopyPays, Pick, copy_pays, has_media
-from corral.runtime.kvcache import TMP_PREFIX, KVCache, runner_key
-
-if TYPE_CHECKING:
-    from corral.runtime.hop import Hop
+from corral.runtime.kvcache import TMP_PREFIX, KVCache, RunnerHop, runner_key
 
 log = logging.getLogger(__name__)
 
@@ -66,6 +63,13 @@ class CopyState:
     says: bool = True  # whether its /metrics tells the speed (a stand-in runner may not)
 
 
+class CopyHop(RunnerHop, Protocol):
+    """What the copy step needs of a runner's hop (runtime/hop.Hop): the restore step's, and
+    its copy figures."""
+
+    copies: CopyState | None
+
+
 class SlotCopier:
     """Copies of one slot's KV state into another of the same runner, through `kvcache`'s
     directory (llama.cpp's slot_save_path)."""
@@ -80,7 +84,7 @@ class SlotCopier:
         )
         self.last_copy: dict[str, Any] | None = None
 
-    def wants(self, hop: Hop, path: str, payload: dict[str, Any]) -> bool:
+    def wants(self, hop: CopyHop, path: str, payload: dict[str, Any]) -> bool:
         """Whether a request's prompt can start from another slot's state (see the module)."""
         runner = hop.runner
         if not runner.slot_save_path or runner.spec.projector or runner.spec.embedding:
@@ -100,7 +104,7 @@ class SlotCopier:
                 return False
         return self._info(hop).usable
 
-    def _info(self, hop: Hop) -> CopyState:
+    def _info(self, hop: CopyHop) -> CopyState:
         info = hop.copies
         if info is None:
             try:
@@ -117,7 +121,7 @@ class SlotCopier:
             )
         return info
 
-    async def refresh(self, hop: Hop) -> None:
+    async def refresh(self, hop: CopyHop) -> None:
         """Read the runner's prompt speed again (its /metrics) if it is unknown or what is
         known is older than SPEED_TTL_S: `pays` goes by it. Unknown (until the runner has read
         a prompt), the request waits for the answer; known, or where the runner does not say
@@ -132,7 +136,7 @@ class SlotCopier:
         if unknown and info.reading is not None:
             await asyncio.shield(info.reading)
 
-    async def _read_speed(self, hop: Hop, info: CopyState) -> None:
+    async def _read_speed(self, hop: CopyHop, info: CopyState) -> None:
         try:
             speed = await self.kvcache.prompt_speed(hop)
             info.says = speed is not None
@@ -143,7 +147,7 @@ class SlotCopier:
         finally:
             info.reading = None
 
-    def pays(self, hop: Hop) -> CopyPays:
+    def pays(self, hop: CopyHop) -> CopyPays:
         """Whether a copy pays on the hop's runner (affinity.copy_pays with its figures), for
         `Slots.pick`."""
         info = self._info(hop)
@@ -162,7 +166,7 @@ class SlotCopier:
 
         return pays
 
-    async def copy(self, hop: Hop, pick: Pick) -> bool:
+    async def copy(self, hop: CopyHop, pick: Pick) -> bool:
         """Copy `pick.source`'s state into `pick.slot` (a pick made with `pays`); whether it
         was copied."""
         assert pick.source is not None
@@ -180,7 +184,7 @@ class SlotCopier:
                 (self.kvcache.directory / name).unlink(missing_ok=True)
 
     async def _copy(
-        self, hop: Hop, info: CopyState, pick: Pick, name: str, deadline: float
+        self, hop: CopyHop, info: CopyState, pick: Pick, name: str, deadline: float
     ) -> bool:
         assert pick.source is not None
         t0 = time.monotonic()
@@ -219,7 +223,7 @@ class SlotCopier:
         )  # fmt: skip
         return True
 
-    def _failed(self, hop: Hop, pick: Pick, why: str) -> bool:
+    def _failed(self, hop: CopyHop, pick: Pick, why: str) -> bool:
         self.stats["failed"] += 1
         log.debug("slot copy: copying slot %d of '%s' into slot %d failed (the prompt is "
                   "evaluated): %s", pick.source, hop.runner.name, pick.slot, why)  # fmt: skip
