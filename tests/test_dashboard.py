@@ -17,6 +17,7 @@ import httpx
 import pytest
 
 from corral.core.estimate import RUNNER_CODE_BYTES
+from corral.core.waits import WHY
 from corral.testing.server import CorralServer
 
 TINY = "tiny:latest"
@@ -240,9 +241,12 @@ def test_dashboard_shows_who_waits(
             row = page.locator("#waiting tr[data-waiting='long:latest']")
             row.wait_for(timeout=15000)
             assert page.locator("#waiting").is_visible()
-            assert row.get_attribute("data-why") == "busy"
+            # Behind the busy slot, or behind a second runner of the model that the core
+            # started for it where memory allowed: either way the row says which.
+            why = row.get_attribute("data-why")
+            assert why in ("busy", "loading")
             assert row.locator(".place").inner_text() == "1 of 1"
-            assert row.locator(".why").inner_text() == "every slot of its model is busy"
+            assert row.locator(".why").inner_text() == WHY[why]
             assert re.search(r"\d s", row.inner_text()), row.inner_text()  # the time it waited
             page.screenshot(path=str(tmp_path / "waiting.png"), full_page=True)
     t.join(30)
