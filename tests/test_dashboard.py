@@ -236,18 +236,22 @@ def test_dashboard_shows_who_waits(
             next(lines)
             t = threading.Thread(target=lambda: served.append(s.client.post("/api/generate", json={
                 "model": "long", "prompt": "hi", "stream": False,
-                "options": {"num_predict": 2}}).status_code))  # fmt: skip
+                # the busy runner's own context: without it the core may start a second
+                # runner of a smaller context for this one, which then waits for that load
+                "options": {"num_predict": 2, "num_ctx": 32768}}).status_code))  # fmt: skip
             t.start()
-            row = page.locator("#waiting tr[data-waiting='long:latest']")
-            row.wait_for(timeout=15000)
-            assert page.locator("#waiting").is_visible()
-            # Behind the busy slot, or behind a second runner of the model that the core
-            # started for it where memory allowed: either way the row says which.
-            why = row.get_attribute("data-why")
-            assert why in ("busy", "loading")
-            assert row.locator(".place").inner_text() == "1 of 1"
-            assert row.locator(".why").inner_text() == WHY[why]
-            assert re.search(r"\d s", row.inner_text()), row.inner_text()  # the time it waited
+            # One snapshot of the shown list (the page redraws it on every state it gets)
+            seen = page.wait_for_function("""() => {
+                const row = document.querySelector("#waiting tr[data-waiting='long:latest']");
+                if (!row || document.getElementById("waiting").hidden) return null;
+                return {why: row.dataset.why, place: row.querySelector(".place").innerText,
+                        text: row.querySelector(".why").innerText, all: row.innerText};
+            }""", timeout=15000).json_value()
+            # Behind the busy slot; or, when the core starts a load for it as it arrives
+            # (seen on a busy machine), waiting for that: the row says which
+            assert seen["why"] in ("busy", "loading"), seen
+            assert seen["place"] == "1 of 1" and seen["text"] == WHY[seen["why"]]
+            assert re.search(r"\d s", seen["all"]), seen  # the time it waited
             page.screenshot(path=str(tmp_path / "waiting.png"), full_page=True)
     t.join(30)
     assert served == [200]
