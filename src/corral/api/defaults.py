@@ -66,9 +66,8 @@ def stop(entry: ModelEntry, stops: list[str] | None) -> list[str] | None:
 
 
 def chat(entry: ModelEntry, c: Chat, stops: list[str] | None) -> tuple[Chat, list[str] | None]:
-    """A neutral chat request with the model's defaults (Service.generate)."""
-    if not entry.has_defaults:
-        return c, stops
+    """A neutral chat request with the model's defaults (Service.generate, for a model that
+    has some: `ModelEntry.has_defaults`)."""
     return (
         replace(c, messages=messages(entry, c.messages),
                 params=sampling(entry, c.params, "n_predict")),
@@ -77,9 +76,8 @@ def chat(entry: ModelEntry, c: Chat, stops: list[str] | None) -> tuple[Chat, lis
 
 
 def openai_body(entry: ModelEntry, body: dict[str, Any], chat: bool) -> dict[str, Any]:
-    """An OpenAI chat or completions body with the model's defaults (the pass-through path)."""
-    if not entry.has_defaults:
-        return body
+    """An OpenAI chat or completions body with the model's defaults (the pass-through path, for
+    a model that has some)."""
     out = sampling(entry, body, "max_tokens")
     if chat and isinstance(body.get("messages"), list):
         out["messages"] = messages(entry, body["messages"])

@@ -20,7 +20,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 from collections.abc import AsyncIterator, Callable, Mapping
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from starlette.requests import Request
 from starlette.responses import Response
@@ -35,7 +35,9 @@ from corral.runtime.journal import Event
 from corral.runtime.meter import count_events, last_timings
 from corral.runtime.runner_api import UPSTREAM_ERRORS
 from corral.runtime.runner_errors import SSE_ERROR, stream_error
-from corral.runtime.scheduler import Scheduler
+
+if TYPE_CHECKING:
+    from corral.runtime.scheduler import Scheduler
 
 SSE_DONE = b"data: [DONE]"
 # llama.cpp's error mid-stream (e.g. a context its parallel requests share has filled): an SSE
