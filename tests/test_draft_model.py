@@ -50,7 +50,9 @@ def test_a_named_draft_model_turns_drafting_on(tiny: Path, tmp_path: Path) -> No
     assert (spec.speculative, spec.draft) == ("draft", str(draft))
     both = ModelEntry("m", tiny, options={"draft": "small", "speculative": "draft",
                                           "draft_max": 8, "draft_min": 2}, draft=draft)  # fmt: skip
-    assert dataclasses.astuple(spec_of(both))[-4:] == ("draft", str(draft), 8, 2)
+    s = spec_of(both)
+    assert (s.speculative, s.draft, s.draft_max, s.draft_min) == ("draft", str(draft), 8, 2)
+    assert not s.speculative_auto  # its operator chose the drafter: auto does not judge it
     off = ModelEntry("m", tiny, options={"draft": "small", "speculative": "off"}, draft=draft)
     assert (spec_of(off).speculative, spec_of(off).draft) == ("off", None)
     embed = synth.write_bert_model(tmp_path / "embed.gguf")
@@ -235,7 +237,7 @@ def drafted(start_server, tiny: Path, tmp_path_factory: pytest.TempPathFactory) 
     d = tmp_path_factory.mktemp("draftmodels")
     (d / "tiny.gguf").symlink_to(tiny)  # SmolLM2's tokenizer, cut: another vocabulary size
     (d / "models.toml").write_text(
-        f'[models.plain]\nfile = "{SMOLLM2}"\n'
+        f'[models.plain]\nfile = "{SMOLLM2}"\nspeculative = "off"\n'
         f'[models.drafted]\nfile = "{SMOLLM2}"\ndraft = "plain"\ndraft_max = 8\n'
         f'[models.mismatched]\nfile = "{SMOLLM2}"\ndraft = "tiny"\n'
         f'[models.lost]\nfile = "{SMOLLM2}"\ndraft = "nowhere"\n'

@@ -1,7 +1,8 @@
 """The scheduler shell's narrow face: the rest of corral asks it with `submit`, `wait`,
-`acquire` and `unload`, reads it through `view()` (a plain snapshot), `gpu_contexts()` and
-`listen`, and ends it with `begin_drain`, `begin_shutdown`, `shutdown` and `kill_all`; nothing
-outside the shell's own modules reads its attributes or imports its insides. What it works with
+`acquire`, `unload` and `no_drafts`, reads it through `view()` (a plain snapshot),
+`gpu_contexts()`, `drafter()` and `listen`, and ends it with `begin_drain`, `begin_shutdown`,
+`shutdown` and `kill_all`; nothing outside the shell's own modules reads its attributes or
+imports its insides. What it works with
 (the runner factory, the clock, the hooks) is given at its construction."""
 
 from __future__ import annotations
@@ -20,8 +21,8 @@ from corral.runtime.runner import Runner, RunnerError
 from corral.runtime.scheduler import Scheduler, SchedulerConfig, SchedulerError
 
 FACE = {
-    "submit", "wait", "acquire", "unload", "view", "listen", "gpu_contexts",
-    "begin_drain", "begin_shutdown", "shutdown", "kill_all",
+    "submit", "wait", "acquire", "unload", "no_drafts", "view", "listen", "gpu_contexts",
+    "drafter", "begin_drain", "begin_shutdown", "shutdown", "kill_all",
 }  # fmt: skip
 # The shell and the modules it is made of.
 SHELL = {"runtime/scheduler.py", "runtime/measure.py", "runtime/view.py", "runtime/hop.py"}

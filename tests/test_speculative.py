@@ -1,6 +1,6 @@
 """Speculative decoding as a model's runner option (`speculative`): a model drafts with one of
-llama.cpp's n-gram drafters when its models.toml entry says so (`auto`, the default, does
-not draft yet: core/spec.speculation says why), both runner kinds get it, the estimate books what
+llama.cpp's n-gram drafters by default (`auto`: ngram-mod while it pays, tests/test_drafting) or
+when its models.toml entry names one, both runner kinds get it, the estimate books what
 verifying drafts costs, what was drafted is counted, and the answer at temperature 0 is the same
 with and without it (real SmolLM2)."""
 
@@ -21,21 +21,27 @@ from corral.runtime.runner import Runner
 from corral.testing import synth
 
 
-def spec_of(entry: ModelEntry) -> RunnerSpec:
-    return runner_spec(entry, read_model_info(entry.path), {}, Settings.load(environ={}), 2)[0]
+def spec_of(entry: ModelEntry, drafter: str = "ngram-mod") -> RunnerSpec:
+    settings = Settings.load(environ={})
+    return runner_spec(entry, read_model_info(entry.path), {}, settings, 2, drafter=drafter)[0]
 
 
-def test_a_model_drafts_when_it_says_so(tmp_path: Path) -> None:
-    """`auto` drafts nothing yet (llama.cpp returns no logprobs for accepted drafts, and no
-    request can turn drafting off); a model's own drafter is used; an embedding model never
-    drafts."""
+def test_a_model_drafts_by_default_or_as_it_says(tmp_path: Path) -> None:
+    """`auto` drafts with what auto chose for the model (ngram-mod until it is judged not to
+    pay); a model's own drafter is used, and is not auto's to turn off; an embedding model
+    never drafts."""
     chat = synth.write_llama_model(tmp_path / "chat.gguf")
     embed = synth.write_bert_model(tmp_path / "embed.gguf")
-    assert spec_of(ModelEntry("chat", chat)).speculative == "off"
-    own = ModelEntry("chat", chat, options={"speculative": "ngram-mod"})
-    assert spec_of(own).speculative == "ngram-mod"
+    auto = spec_of(ModelEntry("chat", chat))
+    assert auto.speculative == "ngram-mod" and auto.speculative_auto
+    assert spec_of(ModelEntry("chat", chat), drafter="off").speculative == "off"
+    own = spec_of(ModelEntry("chat", chat, options={"speculative": "ngram-simple"}))
+    assert own.speculative == "ngram-simple" and not own.speculative_auto
+    off = spec_of(ModelEntry("chat", chat, options={"speculative": "off"}))
+    assert off.speculative == "off" and not off.speculative_auto
     asked = ModelEntry("embed", embed, options={"speculative": "ngram-mod"})
     assert spec_of(asked).speculative == "off"
+    assert not spec_of(ModelEntry("e", embed)).speculative_auto
 
 
 def test_models_toml_sets_it_and_refuses_what_llama_cpp_has_not(tmp_path: Path) -> None:
@@ -91,6 +97,9 @@ def test_a_gpus_many_slots_draft_only_if_the_model_asks(tmp_path: Path) -> None:
         def gpu_contexts(self) -> dict[str, int]:
             return {}
 
+        def drafter(self, model: str) -> str:
+            return "ngram-mod"
+
     svc = Service(
         Settings.load(environ={}), None, NothingLearned(), devices, None  # type: ignore[arg-type]
     )
@@ -100,7 +109,8 @@ def test_a_gpus_many_slots_draft_only_if_the_model_asks(tmp_path: Path) -> None:
         spec, _ = svc.admission.runner_spec(r, {})
         sizes = svc.admission.sizings(r, spec, {})
         assert sizes[0].spec.num_parallel == GPU_PARALLEL and sizes[0].spec.speculative == wide
-        assert sizes[-1].spec.speculative == wide  # the CPU's few slots: the model's choice
+        # the CPU's few slots: the model's choice, or auto's
+        assert sizes[-1].spec.speculative == "ngram-mod"
 
 
 SMOLLM2 = smollm2_path()
@@ -129,7 +139,55 @@ async def test_the_answer_at_temperature_0_is_the_same_with_drafts() -> None:
         assert counts is not None
         if drafter != "off":
             assert out["timings"]["draft_n"] > 0 and out["timings"]["draft_n_accepted"] > 0
-            assert counts[2:] == (out["timings"]["draft_n"], out["timings"]["draft_n_accepted"])
+            timings = out["timings"]
+            assert (counts.drafted, counts.accepted) == (
+                timings["draft_n"], timings["draft_n_accepted"])  # fmt: skip
         else:
-            assert counts[2:] == (0, 0)
+            assert (counts.drafted, counts.accepted) == (0, 0)
     assert answers["off"] == answers["ngram-mod"] and len(answers["off"]) > 100
+
+
+# ---- real: auto on SmolLM2 ---------------------------------------------------------------------
+@pytest.fixture(scope="module")
+def auto(start_server, tmp_path_factory: pytest.TempPathFactory):  # type: ignore[no-untyped-def]
+    assert SMOLLM2 is not None
+    d = tmp_path_factory.mktemp("automodels")
+    (d / "models.toml").write_text(f'[models.smol]\nfile = "{SMOLLM2}"\n')
+    return start_server(d, CORRAL_BUILTIN_MODELS="0", CORRAL_CONTEXT_LENGTH="4096")
+
+
+@pytest.mark.e2e
+def test_auto_drafts_until_a_client_asks_for_logprobs(auto) -> None:  # type: ignore[no-untyped-def]
+    """By default a model drafts (ngram-mod); a request for logprobs is served by a runner that
+    does not draft (llama.cpp gives accepted drafts no probabilities: a drafting runner would
+    answer them with empty alternatives), and the model stays off for a while, which /api/ps,
+    `ps --verbose`'s fields and /metrics say."""
+    from corral.cli.models import drafting_lines
+
+    c = auto.client
+    body = {"model": "smol", "messages": [{"role": "user", "content": EDIT}],
+            "max_tokens": 120, "temperature": 0}  # fmt: skip
+    r = c.post("/v1/chat/completions", json=body)
+    assert r.status_code == 200, r.text
+    assert r.json()["timings"]["draft_n_accepted"] > 0  # it drafted the file from the prompt
+    (run,) = auto.ps()
+    assert run["speculative"] == "ngram-mod" and "drafting" not in run  # not judged yet
+    r = c.post("/v1/chat/completions", json={**body, "logprobs": True, "top_logprobs": 2})
+    assert r.status_code == 200, r.text
+    entries = r.json()["choices"][0]["logprobs"]["content"]
+    assert len(entries) == r.json()["usage"]["completion_tokens"]
+    # every token has its alternatives: none was an accepted draft without probabilities
+    assert all(len(e["top_logprobs"]) == 2 for e in entries)
+    assert r.json()["timings"].get("draft_n", 0) == 0
+    (run,) = auto.ps()
+    assert run["speculative"] == "off"
+    assert run["drafting"] == "off: a client asked for logprobs"
+    assert drafting_lines([run]) == [
+        "smol:latest: no drafting (auto, off: a client asked for logprobs)"
+    ]
+    # the model's next requests keep that runner: no reload back and forth
+    r = c.post("/v1/chat/completions", json=body)
+    assert r.status_code == 200 and r.json()["timings"].get("draft_n", 0) == 0
+    assert auto.ps()[0]["pid"] == run["pid"]
+    metrics = c.get("/metrics").text
+    assert 'corral_drafting{model="smol:latest"} 0.0' in metrics

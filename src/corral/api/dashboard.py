@@ -225,6 +225,8 @@ class Dashboard:
                                   "relayed": relayed or 0,
                                   # speculative decoding: drafted, and accepted by the model
                                   "drafted": drafts[0], "accepted": drafts[1]}  # fmt: skip
+            if (choice := v.drafting.get(name)) is not None:  # auto's drafting, and why
+                item["drafting"] = {"on": choice.on, "why": choice.why}
             prompt = self._rates.rate(name, counts, now)
             if prompt is not None or name in v.tokens_per_second:
                 # generated: as corral relays them (live); prompt: from the runner's counters

@@ -288,6 +288,23 @@ class _Books(Collector):
             accepted.add_metric([m], ok)
         yield drafted
         yield accepted
+        drafting = GaugeMetricFamily(
+            "corral_drafting", "1 while speculative = auto drafts for the model, 0 while it "
+            "turned drafting off (it did not pay, or a client asked for logprobs)",
+            labels=["model"],
+        )  # fmt: skip
+        stream = GaugeMetricFamily(
+            "corral_drafting_stream_tokens_per_second", "A stream's generated tokens/s over "
+            "auto's last judged window: measured with drafting, and estimated without",
+            labels=["model", "drafting"],
+        )  # fmt: skip
+        for m, c in sorted(v.drafting.items()):
+            drafting.add_metric([m], 1.0 if c.on else 0.0)
+            if c.last is not None:
+                stream.add_metric([m, "with"], c.last.with_tps)
+                stream.add_metric([m, "without"], c.last.without_tps)
+        yield drafting
+        yield stream
         relayed = CounterMetricFamily(
             "corral_relayed_tokens", "Generated tokens corral relayed to clients, counted as "
             "they passed (rate() of it is the live tokens per second)", labels=["model"],

@@ -60,6 +60,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(func=cmd_run)
 
     p = sub.add_parser("ps", help="list running models")
+    p.add_argument("--verbose", action="store_true",
+                   help="also say how each model drafts (speculative decoding) and why")
     p.set_defaults(func=cmd_ps)
 
     p = sub.add_parser("stop", help="unload a running model")

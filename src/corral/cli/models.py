@@ -82,6 +82,20 @@ def slots_text(m: Mapping[str, Any]) -> str:
     return f"{_int(m.get('requests_in_flight'))}/{_int(m.get('num_parallel'))}"
 
 
+def drafting_lines(models: Sequence[Mapping[str, Any]]) -> list[str]:
+    """`ps --verbose`: how each model's runner drafts (speculative decoding), and what auto
+    chose and why (corral's own /api/ps fields)."""
+    lines = []
+    for m in models:
+        drafter, why = m.get("speculative"), m.get("drafting")
+        if drafter is None and why is None:
+            continue
+        name = str(m.get("name") or m.get("model") or "")
+        text = f"{name}: drafts with {drafter}" if drafter != "off" else f"{name}: no drafting"
+        lines.append(text + (f" (auto, {why})" if why else ""))
+    return lines
+
+
 def queue_text(m: Mapping[str, Any]) -> str:
     """The QUEUE column of `ps`: the requests queued for the model's runner, and of those it
     serves, the ones waiting for room in its shared context ("2 queued, 1 for room")."""
@@ -201,6 +215,9 @@ def cmd_ps(args: argparse.Namespace) -> int:
         headers.append("NODE")
         rows = [[*row, str(m.get("node", ""))] for row, m in zip(rows, models, strict=True)]
     print_table(headers, rows)
+    if getattr(args, "verbose", False) and (lines := drafting_lines(models)):
+        print()
+        print("\n".join(lines))
     shown = {str(m.get("name") or m.get("model") or "") for m in models}
     if more := unloaded_waiting_rows(waiting, shown):  # requests for models not loaded yet
         print()

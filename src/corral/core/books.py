@@ -439,6 +439,16 @@ class Core:
         self._pump(now)
         return found
 
+    def restart(self, runner_id: int, reason: str, now: float) -> bool:
+        """Stop a runner whose options changed behind it (auto's drafting) once it is idle and
+        no request waits for its model: the next request loads it anew. False: not now."""
+        r = self.runners.get(runner_id)
+        if r is None or r.state != "ready" or r.inflight or self.queued(r.model):
+            return False
+        self._stop(r, reason, "options_change")
+        self._pump(now)
+        return True
+
     def tick(self, now: float) -> None:
         """Timers: keep-alive expiry and request deadlines."""
         for r in list(self.runners.values()):

@@ -11,6 +11,7 @@ from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Any, Protocol
 
 from corral.core.context import AUTO_FLOOR
+from corral.core.drafting import DRAFTER
 from corral.core.estimate import Estimate, estimate
 from corral.core.gotemplate import is_jinja, to_jinja
 from corral.core.options import CLAMPED, OPTIONS, SHAPING
@@ -88,6 +89,8 @@ class RunnerSpec:
     draft: str | None = None  # the draft model's GGUF (with speculative "draft")
     draft_max: int | None = None  # tokens it drafts at most (None: llama.cpp's DRAFT_MAX)
     draft_min: int | None = None  # ... and at least (None: llama.cpp's 0)
+    # `auto` chose its drafter (core/drafting): measured, and turned off where it does not pay
+    speculative_auto: bool = False
 
 
 @dataclass(frozen=True)
@@ -140,12 +143,14 @@ def runner_spec(
     server: ServerDefaults,
     cores: int,
     embedder: bool = False,
+    drafter: str = DRAFTER,
 ) -> tuple[RunnerSpec, frozenset[str]]:
     """The runner to load for a request's checked `options` on `model` (its file read into
     `info`), and which spec fields the request pinned; TemplateError if the model's own
     template cannot be translated. `cores`: the CPU cores corral may run on. `embedder`: a
     generative model's embedding runner (its GGUF's pooling, else the last token's; no vision
-    projector: it embeds text)."""
+    projector: it embeds text). `drafter`: what `speculative = "auto"` drafts with now
+    (core/drafting.Choice)."""
     own = "embedding" in info.capabilities or "rerank" in info.capabilities
     embedding = own or embedder
     pooling = info.pooling_type
@@ -167,8 +172,10 @@ def runner_spec(
         "kv_cache_type": spec.get("kv_cache_type") or server.kv_cache_type,
         "flash_attn": spec.get("flash_attn") or "auto",
         "speculative": speculation(
-            spec.get("speculative") or "auto", embedding, bool(spec.get("draft"))
+            spec.get("speculative") or "auto", embedding, bool(spec.get("draft")), drafter
         ),
+        "speculative_auto": (spec.get("speculative") or "auto") == "auto"
+        and not spec.get("draft") and not embedding,
         "n_cpu_moe": spec.get("n_cpu_moe") or 0,
         "embedding": embedding,
         "pooling_type": pooling if embedding else None,
@@ -206,21 +213,15 @@ def _server_ctx(server: ServerDefaults) -> int:
     return AUTO_FLOOR if server.context_length is None else server.context_length
 
 
-def speculation(choice: str, embedding: bool, draft: bool = False) -> str:
-    """The drafter a runner starts with for a model's `speculative` option. Measured on 2 cores
-    with SmolLM2-135M (llama-server b11434, temperature 0, 300 tokens), ngram-mod gives an edit
-    that returns a file it was shown 1.6-1.8x the tokens/s without (the same answer), a story
-    1.0-1.1x (nothing matches, nothing is drafted), the edit at 4 clients at once 1.1x. Yet
-    `auto` does not draft yet: llama.cpp b11434 lets no request turn drafting off
-    (server-schema.cpp keeps the per-request fields under `#if 0`), returns no logprobs for the
-    drafted tokens it accepts (an OpenAI client asking for logprobs would get fewer than its
-    tokens), and drafts take cells of a shared cache. So drafting is a model's choice
-    (`speculative = "ngram-mod"`), never an embedding model's. A model that names a `draft`
-    model drafts with it (auto or "draft"): its operator chose a drafter of its vocabulary."""
+def speculation(choice: str, embedding: bool, draft: bool = False, auto: str = DRAFTER) -> str:
+    """The drafter a runner starts with for a model's `speculative` option. `auto` drafts
+    with `auto` (what core/drafting chose for the model from measurement: its n-gram drafter
+    until it was seen not to pay), or with the model's draft model where it names one (its
+    operator chose a drafter of its vocabulary). An embedding model never drafts."""
     if embedding:
         return "off"
     if choice in ("auto", "draft"):
-        return "draft" if draft else "off"
+        return "draft" if draft else ("off" if choice == "draft" else auto)
     return choice
 
 

@@ -129,13 +129,18 @@ class Admission:
     def runner_spec(
         self, r: Resolved, options: dict[str, Any]
     ) -> tuple[RunnerSpec, frozenset[str]]:
-        """The runner to load for these options, and which spec fields the request pinned."""
+        """The runner to load for these options, and which spec fields the request pinned.
+        A request for logprobs (`EXACT_PROBS`) pins auto's drafting, off."""
         try:
-            return runner_spec(
-                r.entry, r.info, options, self.settings, self._cores, embedder=r.embedding
-            )
+            spec, explicit = runner_spec(
+                r.entry, r.info, options, self.settings, self._cores, embedder=r.embedding,
+                drafter=self.scheduler.drafter(r.runner),
+            )  # fmt: skip
         except TemplateError as e:  # /api/create refuses these: a manifest from elsewhere
             raise unusable_template(r, e) from None
+        if options.get(EXACT_PROBS) and spec.speculative_auto:
+            explicit |= {"speculative"}
+        return spec, explicit
 
     def keep_alive(self, entry: ModelEntry, asked: float | None) -> float | None:
         """The keep-alive a request gets: the model's own (models.toml) unless the client
@@ -273,6 +278,12 @@ class Admission:
         scheduler drains the runner and reloads it larger, as for any change of options. A
         prompt the model's trained context cannot hold, or that memory cannot, is a 400
         saying its tokens, the limit and what to do."""
+        if wants_probs(payload):
+            # llama.cpp gives accepted drafts no probabilities: this request, and the model's
+            # next ones for a while (so that the runner does not flip back and forth), are
+            # served by a runner that does not draft
+            self.scheduler.no_drafts(r.runner, "a client asked for logprobs")
+            options = {**options, EXACT_PROBS: True}
         first = await lease(options)
         try:
             return await _owned(first, start)
@@ -362,3 +373,13 @@ def too_long(r: Resolved, tokens: int, limit: int | None = None) -> ApiError:
         400, f"the prompt is {tokens:,} tokens; model '{r.requested}' takes at most {limit:,} "
         f"({why}): shorten the prompt or use a model with a longer context",
     )  # fmt: skip
+
+
+# An internal option: the request wants every token's probability (no drafting may serve it)
+EXACT_PROBS = "_exact_probs"
+
+
+def wants_probs(payload: Mapping[str, Any]) -> bool:
+    """Whether a runner-bound body asks for tokens' probabilities (OpenAI's logprobs and
+    top_logprobs, llama.cpp's n_probs)."""
+    return any(payload.get(k) for k in ("logprobs", "top_logprobs", "n_probs"))

@@ -27,6 +27,7 @@ import psutil
 
 from corral.core.books import Core
 from corral.core.devices import CPU, GPU_CONTEXT_BYTES, Device, gpu_context, live_headroom
+from corral.core.drafting import Choice, Counters, verdict
 from corral.core.gguf import split_parts
 from corral.core.policy import DEFAULT_DISK_SECONDS_PER_BYTE, disk_seconds_per_byte, reload_seconds
 from corral.runtime.devices import gpu_process_memory
@@ -57,8 +58,9 @@ class Record:
     own: int | None = None  # its own memory at the last measure (resident less its code)
     devices: dict[str, int] = field(default_factory=dict)  # ... per device (GPU: NVML's figure)
     code: int | None = None  # its resident code (memwatch.code_rss, measured once)
-    # its counters (prompt, generated, drafted, accepted drafts) at the last read
-    tokens: tuple[int, int, int, int] = (0, 0, 0, 0)
+    tokens: Counters = field(default_factory=Counters)  # its counters at the last read
+    # ... where its drafting's window began (auto's drafting: a verdict every MIN_DRAFTED)
+    window: Counters = field(default_factory=Counters)
     cached_at_load: float | None = None  # share of its file in the page cache as its load began
     cached: float | None = None  # ... and at the last look
     free_before: dict[str, int] | None = None  # GPUs' free bytes as it was told to stop
@@ -104,6 +106,9 @@ class Measure:
         # Tokens each model's runners processed (prompt, generated, drafted, accepted drafts),
         # summed over the runners' own counters (llama.cpp's /metrics), read every measure.
         self.tokens: dict[str, list[int]] = {}
+        # Model -> what `speculative = "auto"` chose for its drafting, from its runners' windows
+        # (core/drafting); a model missing has not been judged (it drafts).
+        self.drafting: dict[str, Choice] = {}
         self.raised: dict[str, float] = {}  # model -> booking factor after running out of memory
         self.raised_before: dict[str, float] = {}  # ... and before it last ran out
         # Card name -> the most a runner was measured to hold on such a GPU beyond llama.cpp's
@@ -348,9 +353,48 @@ class Measure:
             return
         before = rec.tokens
         total = self.tokens.setdefault(rec.runner.name, [0, 0, 0, 0])
-        for i, (now, then) in enumerate(zip(c, before, strict=True)):
+        for i, (now, then) in enumerate(zip(
+            (c.prompt, c.generated, c.drafted, c.accepted),
+            (before.prompt, before.generated, before.drafted, before.accepted), strict=True,
+        )):  # fmt: skip
             total[i] += max(0, now - then)
         rec.tokens = c
+        if rec.runner.spec.speculative_auto and rec.runner.spec.speculative != "off":
+            self._judge_drafting(rec, c)
+
+    # ---- auto's drafting ---------------------------------------------------------------------
+    def drafter(self, model: str) -> str:
+        """What a runner of `model` loaded now drafts with under `speculative = "auto"`."""
+        return self.drafting.get(model, Choice()).drafter(self._clock())
+
+    def no_drafts(self, model: str, why: str) -> None:
+        """Turn auto's drafting off for `model` (for a while: Choice.off)."""
+        before = self.drafting.get(model, Choice())
+        after = self.drafting[model] = before.off(why, self._clock())
+        if after is not before:
+            log.info("model '%s' drafts no more for %.0f s: %s", model, after.retry_at -
+                     self._clock(), why)  # fmt: skip
+
+    def _judge_drafting(self, rec: Record, c: Counters) -> None:
+        model, now = rec.runner.name, self._clock()
+        choice = self.drafting.get(model, Choice())
+        if not choice.on and now >= choice.retry_at:  # this runner drafts again after a turn off
+            choice = self.drafting[model] = choice.trying()
+        v = verdict(c - rec.window, c.batch_s)
+        if v is not None:
+            rec.window = c
+            after = self.drafting[model] = choice.judged(v, now)
+            if after.on != choice.on or not after.on:
+                log.info("model '%s': drafting %s (%s)", model, "on" if after.on else "off",
+                         after.why)  # fmt: skip
+            choice = after
+        if not choice.on:
+            # Restarted without drafting once idle, with nothing waiting (what it holds of
+            # conversations is saved, and restored into the next runner: runtime/kvcache).
+            for b in self._core.runners.values():
+                if b.model == model and b.spec.speculative_auto and b.spec.speculative != "off":
+                    self._core.restart(b.id, f"drafting off: {choice.why}", now)
+            self._apply()
 
     # ---- the page cache ----------------------------------------------------------------------
     def load_starting(self, path: str) -> None:

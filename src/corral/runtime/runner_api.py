@@ -35,6 +35,7 @@ from urllib.parse import urlsplit
 import aiohttp
 import orjson
 
+from corral.core.drafting import Counters
 from corral.errors import ApiError
 from corral.runtime.continuation import Reader
 from corral.runtime.runner_errors import runner_error
@@ -167,18 +168,11 @@ class RunnerAPI:
                     found[name] = float(value)
         return found
 
-    async def token_counts(self, timeout: float = 1.0) -> tuple[int, int, int, int] | None:
-        """(prompt tokens, generated tokens, drafted tokens, drafts accepted) the runner has
-        processed since it started (the drafts: speculative decoding's, 0 without); None if
-        it does not say."""
-        found = await self.metrics(timeout)
-        prompt = found.get("llamacpp:prompt_tokens_total")
-        generated = found.get("llamacpp:tokens_predicted_total")
-        if prompt is None or generated is None:
-            return None
-        drafted = found.get("llamacpp:spec_decode_num_draft_tokens_total", 0)
-        accepted = found.get("llamacpp:spec_decode_num_accepted_tokens_total", 0)
-        return int(prompt), int(generated), int(drafted), int(accepted)
+    async def token_counts(self, timeout: float = 1.0) -> Counters | None:
+        """What the runner has processed since it started (prompt and generated tokens, the
+        drafts of speculative decoding, the slots busy at each decode); None if it does not
+        say."""
+        return Counters.of(await self.metrics(timeout))
 
     async def get_json(self, path: str, timeout: float = PROBE_TIMEOUT) -> Any:
         """The runner's JSON answer to a GET (e.g. `/slots`); None if it gives none."""

@@ -134,17 +134,13 @@ class Scheduler:
         `refresh` re-reads the devices (runtime/devices)."""
         c = config
         self._core = Core(
-            budgets=budgets,
-            max_loaded=c.max_loaded,
-            max_queue=c.max_queue,
-            default_keep_alive=c.default_keep_alive,
-            policy=POLICIES[c.policy],
+            budgets=budgets, max_loaded=c.max_loaded, max_queue=c.max_queue,
+            default_keep_alive=c.default_keep_alive, policy=POLICIES[c.policy],
             # The runners' shared code, resident once for all of them (raised if measured more)
             reserved={CPU: RUNNER_CODE_BYTES} if CPU in budgets else {},
-        )
-        self._tool_hold = c.tool_hold
-        self._load_timeout = c.load_timeout
-        self._queue_timeout = c.queue_timeout
+        )  # fmt: skip
+        self._tool_hold, self._load_timeout, self._queue_timeout = (
+            c.tool_hold, c.load_timeout, c.queue_timeout)  # fmt: skip
         self._devices = devices or []
         self._refresh = refresh
         self._recovery_timeout = c.recovery_timeout
@@ -265,6 +261,12 @@ class Scheduler:
         """What a runner was measured to hold on a GPU beyond llama.cpp's buffers, by the
         card's name (devices.gpu_context)."""
         return self._measure.learned_context
+
+    def drafter(self, model: str) -> str:  # auto's drafting (core/drafting, Measure.drafter)
+        return self._measure.drafter(model)
+
+    def no_drafts(self, model: str, why: str) -> None:  # ... turned off: Measure.no_drafts
+        self._measure.no_drafts(model, why)
 
     def listen(self, fn: Listener) -> Callable[[], None]:
         """Call fn with every journal event from now on; returns the function that stops it."""

@@ -10,10 +10,11 @@ from __future__ import annotations
 
 import math
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from corral.core.books import Core
 from corral.core.devices import CPU, Device
+from corral.core.drafting import Choice
 from corral.core.waits import Why, waits
 from corral.runtime.journal import Event
 from corral.runtime.measure import Measure, Record
@@ -93,6 +94,8 @@ class SchedulerView:
     closing: bool  # the server is shutting down
     # each request waiting: the queue in its order, then those waiting for room, per runner
     waiting: tuple[Waiting, ...] = ()
+    # model -> what `speculative = "auto"` chose for its drafting and why (models judged)
+    drafting: Mapping[str, Choice] = field(default_factory=dict)
 
 
 def snapshot(
@@ -185,4 +188,5 @@ def snapshot(
         disk_seconds_per_byte=measure.disk_spb,
         events=events,
         closing=closing,
+        drafting=dict(measure.drafting),
     )

@@ -319,14 +319,25 @@ function slotsCell(m) {
   return `<span class="slots">${pips}</span>${esc(r.in_use)} / ${esc(r.slots)}`;
 }
 
+// Speculative decoding: the share of drafted tokens the model accepted, and whether auto's
+// drafting is off for it (why, on hover)
+function draftsLine(m) {
+  const tk = m.tokens || {}, d = m.drafting;
+  const why = d ? ` title="${esc(d.why)}"` : "";
+  const off = d && !d.on ? "drafting off" : "";
+  const share = tk.drafted ? `drafts ${esc(Math.round((100 * tk.accepted) / tk.drafted))}% accepted` : "";
+  const text = [share, off].filter(Boolean).join(" · ");
+  return text ? `<div class="under drafts"${why}>${text}</div>` : "";
+}
+
 function tokensCell(m) {
   const t = m.tokens_per_second;
-  if (!t) return '<span class="faint">—</span>';
-  if (!t.generated && !t.prompt) return '<span class="faint">idle</span>';
+  if (!t) return `<span class="faint">—</span>${draftsLine(m)}`;
+  if (!t.generated && !t.prompt) return `<span class="faint">idle</span>${draftsLine(m)}`;
   // Generated tokens/s as corral relays them; each busy slot's when several are
   const slots = ((m.runner && m.runner.slot_tokens_per_second) || []).filter((x) => x > 0);
   const per = slots.length > 1 ? `<div class="under">${slots.map((x) => esc(rate(x))).join(" + ")}</div>` : "";
-  return `<span>${esc(rate(t.generated))}</span>${per}<div class="under">prompt ${esc(rate(t.prompt))}/s</div>`;
+  return `<span>${esc(rate(t.generated))}</span>${per}<div class="under">prompt ${esc(rate(t.prompt))}/s</div>${draftsLine(m)}`;
 }
 
 function actionCell(m) {

@@ -302,7 +302,9 @@ class Ollama:
                 "queued": view.queued.get(run.model, 0),
                 # of those in flight, the ones waiting for room in its shared context
                 "waiting_for_room": run.waiting_for_room,
-                "speculative": run.speculative,  # its drafter (models.toml), or "off"
+                "speculative": run.speculative,  # its drafter (models.toml, auto), or "off"
+                # why auto drafts or not (judged from the runner's counters: core/drafting)
+                **({"drafting": str(c)} if (c := view.drafting.get(run.model)) else {}),
                 # a generative model's embedding runner, beside the one that generates
                 "embedding": run.model != runner_model(run.model),
                 "num_parallel": run.slots, "pid": run.pid,

@@ -1,0 +1,160 @@
+"""`speculative = "auto"` (pure): whether llama.cpp's n-gram drafting pays on a model's runner,
+judged from the counters the runner keeps (its /metrics), and what auto chooses from that.
+
+A drafted token costs its verification: one more row in the runner's next batch, which every
+stream decoding in that step waits for (`busy` streams, each `batch_s` a row: the runner's own
+prompt speed). An accepted one saves its stream a decoding step (`step_s`). So drafting pays
+where the share of drafts accepted is above `busy * batch_s / step_s`: on a GPU, whose batch
+rows cost next to nothing, almost always; on a CPU, whose rows cost what a prompt token does
+(2 cores, SmolLM2: 3 ms a row against 10 ms a step), only where a third of the drafts or more
+are accepted; the more streams share the steps, the more a rejected draft costs them all.
+
+llama.cpp b11434 lets no request turn drafting off (server-schema.cpp keeps the fields under
+`#if 0`), so auto chooses per model and acts on its runner:
+- a model starts drafting (llama.cpp's ngram-mod: it drafts only where the context already holds
+  the text that follows, as an agent's edit of a file it was shown does, and costs nothing where
+  nothing repeats);
+- every `MIN_DRAFTED` drafted tokens the runner's window is judged (`verdict`); one that does not
+  pay turns the model's drafting off (the runner is restarted without it when it is idle,
+  runtime/measure) for `RETRY_S`, doubling up to `RETRY_MAX_S` while it keeps not paying;
+- after that, the model's next load drafts again and is judged again;
+- a request for logprobs turns it off the same way (llama.cpp gives accepted drafts no
+  probabilities: such a client would get made-up ones).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping
+from dataclasses import dataclass, replace
+
+DRAFTER = "ngram-mod"  # the drafter auto uses: needs no second model
+MIN_DRAFTED = 256  # drafted tokens a verdict needs (four or more drafts of ngram-mod's 48-64)
+# A drafted row costs more than a prompt token's share of a large batch (a verification batch
+# is small, and rejected drafts roll the slot back): calibrated on 2 cores with SmolLM2, whose
+# story lost 15% at 38% of its drafts accepted against a break-even of 31% without it.
+MARGIN = 1.5
+RETRY_S = 600.0  # how long drafting stays off for a model once it did not pay
+RETRY_MAX_S = 7200.0  # ... doubling each time it did not pay again, up to this
+
+
+@dataclass(frozen=True)
+class Counters:
+    """A runner's counters since it started (llama.cpp's /metrics), or what changed in them
+    between two reads (`now - before`)."""
+
+    prompt: int = 0  # prompt tokens evaluated
+    prompt_s: float = 0.0  # ... in seconds
+    generated: int = 0  # tokens generated (requests that ended)
+    generated_s: float = 0.0  # ... in seconds of their streams, summed
+    drafted: int = 0
+    accepted: int = 0
+    decodes: int = 0  # llama_decode calls
+    busy: float = 0.0  # slots busy at those calls, summed
+
+    @classmethod
+    def of(cls, found: Mapping[str, float]) -> Counters | None:
+        """From /metrics' values by name; None if it lacks the token counters."""
+        prompt = found.get("llamacpp:prompt_tokens_total")
+        generated = found.get("llamacpp:tokens_predicted_total")
+        if prompt is None or generated is None:
+            return None
+        decodes = found.get("llamacpp:n_decode_total", 0.0)
+        return cls(
+            int(prompt), found.get("llamacpp:prompt_seconds_total", 0.0),
+            int(generated), found.get("llamacpp:tokens_predicted_seconds_total", 0.0),
+            int(found.get("llamacpp:spec_decode_num_draft_tokens_total", 0)),
+            int(found.get("llamacpp:spec_decode_num_accepted_tokens_total", 0)),
+            int(decodes), found.get("llamacpp:n_busy_slots_per_decode", 0.0) * decodes,
+        )  # fmt: skip
+
+    def __sub__(self, o: Counters) -> Counters:
+        return Counters(
+            self.prompt - o.prompt, self.prompt_s - o.prompt_s,
+            self.generated - o.generated, self.generated_s - o.generated_s,
+            self.drafted - o.drafted, self.accepted - o.accepted,
+            self.decodes - o.decodes, self.busy - o.busy,
+        )  # fmt: skip
+
+    @property
+    def batch_s(self) -> float:
+        """Seconds a row of a batch costs: the prompt's evaluation per token (0: not known)."""
+        return self.prompt_s / self.prompt if self.prompt >= 64 else 0.0
+
+
+@dataclass(frozen=True)
+class Verdict:
+    """What drafting did on a runner over a window of its counters."""
+
+    drafted: int
+    accepted: int
+    busy: float  # streams decoding at once, on average
+    break_even: float  # the share of drafts accepted from which drafting pays (with MARGIN)
+    with_tps: float  # a stream's tokens/s, as measured (drafting)
+    without_tps: float  # ... estimated without drafting
+
+    @property
+    def acceptance(self) -> float:
+        return self.accepted / self.drafted if self.drafted else 0.0
+
+    @property
+    def pays(self) -> bool:
+        return self.acceptance >= self.break_even
+
+    def __str__(self) -> str:
+        return (
+            f"{self.accepted} of {self.drafted} drafted tokens accepted ({self.acceptance:.0%}; "
+            f"it pays from {self.break_even:.0%} here), {self.with_tps:.1f} tokens/s a stream "
+            f"against {self.without_tps:.1f} estimated without"
+        )
+
+
+def verdict(window: Counters, batch_s: float) -> Verdict | None:
+    """Whether drafting paid over `window` (None: too few drafts to say). `batch_s`: what a
+    batch row costs on this runner (Counters.batch_s of its whole life)."""
+    w = window
+    if w.drafted < MIN_DRAFTED or w.generated <= w.accepted or w.generated_s <= 0 or batch_s <= 0:
+        return None
+    busy = max(1.0, w.busy / w.decodes) if w.decodes > 0 else 1.0
+    cost = busy * batch_s  # stream-seconds a drafted token costs
+    # generated_s = (steps taken) * step_s + drafted * cost, one step per token not accepted
+    step_s = max((w.generated_s - w.drafted * cost) / (w.generated - w.accepted), batch_s)
+    return Verdict(
+        w.drafted, w.accepted, busy, min(1.0, MARGIN * cost / step_s),
+        w.generated / w.generated_s, 1.0 / step_s,
+    )  # fmt: skip
+
+
+@dataclass(frozen=True)
+class Choice:
+    """What auto chose for a model's drafting, and why."""
+
+    on: bool = True
+    why: str = "not measured yet"
+    retry_at: float = -math.inf  # while off: when its next load drafts again
+    backoff: float = RETRY_S  # how long the next turn off lasts
+    last: Verdict | None = None
+
+    def __str__(self) -> str:
+        return f"{'on' if self.on else 'off'}: {self.why}"
+
+    def drafter(self, now: float) -> str:
+        """The drafter a runner loaded now starts with."""
+        return DRAFTER if self.on or now >= self.retry_at else "off"
+
+    def judged(self, v: Verdict, now: float) -> Choice:
+        if v.pays:
+            return Choice(True, f"pays: {v}", last=v)
+        return self.off(f"does not pay: {v}", now, v)
+
+    def off(self, why: str, now: float, v: Verdict | None = None) -> Choice:
+        """Off for its backoff (from now), the next one twice as long."""
+        if not self.on and now < self.retry_at:  # off already: the reason stays the first
+            return self
+        return Choice(
+            False, why, now + self.backoff, min(2 * self.backoff, RETRY_MAX_S), v or self.last
+        )
+
+    def trying(self) -> Choice:
+        """A runner drafts again after the backoff: judged again from its first window."""
+        return replace(self, on=True, why="trying again: not measured since")

@@ -1,0 +1,171 @@
+"""`speculative = "auto"` decides from measurement (core/drafting): a window of a runner's
+counters says whether drafting paid, the model's choice follows it (off for a while, back on at
+a later load), and a runner that drafts when its model should not is restarted once idle."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+
+from corral.core.books import Core
+from corral.core.drafting import (
+    DRAFTER,
+    MIN_DRAFTED,
+    RETRY_MAX_S,
+    RETRY_S,
+    Choice,
+    Counters,
+    verdict,
+)
+from corral.core.requests import Grant, Load, Request, Stop
+from corral.core.spec import RunnerSpec
+
+# 2 cores, SmolLM2: a prompt token costs ~3 ms in a large batch, a decoding step ~10 ms
+BATCH_S = 1 / 320
+
+
+def window(generated: int, drafted: int, accepted: int, step_s: float = 0.010,
+           busy: float = 1.0) -> Counters:  # fmt: skip
+    """A window in which each step not saved took `step_s` and each draft its rows, `busy`
+    streams decoding at once."""
+    seconds = (generated - accepted) * step_s + drafted * busy * BATCH_S
+    return Counters(generated=generated, generated_s=seconds, drafted=drafted,
+                    accepted=accepted, decodes=100, busy=100 * busy)  # fmt: skip
+
+
+def test_counters_come_from_llama_cpps_metrics() -> None:
+    found = {
+        "llamacpp:prompt_tokens_total": 640.0, "llamacpp:prompt_seconds_total": 2.0,
+        "llamacpp:tokens_predicted_total": 300.0, "llamacpp:tokens_predicted_seconds_total": 3.0,
+        "llamacpp:spec_decode_num_draft_tokens_total": 128.0,
+        "llamacpp:spec_decode_num_accepted_tokens_total": 100.0,
+        "llamacpp:n_decode_total": 50.0, "llamacpp:n_busy_slots_per_decode": 2.0,
+    }  # fmt: skip
+    c = Counters.of(found)
+    assert c == Counters(640, 2.0, 300, 3.0, 128, 100, 50, 100.0)
+    assert c.batch_s == pytest.approx(2.0 / 640)
+    assert (c - Counters(prompt=40, prompt_s=1.0)).prompt == 600
+    assert Counters.of({}) is None  # a runner started without metrics says nothing
+    assert Counters(prompt=10, prompt_s=1.0).batch_s == 0.0  # too few prompt tokens to say
+
+
+def test_an_edit_pays_and_a_story_that_repeats_a_little_does_not() -> None:
+    edit = verdict(window(1500, 1200, 1190), BATCH_S)
+    assert edit is not None and edit.pays and edit.acceptance > 0.99
+    # the step estimated without drafting is the one the window was built with
+    assert edit.without_tps == pytest.approx(100.0, rel=0.35)
+    assert edit.with_tps > edit.without_tps
+    # what the bench measured: 38% of a story's drafts accepted lost 15% on 2 cores
+    story = verdict(window(300, 300, 114), BATCH_S)
+    assert story is not None and not story.pays
+    assert 0.31 < story.break_even < 0.6 and "114 of 300" in str(story)
+    assert verdict(window(300, MIN_DRAFTED - 1, 0), BATCH_S) is None  # too few drafts to say
+    assert verdict(window(300, 300, 114), 0.0) is None  # the batch's cost is not known yet
+
+
+def test_drafts_cost_more_where_more_streams_share_the_steps_and_little_on_a_gpu() -> None:
+    alone = verdict(window(1000, 400, 160), BATCH_S)
+    crowded = verdict(window(1000, 400, 160, step_s=0.012, busy=8), BATCH_S)
+    assert alone is not None and crowded is not None
+    assert crowded.busy == 8 and crowded.break_even > alone.break_even
+    # a GPU's batch rows cost next to nothing against a step: a third accepted pays well
+    gpu = verdict(window(1000, 600, 200, step_s=0.004), 1 / 20000)
+    assert gpu is not None and gpu.pays and gpu.break_even < 0.05
+
+
+def test_the_choice_turns_off_for_a_while_doubling_and_back_on_at_a_later_load() -> None:
+    bad = verdict(window(300, 300, 30), BATCH_S)
+    good = verdict(window(1500, 1200, 1190), BATCH_S)
+    assert bad is not None and good is not None
+    c = Choice()
+    assert c.on and c.drafter(0.0) == DRAFTER  # a model drafts until it is judged
+    c = c.judged(bad, 100.0)
+    assert not c.on and c.drafter(100.0) == "off" and c.retry_at == 100.0 + RETRY_S
+    assert c.drafter(100.0 + RETRY_S) == DRAFTER  # its next load after the while drafts again
+    assert str(c).startswith("off: does not pay: 30 of 300")
+    c = c.trying().judged(bad, 100.0 + RETRY_S)
+    assert not c.on and c.retry_at == 100.0 + 3 * RETRY_S  # twice as long this time
+    for _ in range(10):
+        c = c.trying().judged(bad, 0.0)
+    assert c.backoff == RETRY_MAX_S  # ... up to the most
+    c = c.trying().judged(good, 0.0)
+    assert c.on and c.backoff == RETRY_S and c.last == good and "pays" in str(c)
+
+
+def test_logprobs_turn_it_off_and_a_second_reason_does_not_extend_the_while() -> None:
+    c = Choice().off("a client asked for logprobs", 10.0)
+    assert not c.on and c.why == "a client asked for logprobs" and c.retry_at == 10 + RETRY_S
+    again = c.off("a client asked for logprobs", 20.0)
+    assert again is c
+
+
+def _request(rid: int, now: float) -> Request:
+    spec = RunnerSpec("/m/a.gguf", 1024, 1, speculative=DRAFTER, speculative_auto=True)
+    return Request(id=rid, model="a", spec=spec, explicit=frozenset(), size=100,
+                   keep_alive=None, arrived=now, deadline=math.inf)  # fmt: skip
+
+
+def test_a_runner_restarts_only_once_idle_with_nothing_waiting() -> None:
+    core = Core(budgets={"cpu": 10**9})
+    core.request(_request(1, 0.0), 0.0)
+    (load,) = [a for a in core.drain() if isinstance(a, Load)]
+    core.loaded(load.runner, 1.0)
+    assert any(isinstance(a, Grant) for a in core.drain())
+    assert not core.restart(load.runner, "drafting off", 2.0)  # it serves request 1
+    core.request(_request(2, 2.0), 2.0)  # one slot: request 2 waits for it
+    core.release(1, 3.0)
+    assert any(isinstance(a, Grant) and a.request == 2 for a in core.drain())
+    core.request(_request(3, 3.0), 3.0)
+    core.release(2, 4.0)
+    core.drain()
+    assert not core.restart(load.runner, "drafting off", 4.0)  # request 3 has it now
+    core.release(3, 5.0)
+    core.drain()
+    assert core.restart(load.runner, "drafting off", 5.0)
+    (stop,) = core.drain()
+    assert isinstance(stop, Stop) and stop.kind == "options_change" and "drafting" in stop.reason
+    assert not core.restart(load.runner, "drafting off", 6.0)  # stopping already
+
+
+async def test_a_runner_judged_not_to_pay_is_restarted_without_drafting_once_idle() -> None:
+    """The measure reads a drafting runner's counters; a window that does not pay turns its
+    model's drafting off and the idle runner is stopped (its next load does not draft)."""
+    from types import SimpleNamespace
+
+    from corral.runtime.journal import Journal
+    from corral.runtime.measure import Measure, Record
+
+    now = [0.0]
+    core = Core(budgets={"cpu": 10**9})
+    core.request(_request(1, 0.0), 0.0)
+    (load,) = [a for a in core.drain() if isinstance(a, Load)]
+    core.loaded(load.runner, 1.0)
+    core.release(1, 1.5)
+    core.drain()
+    reads = iter([
+        Counters(prompt=640, prompt_s=2.0),  # the prompt read: 3.1 ms a row
+        Counters(640, 2.0, 300, 2.8, 300, 30, 100, 100.0),  # 10% of the drafts accepted
+    ])  # fmt: skip
+
+    class API:
+        async def token_counts(self) -> Counters:
+            return next(reads)
+
+    runner = SimpleNamespace(name="a", spec=load.spec, api=API())
+    rec = Record(runner=runner)  # type: ignore[arg-type]
+    measure = Measure(
+        core, {load.runner: rec}, Journal(), devices=[], refresh=None, margin=0,
+        interval=math.inf, read_ahead=False, clock=lambda: now[0], apply=lambda: None,
+        spawn=lambda c: c.close(),
+    )  # fmt: skip
+    assert measure.drafter("a") == DRAFTER
+    await measure.count_tokens(rec)
+    assert "a" not in measure.drafting  # too few drafts to say
+    await measure.count_tokens(rec)  # the request ended: 300 drafted tokens
+    assert measure.drafter("a") == "off" and str(measure.drafting["a"]).startswith("off: does")
+    (stop,) = [a for a in core.drain() if isinstance(a, Stop)]  # served nothing: stopped
+    assert stop.runner == load.runner and stop.kind == "options_change"
+    assert measure.tokens["a"] == [640, 300, 300, 30]  # the counts the dashboard adds up
+    now[0] = RETRY_S
+    assert measure.drafter("a") == DRAFTER  # a load after the while drafts again
