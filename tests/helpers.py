@@ -1,6 +1,7 @@
 """Test-only helpers, kept out of the product: fake device sets (what the placement and
-scheduler tests run on instead of this machine's devices), the allocation in a whole runner
-log, a runner held still before its load. Imported from the tests directory (`from helpers
+scheduler tests run on instead of this machine's devices), the scheduler's answers to the
+admission where a test has none, the allocation in a whole runner log, a runner held still
+before its load. Imported from the tests directory (`from helpers
 import ...`)."""
 
 from __future__ import annotations
@@ -15,6 +16,22 @@ from typing import Any
 from corral.core.devices import CPU, Device
 from corral.core.memreport import Allocation, AllocationParser
 from corral.core.units import ConfigError, parse_size
+
+
+class NothingLearned:
+    """What the admission asks the scheduler, where a test gives it none: no GPU context
+    measured yet, and auto's drafting as `drafter` (off: the sizes of runners that draft are
+    tests/test_speculative's)."""
+
+    def __init__(self, drafter: str = "off") -> None:
+        self._drafter = drafter
+
+    def gpu_contexts(self) -> dict[str, int]:
+        return {}
+
+    def drafter(self, model: str) -> str:
+        return self._drafter
+
 
 LIBRARIES = ("cpu", "cuda", "rocm")
 _FAKE_ENTRY = re.compile(r"^\s*(cpu|cuda|rocm)\s*=\s*([^/]+?)\s*(?:/\s*(.+?)\s*)?$", re.I)

@@ -9,6 +9,7 @@ from typing import Any
 
 import orjson
 import pytest
+from helpers import NothingLearned
 
 from corral.api.service import Service
 from corral.config import Settings
@@ -115,6 +116,7 @@ def size(r: Resolved, n_ctx: int) -> int:
 
 
 def auto_service(sched: Any = None) -> Service:
+    sched = sched if sched is not None else NothingLearned()
     settings = Settings.load(environ={"CORRAL_NUM_PARALLEL": "1"})
     assert settings.context_length is None  # auto is the default
     devices = [Device(CPU, "cpu", -1, "cpu", 64 * GIB, 64 * GIB)]
@@ -288,13 +290,6 @@ def test_the_output_a_request_asks_for_is_read_from_any_family_s_field() -> None
 
 
 # ---- a GPU's slots ------------------------------------------------------------------------------
-
-
-class NothingLearned:
-    """The scheduler's one answer the admission asks for here: no GPU context measured yet."""
-
-    def gpu_contexts(self) -> dict[str, int]:
-        return {}
 
 
 def gpu_load(r: Resolved, gpu: int) -> Load:

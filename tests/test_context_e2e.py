@@ -14,6 +14,7 @@ from typing import Any
 import httpx
 import pytest
 
+from corral.core.drafting import DRAFTER
 from corral.core.estimate import RUNNER_CODE_BYTES
 from corral.core.gguf import read_model_info
 from corral.core.spec import RunnerSpec, spec_estimate
@@ -149,7 +150,8 @@ def test_auto_gives_a_smaller_context_with_less_memory_but_never_below_the_floor
     info = read_model_info(models_dir / "long.gguf")
 
     def size(n_ctx: int) -> int:
-        est = spec_estimate(info, RunnerSpec(str(models_dir / "long.gguf"), n_ctx, 1))
+        spec = RunnerSpec(str(models_dir / "long.gguf"), n_ctx, 1, speculative=DRAFTER)
+        est = spec_estimate(info, spec)  # the model's defaults: auto's drafter, not judged yet
         return est.total + est.process
 
     limit = RUNNER_CODE_BYTES + (size(8192) + size(16384)) // 2

@@ -79,10 +79,9 @@ def test_the_choice_turns_off_for_a_while_doubling_and_back_on_at_a_later_load()
     good = verdict(window(1500, 1200, 1190), BATCH_S)
     assert bad is not None and good is not None
     c = Choice()
-    assert c.on and c.drafter(0.0) == DRAFTER  # a model drafts until it is judged
+    assert c.on and c.why == "not measured yet"  # a model drafts until it is judged
     c = c.judged(bad, 100.0)
-    assert not c.on and c.drafter(100.0) == "off" and c.retry_at == 100.0 + RETRY_S
-    assert c.drafter(100.0 + RETRY_S) == DRAFTER  # its next load after the while drafts again
+    assert not c.on and c.retry_at == 100.0 + RETRY_S  # its next load after the while drafts
     assert str(c).startswith("off: does not pay: 30 of 300")
     c = c.trying().judged(bad, 100.0 + RETRY_S)
     assert not c.on and c.retry_at == 100.0 + 3 * RETRY_S  # twice as long this time
@@ -159,13 +158,12 @@ async def test_a_runner_judged_not_to_pay_is_restarted_without_drafting_once_idl
         interval=math.inf, read_ahead=False, clock=lambda: now[0], apply=lambda: None,
         spawn=lambda c: c.close(),
     )  # fmt: skip
-    assert measure.drafter("a") == DRAFTER
+    assert measure.drafts_off == {}  # drafting until judged
     await measure.count_tokens(rec)
     assert "a" not in measure.drafting  # too few drafts to say
     await measure.count_tokens(rec)  # the request ended: 300 drafted tokens
-    assert measure.drafter("a") == "off" and str(measure.drafting["a"]).startswith("off: does")
+    assert measure.drafts_off == {"a": RETRY_S}  # its loads do not draft for a while
+    assert str(measure.drafting["a"]).startswith("off: does not pay")
     (stop,) = [a for a in core.drain() if isinstance(a, Stop)]  # served nothing: stopped
     assert stop.runner == load.runner and stop.kind == "options_change"
     assert measure.tokens["a"] == [640, 300, 300, 30]  # the counts the dashboard adds up
-    now[0] = RETRY_S
-    assert measure.drafter("a") == DRAFTER  # a load after the while drafts again

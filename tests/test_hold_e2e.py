@@ -17,6 +17,7 @@ import orjson
 import pytest
 from scripted import Script, write_scripted_model
 
+from corral.core.drafting import DRAFTER
 from corral.core.estimate import RUNNER_CODE_BYTES
 from corral.core.gguf import read_model_info
 from corral.core.spec import RunnerSpec, spec_estimate
@@ -40,7 +41,8 @@ def server(start_server: Any, tmp_path_factory: pytest.TempPathFactory) -> Corra
     for m in ("x", "y", "z"):
         write_scripted_model(models / f"{m}.gguf", "qwen2.5", Script(call=CALL))
     path = models / "x.gguf"
-    est = spec_estimate(read_model_info(path), RunnerSpec(str(path), CTX, 1))
+    # a runner of the model's defaults: auto's drafter until it is judged
+    est = spec_estimate(read_model_info(path), RunnerSpec(str(path), CTX, 1, speculative=DRAFTER))
     one = est.total + est.process
     # Two runners fit (their real allocations may be up to ~10% under the estimate, or
     # measured a little over it), three never do.

@@ -152,7 +152,7 @@ def test_disconnect_mid_stream_frees_the_slot_at_once(short_keepalive) -> None:
             next(lines)
             ps = loaded(s)["long:latest"]
             assert ps["requests_in_flight"] == 1 and ps["queued"] == 0
-            assert ps["waiting_for_room"] == 0 and ps["speculative"] == "off"
+            assert ps["waiting_for_room"] == 0 and ps["speculative"] == "ngram-mod"
     s.wait_for(
         lambda: loaded(s)["long:latest"]["requests_in_flight"] == 0,
         timeout=5,

@@ -9,6 +9,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from helpers import NothingLearned
 
 from corral.api.service import Resolved, Service
 from corral.config import Settings
@@ -95,7 +96,9 @@ def test_flash_attn_true_means_on(tmp_path: Path) -> None:
 
 
 def service() -> Service:
-    return Service(Settings.load(environ={}), None, None, [], RunnerClient())  # type: ignore[arg-type]
+    return Service(
+        Settings.load(environ={}), None, NothingLearned(), [], RunnerClient()  # type: ignore[arg-type]
+    )
 
 
 def resolved(path: Path, **entry: Any) -> Resolved:

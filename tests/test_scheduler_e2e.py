@@ -703,10 +703,13 @@ def test_model_that_can_never_fit_fails_at_once_with_507(serve, sizes: Sizes) ->
     units = {"MiB": MiB, "GiB": 2**30, "MB": 10**6, "GB": 10**9}
     named = [float(n) * units[u] for n, u in re.findall(r"(\d+(?:\.\d+)?) ?(MiB|GiB|MB|GB)\b", msg)]
 
-    def names(n: int) -> bool:
-        return any(abs(x - n) <= max(n * 0.01, 1 * MiB) for x in named)
+    def names(n: int, high: float = 0.0) -> bool:
+        """Whether the message names n, or up to `high` more of it."""
+        return any(-max(n * 0.01, MiB) <= x - n <= max(n * (0.01 + high), MiB) for x in named)
 
-    assert names(booked["c"]) and names(limit), f"sizes not named in: {msg}"
+    # c's estimate, which may err high of what its runner was measured to hold once loaded
+    # (booked): a drafter's table, its rows for drafts
+    assert names(booked["c"], high=0.1) and names(limit), f"sizes not named in: {msg}"
     assert loads_of(s, "c") == 0
     assert gen(s, "a").status_code == 200  # other models keep working
     assert gen(s, "c").status_code == 507

@@ -10,9 +10,11 @@ import dataclasses
 from pathlib import Path
 
 import pytest
+from helpers import NothingLearned
 
 from corral.bench.speculative import EDIT  # an agent's edit: a file it was shown, changed
 from corral.config import Settings
+from corral.core.drafting import DRAFTER
 from corral.core.estimate import estimate
 from corral.core.gguf import read_model_info
 from corral.core.spec import GPU_PARALLEL, RunnerSpec, runner_spec
@@ -93,15 +95,8 @@ def test_a_gpus_many_slots_draft_only_if_the_model_asks(tmp_path: Path) -> None:
     devices = [Device(CPU, "cpu", -1, "cpu", 64 * 2**30, 64 * 2**30),
                Device("cuda:0", "cuda", 0, "GPU", 80 * 2**30, 80 * 2**30)]  # fmt: skip
 
-    class NothingLearned:
-        def gpu_contexts(self) -> dict[str, int]:
-            return {}
-
-        def drafter(self, model: str) -> str:
-            return "ngram-mod"
-
     svc = Service(
-        Settings.load(environ={}), None, NothingLearned(), devices, None  # type: ignore[arg-type]
+        Settings.load(environ={}), None, NothingLearned(DRAFTER), devices, None  # type: ignore[arg-type]
     )
     for options, wide in (({}, "off"), ({"speculative": "ngram-mod"}, "ngram-mod")):
         entry = ModelEntry("m", path, options=options)

@@ -50,6 +50,12 @@ def stall_server(
         d / "slow.gguf", n_layer=16, n_embd=512, n_head=8, n_head_kv=8, n_ff=1024,
         context_length=32768, seed=5,
     )  # fmt: skip
+    # No drafting: a random model's loops, drafted whole, would end an answer before the test
+    # freezes its runner mid-stream
+    (d / "models.toml").write_text(
+        '[models.long]\nfile = "long.gguf"\nspeculative = "off"\n'
+        '[models.slow]\nfile = "slow.gguf"\nspeculative = "off"\n'
+    )
     return start_server(
         d,
         CORRAL_RUNNER_STALL_TIMEOUT=f"{STALL:g}s",

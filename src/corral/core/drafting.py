@@ -138,10 +138,6 @@ class Choice:
     def __str__(self) -> str:
         return f"{'on' if self.on else 'off'}: {self.why}"
 
-    def drafter(self, now: float) -> str:
-        """The drafter a runner loaded now starts with."""
-        return DRAFTER if self.on or now >= self.retry_at else "off"
-
     def judged(self, v: Verdict, now: float) -> Choice:
         if v.pays:
             return Choice(True, f"pays: {v}", last=v)

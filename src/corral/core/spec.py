@@ -12,7 +12,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 
 from corral.core.context import AUTO_FLOOR
 from corral.core.drafting import DRAFTER
-from corral.core.estimate import Estimate, estimate
+from corral.core.estimate import DRAFT_TOKENS, N_BATCH, Estimate, estimate
 from corral.core.gotemplate import is_jinja, to_jinja
 from corral.core.options import CLAMPED, OPTIONS, SHAPING
 
@@ -205,6 +205,11 @@ def runner_spec(
     # Only a model with experts has any to keep in system memory (no reload for nothing).
     moe_layers = info.n_layer if info.expert_bytes else 0
     spec["n_cpu_moe"] = max(0, min(spec["n_cpu_moe"], moe_layers))
+    # llama.cpp cannot verify drafts that a batch splits (#24840): auto drafts only where one
+    # batch holds every slot's (n_batch: llama.cpp's 2048 unless set)
+    rows = spec["num_parallel"] * (1 + DRAFT_TOKENS.get(spec["speculative"], 0))
+    if spec["speculative_auto"] and (spec.get("n_batch") or N_BATCH) < rows:
+        spec["speculative"] = "off"
     return RunnerSpec(**spec), frozenset(explicit)
 
 

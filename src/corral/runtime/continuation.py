@@ -28,7 +28,7 @@ import orjson
 from corral.errors import ApiError
 from corral.runtime.affinity import GENERATION_PATHS
 from corral.runtime.meter import ROLE_EVENT, token_events
-from corral.runtime.runner_errors import CACHE_FULL
+from corral.runtime.runner_errors import is_cache_full
 
 log = logging.getLogger(__name__)
 
@@ -149,12 +149,12 @@ def continued(path: str, payload: dict[str, Any], text: str, tokens: int) -> dic
 
 def cache_full_at(data: bytes) -> int:
     """Where in `data` (a stream's bytes) llama.cpp's "Context size has been exceeded" event
-    starts; -1 if it holds none."""
-    if b"exceeded" not in data:  # the common case: one scan
+    (runner_errors.is_cache_full) starts; -1 if it holds none."""
+    if b"exceeded" not in data and b"sub-batch" not in data:  # the common case: two scans
         return -1
     for head in (b'\ndata: {"error"', b"\nerror: "):
         i = (b"\n" + data).find(head)
-        if i >= 0 and CACHE_FULL in data[i:].decode(errors="replace").lower():
+        if i >= 0 and is_cache_full(data[i:].decode(errors="replace")):
             return i
     return -1
 

@@ -47,7 +47,7 @@ from corral.runtime.kvcache import KVCache
 from corral.runtime.meter import Tally
 from corral.runtime.runner import Runner
 from corral.runtime.runner_api import UPSTREAM_ERRORS, RunnerAPI, RunnerStream
-from corral.runtime.runner_errors import CACHE_FULL, CacheFull, stream_error
+from corral.runtime.runner_errors import CacheFull, is_cache_full, stream_error
 from corral.runtime.slotcopy import SlotCopier
 
 if TYPE_CHECKING:
@@ -335,7 +335,7 @@ class RunnerClient:
             except UPSTREAM_ERRORS:
                 first = b""  # the relay reports it, as for any stream cut short
             error = stream_error(first)
-            if error is not None and CACHE_FULL in error.lower():
+            if error is not None and is_cache_full(error):
                 stream.close()
                 raise CacheFull(error)
         return stream

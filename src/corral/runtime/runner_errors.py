@@ -24,8 +24,16 @@ OUT_OF_MEMORY = re.compile(
 )
 
 # llama.cpp's answer to a batch that no longer finds room in the KV cache (update_slots), sent
-# to every slot then processing.
+# to every slot then processing; and, where slots draft (speculative decoding), what it throws
+# for a slot whose drafts the retry in halves splits (llama.cpp #24840: the same full cache)
 CACHE_FULL = "context size has been exceeded"
+CACHE_FULL_SPLIT = "is not inside the current sub-batch"
+
+
+def is_cache_full(message: str) -> bool:
+    """Whether llama.cpp's error message says the slots' shared cache is full."""
+    low = message.lower()
+    return CACHE_FULL in low or CACHE_FULL_SPLIT in low
 
 
 def runner_error_message(body: bytes, status: int) -> str:
@@ -52,7 +60,7 @@ def stream_error(out: bytes) -> str | None:
 def stream_failure(message: str) -> ApiError:
     """llama.cpp's error that ended a stream, as the client's: a full shared cache is a 503
     (clients retry it: Anthropic's overloaded_error), anything else the runner's 500."""
-    return CacheFull(message) if CACHE_FULL in message.lower() else ApiError(500, message)
+    return CacheFull(message) if is_cache_full(message) else ApiError(500, message)
 
 
 class CacheFull(ApiError):
@@ -112,7 +120,7 @@ def runner_error(body: bytes, status: int) -> ApiError:
     """A runner's non-200 answer as the client's error: llama.cpp's refusals of the request
     itself are 4xx (never 500), with llama.cpp's message."""
     msg, kind, err = _runner_error(body, status)
-    if CACHE_FULL in msg.lower():
+    if is_cache_full(msg):
         return CacheFull(msg)
     if kind == "exceed_context_size_error":
         tokens, n_ctx = err.get("n_prompt_tokens"), err.get("n_ctx")

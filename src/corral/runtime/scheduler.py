@@ -29,6 +29,7 @@ from typing import Any, Protocol
 from corral.config import Settings
 from corral.core.books import Core
 from corral.core.devices import CPU, GPU_HOST_BYTES, Device
+from corral.core.drafting import DRAFTER
 from corral.core.estimate import RUNNER_CODE_BYTES
 from corral.core.policy import DEFAULT_POLICY, POLICIES
 from corral.core.requests import (
@@ -199,8 +200,7 @@ class Scheduler:
             arrived=now, deadline=now + self._queue_timeout, pinned=pinned, priority=priority,
             place=place, process=process,
         ).offering(smaller)  # fmt: skip
-        # A model that ran out of memory before asks for more room this time.
-        req = req.scaled(self._measure.raised.get(model, 1.0))
+        req = req.scaled(self._measure.raised.get(model, 1.0))  # more room after running out
         try:
             self._core.request(req, now)
         except QueueFull as e:
@@ -262,8 +262,8 @@ class Scheduler:
         card's name (devices.gpu_context)."""
         return self._measure.learned_context
 
-    def drafter(self, model: str) -> str:  # auto's drafting (core/drafting, Measure.drafter)
-        return self._measure.drafter(model)
+    def drafter(self, model: str) -> str:  # auto's drafting now (Measure.drafts_off: why)
+        return "off" if self._measure.drafts_off.get(model, -1.0) > self._clock() else DRAFTER
 
     def no_drafts(self, model: str, why: str) -> None:  # ... turned off: Measure.no_drafts
         self._measure.no_drafts(model, why)
