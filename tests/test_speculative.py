@@ -186,3 +186,5 @@ def test_auto_drafts_until_a_client_asks_for_logprobs(auto) -> None:  # type: ig
     assert auto.ps()[0]["pid"] == run["pid"]
     metrics = c.get("/metrics").text
     assert 'corral_drafting{model="smol:latest"} 0.0' in metrics
+    (item,) = [m for m in c.get("/api/corral/state").json()["models"] if m["name"] == "smol:latest"]
+    assert item["drafting"] == {"on": False, "why": "a client asked for logprobs"}
