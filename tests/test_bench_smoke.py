@@ -357,23 +357,47 @@ def test_smoke_run_of_the_embed_section(tmp_path: Path) -> None:
 
 
 def test_speculative_tables_pair_each_round_and_compare_the_answers() -> None:
-    from corral.bench.speculative import CASES, Run, tables
+    from corral.bench.speculative import CASES, EDITED, Run, tables
 
-    def side(rate: float, drafted: int, answer: str) -> dict[str, Run]:
-        return {f"{c}@{n}": Run(1.0, int(rate), drafted, drafted // 2, [answer] * n)
-                for c, _, n in CASES}  # fmt: skip
+    def side(rate: float, drafted: int, answer: str, chose: str = "") -> dict[str, Run]:
+        why = "no gain measured" if chose == "off" else None
+        return {c.key: Run(1.0, int(rate), drafted, drafted // 2, [answer] * c.clients,
+                           speculative=chose, drafting=why)
+                for c in CASES}  # fmt: skip
 
     runs = {
-        "corral": [side(160, 100, "a"), side(150, 90, "a")],
-        "corral, speculative off": [side(100, 0, "a"), side(100, 0, "a")],
+        "corral": [side(160, 100, "a", "off"), side(150, 90, EDITED, "ngram-mod")],
+        "corral, speculative off": [side(100, 0, "a"), side(100, 0, EDITED)],
         "llama-server": [side(100, 0, "b"), side(75, 0, "b")],
     }
     sec = Section("speculative", "t")
-    tables(sec, runs, 300)
-    cases = sec.data["cases"]
+    tables(sec, "SmolLM2-135M", runs, smoke=False)
+    cases = sec.data["models"]["SmolLM2-135M"]["cases"]
     assert cases["edit@1"]["vs_llama_server"] == (1.6 + 2.0) / 2  # each round's own ratio
     assert cases["edit@1"]["vs_off"] == (1.6 + 1.5) / 2
     assert cases["edit@1"]["drafted"] == 190 and cases["edit@1"]["same_answer"] is True
+    # what auto chose: every round's in the data, the last round's in the table
+    assert cases["story@1"]["speculative"] == ["off", "ngram-mod"]
+    assert cases["story@1"]["drafting"] == ["no gain measured", None]
     assert [g.met for g in sec.goals] == [True, True, True, True]
+    assert all(g.goal.startswith("SmolLM2-135M, ") for g in sec.goals)
     (t,) = sec.tables
-    assert len(t.rows) == len(CASES) and t.rows[0][-1] == "yes"
+    assert len(t.rows) == len(CASES)
+    col = {h: [row[i] for row in t.rows] for i, h in enumerate(t.headers)}
+    assert col["case"] == ["edit", "search/replace", "story", "edit", "edit"]
+    assert col["clients"] == ["1", "1", "1", "4", "8"]
+    assert col["up to"] == ["2048", "2048", "300", "300", "300"]
+    assert col["auto chose"] == ["ngram-mod"] * len(CASES)
+    assert col["same answer"] == ["yes"] * len(CASES)
+    # the last round's answers checked where the whole change was asked for
+    assert col["usable answer"] == ["yes", "no", "-", "-", "-"]
+    assert cases["edit@1"]["usable"]["llama-server"] == [False]
+    # no side did the search/replace: a note says so
+    assert any("search/replace@1" in n for n in sec.notes)
+
+    first = {s: r[:1] for s, r in runs.items()}
+    sec = Section("speculative", "t")
+    tables(sec, "SmolLM2-135M", first, smoke=True)
+    (t,) = sec.tables
+    assert t.rows[0][t.headers.index("auto chose")] == "off: no gain measured"
+    assert "up to 16 tokens" in t.title and not sec.notes  # smoke: nothing checked

