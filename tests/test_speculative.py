@@ -162,12 +162,13 @@ def test_auto_drafts_until_a_client_asks_for_logprobs(auto) -> None:  # type: ig
     c = auto.client
     body = {"model": "smol", "messages": [{"role": "user", "content": EDIT}],
             "max_tokens": 120, "temperature": 0}  # fmt: skip
-    r = c.post("/v1/chat/completions", json=body)
+    r = c.post("/v1/chat/completions", json=body, timeout=300)
     assert r.status_code == 200, r.text
     assert r.json()["timings"]["draft_n_accepted"] > 0  # it drafted the file from the prompt
     (run,) = auto.ps()
     assert run["speculative"] == "ngram-mod" and "drafting" not in run  # not judged yet
-    r = c.post("/v1/chat/completions", json={**body, "logprobs": True, "top_logprobs": 2})
+    r = c.post("/v1/chat/completions", json={**body, "logprobs": True, "top_logprobs": 2},
+               timeout=300)
     assert r.status_code == 200, r.text
     entries = r.json()["choices"][0]["logprobs"]["content"]
     assert len(entries) == r.json()["usage"]["completion_tokens"]
@@ -181,7 +182,7 @@ def test_auto_drafts_until_a_client_asks_for_logprobs(auto) -> None:  # type: ig
         "smol:latest: no drafting (auto, off: a client asked for logprobs)"
     ]
     # the model's next requests keep that runner: no reload back and forth
-    r = c.post("/v1/chat/completions", json=body)
+    r = c.post("/v1/chat/completions", json=body, timeout=300)
     assert r.status_code == 200 and r.json()["timings"].get("draft_n", 0) == 0
     assert auto.ps()[0]["pid"] == run["pid"]
     metrics = c.get("/metrics").text
