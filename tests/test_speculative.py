@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 from helpers import NothingLearned
 
-from corral.bench.speculative import EDIT  # an agent's edit: a file it was shown, changed
+from corral.bench.speculative import FILE, edit
 from corral.config import Settings
 from corral.core.drafting import DRAFTER
 from corral.core.estimate import estimate
@@ -21,6 +21,8 @@ from corral.core.spec import GPU_PARALLEL, RunnerSpec, runner_spec
 from corral.runtime.registry import ModelEntry, Registry, smollm2_path
 from corral.runtime.runner import Runner
 from corral.testing import synth
+
+EDIT = edit(FILE, 0)[0][1]  # an agent's edit: a file it was shown, changed
 
 
 def spec_of(entry: ModelEntry, drafter: str = "ngram-mod") -> RunnerSpec:
