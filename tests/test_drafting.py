@@ -158,11 +158,12 @@ async def test_a_runner_judged_not_to_pay_is_restarted_without_drafting_once_idl
         interval=math.inf, read_ahead=False, clock=lambda: now[0], apply=lambda: None,
         spawn=lambda c: c.close(),
     )  # fmt: skip
-    assert measure.drafts_off == {}  # drafting until judged
+    assert measure.drafting == {}  # drafting until judged
     await measure.count_tokens(rec)
     assert "a" not in measure.drafting  # too few drafts to say
     await measure.count_tokens(rec)  # the request ended: 300 drafted tokens
-    assert measure.drafts_off == {"a": RETRY_S}  # its loads do not draft for a while
+    choice = measure.drafting["a"]
+    assert not choice.on and choice.retry_at == RETRY_S  # its loads do not draft for a while
     assert str(measure.drafting["a"]).startswith("off: does not pay")
     (stop,) = [a for a in core.drain() if isinstance(a, Stop)]  # served nothing: stopped
     assert stop.runner == load.runner and stop.kind == "options_change"

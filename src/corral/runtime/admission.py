@@ -139,6 +139,10 @@ class Admission:
         except TemplateError as e:  # /api/create refuses these: a manifest from elsewhere
             raise unusable_template(r, e) from None
         if options.get(EXACT_PROBS) and spec.speculative_auto:
+            # this request, and the model's next ones for a while (so that its runner does not
+            # flip back and forth), are served by a runner that does not draft
+            self.scheduler.no_drafts(r.runner, "a client asked for logprobs")
+            spec = dataclasses.replace(spec, speculative="off")
             explicit |= {"speculative"}
         return spec, explicit
 
@@ -278,11 +282,7 @@ class Admission:
         scheduler drains the runner and reloads it larger, as for any change of options. A
         prompt the model's trained context cannot hold, or that memory cannot, is a 400
         saying its tokens, the limit and what to do."""
-        if wants_probs(payload):
-            # llama.cpp gives accepted drafts no probabilities: this request, and the model's
-            # next ones for a while (so that the runner does not flip back and forth), are
-            # served by a runner that does not draft
-            self.scheduler.no_drafts(r.runner, "a client asked for logprobs")
+        if wants_probs(payload):  # llama.cpp gives accepted drafts no probabilities
             options = {**options, EXACT_PROBS: True}
         first = await lease(options)
         try:

@@ -109,9 +109,6 @@ class Measure:
         # Model -> what `speculative = "auto"` chose for its drafting, from its runners' windows
         # (core/drafting); a model missing has not been judged (it drafts).
         self.drafting: dict[str, Choice] = {}
-        # Model -> until when its runners load without drafting (Choice.retry_at of those off):
-        # what the warm path reads (Scheduler.drafter), with no call into here
-        self.drafts_off: dict[str, float] = {}
         self.raised: dict[str, float] = {}  # model -> booking factor after running out of memory
         self.raised_before: dict[str, float] = {}  # ... and before it last ran out
         # Card name -> the most a runner was measured to hold on such a GPU beyond llama.cpp's
@@ -369,28 +366,20 @@ class Measure:
     def no_drafts(self, model: str, why: str) -> None:
         """Turn auto's drafting off for `model` (for a while: Choice.off)."""
         before = self.drafting.get(model, Choice())
-        after = self._choose(model, before.off(why, self._clock()))
+        after = self.drafting[model] = before.off(why, self._clock())
         if after is not before:
             log.info("model '%s' drafts no more for %.0f s: %s", model, after.retry_at -
                      self._clock(), why)  # fmt: skip
-
-    def _choose(self, model: str, choice: Choice) -> Choice:
-        self.drafting[model] = choice
-        if choice.on:
-            self.drafts_off.pop(model, None)
-        else:
-            self.drafts_off[model] = choice.retry_at
-        return choice
 
     def _judge_drafting(self, rec: Record, c: Counters) -> None:
         model, now = rec.runner.name, self._clock()
         choice = self.drafting.get(model, Choice())
         if not choice.on and now >= choice.retry_at:  # this runner drafts again after a turn off
-            choice = self._choose(model, choice.trying())
+            choice = self.drafting[model] = choice.trying()
         v = verdict(c - rec.window, c.batch_s)
         if v is not None:
             rec.window = c
-            after = self._choose(model, choice.judged(v, now))
+            after = self.drafting[model] = choice.judged(v, now)
             if after.on != choice.on or not after.on:
                 log.info("model '%s': drafting %s (%s)", model, "on" if after.on else "off",
                          after.why)  # fmt: skip

@@ -258,12 +258,12 @@ class Scheduler:
         )  # fmt: skip
 
     def gpu_contexts(self) -> Mapping[str, int]:
-        """What a runner was measured to hold on a GPU beyond llama.cpp's buffers, by the
-        card's name (devices.gpu_context)."""
+        """What a runner holds on a GPU beyond llama.cpp's buffers, by card (gpu_context)."""
         return self._measure.learned_context
 
-    def drafter(self, model: str) -> str:  # auto's drafting now (Measure.drafts_off: why)
-        return "off" if self._measure.drafts_off.get(model, -1.0) > self._clock() else DRAFTER
+    def drafter(self, model: str) -> str:  # auto's drafting now (a Choice's fields: no call)
+        c = self._measure.drafting.get(model)
+        return "off" if c is not None and not c.on and c.retry_at > self._clock() else DRAFTER
 
     def no_drafts(self, model: str, why: str) -> None:  # ... turned off: Measure.no_drafts
         self._measure.no_drafts(model, why)
