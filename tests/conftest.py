@@ -4,7 +4,9 @@ or the module's own): raw HTTP and the real Ollama, OpenAI and Anthropic SDKs.""
 
 from __future__ import annotations
 
+import os
 import shutil
+import tempfile
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -29,6 +31,13 @@ E2E_MODULES = frozenset({
     "test_memwatch", "test_pagecache", "test_runner_output", "test_shutdown", "test_soak",
     "test_stall", "test_synth",
 })  # fmt: skip
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    """Every server the suite starts serves with the runner CI has (the xllamacpp wheel), not
+    with a build `corral runner build` installed on the developer's machine; a test that wants
+    one names it (CORRAL_LLAMA_SERVER, or CORRAL_RUNNERS_DIR of its own)."""
+    os.environ["CORRAL_RUNNERS_DIR"] = tempfile.mkdtemp(prefix="corral-no-runners-")
 
 
 def _starts_own_server(item: pytest.Item) -> bool:

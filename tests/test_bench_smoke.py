@@ -181,7 +181,7 @@ def test_concurrency_figures_are_medians_of_each_rounds_own() -> None:
 
 
 def test_concurrency_table_and_goal_give_corral_over_llama_server() -> None:
-    from corral.bench.concurrency import CORRAL_LS, level_table, throughput_goal
+    from corral.bench.concurrency import CORRAL_LS, CORRAL_WHEEL, level_table, throughput_goal
 
     def f(tok_s: float) -> dict[str, float]:
         return {"tok_s": tok_s, "p50": 0.5, "max": 1.25, "ttft_p50": 0.05}
@@ -212,6 +212,11 @@ def test_concurrency_table_and_goal_give_corral_over_llama_server() -> None:
     assert table.headers[4:6] == ["corral, llama-server runner tok/s", "its /llama-server"]
     assert table.rows[1][1:6] == ["120", "150", "1.250x", "96", "0.800x"]
     assert throughput_goal("SmolLM2", [1, 4], three).measured == miss.measured
+    # With corral's defaults on a CPU build, the wheel is the third side.
+    wheel = {**figures, CORRAL_WHEEL: {1: f(90.0), 4: f(60.0)}}
+    table = level_table("SmolLM2", [1, 4], wheel)
+    assert table.headers[4:6] == ["corral, wheel runner tok/s", "its /llama-server"]
+    assert table.rows[1][1:6] == ["120", "150", "1.250x", "60", "0.500x"]
     # The paired ratio (same round's sides), where the rounds gave it.
     three["corral"][4]["paired"] = 1.1
     assert level_table("SmolLM2", [1, 4], three).rows[1][3] == "1.250x (paired 1.100x)"

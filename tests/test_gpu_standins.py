@@ -506,6 +506,49 @@ def test_the_runner_is_chosen_for_the_gpus_and_asked_what_it_can_use() -> None:
     assert choose_runner(None, h200()[:1], installed, probe).llama_server is None and not asked
 
 
+def test_a_machine_without_gpus_serves_with_its_cpu_build() -> None:
+    """`corral runner build cpu` compiled llama-server for this CPU: corral serves with it
+    rather than the wheel's generic kernels, once it has run here; CORRAL_LLAMA_SERVER wins."""
+    build = "/runners/b11434-cpu/bin/llama-server"
+    asked: list[str | None] = []
+
+    def probe(server: str | None) -> RunnerDevices:
+        asked.append(server)
+        return RunnerDevices(True)  # it listed no GPU: a CPU build that runs
+
+    def installed(backends: set[str]) -> str | None:
+        return None if backends else build
+
+    chosen = choose_runner(None, h200()[:1], installed, probe)
+    assert chosen.llama_server == build and asked == [build] and not chosen.advice
+    assert [d.id for d in chosen.devices] == ["cpu"]
+    asked.clear()
+    assert choose_runner("/mine", h200()[:1], installed, probe).llama_server == "/mine"
+    assert not asked  # named: nothing to ask
+    assert choose_runner(None, h200()[:1], lambda b: None, probe).llama_server is None
+    assert not asked  # nothing installed: the wheel, and no start-up cost
+
+
+def test_a_cpu_build_that_does_not_run_here_gives_way_to_the_wheel(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A CPU build from another machine (a home directory shared between machines) dies of an
+    illegal instruction here: corral serves with the wheel and says so, at start-up and on the
+    dashboard, instead of failing every load."""
+    binary = tmp_path / "runners" / "b11434-cpu" / "bin" / "llama-server"
+    binary.parent.mkdir(parents=True)
+    binary.write_text("#!/bin/sh\necho 'Illegal instruction' >&2\nexit 132\n")
+    binary.chmod(0o755)
+    monkeypatch.setenv("CORRAL_RUNNERS_DIR", str(tmp_path / "runners"))
+    settings = Settings.load({"CORRAL_MODELS": str(tmp_path), "CORRAL_BUILTIN_MODELS": "0"})
+    with TestClient(create_app(settings, h200()[:1]), base_url="http://127.0.0.1") as c:
+        state = c.get("/api/corral/state").json()
+    (advice,) = state["advice"]
+    assert advice.startswith(f"the CPU runner {binary} does not run here (")
+    assert "exited with 132: Illegal instruction" in advice
+    assert "`corral runner build cpu --force`" in advice
+
+
 def test_learned_allowances_from_a_damaged_file_are_learned_again(tmp_path: Path) -> None:
     kept = tmp_path / "gpu-contexts.json"
     assert read_learned(kept) == {}  # none yet

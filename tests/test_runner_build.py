@@ -22,14 +22,15 @@ from corral.runtime import devices as runtime_devices
 from corral.runtime import llama_sdist, runner_build
 from corral.runtime.runner_build import (
     BuildError,
-    best_runner,
     build_runner,
     check_toolkit,
     cmake_command,
     cuda_architectures,
     default_backend,
+    installed_runner,
     installed_runners,
     parse_progress,
+    runners_dir,
 )
 from corral.runtime.runner_devices import (
     RunnerDevices,
@@ -149,7 +150,8 @@ def toolkit(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[Toolkit
     monkeypatch.setenv("FAKE_CALLS", str(calls))
     monkeypatch.setenv("HOME", str(home))
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
-    for var in ("CUDACXX", "CUDA_PATH", "CUDA_HOME", "CUDAToolkit_ROOT", "ROCM_PATH", "FAKE_FAIL"):
+    for var in ("CUDACXX", "CUDA_PATH", "CUDA_HOME", "CUDAToolkit_ROOT", "ROCM_PATH", "FAKE_FAIL",
+                "CORRAL_RUNNERS_DIR"):  # the builds go to HOME's runners
         monkeypatch.delenv(var, raising=False)
     # The toolkits this machine may have installed are not the stand-ins'.
     monkeypatch.setattr(runner_build, "NVCC_PATHS", (tmp_path / "no-cuda" / "bin" / "nvcc",))
@@ -461,26 +463,36 @@ def _installed(root: Path, name: str, date: str = "", binary: bool = True) -> Pa
 
 def test_installed_runners_newest_first_and_the_best_for_the_gpus(tmp_path: Path) -> None:
     root = tmp_path / "runners"
-    assert installed_runners(root) == [] and best_runner({"cuda"}, root) is None
-    cpu = _installed(root, "b11434-cpu", "2026-11-01T10:00:00+00:00")
-    assert best_runner({"cuda"}, root) == cpu  # no GPU build: the CPU one
-    cuda_old = _installed(root, "b11000-cuda", "2026-12-01T10:00:00+00:00")
-    cuda = _installed(root, "b11434-cuda", "2026-11-02T10:00:00+00:00")
-    rocm = _installed(root, "b11434-rocm", "2026-11-03T10:00:00+00:00")
-    vulkan = _installed(root, "b12000-vulkan")
+    assert installed_runners(root) == [] and installed_runner(set(), root) is None
+    cpu = str(_installed(root, "b11434-cpu", "2026-11-01T10:00:00+00:00"))
+    assert installed_runner(set(), root) == cpu  # no GPU: the CPU build, not the wheel
+    assert installed_runner({"cpu"}, root) == cpu
+    # GPUs without a build of theirs keep the wheel (it may be a GPU build of xllamacpp)
+    assert installed_runner({"cuda"}, root) is None
+    cuda_old = str(_installed(root, "b11000-cuda", "2026-12-01T10:00:00+00:00"))
+    cuda = str(_installed(root, "b11434-cuda", "2026-11-02T10:00:00+00:00"))
+    rocm = str(_installed(root, "b11434-rocm", "2026-11-03T10:00:00+00:00"))
+    vulkan = str(_installed(root, "b12000-vulkan"))
     _installed(root, "b12500-cuda", binary=False)  # not finished: no binary
     _installed(root, ".build-x1")
     _installed(root, "my-llama")
     listed = installed_runners(root)
-    assert [r.path for r in listed] == [vulkan, rocm, cuda, cpu, cuda_old]
+    assert [str(r.path) for r in listed] == [vulkan, rocm, cuda, cpu, cuda_old]
     assert listed[1].architectures == "90" and listed[0].architectures is None
-    assert best_runner({"cuda"}, root) == cuda
-    assert best_runner({"cpu", "rocm"}, root) == rocm
-    assert best_runner({"vulkan"}, root) == vulkan
-    assert best_runner(set(), root) == cpu
-    assert best_runner({"cpu", "cuda", "rocm"}, root) in (cuda, rocm)
+    assert installed_runner({"cuda"}, root) == cuda
+    assert installed_runner({"cpu", "rocm"}, root) == rocm
+    assert installed_runner({"vulkan"}, root) == vulkan
+    assert installed_runner(set(), root) == cpu
+    assert installed_runner({"cpu", "cuda", "rocm"}, root) in (cuda, rocm)
     shutil.rmtree(root / "b11434-cuda")
-    assert best_runner({"cuda"}, root) == cuda_old
+    assert installed_runner({"cuda"}, root) == cuda_old
+
+
+def test_runners_dir_is_the_settings(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("CORRAL_RUNNERS_DIR", str(tmp_path / "elsewhere"))
+    assert runners_dir() == tmp_path / "elsewhere"
+    monkeypatch.delenv("CORRAL_RUNNERS_DIR")
+    assert runners_dir() == Path.home() / ".corral" / "runners"
 
 
 # ---- what the runner can use -------------------------------------------------------------------

@@ -56,7 +56,7 @@ from corral.runtime.kvcache import KVCache
 from corral.runtime.registry import BUILTIN_NAME, Registry
 from corral.runtime.response_store import ResponseStore, journal_path
 from corral.runtime.runner import Runner
-from corral.runtime.runner_build import installed_gpu_runner
+from corral.runtime.runner_build import installed_runner
 from corral.runtime.runner_devices import choose_runner
 from corral.runtime.scheduler import Hooks, Scheduler, SchedulerConfig
 
@@ -115,7 +115,7 @@ def create_app(settings: Settings, devices: list[Device] | None = None) -> Starl
     """The app; `devices` defaults to what this machine has (tests may pass a fake set)."""
     devices = discover() if devices is None else devices
     # The runner build, and only the GPUs it can use (a CPU build never books a GPU).
-    chosen = choose_runner(settings.llama_server, devices, installed_gpu_runner, cores=cpu_cores())
+    chosen = choose_runner(settings.llama_server, devices, installed_runner, cores=cpu_cores())
     devices = chosen.devices
     registry = Registry(settings.models_dir, builtin=settings.builtin_models)
     if pruned := registry.store.prune():

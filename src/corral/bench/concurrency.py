@@ -64,10 +64,12 @@ SYNTH = "bench-ctx64k"
 SYNTH_CONTEXT = 65536
 MODELS = ("smollm2", "synth")
 SIDES = ("corral", "llama-server")
-# corral with the very llama-server binary as its runner (CORRAL_LLAMA_SERVER): beside the two
-# sides, it tells corral's share of a difference from the builds' (xllamacpp's wheel against a
-# build for this CPU).
+# Beside the two sides, corral on the other runner build, which tells corral's share of a
+# difference from the builds' (xllamacpp's generic wheel against a build for this CPU): the very
+# llama-server binary (CORRAL_LLAMA_SERVER) where corral's defaults run the wheel, the wheel
+# where they run a CPU build `corral runner build cpu` installed.
 CORRAL_LS = "corral, llama-server runner"
+CORRAL_WHEEL = "corral, wheel runner"
 LEVELS = {"smoke": (1, 2), "quick": (1, 4, 8, 16), "full": (1, 4, 8, 16)}
 TOKENS = {"smoke": 8, "quick": 64, "full": 64}  # generated per request
 ROUNDS = {"smoke": 1, "quick": 3, "full": 3}
@@ -178,16 +180,16 @@ def level_table(
     """One row per level: each side's tokens/s, corral over llama-server, and the latencies
     (llama-server / corral). `figures[side][level]` holds `over_rounds` of that side's bursts;
     a side that did not run has no entry."""
-    third = CORRAL_LS in figures
+    third = next((s for s in (CORRAL_LS, CORRAL_WHEEL) if s in figures), None)
     table = Table(title, [
         "clients", "llama-server tok/s", "corral tok/s", "corral/llama-server",
-        *(["corral, llama-server runner tok/s", "its /llama-server"] if third else []),
+        *([f"{third} tok/s", "its /llama-server"] if third else []),
         "p50 latency (llama-server / corral)", "max latency", "TTFT p50",
     ])  # fmt: skip
     nan = float("nan")
     for n in levels:
-        f = {s: figures.get(s, {}).get(n, {}) for s in (*SIDES, CORRAL_LS)}
-        ll, co, cl = f["llama-server"], f["corral"], f[CORRAL_LS]
+        ll, co = (figures.get(s, {}).get(n, {}) for s in SIDES[::-1])
+        cl = figures.get(third, {}).get(n, {}) if third else {}
 
         def pair(key: str, ll: Mapping[str, float] = ll, co: Mapping[str, float] = co) -> str:
             return f"{ms(ll.get(key, nan), 0)} / {ms(co.get(key, nan), 0)}"
@@ -248,13 +250,26 @@ class Served:
 
 
 def start_corral_side(
-    models_dir: Path, model: str, log: Path, llama_server: Path | None = None
-) -> Served:
+    models_dir: Path, model: str, log: Path, llama_server: Path | None = None,
+    wheel: bool = False,
+) -> Served:  # fmt: skip
+    """corral with its defaults, or on `llama_server`, or on the xllamacpp wheel (`wheel`: no
+    installed runner is found)."""
     from corral.testing.server import start_corral
 
-    env = {**ENV, "CORRAL_LLAMA_SERVER": str(llama_server)} if llama_server else ENV
+    env = {**ENV, "CORRAL_LLAMA_SERVER": str(llama_server)} if llama_server else dict(ENV)
+    if wheel:
+        env["CORRAL_RUNNERS_DIR"] = str(log.parent / "no-runners")
     server = start_corral(models_dir, log, env)
     return Served(server.url, model, server.stop, log=log, extra={"server": server})
+
+
+def corral_runner() -> str | None:
+    """The llama-server build corral's defaults serve with on this machine (one `corral runner
+    build cpu` installed), or None: the xllamacpp wheel."""
+    from corral.runtime.runner_build import installed_runner
+
+    return installed_runner(set())
 
 
 def start_llama_side(binary: Path, gguf: Path, log: Path) -> Served:
@@ -399,7 +414,13 @@ def run(scale: Scale, work: Path, say: Say) -> Section:
                             f"{gguf.stat().st_size / MIB:.0f} MiB", gguf.stem, gguf))  # fmt: skip
     for label, name, gguf in targets:
         measure(sec, scale, work, say, models_dir, label, name, gguf, binary)
-    if binary is not None:
+    if (build := corral_runner()) is not None:
+        sec.notes.append(
+            f"corral's defaults serve with {build} (`corral runner build cpu`: compiled for "
+            f"this CPU's own features, GGML_NATIVE); \"{CORRAL_WHEEL}\": the xllamacpp wheel "
+            f"instead, built for {runner_features()}"
+        )
+    elif binary is not None:
         sec.notes.append(
             f"CPU kernels: corral's runners (the xllamacpp wheel) are built for "
             f"{runner_features()}; llama-server for {build_features(binary)}: a difference "
@@ -428,7 +449,9 @@ def measure(
     """One model's rounds on both sides (corral only without a llama-server binary): its
     table, goal, summary line and data, added to `sec`."""
     levels = LEVELS[scale.name]
-    sides = [*SIDES, CORRAL_LS] if binary is not None else ["corral"]
+    default_build = corral_runner()
+    third = CORRAL_WHEEL if default_build else CORRAL_LS
+    sides = [*SIDES, third] if binary is not None else ["corral"]
     bursts: dict[str, list[dict[int, Burst]]] = {s: [] for s in sides}
     loaded: dict[str, set[str]] = {s: set() for s in sides}
     in_flight: dict[int, dict[str, int]] = {}
@@ -441,6 +464,8 @@ def measure(
             served = start_corral_side(models_dir, name, log)
         elif side == CORRAL_LS:
             served = start_corral_side(models_dir, name, log, binary)
+        elif side == CORRAL_WHEEL:
+            served = start_corral_side(models_dir, name, log, wheel=True)
         else:
             assert binary is not None
             served = start_llama_side(binary, gguf, log)

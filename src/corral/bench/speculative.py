@@ -53,7 +53,7 @@ from corral.bench.common import (
     median,
     safe_div,
 )  # fmt: skip
-from corral.bench.concurrency import Served, start_corral_side, start_llama_side
+from corral.bench.concurrency import Served, corral_runner, start_corral_side, start_llama_side
 
 
 def source(functions: int = 50) -> str:
@@ -324,6 +324,12 @@ def run(scale: Scale, work: Path, say: Say) -> Section:
                 served.stop()
     for m in models:
         tables(sec, m.label, runs[m.label], smoke)
+    build = corral_runner()
+    sec.notes.append(
+        f"corral's runner: {build} (`corral runner build cpu`, compiled for this CPU)" if build
+        else "corral's runner: the xllamacpp wheel (generic x86-64 kernels; `corral runner "
+        "build cpu` compiles one for this CPU)"
+    )
     sec.notes.append(
         f"llama-server: {binary} ({origin}), `llama-server -m MODEL` (no drafting)"
         if binary is not None else f"llama-server: not measured ({origin})"

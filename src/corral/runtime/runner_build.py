@@ -6,7 +6,7 @@ corral needs a llama-server built for its GPUs. This builds one from the llama.c
 with (b11434 = version 11434.0.0, near the llama.cpp inside the xllamacpp wheel), with CMake (and
 Ninja where there is one), for the compute capabilities of the GPUs found, and installs it as
 `~/.corral/runners/b<build>-<backend>/` (`bin/llama-server` beside the shared libraries it loads,
-and `build.json`). `best_runner()` picks among the installed ones.
+and `build.json`). `installed_runner()` picks among the installed ones.
 
 The source comes from `--source` (the sdist as .tar.gz, or a directory of it, for machines
 without network), else from the sdist cache the benchmarks' llama-server uses too
@@ -91,8 +91,9 @@ class InstalledRunner:
 
 
 def runners_dir() -> Path:
-    """Where runners are installed: ~/.corral/runners (beside the default models directory)."""
-    return Path.home() / ".corral" / "runners"
+    """Where runners are installed: CORRAL_RUNNERS_DIR, else ~/.corral/runners (beside the
+    default models directory)."""
+    return Path(os.environ.get("CORRAL_RUNNERS_DIR") or Path.home() / ".corral" / "runners")
 
 
 def build_number(version: str) -> int:
@@ -515,22 +516,16 @@ def installed_runners(root: Path | None = None) -> list[InstalledRunner]:
     return sorted(found, key=lambda r: (r.build, r.date), reverse=True)
 
 
-def best_runner(backends_present: set[str], root: Path | None = None) -> Path | None:
-    """The llama-server to run models with among the installed runners: the newest GPU build
-    for a backend whose GPUs are present ("cuda", "rocm", as `Device.library`), else the newest
-    CPU build, else None (the default runner)."""
-    gpu = installed_gpu_runner(backends_present, root)
-    if gpu is not None:
-        return Path(gpu)
-    return next((r.path for r in installed_runners(root) if r.backend == "cpu"), None)
-
-
-def installed_gpu_runner(backends_present: set[str], root: Path | None = None) -> str | None:
-    """The newest installed GPU build for a backend whose GPUs are present: what corral serves
-    with where CORRAL_LLAMA_SERVER is not set (a CPU build only when named there: the default
-    runner is the tested one)."""
+def installed_runner(backends_present: set[str], root: Path | None = None) -> str | None:
+    """What corral serves with where CORRAL_LLAMA_SERVER is not set, among the installed
+    runners: the newest GPU build for a backend whose GPUs are present ("cuda", "rocm", as
+    `Device.library`); on a machine without GPUs, the newest CPU build (compiled for this CPU's
+    own instructions, where the wheel's kernels are generic x86-64: docs/benchmarks.md, section
+    8); else None, the xllamacpp wheel. Where GPUs are present and none of their builds is
+    installed, the wheel stays: it may be a GPU build of xllamacpp, a CPU build never is."""
+    gpus = backends_present & GPU_BACKENDS
     for r in installed_runners(root):
-        if r.backend in GPU_BACKENDS and r.backend in backends_present:
+        if r.backend in gpus or (r.backend == "cpu" and not gpus):
             return str(r.path)
     return None
 

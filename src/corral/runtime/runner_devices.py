@@ -240,13 +240,26 @@ def choose_runner(
     probe: Callable[[str | None], RunnerDevices] = runner_devices,
     cores: int | None = None,
 ) -> RunnerChoice:
-    """The runner for this machine: CORRAL_LLAMA_SERVER's binary, else where GPUs are present
-    the newest GPU build for them that `corral runner build` installed (`installed`), else
-    xllamacpp. Where GPUs are present the build is asked which it can use (a start-up cost
-    of a second or two; none on a machine without GPUs), and the others are not booked."""
+    """The runner for this machine: CORRAL_LLAMA_SERVER's binary, else the build `corral runner
+    build` installed for it (`installed`: for the GPUs present, or a CPU build where there are
+    none), else xllamacpp. The build is asked which devices it can use (a start-up cost of a
+    second or two; none where nothing is installed on a machine without GPUs): a GPU it cannot
+    use is not booked, and an installed CPU build that does not run here (built on another
+    machine's CPU) gives way to the wheel."""
     gpus = [d for d in devices if d.library != CPU]
     if not gpus:
-        return RunnerChoice(llama_server, list(devices))
+        if llama_server is not None:
+            return RunnerChoice(llama_server, list(devices))
+        build = installed(set())
+        if build is None:
+            return RunnerChoice(None, list(devices))
+        seen = probe(build)
+        if seen.known:
+            return RunnerChoice(build, list(devices))
+        return RunnerChoice(None, list(devices), (
+            f"the CPU runner {build} does not run here ({seen.error}); serving with the "
+            "xllamacpp wheel: `corral runner build cpu --force` builds it again for this CPU",
+        ))  # fmt: skip
     if llama_server is None:
         llama_server = installed({g.library for g in gpus})
     can_use = probe(llama_server)
