@@ -1,7 +1,7 @@
 """The dashboard: `GET /` sends a browser to `/ui`, the page's files and state document, and the
 page itself in a real headless browser (Debian's chromium driven by Playwright): it loads with no
 console errors, lists the models, and shows a load made through the API (state, memory, the
-event) without a reload; its buttons unload and load."""
+event) without a reload; its buttons unload and load; auto's drafting turned off shows, with why."""
 
 from __future__ import annotations
 
@@ -160,6 +160,19 @@ def test_dashboard_in_a_browser(dash: CorralServer, browser: Any, tmp_path: Path
     row.locator("button[data-act='load']").click()
     page.wait_for_selector(f"tr[data-model='{TINY}'][data-state='ready']", timeout=15000)
     assert [m["name"] for m in dash.ps()] == [TINY]
+
+    # A client's logprobs turn auto's drafting off for the model: the tokens cell says so, and
+    # why on hover, without a reload.
+    r = dash.client.post("/v1/chat/completions", json={
+        "model": "tiny", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2,
+        "logprobs": True,
+    })  # fmt: skip
+    assert r.status_code == 200, r.text
+    drafts = row.locator(".drafts")
+    drafts.wait_for(timeout=15000)
+    assert "drafting off" in drafts.inner_text()
+    assert drafts.get_attribute("title") == "a client asked for logprobs"
+    assert page.evaluate("window.__sameDocument") is True
     assert problems == []
     page.close()
 

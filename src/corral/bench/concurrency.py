@@ -426,6 +426,7 @@ def run(scale: Scale, work: Path, say: Say) -> Section:
             f"{runner_features()}; llama-server for {build_features(binary)}: a difference "
             "there is the builds', not the servers'"
         )
+    if binary is not None:
         sec.notes.append(f"llama-server: {binary} ({origin}), run as `llama-server -m MODEL`")
     else:
         sec.notes.append(
@@ -456,6 +457,7 @@ def measure(
     loaded: dict[str, set[str]] = {s: set() for s in sides}
     in_flight: dict[int, dict[str, int]] = {}
     books: list[tuple[int, int]] = []  # (corral's books, the runner's PSS) after each round
+    drafting: set[str] = set()
     for i, side in interleave(ROUNDS[scale.name], sides):
         say(f"concurrency: {label}, round {i + 1}, {side}: {', '.join(map(str, levels))} clients")
         slug = re.sub(r"\W+", "-", f"{name}-{side}")
@@ -483,6 +485,9 @@ def measure(
                 served.context = int(mine.get("context_length", 0))
                 if side == "corral" and isinstance(mine.get("pid"), int):
                     books.append((int(mine.get("size", 0)), process_pss(mine["pid"])))
+                if side == "corral":  # what auto chose for its drafting after the levels
+                    why = mine.get("drafting")
+                    drafting.add(f"{mine.get('speculative', '?')}" + (f" ({why})" if why else ""))
             else:
                 bursts[side].append(one_round(served, levels, scale, None))
         finally:
@@ -511,6 +516,8 @@ def measure(
         + "".join(f"; {n} {s} answers ended before {TOKENS[scale.name]} tokens"
                   for s, n in short.items() if n)
         + books_line(books)
+        + (f"; corral's drafting (speculative = auto) after its rounds: "
+           f"{' / '.join(sorted(drafting))}" if drafting else "")
     )  # fmt: skip
     sec.data[name] = {
         "label": label, "figures": figures, "loaded": {s: sorted(v) for s, v in loaded.items()},
