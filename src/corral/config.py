@@ -172,9 +172,6 @@ def _optional(parse: Callable[[str, str], Any]) -> Callable[[str, str], Any]:
     return lambda text, name: parse(text.strip(), name) if text.strip() else None
 
 
-RUNNERS_DIR = "~/.corral/runners"
-
-
 def _path(default: str) -> Callable[[str, str], Path]:
     return lambda text, name: Path(text.strip() or default).expanduser()
 
@@ -227,7 +224,8 @@ SETTINGS: tuple[Setting, ...] = (
     Setting("CORRAL_LLAMA_SERVER", "", "llama_server", _optional(lambda t, n: t),
             "--llama-server", "PATH", "run models with this llama-server binary"),
     # where `corral runner build` installs runners, and `corral serve` looks for them
-    Setting("CORRAL_RUNNERS_DIR", RUNNERS_DIR, "runners_dir", _path(RUNNERS_DIR)),
+    Setting("CORRAL_RUNNERS_DIR", "~/.corral/runners", "runners_dir",
+            _path("~/.corral/runners")),
     Setting("CORRAL_LOG_LEVEL", "info", "log_level", lambda t, n: t.strip().lower() or "info",
             "--log-level", "LEVEL", "debug, info, warning or error"),
     Setting("CORRAL_LOG_FORMAT", "text", "log_format",
@@ -269,6 +267,14 @@ SETTINGS: tuple[Setting, ...] = (
 
 # Environment variable -> default.
 DEFAULTS: dict[str, str] = {s.variable: s.default for s in SETTINGS}
+
+
+def setting(variable: str, environ: Mapping[str, str] | None = None) -> Any:
+    """One setting from the environment, parsed as Settings.load parses it, for a command that
+    reads no other (so that a bad value of another setting does not stop it)."""
+    st = next(s for s in SETTINGS if s.variable == variable)
+    env = os.environ if environ is None else environ
+    return st.parse(env.get(variable, st.default), variable)
 
 
 @dataclass(frozen=True)

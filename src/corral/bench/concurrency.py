@@ -188,7 +188,7 @@ def level_table(
     ])  # fmt: skip
     nan = float("nan")
     for n in levels:
-        ll, co = (figures.get(s, {}).get(n, {}) for s in SIDES[::-1])
+        ll, co = figures.get("llama-server", {}).get(n, {}), figures.get("corral", {}).get(n, {})
         cl = figures.get(third, {}).get(n, {}) if third else {}
 
         def pair(key: str, ll: Mapping[str, float] = ll, co: Mapping[str, float] = co) -> str:
@@ -412,9 +412,10 @@ def run(scale: Scale, work: Path, say: Say) -> Section:
             gguf = synth_model(models_dir, scale, say)
             targets.append((f"synthetic, {SYNTH_CONTEXT // 1024}k context, "
                             f"{gguf.stat().st_size / MIB:.0f} MiB", gguf.stem, gguf))  # fmt: skip
+    build = corral_runner()
     for label, name, gguf in targets:
-        measure(sec, scale, work, say, models_dir, label, name, gguf, binary)
-    if (build := corral_runner()) is not None:
+        measure(sec, scale, work, say, models_dir, label, name, gguf, binary, build is not None)
+    if build is not None:
         sec.notes.append(
             f"corral's defaults serve with {build} (`corral runner build cpu`: compiled for "
             f"this CPU's own features, GGML_NATIVE); \"{CORRAL_WHEEL}\": the xllamacpp wheel "
@@ -445,13 +446,13 @@ def run(scale: Scale, work: Path, say: Say) -> Section:
 
 def measure(
     sec: Section, scale: Scale, work: Path, say: Say, models_dir: Path, label: str, name: str,
-    gguf: Path, binary: Path | None,
+    gguf: Path, binary: Path | None, on_build: bool,
 ) -> None:  # fmt: skip
     """One model's rounds on both sides (corral only without a llama-server binary): its
-    table, goal, summary line and data, added to `sec`."""
+    table, goal, summary line and data, added to `sec`. `on_build`: corral's defaults serve
+    with an installed build (corral_runner), so the third side is the wheel."""
     levels = LEVELS[scale.name]
-    default_build = corral_runner()
-    third = CORRAL_WHEEL if default_build else CORRAL_LS
+    third = CORRAL_WHEEL if on_build else CORRAL_LS
     sides = [*SIDES, third] if binary is not None else ["corral"]
     bursts: dict[str, list[dict[int, Burst]]] = {s: [] for s in sides}
     loaded: dict[str, set[str]] = {s: set() for s in sides}

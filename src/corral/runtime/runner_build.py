@@ -34,7 +34,7 @@ from dataclasses import dataclass
 from datetime import datetime, timezone
 from pathlib import Path
 
-from corral.config import RUNNERS_DIR
+from corral.config import setting
 from corral.core.devices import Device
 from corral.runtime import llama_sdist
 from corral.runtime.runner_devices import BACKEND_NAMES
@@ -94,7 +94,7 @@ class InstalledRunner:
 def runners_dir() -> Path:
     """Where runners are installed: CORRAL_RUNNERS_DIR, else ~/.corral/runners (beside the
     default models directory)."""
-    return Path(os.environ.get("CORRAL_RUNNERS_DIR", "").strip() or RUNNERS_DIR).expanduser()
+    return Path(setting("CORRAL_RUNNERS_DIR"))
 
 
 def build_number(version: str) -> int:
