@@ -55,6 +55,32 @@ def test_a_conversations_next_turn_goes_back_to_its_slot() -> None:
     assert claim(slots, title) not in (a, b)
 
 
+
+def test_idle_slots_worth_parking_and_a_parked_slot_is_empty_once_done() -> None:
+    """`idle`: the slots but the request's own that no lease holds and that hold a prompt worth
+    moving out of a shared cache, fullest first; one held while it is parked is picked by no
+    one, and once emptied takes a new conversation like any empty slot."""
+
+    def ask(text: str) -> tuple[bytes, ...]:
+        return prompt_pieces("/v1/chat/completions", {"messages": [
+            {"role": "user", "content": text}]})  # fmt: skip
+
+    slots = Slots(4, 100_000)
+    a = claim(slots, ask("fix the bug in a.py " * 20))
+    b = claim(slots, ask("write tests for b.py " * 40))
+    busy = slots.claim(Lease(), ask("write the docs " * 30))
+    hi = claim(slots, ask("hi"))
+    assert busy is not None and len({a, b, busy, hi}) == 4
+    assert slots.idle(keep=a) == [b]  # not the request's own, the busy one, nor a short one
+    assert slots.idle(keep=busy) == [b, a]  # fullest first
+    held = slots.hold(a)
+    assert a not in slots.free() and slots.claim(Lease(), ask("fix the bug in a.py " * 21)) != a
+    slots.emptied(a)
+    held.released = True
+    assert slots.idle(keep=busy) == [b] and a in slots.free()
+    assert slots.claim(Lease(), ask("a new one")) == a  # an empty slot again
+
+
 def test_a_busy_slot_is_never_claimed_twice_and_a_released_one_is_free_again() -> None:
     slots = Slots(2)
     first, second = Lease(), Lease()
@@ -203,7 +229,8 @@ def test_a_new_conversation_on_an_empty_slot_names_the_idle_slot_sharing_most_of
     assert shared > len(chat()[0]) and (p.shared, p.held, p.spared) == (shared, 0, shared)
     assert p.source_size == sum(len(x) for x in chat(first_a))
     # A's next turn goes back to its own slot and needs no copy.
-    assert pick(slots, chat(first_a, "ok", "go")) == Pick(a.slot)
+    back = pick(slots, chat(first_a, "ok", "go"))
+    assert back == Pick(a.slot, held=sum(len(x) for x in chat(first_a)))  # all it holds
     # A third conversation starts from the one that shares most and, of those, holds least:
     # a and b share the system prompt and tools, and a now holds its second turn too.
     c = pick(slots, chat("document the module c.py for its new readers"))

@@ -9,6 +9,7 @@ import dataclasses
 import itertools
 import json
 import os
+import re
 import signal
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -33,6 +34,7 @@ from corral.core.spec import (
     slot_choices,
     slot_counts,
 )
+from corral.runtime.slotfile import read_tokens
 from corral.testing import synth
 
 # ---- the setting and the spec ----------------------------------------------------------------
@@ -655,3 +657,23 @@ def test_with_every_slot_taken_a_new_conversation_leaves_the_live_one_its_slot(
     assert other["timings"]["cache_n"] == common(tokens(s, live), tokens(s, new))
     third = ask(s, [*live, second["choices"][0]["message"], {"role": "user", "content": "Why?"}])
     assert third["timings"]["cache_n"] >= second["usage"]["prompt_tokens"]
+
+
+def test_an_idle_conversation_leaves_the_shared_cache_and_comes_back(auto_server: Any) -> None:
+    """On a CPU runner whose slots share one cache, a conversation's slot is parked (saved as a
+    conversation, then erased) before another conversation's prompt is read: every decoding
+    step attends over every used cell of the cache. Its next turn is restored from the save and
+    reads only what it added."""
+    s = auto_server
+    a = [{"role": "system", "content": rules("gardens")},
+         {"role": "user", "content": "Which flowers grow well in the shade of old trees?"}]
+    b = [{"role": "user", "content": "Tell me about the trains of the Alps. " * 30}]  # fmt: skip
+    first = ask(s, a)
+    ask(s, b)
+    assert re.search(r"kv cache: parked slot \d+ of 'smollm2:135m' \(\d+ cells freed\)", s.log())
+    mine = tokens(s, a)
+    kv = s.log_path.parent / "kvcache"
+    assert any(list(read_tokens(p)[: len(mine)]) == mine for p in kv.glob("*.slot"))
+    reply = first["choices"][0]["message"]
+    second = ask(s, [*a, reply, {"role": "user", "content": "And which grow in full sun?"}])
+    assert second["timings"]["cache_n"] >= first["usage"]["prompt_tokens"]

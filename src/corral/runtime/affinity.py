@@ -59,6 +59,9 @@ LEARN_MIN_BYTES = 1024
 BYTES_PER_TOKEN_RANGE = (1.5, 6.0)
 # The runner paths that read a prompt into a slot's cache.
 GENERATION_PATHS = frozenset({"/v1/chat/completions", "/completion", "/v1/completions"})
+# A slot holding fewer prompt bytes than this (about 64 tokens) is not parked: its few cells
+# cost the other slots' steps little, and reading it again costs nothing.
+PARK_MIN_BYTES = 64 * BYTES_PER_TOKEN
 # What a copy between slots costs besides its bytes: two requests to the runner, each a task
 # in its queue (seconds).
 COPY_OVERHEAD_S = 0.002
@@ -82,6 +85,15 @@ class Holder(Protocol):
     def prompt_tokens(self) -> int | None:
         """Its prompt's tokens as llama.cpp counted them, once it has ended (else None)."""
         ...
+
+
+@dataclass
+class _Held:
+    """A slot held by corral itself (while it is parked), not by a request."""
+
+    released: bool = False
+    generated: int = 0
+    prompt_tokens: int | None = None
 
 
 @dataclass(frozen=True)
@@ -267,7 +279,7 @@ class Slots:
                 if pays is not None and self._source(lru, free, shared, pays) is not None:
                     slot = lru
         source = self._source(slot, free, shared, pays)
-        pick = Pick(slot)
+        pick = Pick(slot, held=shared[slot])
         if source is not None:
             pick = Pick(slot, source, shared[source], shared[slot], self._sizes[source])
         self._learn()  # before the slot's last prompt is replaced
@@ -298,6 +310,24 @@ class Slots:
         if pays is not None and not pays(shared[source] - shared[slot], self._sizes[source]):
             return None
         return source
+
+    def idle(self, keep: int) -> list[int]:
+        """The slots but `keep` that no unreleased lease holds and that hold a prompt worth
+        moving out of a shared cache (runtime/kvcache parks them), fullest first."""
+        return sorted((
+            i for i in self.free() if i != keep and self._sizes[i] >= PARK_MIN_BYTES
+        ), key=lambda i: -self._sizes[i])  # fmt: skip
+
+    def hold(self, slot: int) -> Holder:
+        """`slot` held, out of the picks, until the holder returned is released."""
+        holder = _Held()
+        self._learn()  # before its last prompt may be forgotten
+        self._holders[slot] = holder
+        return holder
+
+    def emptied(self, slot: int) -> None:
+        """What `slot` held is gone from the runner's cache (parked)."""
+        self._held[slot], self._sizes[slot] = (), 0
 
     def _fits(self, size: int) -> bool:
         """Whether a prompt of `size` bytes fits beside what every slot holds."""

@@ -3,13 +3,18 @@ corral keeps per runner (on the scheduler's record, `Record.hop`), the `Lease` t
 each granted request (with a `Ticket` for a request waiting for one), and `RunnerClient`, which
 sends a request under its lease through the hop's policies as one named pipeline:
 
-    pick -> restore -> copy -> admit -> send -> continue
+    pick -> park -> restore -> copy -> admit -> send -> continue
 
 - pick: on a runner of several slots, the slot a generation goes to (runtime/affinity);
-- restore: among a reloaded runner's first requests, the saved conversation a prompt continues
-  is restored into a free slot, and the request pinned there instead (runtime/kvcache);
+- park: on a CPU runner whose slots share one cache, the idle slots' conversations are saved
+  and erased from it before the prompt is read (runtime/kvcache: their cells would slow every
+  decoding step);
+- restore: among a reloaded runner's first requests, or once it parked a conversation, the
+  saved conversation a prompt continues (or shares most with) is restored into a free slot,
+  and the request pinned there instead (runtime/kvcache);
 - copy: a new conversation starts from the idle slot that holds most of its prompt, where
-  copying that costs less than evaluating it (runtime/slotcopy; not after a restore);
+  copying that costs less than evaluating it (runtime/slotcopy; not after a restore, not where
+  idle slots are parked: a parked one's restore serves instead);
 - admit: on a shared cache, a prompt that would not fit beside the running ones waits for room
   (first come first served; every release of a lease wakes those waiting, nothing polls);
 - send: the runner's API (runtime/runner_api): a whole answer, or a stream;
@@ -41,7 +46,14 @@ from typing import TYPE_CHECKING, Any, Literal, Protocol, overload
 import orjson
 
 from corral.errors import ApiError
-from corral.runtime.affinity import GENERATION_PATHS, Holder, Pick, Slots, prompt_pieces
+from corral.runtime.affinity import (
+    GENERATION_PATHS,
+    CopyPays,
+    Holder,
+    Pick,
+    Slots,
+    prompt_pieces,
+)
 from corral.runtime.continuation import ContinuedStream, Upstream, continuable
 from corral.runtime.kvcache import KVCache
 from corral.runtime.meter import Tally
@@ -196,6 +208,10 @@ class Lease:
 # ---- the pipeline ---------------------------------------------------------------------------
 
 
+def _always(spared: int, size: int) -> bool:
+    return True
+
+
 class RunnerClient:
     """Requests sent under a lease, through the hop's pipeline (see the module). With a KV
     cache (server.kv_cache), a reloaded runner's first requests get the saved conversation
@@ -235,16 +251,27 @@ class RunnerClient:
         hop = lease.hop
         if path not in GENERATION_PATHS:
             return await self._send(hop, path, payload, streamed)
-        pick, copier = None, None
+        pick, copier, held = None, None, 0
+        kvcache = self.kvcache
+        parks = hop.slots is not None and kvcache is not None and kvcache.parks(hop)
         if hop.slots is not None:  # pick
-            if self.copier is not None and self.copier.wants(hop, path, payload):
+            if not parks and self.copier is not None and self.copier.wants(hop, path, payload):
                 copier = self.copier
                 await copier.refresh(hop)
-            payload, pick = self._pick(hop, hop.slots, path, payload, lease, copier)
-        if self.kvcache is not None and hop.restoring and self.kvcache.wants(hop):  # restore
-            # Among a runner's first requests: restore the saved conversation this prompt
-            # continues, if any, and pin the request to its slot.
-            prepared = await self.kvcache.prepare(hop, path, payload)
+            # Where idle slots are parked, the one a new conversation shares most with is
+            # saved anyway and its start restored from that: as if a copy always paid.
+            pays = copier.pays(hop) if copier is not None else _always if parks else None
+            payload, pick = self._pick(hop.slots, path, payload, lease, pays)
+            if pick is not None:
+                held = int(pick.held / hop.slots.bytes_per_token)
+                if parks and kvcache is not None:  # park
+                    # The idle slots' conversations leave the shared cache before this
+                    # prompt is read (it then takes the cells they held).
+                    await kvcache.park(hop, hop.slots, pick.slot)
+        if kvcache is not None and hop.restoring and kvcache.wants(hop):  # restore
+            # Among a runner's first requests, or a conversation it parked: restore the saved
+            # conversation this prompt continues, if any, and pin the request to its slot.
+            prepared = await kvcache.prepare(hop, path, payload, held)
             if prepared is not payload:  # restored (a new payload, pinned to its slot)
                 pick = None
             payload = prepared
@@ -257,14 +284,13 @@ class RunnerClient:
         return await self._admitted(hop, hop.slots, path, payload, lease, streamed)
 
     def _pick(
-        self, hop: Hop, slots: Slots, path: str, payload: dict[str, Any], lease: Holder,
-        copier: SlotCopier | None,
+        self, slots: Slots, path: str, payload: dict[str, Any], lease: Holder,
+        pays: CopyPays | None,
     ) -> tuple[dict[str, Any], Pick | None]:  # fmt: skip
-        pays = copier.pays(hop) if copier is not None else None
         pick = slots.pick(lease, prompt_pieces(path, payload), pays)
         if pick is None:
             return payload, None
-        return {**payload, "id_slot": pick.slot}, pick if pays is not None else None
+        return {**payload, "id_slot": pick.slot}, pick
 
     async def _admitted(
         self, hop: Hop, slots: Slots, path: str, payload: dict[str, Any], lease: Holder,
