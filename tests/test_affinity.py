@@ -66,15 +66,15 @@ def test_idle_slots_worth_parking_and_a_parked_slot_is_empty_once_done() -> None
             {"role": "user", "content": text}]})  # fmt: skip
 
     slots = Slots(4, 100_000)
-    a = claim(slots, ask("fix the bug in a.py " * 20))
-    b = claim(slots, ask("write tests for b.py " * 40))
-    busy = slots.claim(Lease(), ask("write the docs " * 30))
+    a = claim(slots, ask("fix the bug in a.py " * 50))
+    b = claim(slots, ask("write tests for b.py " * 80))
+    busy = slots.claim(Lease(), ask("write the docs " * 60))
     hi = claim(slots, ask("hi"))
     assert busy is not None and len({a, b, busy, hi}) == 4
     assert slots.idle(keep=a) == [b]  # not the request's own, the busy one, nor a short one
     assert slots.idle(keep=busy) == [b, a]  # fullest first
     held = slots.hold(a)
-    assert a not in slots.free() and slots.claim(Lease(), ask("fix the bug in a.py " * 21)) != a
+    assert a not in slots.free() and slots.claim(Lease(), ask("fix the bug in a.py " * 51)) != a
     slots.emptied(a)
     held.released = True
     assert slots.idle(keep=busy) == [b] and a in slots.free()

@@ -22,13 +22,14 @@ MIDDLEWARES = {"server", "logs", "api.guard", "api.activity", "api.metrics"}
 
 # A warm streamed Ollama chat: the family (route and protocol, its chunks, the shared events
 # and chat types, the service and the relay), the admission and the core's books, the hop's
-# pipeline and its policies, the runner's API.
+# pipeline and its policies (on this CPU runner of several slots, the park step's: a GPU's would
+# enter runtime.slotcopy instead), the runner's API.
 OLLAMA_CHAT = {
     "api.families.ollama.routes", "api.families.ollama.protocol", "api.families.ollama.render",
     "api.common", "api.service", "api.chat", "api.events", "api.stream",
     "runtime.registry", "core.gguf", "core.roles", "runtime.admission", "core.spec",
     "runtime.scheduler", "core.books", "core.requests",
-    "runtime.hop", "runtime.affinity", "runtime.slotcopy", "runtime.runner_api",
+    "runtime.hop", "runtime.affinity", "runtime.kvcache", "runtime.runner_api",
     "runtime.continuation", "runtime.meter",
 }  # fmt: skip
 # The same chat through OpenAI's API, whose stream is llama.cpp's own, relayed as it is (its

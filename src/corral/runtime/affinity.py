@@ -59,9 +59,9 @@ LEARN_MIN_BYTES = 1024
 BYTES_PER_TOKEN_RANGE = (1.5, 6.0)
 # The runner paths that read a prompt into a slot's cache.
 GENERATION_PATHS = frozenset({"/v1/chat/completions", "/completion", "/v1/completions"})
-# A slot holding fewer prompt bytes than this (about 64 tokens) is not parked: its few cells
-# cost the other slots' steps little, and reading it again costs nothing.
-PARK_MIN_BYTES = 64 * BYTES_PER_TOKEN
+# A slot holding fewer prompt bytes than this (about 256 tokens) is not parked: its cells cost
+# the other slots' steps less than its save and erase (two tasks in the runner's queue) do.
+PARK_MIN_BYTES = 256 * BYTES_PER_TOKEN
 # What a copy between slots costs besides its bytes: two requests to the runner, each a task
 # in its queue (seconds).
 COPY_OVERHEAD_S = 0.002
