@@ -230,7 +230,7 @@ def test_a_new_conversation_on_an_empty_slot_names_the_idle_slot_sharing_most_of
     assert p.source_size == sum(len(x) for x in chat(first_a))
     # A's next turn goes back to its own slot and needs no copy.
     back = pick(slots, chat(first_a, "ok", "go"))
-    assert back == Pick(a.slot, held=sum(len(x) for x in chat(first_a)))  # all it holds
+    assert back == Pick(a.slot, held=sum(len(x) for x in chat(first_a)), own=True)
     # A third conversation starts from the one that shares most and, of those, holds least:
     # a and b share the system prompt and tools, and a now holds its second turn too.
     c = pick(slots, chat("document the module c.py for its new readers"))

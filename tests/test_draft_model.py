@@ -136,6 +136,30 @@ def test_both_runner_kinds_get_the_draft_model(tiny: Path) -> None:
         "/d.gguf", 8, 2, 0)  # fmt: skip
 
 
+
+def test_ngram_mod_gets_its_own_lengths_in_both_runner_kinds(tiny: Path) -> None:
+    """ngram-mod's lookup and draft lengths are its own flags (llama.cpp's draft ones do nothing
+    to it): corral's by default, the model's draft_max and draft_min where set; booked with
+    the rows its longest draft verifies."""
+    from corral.runtime.runner_child import build_params
+
+    for (most, least), want in [((None, None), (32, 48, 128)), ((24, 8), (32, 8, 24)),
+                                ((16, 40), (32, 16, 16))]:  # fmt: skip
+        spec = RunnerSpec(str(tiny), 512, 2, speculative="ngram-mod", draft_max=most,
+                          draft_min=least)  # fmt: skip
+        cmd = Runner("m", spec, "llama-server", Layout(0))._binary_cmd(1234)
+        flags = ("--spec-ngram-mod-n-match", "--spec-ngram-mod-n-min", "--spec-ngram-mod-n-max")
+        assert tuple(int(cmd[cmd.index(f) + 1]) for f in flags) == want
+        assert not {"--spec-draft-n-max", "--spec-draft-n-min"} & set(cmd)
+        payload = {**dataclasses.asdict(spec), "n_gpu_layers": 0, "main_gpu": None, "name": "m",
+                   "tensor_split": None}  # fmt: skip
+        mod = build_params(payload).speculative.ngram_mod
+        assert (mod.n_match, mod.n_min, mod.n_max) == want
+    info = read_model_info(tiny)
+    short, long = (estimate(info, 512, 2, speculative="ngram-mod", draft_max=n) for n in (8, 128))
+    assert long.overhead - short.overhead >= 2 * 120 * info.n_vocab * 4  # f32 logits, 2 slots
+    assert estimate(info, 512, 2, speculative="ngram-mod").total == long.total
+
 # ---- booked with its target ----------------------------------------------------------------
 def test_the_draft_model_is_booked_with_its_target(tiny: Path, tmp_path: Path) -> None:
     """Its weights, its KV cache of the target's context and slots, its compute and output

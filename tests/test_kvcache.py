@@ -390,3 +390,68 @@ async def test_a_load_waiting_for_the_memory_is_not_held_up_by_saving(
         assert cache.stats["saves"] == 1 and len(list((tmp_path / "kv").glob("*.slot"))) == 1
     finally:
         await sched.shutdown()
+
+
+# --------------------------------------------------------------------------- parking
+
+
+async def test_parking_saves_then_erases_and_a_failed_save_keeps_the_conversation(
+    tmp_path: Path,
+) -> None:
+    """`KVCache.park` (with a stand-in runner API): each idle slot worth it is held, saved,
+    then erased, and becomes a parked conversation the restore step compares prompts with; a
+    slot whose save fails is not erased and keeps its place in the picks."""
+    from types import SimpleNamespace
+
+    from corral.core.spec import Layout, RunnerSpec
+    from corral.runtime.affinity import Slots, prompt_pieces
+
+    model = tmp_path / "m.gguf"
+    model.write_bytes(b"GGUF")
+    cache = KVCache(tmp_path / "kv", 2**30)
+    calls: list[tuple[int, str]] = []
+
+    class API:
+        async def slot_action(self, slot: int, action: str, filename: str, timeout: float) -> Any:
+            calls.append((slot, action))
+            assert slots.free().count(slot) == 0  # held while it is parked
+            if action == "save" and slot == 0:
+                return "HTTP 500: the disk is full"
+            if action == "save":
+                write_slot(cache.directory / filename, list(range(100, 400)))
+                return {"n_saved": 300, "n_written": 1000}
+            return {"n_erased": 300}
+
+    changed: list[bool] = []
+    spec = RunnerSpec(path=str(model), n_ctx=4096, num_parallel=3, kv_unified=True)
+    runner = SimpleNamespace(spec=spec, layout=Layout(), name="m", llama_server=None,
+                             slot_save_path=cache.slot_save_path, allocation=None)  # fmt: skip
+    hop = SimpleNamespace(runner=runner, restore=None, restoring=False, api=API(),
+                          changed=lambda: changed.append(True))  # fmt: skip
+    slots = Slots(3, 4096)
+
+    class Lease:
+        released, generated, prompt_tokens = True, 0, None
+
+    def prompt(text: str) -> tuple[bytes, ...]:
+        return prompt_pieces("/completion", {"prompt": text * 500})
+
+    a, b = slots.claim(Lease(), prompt("a ")), slots.claim(Lease(), prompt("b "))
+    keep = slots.claim(Lease(), prompt("c "))
+    assert (a, b, keep) == (0, 1, 2)
+    assert cache.parks(hop)
+    await cache.park(hop, slots, keep)
+    assert calls == [(0, "save"), (1, "save"), (1, "erase")]
+    assert slots.idle(keep) == [0]  # the failed save's slot keeps its conversation
+    assert sorted(slots.free()) == [0, 1, 2] and len(changed) == 2  # holds released
+    st = hop.restore
+    assert st is not None and st.parked == set(st.pending) and len(st.parked) == 1
+    assert hop.restoring and cache.stats["parks"] == 1
+    # Not where a draft model drafts, nor on a GPU, nor with one slot.
+    for other in (dict(spec=RunnerSpec(path=str(model), n_ctx=4096, num_parallel=3,
+                                       kv_unified=True, draft="d.gguf")),
+                  dict(layout=Layout(n_gpu_layers=10)),
+                  dict(spec=RunnerSpec(path=str(model), n_ctx=4096, num_parallel=1))):  # fmt: skip
+        there = SimpleNamespace(**{**vars(hop), "restore": None,
+                                   "runner": SimpleNamespace(**{**vars(runner), **other})})
+        assert not cache.parks(there)

@@ -29,7 +29,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, replace
 
 DRAFTER = "ngram-mod"  # the drafter auto uses: needs no second model
-MIN_DRAFTED = 256  # drafted tokens a verdict needs (four or more drafts of ngram-mod's 48-64)
+MIN_DRAFTED = 256  # drafted tokens a verdict needs (two or more drafts of ngram-mod's 48-128)
 # A drafted row costs more than a prompt token's share of a large batch (a verification batch
 # is small, and rejected drafts roll the slot back): calibrated on 2 cores with SmolLM2, whose
 # story lost 15% at 38% of its drafts accepted against a break-even of 31% without it.

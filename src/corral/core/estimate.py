@@ -26,7 +26,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from corral.core.options import DRAFT_MAX
+from corral.core.options import DRAFT_MAX, NGRAM_MOD_MAX
 
 if TYPE_CHECKING:  # runner_child imports this module and must not pay for the GGUF reader
     from corral.core.gguf import AdapterInfo, ModelInfo, ProjectorInfo
@@ -373,9 +373,10 @@ class Estimate:
 
 
 # Tokens each of llama.cpp's drafters proposes at most (common_speculative_n_max, b11434
-# defaults; a draft model's is its draft_max), and what an n-gram drafter's tables hold in the
-# runner process (ngram-mod: 4M 4-byte entries; the others are taken to hold no more).
-DRAFT_TOKENS = {"off": 0, "draft": DRAFT_MAX, "ngram-mod": 64, "ngram-simple": 48,
+# defaults; ngram-mod's as corral starts it; a draft model's and ngram-mod's are the model's
+# draft_max where set), and what an n-gram drafter's tables hold in the runner process
+# (ngram-mod: 4M 4-byte entries; the others are taken to hold no more).
+DRAFT_TOKENS = {"off": 0, "draft": DRAFT_MAX, "ngram-mod": NGRAM_MOD_MAX, "ngram-simple": 48,
                 "ngram-map-k": 48, "ngram-map-k4v": 48, "ngram-cache": 8}  # fmt: skip
 DRAFTER_BYTES = 16 * 2**20
 
@@ -410,6 +411,8 @@ def estimate(
         raise ValueError(f"unsupported kv_cache_type {kv_type!r}")
     n_draft = DRAFT_TOKENS.get(speculative, 0)
     drafter = DRAFTER_BYTES if n_draft and speculative != "draft" else 0
+    if speculative == "ngram-mod" and draft_max is not None:
+        n_draft = draft_max
     own: Estimate | None = None
     if speculative == "draft" and draft is not None:
         n_draft = DRAFT_MAX if draft_max is None else draft_max

@@ -87,8 +87,10 @@ class RunnerSpec:
     chat_template: str | None = None
     speculative: str = "off"  # llama.cpp's --spec-type: "off", "draft" or an n-gram drafter
     draft: str | None = None  # the draft model's GGUF (with speculative "draft")
-    draft_max: int | None = None  # tokens it drafts at most (None: llama.cpp's DRAFT_MAX)
-    draft_min: int | None = None  # ... and at least (None: llama.cpp's 0)
+    # Tokens a draft model drafts at most (None: llama.cpp's DRAFT_MAX) and at least (None:
+    # llama.cpp's 0); for ngram-mod its longest and shortest draft (None: corral's NGRAM_MOD_*)
+    draft_max: int | None = None
+    draft_min: int | None = None
     # `auto` chose its drafter (core/drafting): measured, and turned off where it does not pay
     speculative_auto: bool = False
 

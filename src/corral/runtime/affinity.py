@@ -101,13 +101,15 @@ class Pick:
     """Where a prompt goes: `slot`; and `source`, an idle slot that holds more of the prompt
     than `slot` does (None if none): it shares `shared` bytes with the prompt, `slot` shares
     `held`, so its state copied into `slot` first spares evaluating `spared` bytes, and copies
-    all `source_size` bytes it holds."""
+    all `source_size` bytes it holds. `own`: `slot` holds the conversation the prompt continues
+    (no saved state can give it more)."""
 
     slot: int
     source: int | None = None
     shared: int = 0
     held: int = 0
     source_size: int = 0
+    own: bool = False
 
     @property
     def spared(self) -> int:
@@ -279,7 +281,7 @@ class Slots:
                 if pays is not None and self._source(lru, free, shared, pays) is not None:
                     slot = lru
         source = self._source(slot, free, shared, pays)
-        pick = Pick(slot, held=shared[slot])
+        pick = Pick(slot, held=shared[slot], own=slot in own)
         if source is not None:
             pick = Pick(slot, source, shared[source], shared[slot], self._sizes[source])
         self._learn()  # before the slot's last prompt is replaced

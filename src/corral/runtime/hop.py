@@ -268,9 +268,11 @@ class RunnerClient:
                     # The idle slots' conversations leave the shared cache before this
                     # prompt is read (it then takes the cells they held).
                     await kvcache.park(hop, hop.slots, pick.slot)
-        if kvcache is not None and hop.restoring and kvcache.wants(hop):  # restore
+        own = pick is not None and pick.own
+        if kvcache is not None and hop.restoring and not own and kvcache.wants(hop):  # restore
             # Among a runner's first requests, or a conversation it parked: restore the saved
-            # conversation this prompt continues, if any, and pin the request to its slot.
+            # conversation this prompt continues, if any, and pin the request to its slot (not
+            # for a conversation back in its own slot: nothing saved holds more of it).
             prepared = await kvcache.prepare(hop, path, payload, held)
             if prepared is not payload:  # restored (a new payload, pinned to its slot)
                 pick = None

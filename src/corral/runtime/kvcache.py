@@ -379,7 +379,7 @@ class KVCache:
         while conversations it parked are saved."""
         st = self._state(hop)
         wanted = bool(st.pending) and (st.checks_left > 0 or bool(st.parked))
-        hop.restoring = wanted  # until it parks one, the pipeline skips this step
+        hop.restoring = wanted  # else the pipeline skips this step (until the runner parks one)
         return wanted
 
     async def prepare(

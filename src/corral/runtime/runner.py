@@ -27,7 +27,7 @@ import psutil
 
 from corral.core.gguf import split_parts
 from corral.core.memreport import Allocation, AllocationParser
-from corral.core.options import spec_type
+from corral.core.options import ngram_mod_lengths, spec_type
 from corral.core.spec import Layout, RunnerSpec
 from corral.errors import ApiError
 from corral.runtime.loadwatch import file_bytes, loaded_bytes
@@ -277,10 +277,15 @@ class Runner:
             cmd += ["--spec-draft-model", s.draft]
             if self.layout.draft_gpu_layers is not None:
                 cmd += ["-ngld", str(self.layout.draft_gpu_layers)]
-        if s.draft_max is not None:
-            cmd += ["--spec-draft-n-max", str(s.draft_max)]
-        if s.draft_min is not None:
-            cmd += ["--spec-draft-n-min", str(s.draft_min)]
+        if s.speculative == "ngram-mod":  # its own lengths (corral's, or draft_max/draft_min)
+            match, least, most = ngram_mod_lengths(s.draft_max, s.draft_min)
+            cmd += ["--spec-ngram-mod-n-match", str(match), "--spec-ngram-mod-n-min", str(least),
+                    "--spec-ngram-mod-n-max", str(most)]  # fmt: skip
+        else:
+            if s.draft_max is not None:
+                cmd += ["--spec-draft-n-max", str(s.draft_max)]
+            if s.draft_min is not None:
+                cmd += ["--spec-draft-n-min", str(s.draft_min)]
         return cmd
 
     async def _read(self, stream: asyncio.StreamReader, ready: bool) -> None:

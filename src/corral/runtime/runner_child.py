@@ -22,7 +22,7 @@ from typing import Any
 
 from corral.core.estimate import KV_CACHE_TYPES, check_kv_cache_type
 from corral.core.memreport import LOADED_MARKER
-from corral.core.options import FLASH_ATTN, spec_type
+from corral.core.options import FLASH_ATTN, ngram_mod_lengths, spec_type
 
 PR_SET_PDEATHSIG = 1
 LOAD_VERBOSITY = 4  # LLAMA_LOG_INFO maps to verbosity 4 ("trace") in llama.cpp's common log
@@ -81,10 +81,16 @@ def build_params(spec: dict[str, Any]) -> Any:
         draft.mparams.path = spec["draft"]
         if spec.get("draft_gpu_layers") is not None:
             draft.n_gpu_layers = spec["draft_gpu_layers"]
-    if spec.get("draft_max") is not None:
-        draft.n_max = spec["draft_max"]
-    if spec.get("draft_min") is not None:
-        draft.n_min = spec["draft_min"]
+    if spec.get("speculative") == "ngram-mod":  # its own lengths, as the binary's flags
+        mod = p.speculative.ngram_mod
+        mod.n_match, mod.n_min, mod.n_max = ngram_mod_lengths(
+            spec.get("draft_max"), spec.get("draft_min")
+        )
+    else:
+        if spec.get("draft_max") is not None:
+            draft.n_max = spec["draft_max"]
+        if spec.get("draft_min") is not None:
+            draft.n_min = spec["draft_min"]
     if spec.get("embedding"):
         p.embedding = True
         if spec.get("pooling_type") is not None:
