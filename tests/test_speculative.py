@@ -17,6 +17,7 @@ from corral.config import Settings
 from corral.core.drafting import DRAFTER
 from corral.core.estimate import estimate
 from corral.core.gguf import read_model_info
+from corral.core.options import NGRAM_MOD_MAX
 from corral.core.spec import GPU_PARALLEL, RunnerSpec, runner_spec
 from corral.runtime.registry import ModelEntry, Registry, smollm2_path
 from corral.runtime.runner import Runner
@@ -77,12 +78,13 @@ def test_both_runner_kinds_get_the_drafter(tmp_path: Path) -> None:
 
 
 def test_drafts_are_booked(tmp_path: Path) -> None:
-    """Verification batches need 1 + 64 output rows a slot (logits in the compute graph and the
-    output buffer) and ngram-mod's table is 16 MiB: booked where a drafter is on."""
+    """Verification batches need 1 + NGRAM_MOD_MAX output rows a slot (ngram-mod's longest draft
+    as corral starts it: logits in the compute graph and the output buffer) and ngram-mod's
+    table is 16 MiB: booked where a drafter is on."""
     info = read_model_info(synth.write_llama_model(tmp_path / "m.gguf"))
     off = estimate(info, 2048, 4, unified=True)
     on = estimate(info, 2048, 4, unified=True, speculative="ngram-mod")
-    rows = 4 * 65 * info.n_vocab * 4
+    rows = 4 * (1 + NGRAM_MOD_MAX) * info.n_vocab * 4
     assert on.compute - off.compute == rows
     assert on.overhead - off.overhead == rows - 4 * info.n_vocab * 4
     assert on.process - off.process == 16 * 2**20
