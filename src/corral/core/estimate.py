@@ -26,7 +26,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from corral.core.options import DRAFT_MAX, NGRAM_MOD_MAX
+from corral.core.options import DRAFT_MAX, NGRAM_MOD_MAX, ngram_mod_lengths
 
 if TYPE_CHECKING:  # runner_child imports this module and must not pay for the GGUF reader
     from corral.core.gguf import AdapterInfo, ModelInfo, ProjectorInfo
@@ -411,8 +411,8 @@ def estimate(
         raise ValueError(f"unsupported kv_cache_type {kv_type!r}")
     n_draft = DRAFT_TOKENS.get(speculative, 0)
     drafter = DRAFTER_BYTES if n_draft and speculative != "draft" else 0
-    if speculative == "ngram-mod" and draft_max is not None:
-        n_draft = draft_max
+    if speculative == "ngram-mod":
+        n_draft = ngram_mod_lengths(draft_max, None)[2]
     own: Estimate | None = None
     if speculative == "draft" and draft is not None:
         n_draft = DRAFT_MAX if draft_max is None else draft_max

@@ -328,19 +328,19 @@ class KVCache:
 
     async def park(self, hop: RunnerHop, slots: Slots, keep: int) -> None:
         """Move the conversations of the idle slots but `keep` out of the runner's shared
-        cache before a request reads its prompt into `keep`: each is saved (a later prompt
-        that continues it gets it restored, into whichever slot it is given), then erased.
-        Every decoding step attends over every used cell of a shared cache, other slots'
-        included: llama.cpp's own server parks idle slots in RAM (`--cache-idle-slots`); on 2
-        cores with SmolLM2, a search/replace answer beside a 3,500-token idle slot made 53
-        tokens/s against 77 without. A slot whose save fails keeps its conversation."""
-        st = self._state(hop)
+        cache before a request reads its prompt into `keep`: each is saved (a prompt that
+        continues it gets it restored, into whichever slot it is given), then erased. Every
+        decoding step attends over every used cell of a shared cache (2 cores, SmolLM2: 53
+        tokens/s beside a 3,500-token idle slot, 77 without; llama-server parks idle slots in
+        RAM, `--cache-idle-slots`). A slot whose save fails keeps its conversation."""
+        st, saved_any = self._state(hop), False
         for slot in slots.idle(keep):
             held = slots.hold(slot)
             try:
                 saved, entry = await self._save_slot(hop, st.key, slot)
                 if not saved:
                     continue
+                saved_any = True
                 res = await hop.api.slot_action(slot, "erase", "", HTTP_TIMEOUT)
                 if not isinstance(res, dict) or "n_erased" not in res:
                     log.warning("kv cache: erasing slot %d of '%s' failed: %s",
@@ -357,7 +357,8 @@ class KVCache:
             finally:
                 held.released = True
                 hop.changed()
-        await asyncio.to_thread(self.enforce_cap)
+        if saved_any:  # most requests park nothing: no walk of the directory for them
+            await asyncio.to_thread(self.enforce_cap)
 
     # ---- restoring -------------------------------------------------------------------------
     def _state(self, hop: RunnerHop) -> RestoreState:
@@ -414,7 +415,7 @@ class KVCache:
                 st.parked.discard(name)
                 continue
             n = common_prefix(prompt, entry.tokens)
-            if n >= max(MIN_REUSE, held + MIN_REUSE) and (best is None or n > best[0]):
+            if n >= held + MIN_REUSE and (best is None or n > best[0]):
                 best = (n, entry)
         if best is None:
             return payload
