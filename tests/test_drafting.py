@@ -5,6 +5,7 @@ a later load), and a runner that drafts when its model should not is restarted o
 from __future__ import annotations
 
 import math
+from pathlib import Path
 
 import pytest
 
@@ -16,6 +17,8 @@ from corral.core.drafting import (
     RETRY_S,
     Choice,
     Counters,
+    kept,
+    restored,
     verdict,
 )
 from corral.core.requests import Grant, Load, Request, Stop
@@ -99,6 +102,26 @@ def test_logprobs_turn_it_off_and_a_second_reason_does_not_extend_the_while() ->
     assert again is c
 
 
+def test_what_is_off_is_kept_across_a_restart_for_the_rest_of_its_while() -> None:
+    """Kept with the end of its while on the wall clock, read back on a new clock: the same
+    time left, its backoff doubling on. One on, or unreadable, or long over, is not kept."""
+    off = Choice().off("does not pay: 30 of 300", 50.0).trying().off("again", 700.0)
+    choices = {"a": off, "b": Choice(), "c": Choice().off("logprobs", 0.0)}
+    record = kept(choices, now=1000.0, wall=1_700_000_000.0)
+    assert set(record) == {"a", "c"}  # "b" drafts, as any model not judged yet
+    back = restored(record, now=5.0, wall=1_700_000_100.0)  # 100 s later, a new process
+    a = back["a"]
+    assert not a.on and a.why == "again" and a.backoff == 4 * RETRY_S
+    assert a.retry_at == pytest.approx(5.0 + (700.0 + 2 * RETRY_S - 1000.0) - 100.0)
+    assert back["c"].retry_at < 5.0  # its while is over: it drafts again, judged again
+    assert restored({**record, "bad": {"why": 1}, "odd": [], "inf": {
+        "why": "x", "retry_at": math.inf, "backoff": RETRY_S}}, 5.0, 1_700_000_100.0
+    ).keys() == {"a", "c"}  # fmt: skip
+    long_over = restored(record, now=5.0, wall=1_700_000_000.0 + 2 * RETRY_MAX_S)
+    assert long_over == {}
+    assert restored(None, 0.0, 0.0) == {} and restored("x", 0.0, 0.0) == {}
+
+
 def _request(rid: int, now: float) -> Request:
     spec = RunnerSpec("/m/a.gguf", 1024, 1, speculative=DRAFTER, speculative_auto=True)
     return Request(id=rid, model="a", spec=spec, explicit=frozenset(), size=100,
@@ -127,9 +150,12 @@ def test_a_runner_restarts_only_once_idle_with_nothing_waiting() -> None:
     assert not core.restart(load.runner, "drafting off", 6.0)  # stopping already
 
 
-async def test_a_runner_judged_not_to_pay_is_restarted_without_drafting_once_idle() -> None:
+async def test_a_runner_judged_not_to_pay_is_restarted_without_drafting_once_idle(
+    tmp_path: Path,
+) -> None:
     """The measure reads a drafting runner's counters; a window that does not pay turns its
-    model's drafting off and the idle runner is stopped (its next load does not draft)."""
+    model's drafting off and the idle runner is stopped (its next load does not draft). The
+    choice is kept across a restart of corral."""
     from types import SimpleNamespace
 
     from corral.runtime.journal import Journal
@@ -156,7 +182,7 @@ async def test_a_runner_judged_not_to_pay_is_restarted_without_drafting_once_idl
     measure = Measure(
         core, {load.runner: rec}, Journal(), devices=[], refresh=None, margin=0,
         interval=math.inf, read_ahead=False, clock=lambda: now[0], apply=lambda: None,
-        spawn=lambda c: c.close(),
+        spawn=lambda c: c.close(), state_dir=tmp_path,
     )  # fmt: skip
     assert measure.drafting == {}  # drafting until judged
     await measure.count_tokens(rec)
@@ -168,3 +194,12 @@ async def test_a_runner_judged_not_to_pay_is_restarted_without_drafting_once_idl
     (stop,) = [a for a in core.drain() if isinstance(a, Stop)]  # served nothing: stopped
     assert stop.runner == load.runner and stop.kind == "options_change"
     assert measure.tokens["a"] == [640, 300, 300, 30]  # the counts the dashboard adds up
+    # corral restarts (a new clock): its new measure has the model off for the time left
+    again = Measure(
+        Core(budgets={"cpu": 10**9}), {}, Journal(), devices=[], refresh=None, margin=0,
+        interval=math.inf, read_ahead=False, clock=lambda: 107.0, apply=lambda: None,
+        spawn=lambda c: c.close(), state_dir=tmp_path,
+    )  # fmt: skip
+    back = again.drafting["a"]
+    assert not back.on and back.why == choice.why
+    assert back.retry_at == pytest.approx(107.0 + RETRY_S, abs=5.0)  # the wall clock's seconds

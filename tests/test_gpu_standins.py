@@ -36,7 +36,7 @@ from corral.errors import ApiError
 from corral.runtime import devices as runtime_devices
 from corral.runtime.admission import Admission, Resolved
 from corral.runtime.hop import Lease
-from corral.runtime.measure import CONTEXT_SLACK, OOM_RAISE, read_learned, write_learned
+from corral.runtime.measure import CONTEXT_SLACK, OOM_RAISE, read_learned, write_kept
 from corral.runtime.registry import ModelEntry
 from corral.runtime.runner import Runner
 from corral.runtime.runner_devices import RunnerDevice, RunnerDevices, choose_runner
@@ -429,7 +429,7 @@ async def test_the_runners_context_on_a_card_is_learned_from_nvml(
     used: dict[int, int] = {}
     monkeypatch.setitem(sys.modules, "pynvml", fake_nvml(card, used))
     runtime_devices._reset_nvml()
-    config = SchedulerConfig(measure_interval=0.05, margin=0, learned_path=kept)
+    config = SchedulerConfig(measure_interval=0.05, margin=0, state_dir=kept.parent)
     sched = Scheduler(
         {"cpu": 32 * GiB, "cuda:0": 139 * GiB}, config, devices=card.devices(),
         refresh=card.refresh,
@@ -556,5 +556,5 @@ def test_learned_allowances_from_a_damaged_file_are_learned_again(tmp_path: Path
     assert read_learned(kept) == {}
     kept.write_text('{"NVIDIA H200": 1073741824, "odd": "x", "negative": -1}')
     assert read_learned(kept) == {"NVIDIA H200": GiB}
-    write_learned(tmp_path / "new" / "gpu-contexts.json", {"NVIDIA H200": 2 * GiB})
+    write_kept(tmp_path / "new" / "gpu-contexts.json", {"NVIDIA H200": 2 * GiB}, "allowances")
     assert read_learned(tmp_path / "new" / "gpu-contexts.json") == {"NVIDIA H200": 2 * GiB}

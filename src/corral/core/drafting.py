@@ -19,7 +19,9 @@ llama.cpp b11434 lets no request turn drafting off (server-schema.cpp keeps the 
   runtime/measure) for `RETRY_S`, doubling up to `RETRY_MAX_S` while it keeps not paying;
 - after that, the model's next load drafts again and is judged again;
 - a request for logprobs turns it off the same way (llama.cpp gives accepted drafts no
-  probabilities: such a client would get made-up ones).
+  probabilities: such a client would get made-up ones);
+- what is off stays off across a restart of corral, for the rest of its while (`kept`,
+  `restored`): a model known not to pay is not judged again at each start.
 """
 
 from __future__ import annotations
@@ -27,6 +29,7 @@ from __future__ import annotations
 import math
 from collections.abc import Mapping
 from dataclasses import dataclass, replace
+from typing import Any
 
 DRAFTER = "ngram-mod"  # the drafter auto uses: needs no second model
 MIN_DRAFTED = 256  # drafted tokens a verdict needs (two or more drafts of ngram-mod's 48-128)
@@ -36,6 +39,7 @@ MIN_DRAFTED = 256  # drafted tokens a verdict needs (two or more drafts of ngram
 MARGIN = 1.5
 RETRY_S = 600.0  # how long drafting stays off for a model once it did not pay
 RETRY_MAX_S = 7200.0  # ... doubling each time it did not pay again, up to this
+KEPT_FILE = "drafting.json"  # in corral's state directory: `kept`, read back by `restored`
 
 
 @dataclass(frozen=True)
@@ -154,3 +158,33 @@ class Choice:
     def trying(self) -> Choice:
         """A runner drafts again after the backoff: judged again from its first window."""
         return replace(self, on=True, why="trying again: not measured since")
+
+
+def kept(choices: Mapping[str, Choice], now: float, wall: float) -> dict[str, dict[str, Any]]:
+    """The choices worth keeping across a restart, by model: those off, each with the end of
+    its while on the wall clock (`now`: the scheduler's clock, `wall`: time.time(), both now).
+    One on is not kept: a model drafts until it is judged anyway."""
+    return {
+        m: {"why": c.why, "retry_at": wall + (c.retry_at - now), "backoff": c.backoff}
+        for m, c in sorted(choices.items()) if not c.on
+    }  # fmt: skip
+
+
+def restored(data: object, now: float, wall: float) -> dict[str, Choice]:
+    """`kept`'s record read back on the scheduler's clock. What cannot be read is left out
+    (such a model drafts and is judged again), and so is a while that ended longer ago than
+    the longest: its model has had its next chance since."""
+    out: dict[str, Choice] = {}
+    for m, d in (data if isinstance(data, dict) else {}).items():
+        if not isinstance(d, dict):
+            continue
+        why, at, backoff = d.get("why"), d.get("retry_at"), d.get("backoff")
+        if not (isinstance(why, str) and isinstance(at, int | float)
+                and isinstance(backoff, int | float) and math.isfinite(at + backoff)):  # fmt: skip
+            continue
+        retry_at = now + (at - wall)
+        if retry_at < now - RETRY_MAX_S:
+            continue
+        backoff = min(max(float(backoff), RETRY_S), RETRY_MAX_S)
+        out[str(m)] = Choice(False, why, retry_at, backoff)
+    return out

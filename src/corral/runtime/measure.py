@@ -27,7 +27,7 @@ import psutil
 
 from corral.core.books import Core
 from corral.core.devices import CPU, GPU_CONTEXT_BYTES, Device, gpu_context, live_headroom
-from corral.core.drafting import Choice, Counters, verdict
+from corral.core.drafting import KEPT_FILE, Choice, Counters, kept, restored, verdict
 from corral.core.gguf import split_parts
 from corral.core.policy import DEFAULT_DISK_SECONDS_PER_BYTE, disk_seconds_per_byte, reload_seconds
 from corral.runtime.devices import gpu_process_memory
@@ -38,6 +38,8 @@ from corral.runtime.pagecache import prefetch, resident
 from corral.runtime.runner import Runner
 
 log = logging.getLogger(__name__)
+
+LEARNED_FILE = "gpu-contexts.json"  # card name -> what a runner holds there beyond its buffers
 
 OOM_RAISE = 1.25  # a model that ran out of memory is booked this much higher next time ...
 OOM_RAISE_MAX = 4.0  # ... up to this factor in all
@@ -85,7 +87,7 @@ class Measure:
         clock: Callable[[], float],
         apply: Callable[[], None],
         spawn: Callable[[Coroutine[Any, Any, Any]], None],
-        learned_path: Path | None = None,
+        state_dir: Path | None = None,
     ) -> None:
         self._core = core
         self._records = records
@@ -106,16 +108,20 @@ class Measure:
         # Tokens each model's runners processed (prompt, generated, drafted, accepted drafts),
         # summed over the runners' own counters (llama.cpp's /metrics), read every measure.
         self.tokens: dict[str, list[int]] = {}
+        # What corral learned here, kept across restarts in `state_dir` (when given).
+        self._learned_path = state_dir / LEARNED_FILE if state_dir else None
+        self._drafting_path = state_dir / KEPT_FILE if state_dir else None
         # Model -> what `speculative = "auto"` chose for its drafting, from its runners' windows
         # (core/drafting); a model missing has not been judged (it drafts).
-        self.drafting: dict[str, Choice] = {}
+        self.drafting: dict[str, Choice] = restored(
+            read_kept(self._drafting_path), clock(), time.time()
+        )
         self.raised: dict[str, float] = {}  # model -> booking factor after running out of memory
         self.raised_before: dict[str, float] = {}  # ... and before it last ran out
         # Card name -> the most a runner was measured to hold on such a GPU beyond llama.cpp's
         # buffers (NVML's figure less its buffers): booked with every later runner there.
-        # Kept in `learned_path` (when given), so the first load after a restart books it too.
-        self._learned_path = learned_path
-        self.learned_context: dict[str, int] = read_learned(learned_path)
+        # Kept (`state_dir`), so that the first load after a restart books it too.
+        self.learned_context: dict[str, int] = read_learned(self._learned_path)
         self._read_at = -math.inf  # when the devices were last read (headroom)
         # What a byte read from disk costs beyond one in the page cache (learned from two loads
         # of one file with different residency), and each file's last load (seconds, residency).
@@ -291,7 +297,7 @@ class Measure:
             if extra > self.learned_context.get(d.name, 0):
                 before = gpu_context(d, self.learned_context)
                 self.learned_context[d.name] = extra
-                write_learned(self._learned_path, self.learned_context)
+                write_kept(self._learned_path, self.learned_context, "the learned GPU allowances")
                 log.info(
                     "a runner holds %.0f MiB on %s (%s) beyond llama.cpp's buffers: booking "
                     "that with each runner there (was %.0f MiB)",
@@ -370,6 +376,7 @@ class Measure:
         if after is not before:
             log.info("model '%s' drafts no more for %.0f s: %s", model, after.retry_at -
                      self._clock(), why)  # fmt: skip
+            self._keep_drafting()
 
     def _judge_drafting(self, rec: Record, c: Counters) -> None:
         model, now = rec.runner.name, self._clock()
@@ -383,6 +390,7 @@ class Measure:
             if after.on != choice.on or not after.on:
                 log.info("model '%s': drafting %s (%s)", model, "on" if after.on else "off",
                          after.why)  # fmt: skip
+                self._keep_drafting()
             choice = after
         if not choice.on:
             # Restarted without drafting once idle, with nothing waiting (what it holds of
@@ -391,6 +399,11 @@ class Measure:
                 if b.model == model and b.spec.speculative_auto and b.spec.speculative != "off":
                     self._core.restart(b.id, f"drafting off: {choice.why}", now)
             self._apply()
+
+    def _keep_drafting(self) -> None:
+        """Keep what is off across a restart (core/drafting.kept)."""
+        write_kept(self._drafting_path, kept(self.drafting, self._clock(), time.time()),
+                   "auto's drafting choices")  # fmt: skip
 
     # ---- the page cache ----------------------------------------------------------------------
     def load_starting(self, path: str) -> None:
@@ -508,31 +521,37 @@ async def wait_for_recovery(
         await asyncio.sleep(interval)
 
 
-def read_learned(path: Path | None) -> dict[str, int]:
-    """The GPU context allowances learned before (card name -> bytes); none if the file is
-    missing or unreadable (then they are learned again)."""
+def read_kept(path: Path | None) -> Any:
+    """What was kept in `path` (JSON), or None if it is missing or unreadable (then what it
+    held is learned again)."""
     if path is None:
-        return {}
+        return None
     try:
-        data = json.loads(path.read_text())
+        return json.loads(path.read_text())
     except FileNotFoundError:
-        return {}
+        return None
     except (OSError, ValueError) as e:
         log.warning("ignoring %s: %s", path, e)
-        return {}
-    if not isinstance(data, dict):
-        return {}
-    return {str(k): v for k, v in data.items() if isinstance(v, int) and v > 0}
+        return None
 
 
-def write_learned(path: Path | None, learned: Mapping[str, int]) -> None:
-    """Keep the learned allowances (atomically; a failure only costs relearning them)."""
+def write_kept(path: Path | None, data: Any, what: str) -> None:
+    """Keep `data` in `path` (atomically; a failure only costs learning it again)."""
     if path is None:
         return
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
         tmp = path.with_suffix(".tmp")
-        tmp.write_text(json.dumps(dict(learned), indent=1, sort_keys=True))
+        tmp.write_text(json.dumps(data, indent=1, sort_keys=True))
         tmp.replace(path)
     except OSError as e:
-        log.warning("could not keep the learned GPU allowances in %s: %s", path, e)
+        log.warning("could not keep %s in %s: %s", what, path, e)
+
+
+def read_learned(path: Path | None) -> dict[str, int]:
+    """The GPU context allowances learned before (card name -> bytes); none if the file is
+    missing or unreadable."""
+    data = read_kept(path)
+    if not isinstance(data, dict):
+        return {}
+    return {str(k): v for k, v in data.items() if isinstance(v, int) and v > 0}

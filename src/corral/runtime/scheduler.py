@@ -103,8 +103,8 @@ class SchedulerConfig:
     measure_interval: float = 2.0
     margin: int = 0
     prefetch: bool = True
-    # Where what runners were measured to hold on each kind of GPU is kept across restarts
-    learned_path: Path | None = None
+    # What corral learned (runtime/measure) is kept here across restarts
+    state_dir: Path | None = None
 
     @classmethod
     def of(cls, settings: Settings) -> SchedulerConfig:
@@ -114,7 +114,7 @@ class SchedulerConfig:
             queue_timeout=settings.queue_timeout, policy=settings.eviction_policy,
             tool_hold=settings.tool_hold, stall_timeout=settings.runner_stall_timeout,
             margin=settings.memory_margin,
-            learned_path=settings.models_dir / STORE_DIR / "gpu-contexts.json",
+            state_dir=settings.models_dir / STORE_DIR,
         )  # fmt: skip
 
 
@@ -154,7 +154,7 @@ class Scheduler:
         self._measure = Measure(
             self._core, self._runners, self._journal, devices=self._devices, refresh=refresh,
             margin=c.margin, interval=c.measure_interval, read_ahead=c.prefetch, clock=clock,
-            apply=self._apply, spawn=self._spawn, learned_path=c.learned_path,
+            apply=self._apply, spawn=self._spawn, state_dir=c.state_dir,
         )  # fmt: skip
         self._meter = Meter(clock)  # generated tokens as they are relayed
         self._waiters: dict[int, asyncio.Future[Hop]] = {}

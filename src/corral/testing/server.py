@@ -16,7 +16,9 @@ from typing import Any
 import httpx
 import psutil
 
+from corral.core.drafting import KEPT_FILE
 from corral.runtime.runner import free_port
+from corral.runtime.store import STORE_DIR
 
 
 def runner_pids(server_pid: int) -> set[int]:
@@ -96,7 +98,10 @@ def start_corral(
     command: Sequence[str] = ("-m", "corral", "serve"),
 ) -> CorralServer:
     """`corral serve` on a free loopback port, returned once it answers (`command`: what the
-    Python interpreter runs, for a test that wraps the server)."""
+    Python interpreter runs, for a test that wraps the server). It starts as a fresh install
+    would: what auto's drafting chose for an earlier server on these models (kept across
+    restarts, runtime/measure) does not carry over to this one's tests or bench rounds."""
+    (models / STORE_DIR / KEPT_FILE).unlink(missing_ok=True)
     port = free_port()
     full_env = {
         **os.environ,
