@@ -4,6 +4,7 @@ a later load), and a runner that drafts when its model should not is restarted o
 
 from __future__ import annotations
 
+import json
 import math
 from pathlib import Path
 
@@ -12,6 +13,7 @@ import pytest
 from corral.core.books import Core
 from corral.core.drafting import (
     DRAFTER,
+    KEPT_FILE,
     MIN_DRAFTED,
     RETRY_MAX_S,
     RETRY_S,
@@ -203,3 +205,13 @@ async def test_a_runner_judged_not_to_pay_is_restarted_without_drafting_once_idl
     back = again.drafting["a"]
     assert not back.on and back.why == choice.why
     assert back.retry_at == pytest.approx(107.0 + RETRY_S, abs=5.0)  # the wall clock's seconds
+    # after its while it drafts again and pays: nothing of it is kept any more
+    later = Measure(
+        Core(budgets={"cpu": 10**9}), {}, Journal(), devices=[], refresh=None, margin=0,
+        interval=math.inf, read_ahead=False, clock=lambda: 107.0 + 2 * RETRY_S,
+        apply=lambda: None, spawn=lambda c: c.close(), state_dir=tmp_path,
+    )  # fmt: skip
+    pays = Counters(640, 2.0, 1500, 6.85, 1200, 1190, 100, 100.0)  # 99% of the drafts accepted
+    later._judge_drafting(Record(runner=runner), pays)  # type: ignore[arg-type]
+    assert later.drafting["a"].on
+    assert json.loads((tmp_path / KEPT_FILE).read_text()) == {}

@@ -380,7 +380,7 @@ class Measure:
 
     def _judge_drafting(self, rec: Record, c: Counters) -> None:
         model, now = rec.runner.name, self._clock()
-        choice = self.drafting.get(model, Choice())
+        choice = was = self.drafting.get(model, Choice())
         if not choice.on and now >= choice.retry_at:  # this runner drafts again after a turn off
             choice = self.drafting[model] = choice.trying()
         v = verdict(c - rec.window, c.batch_s)
@@ -390,6 +390,7 @@ class Measure:
             if after.on != choice.on or not after.on:
                 log.info("model '%s': drafting %s (%s)", model, "on" if after.on else "off",
                          after.why)  # fmt: skip
+            if not (after.on and was.on):  # what is kept changes: off, or on again after a while
                 self._keep_drafting()
             choice = after
         if not choice.on:
