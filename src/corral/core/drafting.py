@@ -3,11 +3,12 @@ judged from the counters the runner keeps (its /metrics), and what auto chooses 
 
 A drafted token costs its verification: one more row in the runner's next batch, which every
 stream decoding in that step waits for (`busy` streams, each `batch_s` a row: the least a
-prompt token was seen to cost on the runner, `row_cost`). An accepted one saves its stream a decoding step (`step_s`). So drafting pays
-where the share of drafts accepted is above `busy * batch_s / step_s`: on a GPU, whose batch
-rows cost next to nothing, almost always; on a CPU, whose rows cost what a prompt token does
-(2 cores, SmolLM2: 3 ms a row against 10 ms a step), only where a third of the drafts or more
-are accepted; the more streams share the steps, the more a rejected draft costs them all.
+prompt token was seen to cost on the runner, `row_cost`). An accepted one saves its stream a
+decoding step (`step_s`). So drafting pays where the share of drafts accepted is above
+`busy * batch_s / step_s`: on a GPU, whose batch rows cost next to nothing, almost always; on a
+CPU, whose rows cost what a prompt token does (2 cores, SmolLM2: 3 ms a row against 10 ms a
+step), only where a third of the drafts or more are accepted; the more streams share the steps,
+the more a rejected draft costs them all.
 
 llama.cpp b11434 lets no request turn drafting off (server-schema.cpp keeps the fields under
 `#if 0`), so auto chooses per model and acts on its runner:
