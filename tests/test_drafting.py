@@ -21,7 +21,6 @@ from corral.core.drafting import (
     Counters,
     kept,
     restored,
-    row_cost,
     verdict,
 )
 from corral.core.requests import Grant, Load, Request, Stop
@@ -78,24 +77,6 @@ def test_drafts_cost_more_where_more_streams_share_the_steps_and_little_on_a_gpu
     # a GPU's batch rows cost next to nothing against a step: a third accepted pays well
     gpu = verdict(window(1000, 600, 200, step_s=0.004), 1 / 20000)
     assert gpu is not None and gpu.pays and gpu.break_even < 0.05
-
-
-def test_a_row_costs_the_least_a_prompt_token_was_seen_to_cost() -> None:
-    """Prompts read beside other slots' steps (or in small pieces) cost more a token than a
-    row does: judged with such a cost, drafting that paid was turned off under many clients
-    (62% of drafts accepted, 'it pays from 75%'). The least seen is the row's cost."""
-    alone = Counters(prompt=640, prompt_s=2.0)  # 3.1 ms a token, read alone
-    assert row_cost(0.0, alone) == BATCH_S
-    assert row_cost(BATCH_S, Counters(prompt=640, prompt_s=4.0)) == BATCH_S  # beside 1 other
-    assert row_cost(BATCH_S, Counters(prompt=40, prompt_s=1.0)) == BATCH_S  # too few to say
-    assert row_cost(BATCH_S, Counters(prompt=640, prompt_s=1.6)) == 1.6 / 640  # cheaper seen
-    assert row_cost(0.0, Counters()) == 0.0  # not known yet
-    # 4 streams, 62% of the drafts accepted: it paid at a row's cost; at twice that it did not
-    w = window(1000, 468, 290, step_s=0.04, busy=4)
-    right, dear = verdict(w, BATCH_S), verdict(w, 2 * BATCH_S)
-    assert right is not None and dear is not None
-    assert right.pays and right.with_tps > right.without_tps
-    assert not dear.pays
 
 
 def test_the_choice_turns_off_for_a_while_doubling_and_back_on_at_a_later_load() -> None:

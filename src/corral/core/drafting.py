@@ -2,13 +2,12 @@
 judged from the counters the runner keeps (its /metrics), and what auto chooses from that.
 
 A drafted token costs its verification: one more row in the runner's next batch, which every
-stream decoding in that step waits for (`busy` streams, each `batch_s` a row: the least a
-prompt token was seen to cost on the runner, `row_cost`). An accepted one saves its stream a
-decoding step (`step_s`). So drafting pays where the share of drafts accepted is above
-`busy * batch_s / step_s`: on a GPU, whose batch rows cost next to nothing, almost always; on a
-CPU, whose rows cost what a prompt token does (2 cores, SmolLM2: 3 ms a row against 10 ms a
-step), only where a third of the drafts or more are accepted; the more streams share the steps,
-the more a rejected draft costs them all.
+stream decoding in that step waits for (`busy` streams, each `batch_s` a row: the runner's own
+prompt speed). An accepted one saves its stream a decoding step (`step_s`). So drafting pays
+where the share of drafts accepted is above `busy * batch_s / step_s`: on a GPU, whose batch
+rows cost next to nothing, almost always; on a CPU, whose rows cost what a prompt token does
+(2 cores, SmolLM2: 3 ms a row against 10 ms a step), only where a third of the drafts or more
+are accepted; the more streams share the steps, the more a rejected draft costs them all.
 
 llama.cpp b11434 lets no request turn drafting off (server-schema.cpp keeps the fields under
 `#if 0`), so auto chooses per model and acts on its runner:
@@ -87,16 +86,6 @@ class Counters:
         return self.prompt_s / self.prompt if self.prompt >= 64 else 0.0
 
 
-def row_cost(known: float, read: Counters) -> float:
-    """What a batch row costs on a runner: the least its prompt tokens were seen to cost a
-    token over the reads so far (`known`, 0 before any) and this one (`read`: what changed
-    since the last). A prompt read in small pieces, or beside other slots' steps (llama.cpp
-    counts the whole batch's time for each slot's prompt in it), costs more a token, never
-    less, so the least is the closest to a verification row's cost."""
-    cost = read.batch_s
-    return min(known, cost) if known and cost else known or cost
-
-
 @dataclass(frozen=True)
 class Verdict:
     """What drafting did on a runner over a window of its counters."""
@@ -126,7 +115,7 @@ class Verdict:
 
 def verdict(window: Counters, batch_s: float) -> Verdict | None:
     """Whether drafting paid over `window` (None: too few drafts to say). `batch_s`: what a
-    batch row costs on this runner (`row_cost`)."""
+    batch row costs on this runner (Counters.batch_s of its whole life)."""
     w = window
     if w.drafted < MIN_DRAFTED or w.generated <= w.accepted or w.generated_s <= 0 or batch_s <= 0:
         return None
