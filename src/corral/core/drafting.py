@@ -166,7 +166,7 @@ def kept(choices: Mapping[str, Choice], now: float, wall: float) -> dict[str, di
     One on is not kept: a model drafts until it is judged anyway."""
     return {
         m: {"why": c.why, "retry_at": wall + (c.retry_at - now), "backoff": c.backoff}
-        for m, c in sorted(choices.items()) if not c.on
+        for m, c in choices.items() if not c.on
     }  # fmt: skip
 
 

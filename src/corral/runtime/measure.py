@@ -390,7 +390,7 @@ class Measure:
             if after.on != choice.on or not after.on:
                 log.info("model '%s': drafting %s (%s)", model, "on" if after.on else "off",
                          after.why)  # fmt: skip
-            if not (after.on and was.on):  # what is kept changes: off, or on again after a while
+            if after is not was and not (after.on and was.on):  # what `kept` holds changed
                 self._keep_drafting()
             choice = after
         if not choice.on:
