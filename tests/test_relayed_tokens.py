@@ -265,6 +265,9 @@ def test_every_answer_counts_exactly_its_tokens(meter_server: CorralServer, kind
         (model,) = s.client.get("/api/corral/state", params={"model": MODEL}).json()["models"]
         return int((model["tokens"] or {}).get("relayed") or 0)
 
+    # An earlier test's streams, closed by their clients, end on their own time: their last
+    # tokens must be counted before this answer's window opens.
+    s.wait_for(lambda: all(m["requests_in_flight"] == 0 for m in s.ps()), 60, "no request")
     before = relayed()
     r = s.client.post(path, json=body)
     assert r.status_code == 200, r.text
