@@ -1,7 +1,8 @@
 """The dashboard: `GET /` sends a browser to `/ui`, the page's files and state document, and the
 page itself in a real headless browser (Debian's chromium driven by Playwright): it loads with no
 console errors, lists the models, and shows a load made through the API (state, memory, the
-event) without a reload; its buttons unload and load; auto's drafting turned off shows, with why."""
+event) without a reload; its buttons unload and load, a click held across a state push too;
+auto's drafting turned off shows, with why."""
 
 from __future__ import annotations
 
@@ -174,6 +175,32 @@ def test_dashboard_in_a_browser(dash: CorralServer, browser: Any, tmp_path: Path
     assert drafts.get_attribute("title") == "a client asked for logprobs"
     assert page.evaluate("window.__sameDocument") is True
     assert problems == []
+    page.close()
+
+
+def test_a_click_survives_a_state_push_between_press_and_release(
+    dash: CorralServer, browser: Any
+) -> None:
+    """A browser clicks only where the press and the release met one element: the table is
+    not redrawn while a button is held, so a state push then does not lose the click."""
+    dash.client.post("/models/unload", json={"model": "tiny2"})
+    gen = {"model": "tiny", "prompt": "hi", "stream": False, "options": {"num_predict": 2}}
+    assert dash.client.post("/api/generate", json=gen).status_code == 200
+    page = browser.new_page(viewport={"width": 1440, "height": 900})
+    page.goto(dash.url + "/ui")
+    button = page.locator(f"tr[data-model='{TINY}'][data-state='ready'] button[data-act='unload']")
+    box = button.bounding_box(timeout=15000)
+    assert box is not None
+    relayed = (f"() => last.models.find(m => m.name === '{TINY}').tokens?.relayed ?? 0")
+    before = page.evaluate(relayed)
+    page.mouse.move(box["x"] + box["width"] / 2, box["y"] + box["height"] / 2)
+    page.mouse.down()
+    # While it is held, the model answers: the page gets a new state (its `last`).
+    assert dash.client.post("/api/generate", json=gen).status_code == 200
+    page.wait_for_function(f"() => ({relayed})() > {before}", timeout=15000)
+    page.mouse.up()
+    page.wait_for_selector(f"tr[data-model='{TINY}'][data-state='not_loaded']", timeout=15000)
+    assert dash.ps() == []
     page.close()
 
 

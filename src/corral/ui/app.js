@@ -15,6 +15,7 @@ const PALETTE = ["#3b6cf6", "#14a05a", "#d98a06", "#8b5cf6", "#0ea5b7", "#e0527a
 
 let apiKey = localStorage.getItem(KEY_STORE) || "";
 let last = null;            // the last state document
+let pressed = false;        // a pointer is down on the models table (see "wiring")
 let receivedAt = 0;         // when it came (ms, performance.now())
 const pending = new Map();  // model -> "load" | "unload" | "delete" while its request runs
 const stateHooks = [];      // the other files' renderers, called with each state document
@@ -389,7 +390,7 @@ function renderModels(s) {
         <td class="actions">${actionCell(m)}</td>
       </tr>`;
   }).join("");
-  $("model-rows").innerHTML = rows;
+  if (!pressed) $("model-rows").innerHTML = rows;  // else once released (see `pressed`)
 }
 
 // Who waits for a slot (or, granted one, for room in its runner's shared context), the queue's
@@ -452,6 +453,17 @@ function renderEvents(s) {
 }
 
 // ---- wiring ----------------------------------------------------------------------------------
+// A browser clicks only where a press and its release met one element: a state push that
+// redrew the table in between lost the click on its button. So the table is not redrawn while
+// pressed, and is redrawn once the release's click has run.
+$("model-rows").addEventListener("pointerdown", () => { pressed = true; });
+for (const type of ["pointerup", "pointercancel"]) {
+  document.addEventListener(type, () => {
+    if (!pressed) return;
+    pressed = false;
+    setTimeout(() => { if (last) renderModels(last); }, 0);
+  });
+}
 document.addEventListener("click", (ev) => {
   const b = ev.target.closest("button[data-act]");
   if (b && (b.dataset.act === "load" || b.dataset.act === "unload")) act(b.dataset.act, b.dataset.model);
