@@ -20,6 +20,7 @@ from corral.core.drafting import (
     Choice,
     Counters,
     kept,
+    quiet,
     restored,
     verdict,
 )
@@ -77,6 +78,29 @@ def test_drafts_cost_more_where_more_streams_share_the_steps_and_little_on_a_gpu
     # a GPU's batch rows cost next to nothing against a step: a third accepted pays well
     gpu = verdict(window(1000, 600, 200, step_s=0.004), 1 / 20000)
     assert gpu is not None and gpu.pays and gpu.break_even < 0.05
+
+
+def test_a_row_costs_what_a_prompt_read_alone_costs() -> None:
+    """A batch row's cost comes from the reads in which one stream at a time was decoding:
+    a prompt read beside other slots' steps is timed by a batch that holds their rows too
+    (five times dearer here). With that lifetime figure, 4 streams with 84% of their drafts
+    accepted were judged not to pay (the break-even at its 100% cap); with the quiet one they
+    pay, as the bench measured (edit at 4 clients: 1.24x of corral without drafts)."""
+    alone = Counters(prompt=40, prompt_s=40 * BATCH_S, generated=64, decodes=70, busy=70.0)
+    beside = Counters(prompt=160, prompt_s=160 * 5 * BATCH_S, generated=256, decodes=300,
+                      busy=1200.0)  # fmt: skip
+    known = Counters()
+    for read in (alone, beside, alone, beside):
+        known = quiet(known, read)
+    assert known == alone + alone and known.batch_s == pytest.approx(BATCH_S)
+    assert quiet(known, Counters(decodes=9, busy=9.0)) == known  # no prompt read: nothing learned
+    lifetime = (alone + beside + alone + beside).batch_s
+    crowded = window(1200, 1000, 840, step_s=0.030, busy=4)
+    was, now = verdict(crowded, lifetime), verdict(crowded, known.batch_s)
+    assert was is not None and now is not None
+    assert not was.pays and was.break_even == 1.0
+    assert now.pays and now.break_even < 0.7
+    assert now.without_tps == pytest.approx(1 / 0.030)  # the step the window was built with
 
 
 def test_the_choice_turns_off_for_a_while_doubling_and_back_on_at_a_later_load() -> None:
@@ -171,7 +195,7 @@ async def test_a_runner_judged_not_to_pay_is_restarted_without_drafting_once_idl
     core.release(1, 1.5)
     core.drain()
     reads = iter([
-        Counters(prompt=640, prompt_s=2.0),  # the prompt read: 3.1 ms a row
+        Counters(prompt=640, prompt_s=2.0, decodes=1, busy=1.0),  # read alone: 3.1 ms a row
         Counters(640, 2.0, 300, 2.8, 300, 30, 100, 100.0),  # 10% of the drafts accepted
     ])  # fmt: skip
 
@@ -189,6 +213,7 @@ async def test_a_runner_judged_not_to_pay_is_restarted_without_drafting_once_idl
     assert measure.drafting == {}  # drafting until judged
     await measure.count_tokens(rec)
     assert "a" not in measure.drafting  # too few drafts to say
+    assert rec.quiet.batch_s == pytest.approx(2.0 / 640)  # a row's cost, for the verdict
     await measure.count_tokens(rec)  # the request ended: 300 drafted tokens
     choice = measure.drafting["a"]
     assert not choice.on and choice.retry_at == RETRY_S  # its loads do not draft for a while

@@ -3,7 +3,8 @@ judged from the counters the runner keeps (its /metrics), and what auto chooses 
 
 A drafted token costs its verification: one more row in the runner's next batch, which every
 stream decoding in that step waits for (`busy` streams, each `batch_s` a row: the runner's own
-prompt speed). An accepted one saves its stream a decoding step (`step_s`). So drafting pays
+prompt speed, where it read prompts alone: `quiet`). An accepted one saves its stream a
+decoding step (`step_s`). So drafting pays
 where the share of drafts accepted is above `busy * batch_s / step_s`: on a GPU, whose batch
 rows cost next to nothing, almost always; on a CPU, whose rows cost what a prompt token does
 (2 cores, SmolLM2: 3 ms a row against 10 ms a step), only where a third of the drafts or more
@@ -72,6 +73,14 @@ class Counters:
             int(decodes), found.get("llamacpp:n_busy_slots_per_decode", 0.0) * decodes,
         )  # fmt: skip
 
+    def __add__(self, o: Counters) -> Counters:
+        return Counters(
+            self.prompt + o.prompt, self.prompt_s + o.prompt_s,
+            self.generated + o.generated, self.generated_s + o.generated_s,
+            self.drafted + o.drafted, self.accepted + o.accepted,
+            self.decodes + o.decodes, self.busy + o.busy,
+        )  # fmt: skip
+
     def __sub__(self, o: Counters) -> Counters:
         return Counters(
             self.prompt - o.prompt, self.prompt_s - o.prompt_s,
@@ -84,6 +93,18 @@ class Counters:
     def batch_s(self) -> float:
         """Seconds a row of a batch costs: the prompt's evaluation per token (0: not known)."""
         return self.prompt_s / self.prompt if self.prompt >= 64 else 0.0
+
+
+def quiet(known: Counters, read: Counters) -> Counters:
+    """`known` with `read` (what changed between two reads) added where the runner read its
+    prompts with no other stream beside them: the prompt speed a batch row really has.
+    llama.cpp times a slot's prompt by its whole batch, and beside other slots' steps that
+    batch also holds their rows (and their drafts): under many clients a prompt token looked
+    five times dearer than one read alone, and drafting that paid was judged not to."""
+    # every decode with one slot busy (busy is llama.cpp's average times decodes: 0.5 for the
+    # float's rounding)
+    alone = read.prompt > 0 and 0 < read.decodes and read.busy < read.decodes + 0.5
+    return known + read if alone else known
 
 
 @dataclass(frozen=True)
@@ -115,7 +136,8 @@ class Verdict:
 
 def verdict(window: Counters, batch_s: float) -> Verdict | None:
     """Whether drafting paid over `window` (None: too few drafts to say). `batch_s`: what a
-    batch row costs on this runner (Counters.batch_s of its whole life)."""
+    batch row costs on this runner (Counters.batch_s of its `quiet` reads, or of its whole
+    life before it read enough prompts alone)."""
     w = window
     if w.drafted < MIN_DRAFTED or w.generated <= w.accepted or w.generated_s <= 0 or batch_s <= 0:
         return None

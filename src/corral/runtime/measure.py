@@ -27,7 +27,7 @@ import psutil
 
 from corral.core.books import Core
 from corral.core.devices import CPU, GPU_CONTEXT_BYTES, Device, gpu_context, live_headroom
-from corral.core.drafting import KEPT_FILE, Choice, Counters, kept, restored, verdict
+from corral.core.drafting import KEPT_FILE, Choice, Counters, kept, quiet, restored, verdict
 from corral.core.gguf import split_parts
 from corral.core.policy import DEFAULT_DISK_SECONDS_PER_BYTE, disk_seconds_per_byte, reload_seconds
 from corral.runtime.devices import gpu_process_memory
@@ -63,6 +63,7 @@ class Record:
     tokens: Counters = field(default_factory=Counters)  # its counters at the last read
     # ... where its drafting's window began (auto's drafting: a verdict every MIN_DRAFTED)
     window: Counters = field(default_factory=Counters)
+    quiet: Counters = field(default_factory=Counters)  # ... its reads with one stream at a time
     cached_at_load: float | None = None  # share of its file in the page cache as its load began
     cached: float | None = None  # ... and at the last look
     free_before: dict[str, int] | None = None  # GPUs' free bytes as it was told to stop
@@ -364,7 +365,7 @@ class Measure:
             (before.prompt, before.generated, before.drafted, before.accepted), strict=True,
         )):  # fmt: skip
             total[i] += max(0, now - then)
-        rec.tokens = c
+        rec.tokens, rec.quiet = c, quiet(rec.quiet, c - before)
         if rec.runner.spec.speculative_auto and rec.runner.spec.speculative != "off":
             self._judge_drafting(rec, c)
 
@@ -383,7 +384,7 @@ class Measure:
         choice = was = self.drafting.get(model, Choice())
         if not choice.on and now >= choice.retry_at:  # this runner drafts again after a turn off
             choice = self.drafting[model] = choice.trying()
-        v = verdict(c - rec.window, c.batch_s)
+        v = verdict(c - rec.window, rec.quiet.batch_s or c.batch_s)
         if v is not None:
             rec.window = c
             after = self.drafting[model] = choice.judged(v, now)
