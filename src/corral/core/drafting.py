@@ -4,11 +4,11 @@ judged from the counters the runner keeps (its /metrics), and what auto chooses 
 A drafted token costs its verification: one more row in the runner's next batch, which every
 stream decoding in that step waits for (`busy` streams, each `batch_s` a row: the runner's own
 prompt speed, where it read prompts alone: `quiet`). An accepted one saves its stream a
-decoding step (`step_s`). So drafting pays
-where the share of drafts accepted is above `busy * batch_s / step_s`: on a GPU, whose batch
-rows cost next to nothing, almost always; on a CPU, whose rows cost what a prompt token does
-(2 cores, SmolLM2: 3 ms a row against 10 ms a step), only where a third of the drafts or more
-are accepted; the more streams share the steps, the more a rejected draft costs them all.
+decoding step (`step_s`). So drafting pays where the share of drafts accepted is above
+`busy * batch_s / step_s`: on a GPU, whose batch rows cost next to nothing, almost always; on
+a CPU, whose rows cost what a prompt token does (2 cores, SmolLM2: 3 ms a row against 10 ms a
+step), only where a third of the drafts or more are accepted; the more streams share the
+steps, the more a rejected draft costs them all.
 
 llama.cpp b11434 lets no request turn drafting off (server-schema.cpp keeps the fields under
 `#if 0`), so auto chooses per model and acts on its runner:
@@ -100,7 +100,7 @@ def quiet(known: Counters, read: Counters) -> Counters:
     prompts with no other stream beside them: the prompt speed a batch row really has.
     llama.cpp times a slot's prompt by its whole batch, and beside other slots' steps that
     batch also holds their rows (and their drafts): under many clients a prompt token looked
-    five times dearer than one read alone, and drafting that paid was judged not to."""
+    several times dearer than one read alone, and drafting that paid was judged not to."""
     # every decode with one slot busy (busy is llama.cpp's average times decodes: 0.5 for the
     # float's rounding)
     alone = read.prompt > 0 and 0 < read.decodes and read.busy < read.decodes + 0.5

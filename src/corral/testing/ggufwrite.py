@@ -1,6 +1,7 @@
 """What every synthetic GGUF writer (`testing/synth.py`, tests/scripted.py) shares:
 SmolLM2's tokenizer, cut to ``n_vocab`` tokens, written into a file, and tensors streamed to
-disk from random bits, atomically or split as gguf-split writes a model."""
+disk from random bits, atomically or split as gguf-split writes a model; and where the real
+test models come from (SmolLM2, Gemma 3 270M)."""
 
 from __future__ import annotations
 
