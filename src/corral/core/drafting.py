@@ -29,7 +29,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Mapping
-from dataclasses import dataclass, replace
+from dataclasses import astuple, dataclass, replace
 from typing import Any
 
 DRAFTER = "ngram-mod"  # the drafter auto uses: needs no second model
@@ -74,20 +74,10 @@ class Counters:
         )  # fmt: skip
 
     def __add__(self, o: Counters) -> Counters:
-        return Counters(
-            self.prompt + o.prompt, self.prompt_s + o.prompt_s,
-            self.generated + o.generated, self.generated_s + o.generated_s,
-            self.drafted + o.drafted, self.accepted + o.accepted,
-            self.decodes + o.decodes, self.busy + o.busy,
-        )  # fmt: skip
+        return Counters(*(a + b for a, b in zip(astuple(self), astuple(o), strict=True)))
 
     def __sub__(self, o: Counters) -> Counters:
-        return Counters(
-            self.prompt - o.prompt, self.prompt_s - o.prompt_s,
-            self.generated - o.generated, self.generated_s - o.generated_s,
-            self.drafted - o.drafted, self.accepted - o.accepted,
-            self.decodes - o.decodes, self.busy - o.busy,
-        )  # fmt: skip
+        return Counters(*(a - b for a, b in zip(astuple(self), astuple(o), strict=True)))
 
     @property
     def batch_s(self) -> float:

