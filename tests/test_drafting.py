@@ -15,6 +15,7 @@ from corral.core.drafting import (
     DRAFTER,
     KEPT_FILE,
     MIN_DRAFTED,
+    MIN_UNDRAFTED,
     RETRY_MAX_S,
     RETRY_S,
     Choice,
@@ -22,10 +23,12 @@ from corral.core.drafting import (
     kept,
     quiet,
     restored,
+    undrafted,
     verdict,
 )
 from corral.core.requests import Grant, Load, Request, Stop
 from corral.core.spec import RunnerSpec
+from corral.runtime.measure import Measure, Record
 
 # 2 cores, SmolLM2: a prompt token costs ~3 ms in a large batch, a decoding step ~10 ms
 BATCH_S = 1 / 320
@@ -103,6 +106,54 @@ def test_a_row_costs_what_a_prompt_read_alone_costs() -> None:
     assert now.without_tps == pytest.approx(1 / 0.030)  # the step the window was built with
 
 
+def plain(generated: int, tps: float, busy: float = 1.0) -> Counters:
+    """A read in which the requests that ended drafted nothing, at `tps` a stream."""
+    return Counters(generated=generated, generated_s=generated / tps, decodes=100,
+                    busy=100 * busy)  # fmt: skip
+
+
+def test_the_speed_without_drafts_is_kept_by_load_from_requests_that_drafted_nothing() -> None:
+    known = undrafted({}, plain(64, 100.0), drafting=True)  # a story alone: nothing drafted
+    assert known == {0: plain(64, 100.0)}
+    # a read with drafts in it, or beside other streams on a drafting runner, says nothing
+    assert undrafted(known, window(300, 300, 114), drafting=True) == known
+    assert undrafted(known, plain(64, 50.0, busy=4), drafting=True) == known
+    assert undrafted(known, Counters(decodes=5, busy=5.0), drafting=True) == known
+    # a runner that does not draft tells its speed at every load, by the nearest power of two
+    crowded = undrafted(known, plain(64, 40.0, busy=3.7), drafting=False)
+    assert crowded == {0: plain(64, 100.0), 2: plain(64, 40.0, busy=3.7)}
+    # the older tokens count half past UNDRAFTED_KEPT: the speed follows the machine's now
+    for _ in range(40):
+        known = undrafted(known, plain(64, 100.0), drafting=False)
+    slower = known
+    for _ in range(40):
+        slower = undrafted(slower, plain(64, 50.0), drafting=False)
+    kept_tps = slower[0].generated / slower[0].generated_s
+    assert slower[0].generated < 2 * 1024 + 64 and kept_tps < 55.0
+
+
+def test_a_verdict_compares_with_the_speed_measured_without_drafts_at_the_same_load() -> None:
+    """Where the model generated enough without drafts at the window's load, drafting pays if
+    its streams were at least as fast: the cost model's guess is not needed there. A story
+    whose acceptance the cost model would pass but whose streams were slower turns it off; an
+    edit measured faster stays on, even where no prompt was read to price a row."""
+    story = window(300, 300, 165)  # 55% accepted: above the estimate's break-even
+    guessed = verdict(story, BATCH_S)
+    assert guessed is not None and guessed.pays and not guessed.measured
+    fast = {0: plain(MIN_UNDRAFTED, 1.2 * guessed.with_tps)}
+    measured = verdict(story, BATCH_S, fast)
+    assert measured is not None and measured.measured and not measured.pays
+    assert measured.without_tps == pytest.approx(1.2 * guessed.with_tps)
+    assert str(measured).endswith(" measured without") and "pays from" not in str(measured)
+    edit = verdict(window(1500, 1200, 1190), 0.0, {0: plain(MIN_UNDRAFTED, 100.0)})
+    assert edit is not None and edit.measured and edit.pays
+    # too little of it, or only at another load: estimated as before
+    few = verdict(story, BATCH_S, {0: plain(MIN_UNDRAFTED - 1, 1000.0)})
+    other = verdict(story, BATCH_S, {3: plain(MIN_UNDRAFTED, 1000.0)})
+    assert few == guessed and other == guessed
+    assert verdict(window(1500, 1200, 1190), 0.0, {3: plain(512, 1.0)}) is None
+
+
 def test_the_choice_turns_off_for_a_while_doubling_and_back_on_at_a_later_load() -> None:
     bad = verdict(window(300, 300, 30), BATCH_S)
     good = verdict(window(1500, 1200, 1190), BATCH_S)
@@ -176,40 +227,49 @@ def test_a_runner_restarts_only_once_idle_with_nothing_waiting() -> None:
     assert not core.restart(load.runner, "drafting off", 6.0)  # stopping already
 
 
-async def test_a_runner_judged_not_to_pay_is_restarted_without_drafting_once_idle(
-    tmp_path: Path,
-) -> None:
-    """The measure reads a drafting runner's counters; a window that does not pay turns its
-    model's drafting off and the idle runner is stopped (its next load does not draft). The
-    choice is kept across a restart of corral."""
+def _measured(tmp_path: Path, *reads: Counters) -> tuple[Core, Load, Record, Measure]:
+    """A Measure over one idle runner of model "a" (drafting, auto) whose counters read
+    `reads` in turn."""
     from types import SimpleNamespace
 
     from corral.runtime.journal import Journal
-    from corral.runtime.measure import Measure, Record
 
-    now = [0.0]
     core = Core(budgets={"cpu": 10**9})
     core.request(_request(1, 0.0), 0.0)
     (load,) = [a for a in core.drain() if isinstance(a, Load)]
     core.loaded(load.runner, 1.0)
     core.release(1, 1.5)
     core.drain()
-    reads = iter([
-        Counters(prompt=640, prompt_s=2.0, decodes=1, busy=1.0),  # read alone: 3.1 ms a row
-        Counters(640, 2.0, 300, 2.8, 300, 30, 100, 100.0),  # 10% of the drafts accepted
-    ])  # fmt: skip
+    it = iter(reads)
 
     class API:
         async def token_counts(self) -> Counters:
-            return next(reads)
+            return next(it)
 
     runner = SimpleNamespace(name="a", spec=load.spec, api=API())
-    rec = Record(runner=runner)  # type: ignore[arg-type]
+    rec = Record(runner=runner)
     measure = Measure(
         core, {load.runner: rec}, Journal(), devices=[], refresh=None, margin=0,
-        interval=math.inf, read_ahead=False, clock=lambda: now[0], apply=lambda: None,
+        interval=math.inf, read_ahead=False, clock=lambda: 0.0, apply=lambda: None,
         spawn=lambda c: c.close(), state_dir=tmp_path,
     )  # fmt: skip
+    return core, load, rec, measure
+
+
+async def test_a_runner_judged_not_to_pay_is_restarted_without_drafting_once_idle(
+    tmp_path: Path,
+) -> None:
+    """The measure reads a drafting runner's counters; a window that does not pay turns its
+    model's drafting off and the idle runner is stopped (its next load does not draft). The
+    choice is kept across a restart of corral."""
+    from corral.runtime.journal import Journal
+
+    core, load, rec, measure = _measured(
+        tmp_path,
+        Counters(prompt=640, prompt_s=2.0, decodes=1, busy=1.0),  # read alone: 3.1 ms a row
+        Counters(640, 2.0, 300, 2.8, 300, 30, 100, 100.0),  # 10% of the drafts accepted
+    )
+    runner = rec.runner
     assert measure.drafting == {}  # drafting until judged
     await measure.count_tokens(rec)
     assert "a" not in measure.drafting  # too few drafts to say
@@ -237,6 +297,27 @@ async def test_a_runner_judged_not_to_pay_is_restarted_without_drafting_once_idl
         apply=lambda: None, spawn=lambda c: c.close(), state_dir=tmp_path,
     )  # fmt: skip
     pays = Counters(640, 2.0, 1500, 6.85, 1200, 1190, 100, 100.0)  # 99% of the drafts accepted
-    later._judge_drafting(Record(runner=runner), pays)  # type: ignore[arg-type]
+    later._judge_drafting(Record(runner=runner), pays)
     assert later.drafting["a"].on
     assert json.loads((tmp_path / KEPT_FILE).read_text()) == {}
+
+
+async def test_a_measure_judges_drafting_against_its_models_speed_without_drafts(
+    tmp_path: Path,
+) -> None:
+    """A story that drafted nothing, then drafts whose acceptance the estimate would pass:
+    its streams were slower than the story's, measured, so drafting turns off."""
+    core, _, rec, measure = _measured(
+        tmp_path,
+        Counters(640, 2.0, 256, 2.56, 0, 0, 300, 300.0),  # alone, no drafts: 100 tokens/s
+        Counters(640, 2.0, 556, 6.56, 300, 165, 700, 700.0),  # 55% accepted, 75 tokens/s
+    )
+    await measure.count_tokens(rec)
+    assert measure.undrafted["a"] == {0: Counters(640, 2.0, 256, 2.56, 0, 0, 300, 300.0)}
+    assert "a" not in measure.drafting
+    await measure.count_tokens(rec)
+    choice = measure.drafting["a"]
+    assert not choice.on and choice.last is not None and choice.last.measured
+    # the window holds every stream since the last verdict, the story's too: 556 in 6.56 s
+    assert str(choice).endswith("84.8 tokens/s a stream against 100.0 measured without")
+    assert [a for a in core.drain() if isinstance(a, Stop)]  # restarted without drafting

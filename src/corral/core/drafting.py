@@ -15,9 +15,12 @@ llama.cpp b11434 lets no request turn drafting off (server-schema.cpp keeps the 
 - a model starts drafting (llama.cpp's ngram-mod: it drafts only where the context already holds
   the text that follows, as an agent's edit of a file it was shown does, and costs nothing where
   nothing repeats);
-- every `MIN_DRAFTED` drafted tokens the runner's window is judged (`verdict`); one that does not
-  pay turns the model's drafting off (the runner is restarted without it when it is idle,
-  runtime/measure) for `RETRY_S`, doubling up to `RETRY_MAX_S` while it keeps not paying;
+- every `MIN_DRAFTED` drafted tokens the runner's window is judged (`verdict`): measured where
+  the model has generated enough without drafts at the same load (`undrafted`: requests that
+  drafted nothing, and its runners while drafting was off), drafting pays if its streams were
+  at least as fast; else by the cost above. One that does not pay turns the model's drafting
+  off (the runner is restarted without it when it is idle, runtime/measure) for `RETRY_S`,
+  doubling up to `RETRY_MAX_S` while it keeps not paying;
 - after that, the model's next load drafts again and is judged again;
 - a request for logprobs turns it off the same way (llama.cpp gives accepted drafts no
   probabilities: such a client would get made-up ones);
@@ -40,6 +43,10 @@ MIN_DRAFTED = 256  # drafted tokens a verdict needs (two or more drafts of ngram
 MARGIN = 1.5
 RETRY_S = 600.0  # how long drafting stays off for a model once it did not pay
 RETRY_MAX_S = 7200.0  # ... doubling each time it did not pay again, up to this
+# Tokens generated without drafts at a load from which a verdict compares measured speeds,
+# and past which the older ones count half (a few requests: the speed now, not at the start)
+MIN_UNDRAFTED = 128
+UNDRAFTED_KEPT = 1024
 KEPT_FILE = "drafting.json"  # in corral's state directory: `kept`, read back by `restored`
 
 
@@ -97,6 +104,30 @@ def quiet(known: Counters, read: Counters) -> Counters:
     return known + read if alone else known
 
 
+def level(busy: float) -> int:
+    """The load a stream's speed is compared at: streams decoding at once, to the nearest
+    power of two (0: one alone)."""
+    return round(math.log2(max(1.0, busy)))
+
+
+def undrafted(known: Mapping[int, Counters], read: Counters, drafting: bool) -> dict[int, Counters]:
+    """`known` (a model's generation without drafts, by `level`) with `read` added where the
+    requests that ended in it drafted nothing: llama.cpp adds a request's drafts to its
+    counters with its tokens, as it ends. On a drafting runner only a read with one stream at
+    a time counts: beside other streams a step also verifies their drafts. A level past
+    UNDRAFTED_KEPT tokens is halved first, so that what is compared follows the machine's
+    speed now."""
+    alone = read.busy < read.decodes + 0.5  # every decode with one slot busy (see `quiet`)
+    if (read.drafted or read.generated <= 0 or read.generated_s <= 0 or read.decodes <= 0
+            or (drafting and not alone)):  # fmt: skip
+        return dict(known)
+    at = level(read.busy / read.decodes)
+    was = known.get(at, Counters())
+    if was.generated > UNDRAFTED_KEPT:
+        was = Counters(*(x // 2 if isinstance(x, int) else x / 2 for x in astuple(was)))
+    return {**known, at: was + read}
+
+
 @dataclass(frozen=True)
 class Verdict:
     """What drafting did on a runner over a window of its counters."""
@@ -106,7 +137,8 @@ class Verdict:
     busy: float  # streams decoding at once, on average
     break_even: float  # the share of drafts accepted from which drafting pays (with MARGIN)
     with_tps: float  # a stream's tokens/s, as measured (drafting)
-    without_tps: float  # ... estimated without drafting
+    without_tps: float  # ... without drafting: measured (`measured`), else estimated
+    measured: bool = False  # without_tps is the model's own generation without drafts
 
     @property
     def acceptance(self) -> float:
@@ -114,30 +146,45 @@ class Verdict:
 
     @property
     def pays(self) -> bool:
+        if self.measured:
+            return self.with_tps >= self.without_tps
         return self.acceptance >= self.break_even
 
     def __str__(self) -> str:
+        share = f"{self.acceptance:.0%}"
+        if not self.measured:
+            share += f"; it pays from {self.break_even:.0%} here"
         return (
-            f"{self.accepted} of {self.drafted} drafted tokens accepted ({self.acceptance:.0%}; "
-            f"it pays from {self.break_even:.0%} here), {self.with_tps:.1f} tokens/s a stream "
-            f"against {self.without_tps:.1f} estimated without"
+            f"{self.accepted} of {self.drafted} drafted tokens accepted ({share}), "
+            f"{self.with_tps:.1f} tokens/s a stream against {self.without_tps:.1f} "
+            f"{'measured' if self.measured else 'estimated'} without"
         )
 
 
-def verdict(window: Counters, batch_s: float) -> Verdict | None:
-    """Whether drafting paid over `window` (None: too few drafts to say). `batch_s`: what a
-    batch row costs on this runner (Counters.batch_s of its `quiet` reads, or of its whole
-    life before it read enough prompts alone)."""
+def verdict(
+    window: Counters, batch_s: float, without: Mapping[int, Counters] | None = None
+) -> Verdict | None:
+    """Whether drafting paid over `window` (None: too few drafts to say). Measured where the
+    model generated MIN_UNDRAFTED tokens or more without drafts at the window's load
+    (`without`, from `undrafted`): drafting pays if its streams were at least as fast.
+    Otherwise estimated from what a drafted row costs, `batch_s` (Counters.batch_s of the
+    runner's `quiet` reads, or of its whole life before it read enough prompts alone)."""
     w = window
-    if w.drafted < MIN_DRAFTED or w.generated <= w.accepted or w.generated_s <= 0 or batch_s <= 0:
+    if w.drafted < MIN_DRAFTED or w.generated <= w.accepted or w.generated_s <= 0:
         return None
     busy = max(1.0, w.busy / w.decodes) if w.decodes > 0 else 1.0
+    base = (without or {}).get(level(busy))
+    measured = base is not None and base.generated >= MIN_UNDRAFTED and base.generated_s > 0
+    if batch_s <= 0 and not measured:
+        return None
     cost = busy * batch_s  # stream-seconds a drafted token costs
     # generated_s = (steps taken) * step_s + drafted * cost, one step per token not accepted
     step_s = max((w.generated_s - w.drafted * cost) / (w.generated - w.accepted), batch_s)
+    break_even = min(1.0, MARGIN * cost / step_s) if batch_s > 0 else 1.0
+    without_tps = base.generated / base.generated_s if base and measured else 1.0 / step_s
     return Verdict(
-        w.drafted, w.accepted, busy, min(1.0, MARGIN * cost / step_s),
-        w.generated / w.generated_s, 1.0 / step_s,
+        w.drafted, w.accepted, busy, break_even, w.generated / w.generated_s, without_tps,
+        measured,
     )  # fmt: skip
 
 

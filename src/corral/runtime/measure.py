@@ -27,7 +27,16 @@ import psutil
 
 from corral.core.books import Core
 from corral.core.devices import CPU, GPU_CONTEXT_BYTES, Device, gpu_context, live_headroom
-from corral.core.drafting import KEPT_FILE, Choice, Counters, kept, quiet, restored, verdict
+from corral.core.drafting import (
+    KEPT_FILE,
+    Choice,
+    Counters,
+    kept,
+    quiet,
+    restored,
+    undrafted,
+    verdict,
+)
 from corral.core.gguf import split_parts
 from corral.core.policy import DEFAULT_DISK_SECONDS_PER_BYTE, disk_seconds_per_byte, reload_seconds
 from corral.runtime.devices import gpu_process_memory
@@ -117,6 +126,9 @@ class Measure:
         self.drafting: dict[str, Choice] = restored(
             read_kept(self._drafting_path), clock(), time.time()
         )
+        # Model -> its generation without drafts, by load (core/drafting.undrafted): what a
+        # verdict compares drafting's measured speed with, where it has enough of it.
+        self.undrafted: dict[str, dict[int, Counters]] = {}
         self.raised: dict[str, float] = {}  # model -> booking factor after running out of memory
         self.raised_before: dict[str, float] = {}  # ... and before it last ran out
         # Card name -> the most a runner was measured to hold on such a GPU beyond llama.cpp's
@@ -365,9 +377,15 @@ class Measure:
             (before.prompt, before.generated, before.drafted, before.accepted), strict=True,
         )):  # fmt: skip
             total[i] += max(0, now - then)
-        rec.tokens, rec.quiet = c, quiet(rec.quiet, c - before)
-        if rec.runner.spec.speculative_auto and rec.runner.spec.speculative != "off":
-            self._judge_drafting(rec, c)
+        read, spec = c - before, rec.runner.spec
+        rec.tokens, rec.quiet = c, quiet(rec.quiet, read)
+        if spec.speculative_auto:  # what auto's verdict compares drafting with
+            model = rec.runner.name
+            self.undrafted[model] = undrafted(
+                self.undrafted.get(model, {}), read, spec.speculative != "off"
+            )
+            if spec.speculative != "off":
+                self._judge_drafting(rec, c)
 
     # ---- auto's drafting ---------------------------------------------------------------------
     def no_drafts(self, model: str, why: str) -> None:
@@ -384,7 +402,7 @@ class Measure:
         choice = was = self.drafting.get(model, Choice())
         if not choice.on and now >= choice.retry_at:  # this runner drafts again after a turn off
             choice = self.drafting[model] = choice.trying()
-        v = verdict(c - rec.window, rec.quiet.batch_s or c.batch_s)
+        v = verdict(c - rec.window, rec.quiet.batch_s or c.batch_s, self.undrafted.get(model))
         if v is not None:
             rec.window = c
             after = self.drafting[model] = choice.judged(v, now)
