@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 from helpers import NothingLearned
 
-from corral.bench.speculative import FILE, edit
+from corral.bench.speculative import FILE, STORY, edit
 from corral.config import Settings
 from corral.core.drafting import DRAFTER
 from corral.core.estimate import estimate
@@ -22,6 +22,7 @@ from corral.core.spec import GPU_PARALLEL, RunnerSpec, runner_spec
 from corral.runtime.registry import ModelEntry, Registry, smollm2_path
 from corral.runtime.runner import Runner
 from corral.testing import synth
+from corral.testing.server import CorralServer
 
 EDIT = edit(FILE, 0)[0][1]  # an agent's edit: a file it was shown, changed
 
@@ -151,7 +152,10 @@ async def test_the_answer_at_temperature_0_is_the_same_with_drafts(real_model: P
 def auto(start_server, tmp_path_factory: pytest.TempPathFactory):  # type: ignore[no-untyped-def]
     assert SMOLLM2 is not None
     d = tmp_path_factory.mktemp("automodels")
-    (d / "models.toml").write_text(f'[models.smol]\nfile = "{SMOLLM2}"\n')
+    # one file, two runners (tale's context differs): each test judges a model of its own
+    (d / "models.toml").write_text(
+        f'[models.smol]\nfile = "{SMOLLM2}"\n[models.tale]\nfile = "{SMOLLM2}"\nnum_ctx = 2048\n'
+    )
     return start_server(d, CORRAL_BUILTIN_MODELS="0", CORRAL_CONTEXT_LENGTH="4096")
 
 
@@ -193,3 +197,42 @@ def test_auto_drafts_until_a_client_asks_for_logprobs(auto) -> None:  # type: ig
     assert 'corral_drafting{model="smol:latest"} 0.0' in metrics
     (item,) = [m for m in c.get("/api/corral/state").json()["models"] if m["name"] == "smol:latest"]
     assert item["drafting"] == {"on": False, "why": "a client asked for logprobs"}
+
+
+@pytest.mark.e2e
+def test_auto_judges_drafting_against_the_speed_measured_without_it(auto: CorralServer) -> None:
+    """A story, which ngram-mod finds nothing to draft in, tells the model's speed without
+    drafts (llama.cpp's counters, read once it ended); the edits' drafts are then judged
+    against that measured speed, not an estimate, which /api/corral/state says. (Whether
+    drafting paid is the speed's to say: not asserted.)"""
+    c = auto.client
+
+    def tokens() -> dict[str, int]:
+        models = c.get("/api/corral/state").json()["models"]
+        return next(m for m in models if m["name"] == "tale:latest")["tokens"] or {}
+
+    story = {"model": "tale", "messages": [{"role": "user", "content": STORY}],
+             "max_tokens": 200, "temperature": 0}  # fmt: skip
+    r = c.post("/v1/chat/completions", json=story, timeout=300)
+    assert r.status_code == 200, r.text
+    told = r.json()["usage"]["completion_tokens"]
+    assert told >= 128 and r.json()["timings"].get("draft_n", 0) == 0  # nothing to copy
+    # the measure reads the runner's counters with the story's end alone in them
+    auto.wait_for(lambda: tokens().get("generated", 0) >= told, 30, "the story to be counted")
+    body = {"model": "tale", "messages": [{"role": "user", "content": EDIT}],
+            "max_tokens": 400, "temperature": 0}  # fmt: skip
+
+    def judged() -> str | None:
+        models = c.get("/api/corral/state").json()["models"]
+        item = next(m for m in models if m["name"] == "tale:latest")
+        return item.get("drafting", {}).get("why")
+
+    for _ in range(4):  # MIN_DRAFTED drafted tokens: an edit or two
+        r = c.post("/v1/chat/completions", json=body, timeout=300)
+        assert r.status_code == 200 and r.json()["timings"]["draft_n"] > 0, r.text
+        told += r.json()["usage"]["completion_tokens"]
+        auto.wait_for(lambda n=told: tokens().get("generated", 0) >= n, 30, "the edit's count")
+        if judged() is not None:
+            break
+    why = judged()
+    assert why is not None and why.endswith(" measured without"), why
