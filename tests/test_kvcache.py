@@ -402,7 +402,8 @@ async def test_parking_saves_then_erases_and_a_failed_save_keeps_the_conversatio
 ) -> None:
     """`KVCache.park` (with a stand-in runner API): each idle slot worth it is held, saved,
     then erased, and becomes a parked conversation the restore step compares prompts with; a
-    slot whose save fails is not erased and keeps its place in the picks."""
+    slot whose save fails is not erased and keeps its place in the picks. A prompt that
+    overwrites another conversation in its own slot has that one saved first."""
     from types import SimpleNamespace
 
     from corral.core.spec import Layout, RunnerSpec
@@ -417,14 +418,15 @@ async def test_parking_saves_then_erases_and_a_failed_save_keeps_the_conversatio
         async def slot_action(self, slot: int, action: str, filename: str, timeout: float) -> Any:
             calls.append((slot, action))
             assert slots.free().count(slot) == 0  # held while it is parked
-            if action == "save" and slot == 0:
+            if action == "save" and slot in failing:
                 return "HTTP 500: the disk is full"
             if action == "save":
-                write_slot(cache.directory / filename, list(range(100, 400)))
+                write_slot(cache.directory / filename, list(range(100 + slot, 400 + slot)))
                 return {"n_saved": 300, "n_written": 1000}
             return {"n_erased": 300}
 
     changed: list[bool] = []
+    failing = {0}
     spec = RunnerSpec(path=str(model), n_ctx=4096, num_parallel=3, kv_unified=True)
     runner = SimpleNamespace(spec=spec, layout=Layout(), name="m", llama_server=None,
                              slot_save_path=cache.slot_save_path, allocation=None)  # fmt: skip
@@ -439,16 +441,32 @@ async def test_parking_saves_then_erases_and_a_failed_save_keeps_the_conversatio
         return prompt_pieces("/completion", {"prompt": text * 500})
 
     a, b = slots.claim(Lease(), prompt("a ")), slots.claim(Lease(), prompt("b "))
-    keep = slots.claim(Lease(), prompt("c "))
-    assert (a, b, keep) == (0, 1, 2)
+    keep = slots.pick(Lease(), prompt("c "))
+    assert (a, b) == (0, 1) and keep is not None and keep.slot == 2 and keep.replaced == 0
     assert cache.parks(hop)
     await cache.park(hop, slots, keep)
     assert calls == [(0, "save"), (1, "save"), (1, "erase")]
-    assert slots.idle(keep) == [0]  # the failed save's slot keeps its conversation
+    assert slots.idle(2) == [0]  # the failed save's slot keeps its conversation
     assert sorted(slots.free()) == [0, 1, 2] and len(changed) == 2  # holds released
     st = hop.restore
     assert st is not None and st.parked == set(st.pending) and len(st.parked) == 1
     assert hop.restoring and cache.stats["parks"] == 1
+    # More conversations than slots: a new one takes the least recently used slot, whose
+    # conversation it overwrites: that one is saved first (not erased: the prompt takes its
+    # cells), the idle ones parked as before.
+    failing.clear()
+    assert slots.claim(Lease(), prompt("d ")) == 1
+
+    class Busy(Lease):
+        released = False
+
+    calls.clear()
+    over = slots.pick(Busy(), prompt("e "))
+    assert over is not None and over.slot == 0 and over.replaced > 0 and not over.own
+    await cache.park(hop, slots, over)
+    assert calls == [(0, "save"), (1, "save"), (1, "erase"), (2, "save"), (2, "erase")]
+    assert sorted(slots.free()) == [1, 2]  # the picked slot stays its request's
+    assert len(st.parked) == 3 and cache.stats["parks"] == 3
     # Not where a draft model drafts, nor on a GPU, nor with one slot.
     for other in (dict(spec=RunnerSpec(path=str(model), n_ctx=4096, num_parallel=3,
                                        kv_unified=True, draft="d.gguf")),

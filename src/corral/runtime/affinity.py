@@ -102,7 +102,8 @@ class Pick:
     than `slot` does (None if none): it shares `shared` bytes with the prompt, `slot` shares
     `held`, so its state copied into `slot` first spares evaluating `spared` bytes, and copies
     all `source_size` bytes it holds. `own`: `slot` holds the conversation the prompt continues
-    (no saved state can give it more)."""
+    (no saved state can give it more). `replaced`: bytes of another conversation in `slot` that
+    the prompt does not share and overwrites."""
 
     slot: int
     source: int | None = None
@@ -110,6 +111,7 @@ class Pick:
     held: int = 0
     source_size: int = 0
     own: bool = False
+    replaced: int = 0
 
     @property
     def spared(self) -> int:
@@ -281,9 +283,11 @@ class Slots:
                 if pays is not None and self._source(lru, free, shared, pays) is not None:
                     slot = lru
         source = self._source(slot, free, shared, pays)
-        pick = Pick(slot, held=shared[slot], own=slot in own)
+        replaced = 0 if slot in own else self._sizes[slot] - shared[slot]
+        pick = Pick(slot, held=shared[slot], own=slot in own, replaced=replaced)
         if source is not None:
-            pick = Pick(slot, source, shared[source], shared[slot], self._sizes[source])
+            pick = Pick(slot, source, shared[source], shared[slot], self._sizes[source],
+                        replaced=replaced)  # fmt: skip
         self._learn()  # before the slot's last prompt is replaced
         self._holders[slot] = holder
         self._held[slot] = pieces
@@ -319,6 +323,15 @@ class Slots:
         return sorted((
             i for i in self.free() if i != keep and self._sizes[i] >= PARK_MIN_BYTES
         ), key=lambda i: -self._sizes[i])  # fmt: skip
+
+    def leaving(self, pick: Pick) -> list[tuple[int, bool]]:
+        """The slots whose conversations leave a shared cache before `pick`'s prompt is read
+        (runtime/kvcache parks them), each with whether it is erased: first the picked slot,
+        where the prompt overwrites a conversation worth keeping that it does not continue
+        (saved only: the prompt takes its cells; with more clients than slots, the one whose
+        answer just ended), then the idle ones (`idle`)."""
+        replaced = [(pick.slot, False)] if pick.replaced >= PARK_MIN_BYTES else []
+        return replaced + [(i, True) for i in self.idle(pick.slot)]
 
     def hold(self, slot: int) -> Holder:
         """`slot` held, out of the picks, until the holder returned is released."""

@@ -267,7 +267,7 @@ class RunnerClient:
                 if parks and kvcache is not None:  # park
                     # The idle slots' conversations leave the shared cache before this
                     # prompt is read (it then takes the cells they held).
-                    await kvcache.park(hop, hop.slots, pick.slot)
+                    await kvcache.park(hop, hop.slots, pick)
         own = pick is not None and pick.own
         if kvcache is not None and hop.restoring and not own and kvcache.wants(hop):  # restore
             # Among a runner's first requests, or a conversation it parked: restore the saved

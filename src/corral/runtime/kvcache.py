@@ -54,7 +54,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Protocol
 
-from corral.runtime.affinity import Slots, has_media
+from corral.runtime.affinity import Pick, Slots, has_media
 from corral.runtime.runner import Runner
 from corral.runtime.runner_api import RunnerAPI
 from corral.runtime.slotfile import CorruptEntry, common_prefix, read_tokens, token_digest
@@ -77,9 +77,7 @@ FAILURES_TO_GIVE_UP = 2  # restores in a row that reused nothing before a model 
 ROLLBACK_SLACK = 64
 STALE_TMP = 600.0  # seconds after which a temporary file is a crashed save's leftover
 HTTP_TIMEOUT = 30.0  # seconds for a save, a restore, a tokenization
-# The probe evaluates one token where the restore works, the shared prefix where it does not
-# (which the request then reuses): as long as a prompt may take.
-PROBE_TIMEOUT = 600.0
+PROBE_TIMEOUT = 600.0  # as long as a prompt: a failed restore's probe evaluates its prefix
 MEASURE_INTERVAL = 0.25  # most seconds between reads of a runner's counters after a restore
 
 
@@ -326,36 +324,37 @@ class KVCache:
         st = self._state(hop)
         return bool(st.key) and st.key not in self.no_reuse
 
-    async def park(self, hop: RunnerHop, slots: Slots, keep: int) -> None:
-        """Move the conversations of the idle slots but `keep` out of the runner's shared
-        cache before a request reads its prompt into `keep`: each is saved (a prompt that
-        continues it gets it restored, into whichever slot it is given), then erased. Every
-        decoding step attends over every used cell of a shared cache (2 cores, SmolLM2: 53
-        tokens/s beside a 3,500-token idle slot, 77 without; llama-server parks idle slots in
-        RAM, `--cache-idle-slots`). A slot whose save fails keeps its conversation."""
+    async def park(self, hop: RunnerHop, slots: Slots, pick: Pick) -> None:
+        """Move the idle slots' conversations out of the runner's shared cache before a prompt
+        is read into `pick.slot`: saved (a prompt that continues one gets it restored), then
+        erased; the one the prompt overwrites there is saved only (`Slots.leaving`). Idle cells
+        slow every step (2 cores, SmolLM2: 53 tokens/s beside a 3,500-token idle slot, 77
+        without). A slot whose save fails keeps its conversation."""
         st, saved_any = self._state(hop), False
-        for slot in slots.idle(keep):
-            held = slots.hold(slot)
+        for slot, erase in slots.leaving(pick):
+            held = slots.hold(slot) if erase else None  # the picked one: the request's lease
             try:
                 saved, entry = await self._save_slot(hop, st.key, slot)
                 if not saved:
                     continue
                 saved_any = True
-                res = await hop.api.slot_action(slot, "erase", "", HTTP_TIMEOUT)
-                if not isinstance(res, dict) or "n_erased" not in res:
-                    log.warning("kv cache: erasing slot %d of '%s' failed: %s",
-                                slot, hop.runner.name, res)  # fmt: skip
-                    continue
-                slots.emptied(slot)
-                self.stats["parks"] += 1
-                log.info("kv cache: parked slot %d of '%s' (%d cells freed)",
-                         slot, hop.runner.name, int(res["n_erased"]))  # fmt: skip
+                if erase:
+                    res = await hop.api.slot_action(slot, "erase", "", HTTP_TIMEOUT)
+                    if not isinstance(res, dict) or "n_erased" not in res:
+                        log.warning("kv cache: erasing slot %d of '%s' failed: %s",
+                                    slot, hop.runner.name, res)  # fmt: skip
+                        continue
+                    slots.emptied(slot)
+                    self.stats["parks"] += 1
+                    log.info("kv cache: parked slot %d of '%s' (%d cells freed)",
+                             slot, hop.runner.name, int(res["n_erased"]))  # fmt: skip
                 if entry is not None:  # else too short to keep: read again if it returns
                     st.pending[entry.name] = entry.path
                     st.parked.add(entry.name)
                     hop.restoring = True
             finally:
-                held.released = True
+                if held is not None:
+                    held.released = True
                 hop.changed()
         if saved_any:  # most requests park nothing: no walk of the directory for them
             await asyncio.to_thread(self.enforce_cap)
