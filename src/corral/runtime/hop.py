@@ -8,7 +8,7 @@ sends a request under its lease through the hop's policies as one named pipeline
 - pick: on a runner of several slots, the slot a generation goes to (runtime/affinity);
 - park: on a CPU runner whose slots share one cache, the idle slots' conversations are saved
   and erased from it before the prompt is read (runtime/kvcache: their cells would slow every
-  decoding step);
+  decoding step), and the conversation the prompt overwrites in its own slot is saved;
 - restore: among a reloaded runner's first requests, or once it parked a conversation, the
   saved conversation a prompt continues (or shares most with) is restored into a free slot,
   and the request pinned there instead (runtime/kvcache);
@@ -266,7 +266,8 @@ class RunnerClient:
                 held = int(pick.held / hop.slots.bytes_per_token)
                 if parks and kvcache is not None:  # park
                     # The idle slots' conversations leave the shared cache before this
-                    # prompt is read (it then takes the cells they held).
+                    # prompt is read (it then takes the cells they held), and the one it
+                    # overwrites in its slot is saved.
                     await kvcache.park(hop, hop.slots, pick)
         own = pick is not None and pick.own
         if kvcache is not None and hop.restoring and not own and kvcache.wants(hop):  # restore
