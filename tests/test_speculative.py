@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import dataclasses
 from pathlib import Path
+from typing import Any
 
 import pytest
 from helpers import NothingLearned
@@ -207,9 +208,15 @@ def test_auto_judges_drafting_against_the_speed_measured_without_it(auto: Corral
     drafting paid is the speed's to say: not asserted.)"""
     c = auto.client
 
-    def tokens() -> dict[str, int]:
+    def item() -> dict[str, Any]:
         models = c.get("/api/corral/state").json()["models"]
-        return next(m for m in models if m["name"] == "tale:latest")["tokens"] or {}
+        return next(m for m in models if m["name"] == "tale:latest")
+
+    def tokens() -> dict[str, int]:
+        return item()["tokens"] or {}
+
+    def judged() -> str | None:
+        return item().get("drafting", {}).get("why")
 
     story = {"model": "tale", "messages": [{"role": "user", "content": STORY}],
              "max_tokens": 200, "temperature": 0}  # fmt: skip
@@ -221,11 +228,6 @@ def test_auto_judges_drafting_against_the_speed_measured_without_it(auto: Corral
     auto.wait_for(lambda: tokens().get("generated", 0) >= told, 30, "the story to be counted")
     body = {"model": "tale", "messages": [{"role": "user", "content": EDIT}],
             "max_tokens": 400, "temperature": 0}  # fmt: skip
-
-    def judged() -> str | None:
-        models = c.get("/api/corral/state").json()["models"]
-        item = next(m for m in models if m["name"] == "tale:latest")
-        return item.get("drafting", {}).get("why")
 
     for _ in range(4):  # MIN_DRAFTED drafted tokens: an edit or two
         r = c.post("/v1/chat/completions", json=body, timeout=300)

