@@ -6,12 +6,14 @@ from __future__ import annotations
 
 import json
 import math
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
 
 from corral.core.books import Core
 from corral.core.drafting import (
+    DEPTH_FLOOR,
     DRAFTER,
     KEPT_FILE,
     MIN_DRAFTED,
@@ -20,6 +22,7 @@ from corral.core.drafting import (
     RETRY_S,
     Choice,
     Counters,
+    deep,
     kept,
     quiet,
     restored,
@@ -35,12 +38,13 @@ BATCH_S = 1 / 320
 
 
 def window(generated: int, drafted: int, accepted: int, step_s: float = 0.010,
-           busy: float = 1.0) -> Counters:  # fmt: skip
+           busy: float = 1.0, depth: float = 100.0) -> Counters:  # fmt: skip
     """A window in which each step not saved took `step_s` and each draft its rows, `busy`
-    streams decoding at once."""
+    streams decoding at once, each token generated after `depth` tokens of context."""
     seconds = (generated - accepted) * step_s + drafted * busy * BATCH_S
     return Counters(generated=generated, generated_s=seconds, drafted=drafted,
-                    accepted=accepted, decodes=100, busy=100 * busy)  # fmt: skip
+                    accepted=accepted, decodes=100, busy=100 * busy,
+                    context=generated * depth, contexted=generated)  # fmt: skip
 
 
 def test_counters_come_from_llama_cpps_metrics() -> None:
@@ -106,52 +110,73 @@ def test_a_row_costs_what_a_prompt_read_alone_costs() -> None:
     assert now.without_tps == pytest.approx(1 / 0.030)  # the step the window was built with
 
 
-def plain(generated: int, tps: float, busy: float = 1.0) -> Counters:
-    """A read in which the requests that ended drafted nothing, at `tps` a stream."""
+def plain(generated: int, tps: float, busy: float = 1.0, depth: float = 100.0) -> Counters:
+    """A read in which the requests that ended drafted nothing, at `tps` a stream, each
+    token generated after `depth` tokens of context."""
     return Counters(generated=generated, generated_s=generated / tps, decodes=100,
-                    busy=100 * busy)  # fmt: skip
+                    busy=100 * busy, context=generated * depth,
+                    contexted=generated)  # fmt: skip
 
 
-def test_the_speed_without_drafts_is_kept_by_load_from_requests_that_drafted_nothing() -> None:
+def test_the_speed_without_drafts_is_kept_by_load_and_context_from_requests_that_drafted_nothing(
+) -> None:  # fmt: skip
     known = undrafted({}, plain(64, 100.0), drafting=True)  # a story alone: nothing drafted
-    assert known == {0: plain(64, 100.0)}
+    assert known == {(0, 0): plain(64, 100.0)}
     # a read with drafts in it, or beside other streams on a drafting runner, says nothing
     assert undrafted(known, window(300, 300, 114), drafting=True) == known
     assert undrafted(known, plain(64, 50.0, busy=4), drafting=True) == known
     assert undrafted(known, Counters(decodes=5, busy=5.0), drafting=True) == known
+    # ... nor one whose context corral did not count (its requests' ends not in yet)
+    assert undrafted(known, replace(plain(64, 50.0), contexted=0), drafting=True) == known
     # a runner that does not draft tells its speed at every load, by the nearest power of two
     crowded = undrafted(known, plain(64, 40.0, busy=3.7), drafting=False)
-    assert crowded == {0: plain(64, 100.0), 2: plain(64, 40.0, busy=3.7)}
+    assert crowded == {(0, 0): plain(64, 100.0), (2, 0): plain(64, 40.0, busy=3.7)}
+    # a long context is kept apart, by steps of a square root of two: each step reads it all
+    assert [deep(n) for n in (20, DEPTH_FLOOR, 350, 512, 1000, 3000)] == [0, 0, 1, 2, 4, 7]
+    deeper = undrafted(known, plain(64, 50.0, depth=3000), drafting=True)
+    assert deeper == {(0, 0): plain(64, 100.0), (0, 7): plain(64, 50.0, depth=3000)}
     # the older tokens count half past UNDRAFTED_KEPT: the speed follows the machine's now
     for _ in range(40):
         known = undrafted(known, plain(64, 100.0), drafting=False)
     slower = known
     for _ in range(40):
         slower = undrafted(slower, plain(64, 50.0), drafting=False)
-    kept_tps = slower[0].generated / slower[0].generated_s
-    assert slower[0].generated < 2 * 1024 + 64 and kept_tps < 55.0
+    kept_tps = slower[(0, 0)].generated / slower[(0, 0)].generated_s
+    assert slower[(0, 0)].generated < 2 * 1024 + 64 and kept_tps < 55.0
 
 
 def test_a_verdict_compares_with_the_speed_measured_without_drafts_at_the_same_load() -> None:
-    """Where the model generated enough without drafts at the window's load, drafting pays if
-    its streams were at least as fast: the cost model's guess is not needed there. A story
-    whose acceptance the cost model would pass but whose streams were slower turns it off; an
-    edit measured faster stays on, even where no prompt was read to price a row."""
+    """Where the model generated enough without drafts at the window's load and context,
+    drafting pays if its streams were at least as fast: the cost model's guess is not needed
+    there. A story whose acceptance the cost model would pass but whose streams were slower
+    turns it off; an edit measured faster stays on, even where no prompt was read to price a
+    row. A short story's speed is not an edit's after a long file."""
     story = window(300, 300, 165)  # 55% accepted: above the estimate's break-even
     guessed = verdict(story, BATCH_S)
     assert guessed is not None and guessed.pays and not guessed.measured
-    fast = {0: plain(MIN_UNDRAFTED, 1.2 * guessed.with_tps)}
+    fast = {(0, 0): plain(MIN_UNDRAFTED, 1.2 * guessed.with_tps)}
     measured = verdict(story, BATCH_S, fast)
     assert measured is not None and measured.measured and not measured.pays
     assert measured.without_tps == pytest.approx(1.2 * guessed.with_tps)
     assert str(measured).endswith(" measured without") and "pays from" not in str(measured)
-    edit = verdict(window(1500, 1200, 1190), 0.0, {0: plain(MIN_UNDRAFTED, 100.0)})
+    edit = verdict(window(1500, 1200, 1190), 0.0, {(0, 0): plain(MIN_UNDRAFTED, 100.0)})
     assert edit is not None and edit.measured and edit.pays
-    # too little of it, or only at another load: estimated as before
-    few = verdict(story, BATCH_S, {0: plain(MIN_UNDRAFTED - 1, 1000.0)})
-    other = verdict(story, BATCH_S, {3: plain(MIN_UNDRAFTED, 1000.0)})
+    # too little of it, or only at another load or context: estimated as before
+    few = verdict(story, BATCH_S, {(0, 0): plain(MIN_UNDRAFTED - 1, 1000.0)})
+    other = verdict(story, BATCH_S, {(3, 0): plain(MIN_UNDRAFTED, 1000.0)})
     assert few == guessed and other == guessed
-    assert verdict(window(1500, 1200, 1190), 0.0, {3: plain(512, 1.0)}) is None
+    assert verdict(window(1500, 1200, 1190), 0.0, {(3, 0): plain(512, 1.0)}) is None
+    # an edit after a 3,000-token file, 1.5x as fast as without drafts there (20 ms a step),
+    # is slower than a short story without them: judged against the file's depth only
+    long_edit = window(1500, 1000, 500, step_s=0.020, depth=3000)
+    short = {(0, 0): plain(MIN_UNDRAFTED, 110.0)}
+    assert long_edit.generated / long_edit.generated_s < 110.0
+    guess = verdict(long_edit, BATCH_S, short)
+    assert guess is not None and not guess.measured and guess.pays
+    deep_known = {**short, (0, deep(3000)): plain(MIN_UNDRAFTED, 50.0, depth=3000)}
+    judged = verdict(long_edit, BATCH_S, deep_known)
+    assert judged is not None and judged.measured and judged.pays
+    assert judged.without_tps == pytest.approx(50.0)
 
 
 def test_the_choice_turns_off_for_a_while_doubling_and_back_on_at_a_later_load() -> None:
@@ -241,13 +266,18 @@ def _measured(tmp_path: Path, *reads: Counters) -> tuple[Core, Load, Record, Mea
     core.release(1, 1.5)
     core.drain()
     it = iter(reads)
+    hop = SimpleNamespace(context=0.0, contexted=0)
 
     class API:
+        """llama.cpp's counters; the context of `reads` is corral's own count (its hop's)."""
+
         async def token_counts(self) -> Counters:
-            return next(it)
+            c = next(it)
+            hop.context, hop.contexted = c.context, c.contexted
+            return replace(c, context=0.0, contexted=0)
 
     runner = SimpleNamespace(name="a", spec=load.spec, api=API())
-    rec = Record(runner=runner)
+    rec = Record(runner=runner, hop=hop)
     measure = Measure(
         core, {load.runner: rec}, Journal(), devices=[], refresh=None, margin=0,
         interval=math.inf, read_ahead=False, clock=lambda: 0.0, apply=lambda: None,
@@ -309,11 +339,14 @@ async def test_a_measure_judges_drafting_against_its_models_speed_without_drafts
     its streams were slower than the story's, measured, so drafting turns off."""
     core, _, rec, measure = _measured(
         tmp_path,
-        Counters(640, 2.0, 256, 2.56, 0, 0, 300, 300.0),  # alone, no drafts: 100 tokens/s
-        Counters(640, 2.0, 556, 6.56, 300, 165, 700, 700.0),  # 55% accepted, 75 tokens/s
+        # alone, no drafts: 100 tokens/s, each token after 150 of context
+        Counters(640, 2.0, 256, 2.56, 0, 0, 300, 300.0, 256 * 150.0, 256),
+        # 55% accepted, 75 tokens/s, at the same context
+        Counters(640, 2.0, 556, 6.56, 300, 165, 700, 700.0, 556 * 150.0, 556),
     )
     await measure.count_tokens(rec)
-    assert measure.undrafted["a"] == {0: Counters(640, 2.0, 256, 2.56, 0, 0, 300, 300.0)}
+    story = Counters(640, 2.0, 256, 2.56, 0, 0, 300, 300.0, 256 * 150.0, 256)
+    assert measure.undrafted["a"] == {(0, 0): story}
     assert "a" not in measure.drafting
     await measure.count_tokens(rec)
     choice = measure.drafting["a"]
@@ -321,3 +354,34 @@ async def test_a_measure_judges_drafting_against_its_models_speed_without_drafts
     # the window holds every stream since the last verdict, the story's too: 556 in 6.56 s
     assert str(choice).endswith("84.8 tokens/s a stream against 100.0 measured without")
     assert [a for a in core.drain() if isinstance(a, Stop)]  # restarted without drafting
+
+
+def test_a_lease_that_ends_tells_its_hop_the_context_its_tokens_were_generated_at() -> None:
+    """What the measure pairs with llama.cpp's counters (core/drafting.where): each ended
+    request's generated tokens at its prompt and half its answer, from llama.cpp's timings."""
+    from types import SimpleNamespace
+    from typing import Any, cast
+
+    from corral.runtime.hop import Hop, Lease
+    from corral.runtime.meter import Meter
+
+    meter = Meter(clock=lambda: 0.0)
+    hop = Hop(cast(Any, SimpleNamespace(spec=None)))
+    released: list[int] = []
+    grants = cast(Any, SimpleNamespace(_release=lambda rid, tool_call: released.append(rid)))
+
+    def lease(rid: int) -> Lease:
+        return Lease(grants, rid, hop.runner, 0.0, False, meter.tally("r", "a"), hop)
+
+    answered = lease(1)
+    answered.tally.timed({"predicted_n": 200, "prompt_n": 100, "cache_n": 1300})
+    answered.release()
+    answered.release()  # once only
+    failed = lease(2)  # ended before llama.cpp said its prompt: nothing to count
+    failed.tally.add(5)
+    failed.release()
+    assert released == [1, 2]
+    assert (hop.context, hop.contexted) == (200 * (1400 + 100), 200)
+    c = Counters(generated=200, decodes=200, busy=200.0, context=hop.context,
+                 contexted=hop.contexted)  # fmt: skip
+    assert c.depth == 1500 and Counters().depth is None

@@ -201,11 +201,24 @@ def test_auto_drafts_until_a_client_asks_for_logprobs(auto) -> None:  # type: ig
 
 
 @pytest.mark.e2e
+def notes(words: int) -> str:
+    """Unrelated words in no order: a prompt as long as an edit's that nothing copies from."""
+    import random
+
+    pick = random.Random(29).choice
+    vocabulary = ("harbor", "copper", "meadow", "violin", "granite", "lantern", "orchid",
+                  "pepper", "saddle", "thistle", "walnut", "zephyr", "basket", "cobalt",
+                  "falcon", "juniper", "marble", "nickel", "quarry", "ribbon")  # fmt: skip
+    return " ".join(pick(vocabulary) for _ in range(words))
+
+
 def test_auto_judges_drafting_against_the_speed_measured_without_it(auto: CorralServer) -> None:
     """A story, which ngram-mod finds nothing to draft in, tells the model's speed without
     drafts (llama.cpp's counters, read once it ended); the edits' drafts are then judged
-    against that measured speed, not an estimate, which /api/corral/state says. (Whether
-    drafting paid is the speed's to say: not asserted.)"""
+    against that measured speed, not an estimate, which /api/corral/state says. A step reads
+    its whole context, so the story comes after as many tokens as the edit's file (within a
+    square root of two: core/drafting.deep). (Whether drafting paid is the speed's to say:
+    not asserted.)"""
     c = auto.client
 
     def item() -> dict[str, Any]:
@@ -218,7 +231,8 @@ def test_auto_judges_drafting_against_the_speed_measured_without_it(auto: Corral
     def judged() -> str | None:
         return item().get("drafting", {}).get("why")
 
-    story = {"model": "tale", "messages": [{"role": "user", "content": STORY}],
+    long_story = f"Notes to ignore: {notes(1050)}\n\n{STORY}"  # 1,350 tokens; the edit 1,490
+    story = {"model": "tale", "messages": [{"role": "user", "content": long_story}],
              "max_tokens": 200, "temperature": 0}  # fmt: skip
     r = c.post("/v1/chat/completions", json=story, timeout=300)
     assert r.status_code == 200, r.text

@@ -16,11 +16,11 @@ llama.cpp b11434 lets no request turn drafting off (server-schema.cpp keeps the 
   the text that follows, as an agent's edit of a file it was shown does, and costs nothing where
   nothing repeats);
 - every `MIN_DRAFTED` drafted tokens the runner's window is judged (`verdict`): measured where
-  the model has generated enough without drafts at the same load (`undrafted`: requests that
-  drafted nothing, and its runners while drafting was off), drafting pays if its streams were
-  at least as fast; else by the cost above. One that does not pay turns the model's drafting
-  off (the runner is restarted without it when it is idle, runtime/measure) for `RETRY_S`,
-  doubling up to `RETRY_MAX_S` while it keeps not paying;
+  the model has generated enough without drafts at the same load and context (`undrafted`:
+  requests that drafted nothing, and its runners while drafting was off), drafting pays if its
+  streams were at least as fast; else by the cost above. One that does not pay turns the
+  model's drafting off (the runner is restarted without it when it is idle, runtime/measure)
+  for `RETRY_S`, doubling up to `RETRY_MAX_S` while it keeps not paying;
 - after that, the model's next load drafts again and is judged again;
 - a request for logprobs turns it off the same way (llama.cpp gives accepted drafts no
   probabilities: such a client would get made-up ones);
@@ -47,6 +47,7 @@ RETRY_MAX_S = 7200.0  # ... doubling each time it did not pay again, up to this
 # and past which the older ones count half (a few requests: the speed now, not at the start)
 MIN_UNDRAFTED = 128
 UNDRAFTED_KEPT = 1024
+DEPTH_FLOOR = 256  # contexts up to about this long are one (a step costs about the same)
 KEPT_FILE = "drafting.json"  # in corral's state directory: `kept`, read back by `restored`
 
 
@@ -63,6 +64,11 @@ class Counters:
     accepted: int = 0
     decodes: int = 0  # llama_decode calls
     busy: float = 0.0  # slots busy at those calls, summed
+    # Not llama.cpp's: corral's count of the requests that ended (runtime/hop), each one's
+    # generated tokens times the context they were generated at (its prompt and half its
+    # answer), summed, and the generated tokens counted so
+    context: float = 0.0
+    contexted: int = 0
 
     @classmethod
     def of(cls, found: Mapping[str, float]) -> Counters | None:
@@ -85,6 +91,11 @@ class Counters:
 
     def __sub__(self, o: Counters) -> Counters:
         return Counters(*(a - b for a, b in zip(astuple(self), astuple(o), strict=True)))
+
+    @property
+    def depth(self) -> float | None:
+        """The context a generated token was read with, on average (None: not known)."""
+        return self.context / self.contexted if self.contexted > 0 else None
 
     @property
     def batch_s(self) -> float:
@@ -110,18 +121,40 @@ def level(busy: float) -> int:
     return round(math.log2(max(1.0, busy)))
 
 
-def undrafted(known: Mapping[int, Counters], read: Counters, drafting: bool) -> dict[int, Counters]:
-    """`known` (a model's generation without drafts, by `level`) with `read` added where the
+def deep(tokens: float) -> int:
+    """The context a stream's speed is compared at, in steps of a square root of two from
+    DEPTH_FLOOR tokens: each step reads its whole context (2 cores, SmolLM2: 110 tokens/s
+    with 20 tokens before them, 82 with 1,000, 48 with 3,000), so a short story's speed says
+    nothing of an edit's after a long file."""
+    return max(0, round(2 * math.log2(max(tokens, DEPTH_FLOOR) / DEPTH_FLOOR)))
+
+
+Where = tuple[int, int]  # (`level`, `deep`): what a speed without drafts is kept by
+
+
+def where(c: Counters) -> Where | None:
+    """The load and context of a read or window's generation (None: its context or steps are
+    not known)."""
+    depth = c.depth
+    if depth is None or c.decodes <= 0:
+        return None
+    return level(c.busy / c.decodes), deep(depth)
+
+
+def undrafted(
+    known: Mapping[Where, Counters], read: Counters, drafting: bool
+) -> dict[Where, Counters]:
+    """`known` (a model's generation without drafts, by `where`) with `read` added where the
     requests that ended in it drafted nothing: llama.cpp adds a request's drafts to its
     counters with its tokens, as it ends. On a drafting runner only a read with one stream at
-    a time counts: beside other streams a step also verifies their drafts. A level past
+    a time counts: beside other streams a step also verifies their drafts. A place past
     UNDRAFTED_KEPT tokens is halved first, so that what is compared follows the machine's
     speed now."""
     alone = read.busy < read.decodes + 0.5  # every decode with one slot busy (see `quiet`)
-    if (read.drafted or read.generated <= 0 or read.generated_s <= 0 or read.decodes <= 0
+    at = where(read)
+    if (at is None or read.drafted or read.generated <= 0 or read.generated_s <= 0
             or (drafting and not alone)):  # fmt: skip
         return dict(known)
-    at = level(read.busy / read.decodes)
     was = known.get(at, Counters())
     if was.generated > UNDRAFTED_KEPT:
         was = Counters(*(x // 2 if isinstance(x, int) else x / 2 for x in astuple(was)))
@@ -162,18 +195,19 @@ class Verdict:
 
 
 def verdict(
-    window: Counters, batch_s: float, without: Mapping[int, Counters] | None = None
+    window: Counters, batch_s: float, without: Mapping[Where, Counters] | None = None
 ) -> Verdict | None:
     """Whether drafting paid over `window` (None: too few drafts to say). Measured where the
-    model generated MIN_UNDRAFTED tokens or more without drafts at the window's load
-    (`without`, from `undrafted`): drafting pays if its streams were at least as fast.
+    model generated MIN_UNDRAFTED tokens or more without drafts at the window's load and
+    context (`without`, from `undrafted`): drafting pays if its streams were at least as fast.
     Otherwise estimated from what a drafted row costs, `batch_s` (Counters.batch_s of the
     runner's `quiet` reads, or of its whole life before it read enough prompts alone)."""
     w = window
     if w.drafted < MIN_DRAFTED or w.generated <= w.accepted or w.generated_s <= 0:
         return None
     busy = max(1.0, w.busy / w.decodes) if w.decodes > 0 else 1.0
-    base = (without or {}).get(level(busy))
+    at = where(w)
+    base = (without or {}).get(at) if at is not None else None
     measured = base is not None and base.generated >= MIN_UNDRAFTED and base.generated_s > 0
     if batch_s <= 0 and not measured:
         return None

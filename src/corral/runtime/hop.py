@@ -80,6 +80,10 @@ class Hop:
     restoring: bool = True  # until runtime/kvcache says no saved conversation is left to check
     copies: CopyState | None = None
     clock: Callable[[], float] = time.monotonic  # the scheduler's: when a wait for room began
+    # Its requests that ended: their generated tokens times the context each was generated
+    # at, summed, and those tokens (core/drafting.Counters: auto compares speeds by context)
+    context: float = 0.0
+    contexted: int = 0
     _changed: asyncio.Event | None = None
     # id(holder) -> (its request's id, when it began to wait for room), while it waits
     _since: dict[int, tuple[int | None, float]] = field(default_factory=dict)
@@ -102,6 +106,12 @@ class Hop:
         api = self.runner.api
         assert api is not None, "a hop is made for a runner that serves"
         return api
+
+    def ended(self, prompt: int | None, generated: int) -> None:
+        """A request ended: its `prompt` tokens (None: not known) and `generated` ones."""
+        if prompt is not None and generated > 0:
+            self.context += generated * (prompt + generated / 2)
+            self.contexted += generated
 
     def changed(self) -> None:
         """A lease of this runner was released, or a request began or ended its wait: those
@@ -189,6 +199,7 @@ class Lease:
         if not self.released:
             self.released = True
             self.tally.end()
+            self.hop.ended(self.tally.prompt, self.tally.total)
             self.scheduler._release(self.request_id, self.tool_call)
             self.hop.changed()  # a slot, and room in a shared cache, for those waiting
 

@@ -19,7 +19,7 @@ import math
 import os
 import time
 from collections.abc import Callable, Coroutine, Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -31,6 +31,7 @@ from corral.core.drafting import (
     KEPT_FILE,
     Choice,
     Counters,
+    Where,
     kept,
     quiet,
     restored,
@@ -126,9 +127,9 @@ class Measure:
         self.drafting: dict[str, Choice] = restored(
             read_kept(self._drafting_path), clock(), time.time()
         )
-        # Model -> its generation without drafts, by load (core/drafting.undrafted): what a
-        # verdict compares drafting's measured speed with, where it has enough of it.
-        self.undrafted: dict[str, dict[int, Counters]] = {}
+        # Model -> its generation without drafts, by load and context (core/drafting.undrafted):
+        # what a verdict compares drafting's measured speed with, where it has enough of it.
+        self.undrafted: dict[str, dict[Where, Counters]] = {}
         self.raised: dict[str, float] = {}  # model -> booking factor after running out of memory
         self.raised_before: dict[str, float] = {}  # ... and before it last ran out
         # Card name -> the most a runner was measured to hold on such a GPU beyond llama.cpp's
@@ -370,6 +371,8 @@ class Measure:
         c = await api.token_counts() if api is not None else None
         if c is None:
             return
+        if rec.hop is not None:  # the context its requests generated at (core/drafting.where)
+            c = replace(c, context=rec.hop.context, contexted=rec.hop.contexted)
         before = rec.tokens
         total = self.tokens.setdefault(rec.runner.name, [0, 0, 0, 0])
         for i, (now, then) in enumerate(zip(
