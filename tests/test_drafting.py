@@ -17,6 +17,7 @@ from corral.core.drafting import (
     DRAFTER,
     KEPT_FILE,
     MIN_DRAFTED,
+    MIN_STEPS,
     MIN_UNDRAFTED,
     RETRY_MAX_S,
     RETRY_S,
@@ -163,7 +164,7 @@ def test_a_verdict_compares_with_the_speed_measured_without_drafts_at_the_same_l
     assert edit is not None and edit.measured and edit.pays
     # too little of it, or only at another load or context: estimated as before
     few = verdict(story, BATCH_S, {(0, 0): plain(MIN_UNDRAFTED - 1, 1000.0)})
-    other = verdict(story, BATCH_S, {(3, 0): plain(MIN_UNDRAFTED, 1000.0)})
+    other = verdict(story, BATCH_S, {(3, 0): plain(MIN_UNDRAFTED, 1.0, busy=8)})
     assert few == guessed and other == guessed
     assert verdict(window(1500, 1200, 1190), 0.0, {(3, 0): plain(512, 1.0)}) is None
     # an edit after a 3,000-token file, 1.5x as fast as without drafts there (20 ms a step),
@@ -177,6 +178,45 @@ def test_a_verdict_compares_with_the_speed_measured_without_drafts_at_the_same_l
     judged = verdict(long_edit, BATCH_S, deep_known)
     assert judged is not None and judged.measured and judged.pays
     assert judged.without_tps == pytest.approx(50.0)
+
+
+def test_a_speed_measured_at_another_load_or_context_decides_where_it_can() -> None:
+    """A stream is slower with more streams beside it and a longer context behind it: drafting
+    that beat a speed measured at a lighter load or context pays, and drafting that did not
+    reach one measured at a heavier one does not. Neither: the estimate, as before."""
+    edit = window(1500, 1000, 500, step_s=0.020, busy=2, depth=1400)  # at (1, 5)
+    with_tps = edit.generated / edit.generated_s
+    lighter = {(0, 5): plain(MIN_UNDRAFTED, 0.9 * with_tps, depth=1400),
+               (1, 0): plain(MIN_UNDRAFTED, 0.8 * with_tps, busy=2)}  # fmt: skip
+    beat = verdict(edit, BATCH_S, lighter)
+    assert beat is not None and beat.measured and beat.pays and beat.at == "lighter"
+    assert beat.without_tps == pytest.approx(0.8 * with_tps)  # the tightest that decides
+    assert str(beat).endswith(" measured without at a lighter load or context")
+    heavier = {(2, 5): plain(MIN_UNDRAFTED, 1.1 * with_tps, busy=4, depth=1400)}
+    lost = verdict(edit, BATCH_S, heavier)
+    assert lost is not None and lost.measured and not lost.pays and lost.at == "heavier"
+    # a faster speed at a lighter place, a slower one at a heavier place: nothing decided
+    neither = {(0, 0): plain(MIN_UNDRAFTED, 2 * with_tps),
+               (3, 7): plain(MIN_UNDRAFTED, 0.5 * with_tps, busy=8, depth=3000)}  # fmt: skip
+    guessed = verdict(edit, BATCH_S, neither)
+    assert guessed == verdict(edit, BATCH_S) and guessed is not None and not guessed.measured
+    # neither lighter nor heavier (more streams, a shorter context): not compared
+    across = {(2, 0): plain(MIN_UNDRAFTED, 10 * with_tps, busy=4)}
+    assert verdict(edit, BATCH_S, across) == guessed
+
+
+def test_a_window_of_nearly_all_accepted_drafts_is_not_priced_by_its_few_steps() -> None:
+    """600 tokens of which 592 were accepted drafts: 8 steps, too few to price a step without
+    drafts (the time left once the drafts' rows are counted, over 8 steps, made 0.6-7.5
+    tokens/s where SmolLM2 makes about 100). Not judged by estimate until MIN_STEPS steps;
+    a measured speed still judges it."""
+    few = window(600, 592, 592, step_s=0.010)
+    assert verdict(few, BATCH_S) is None
+    measured = verdict(few, BATCH_S, {(0, 0): plain(MIN_UNDRAFTED, 100.0)})
+    assert measured is not None and measured.measured and measured.pays
+    enough = window(600 + MIN_STEPS, 592, 592, step_s=0.010)
+    judged = verdict(enough, BATCH_S)
+    assert judged is not None and judged.without_tps == pytest.approx(100.0, rel=0.35)
 
 
 def test_the_choice_turns_off_for_a_while_doubling_and_back_on_at_a_later_load() -> None:

@@ -296,7 +296,8 @@ class _Books(Collector):
         stream = GaugeMetricFamily(
             "corral_drafting_stream_tokens_per_second", "A stream's generated tokens/s over "
             "auto's last judged window: measured with drafting; without, measured where the "
-            "model generated enough without drafts at the same load and context, else estimated",
+            "model generated enough without drafts at the same load and context (or at one that "
+            "decides: core/drafting.compared), else estimated",
             labels=["model", "drafting"],
         )  # fmt: skip
         for m, c in sorted(v.drafting.items()):

@@ -37,6 +37,10 @@ from typing import Any
 
 DRAFTER = "ngram-mod"  # the drafter auto uses: needs no second model
 MIN_DRAFTED = 256  # drafted tokens a verdict needs (two or more drafts of ngram-mod's 48-128)
+# Steps (tokens not accepted) an estimated verdict needs: with nearly every draft accepted, a
+# window is nearly all verification, and the little time left over for its few steps priced a
+# step without drafts at 0.6-7.5 tokens/s (SmolLM2's edits, 2 cores; it makes about 100)
+MIN_STEPS = 64
 # A drafted row costs more than a prompt token's share of a large batch (a verification batch
 # is small, and rejected drafts roll the slot back): calibrated on 2 cores with SmolLM2, whose
 # story lost 15% at 38% of its drafts accepted against a break-even of 31% without it.
@@ -171,7 +175,10 @@ class Verdict:
     break_even: float  # the share of drafts accepted from which drafting pays (with MARGIN)
     with_tps: float  # a stream's tokens/s, as measured (drafting)
     without_tps: float  # ... without drafting: measured (`measured`), else estimated
-    measured: bool = False  # without_tps is the model's own generation without drafts
+    measured: bool = False  # without_tps is the model's own generation without drafts ...
+    # ... at the window's load and context (""), else where a stream is faster ("lighter") or
+    # slower ("heavier"), which still decides (`compared`)
+    at: str = ""
 
     @property
     def acceptance(self) -> float:
@@ -187,39 +194,62 @@ class Verdict:
         share = f"{self.acceptance:.0%}"
         if not self.measured:
             share += f"; it pays from {self.break_even:.0%} here"
+        at = f" at a {self.at} load or context" if self.at else ""
         return (
             f"{self.accepted} of {self.drafted} drafted tokens accepted ({share}), "
             f"{self.with_tps:.1f} tokens/s a stream against {self.without_tps:.1f} "
-            f"{'measured' if self.measured else 'estimated'} without"
+            f"{'measured' if self.measured else 'estimated'} without{at}"
         )
+
+
+def compared(
+    with_tps: float, at: Where | None, without: Mapping[Where, Counters]
+) -> tuple[float, str] | None:
+    """The model's speed without drafts that a window's `with_tps` at `at` is judged against,
+    and where it was measured (Verdict.at): at the same load and context; else, since a stream
+    is slower with more streams beside it and a longer context behind it, one measured at no
+    more of either ("lighter": faster) that drafting beat, or at no less of either ("heavier":
+    slower) that it did not reach: both decide. None: nothing measured decides."""
+    if at is None:
+        return None
+    speeds = {k: c.generated / c.generated_s for k, c in without.items()
+              if c.generated >= MIN_UNDRAFTED and c.generated_s > 0}  # fmt: skip
+    if at in speeds:
+        return speeds[at], ""
+    lighter = [v for (n, d), v in speeds.items() if n <= at[0] and d <= at[1]]
+    if lighter and with_tps >= min(lighter):
+        return min(lighter), "lighter"
+    heavier = [v for (n, d), v in speeds.items() if n >= at[0] and d >= at[1]]
+    if heavier and with_tps < max(heavier):
+        return max(heavier), "heavier"
+    return None
 
 
 def verdict(
     window: Counters, batch_s: float, without: Mapping[Where, Counters] | None = None
 ) -> Verdict | None:
-    """Whether drafting paid over `window` (None: too few drafts to say). Measured where the
-    model generated MIN_UNDRAFTED tokens or more without drafts at the window's load and
-    context (`without`, from `undrafted`): drafting pays if its streams were at least as fast.
-    Otherwise estimated from what a drafted row costs, `batch_s` (Counters.batch_s of the
-    runner's `quiet` reads, or of its whole life before it read enough prompts alone)."""
+    """Whether drafting paid over `window` (None: too little to say). Measured where the
+    model generated MIN_UNDRAFTED tokens or more without drafts at a load and context that
+    decides (`without`, from `undrafted`; `compared`): drafting pays if its streams were at
+    least as fast. Otherwise estimated from what a drafted row costs, `batch_s`
+    (Counters.batch_s of the runner's `quiet` reads, or of its whole life before it read
+    enough prompts alone), where the window took MIN_STEPS steps or more."""
     w = window
     if w.drafted < MIN_DRAFTED or w.generated <= w.accepted or w.generated_s <= 0:
         return None
     busy = max(1.0, w.busy / w.decodes) if w.decodes > 0 else 1.0
-    at = where(w)
-    base = (without or {}).get(at) if at is not None else None
-    measured = base is not None and base.generated >= MIN_UNDRAFTED and base.generated_s > 0
-    if batch_s <= 0 and not measured:
+    with_tps = w.generated / w.generated_s
+    base = compared(with_tps, where(w), without or {})
+    steps = w.generated - w.accepted  # one a token not accepted
+    if base is None and (batch_s <= 0 or steps < MIN_STEPS):
         return None
     cost = busy * batch_s  # stream-seconds a drafted token costs
-    # generated_s = (steps taken) * step_s + drafted * cost, one step per token not accepted
-    step_s = max((w.generated_s - w.drafted * cost) / (w.generated - w.accepted), batch_s)
+    # generated_s = steps * step_s + drafted * cost
+    step_s = max((w.generated_s - w.drafted * cost) / steps, batch_s)
     break_even = min(1.0, MARGIN * cost / step_s) if batch_s > 0 else 1.0
-    without_tps = base.generated / base.generated_s if base and measured else 1.0 / step_s
-    return Verdict(
-        w.drafted, w.accepted, busy, break_even, w.generated / w.generated_s, without_tps,
-        measured,
-    )  # fmt: skip
+    if base is not None:
+        return Verdict(w.drafted, w.accepted, busy, break_even, with_tps, base[0], True, base[1])
+    return Verdict(w.drafted, w.accepted, busy, break_even, with_tps, 1.0 / step_s)
 
 
 @dataclass(frozen=True)
