@@ -207,8 +207,8 @@ def test_a_speed_measured_at_another_load_or_context_decides_where_it_can() -> N
 
 def test_a_window_of_nearly_all_accepted_drafts_is_not_priced_by_its_few_steps() -> None:
     """600 tokens of which 592 were accepted drafts: 8 steps, too few to price a step without
-    drafts (the time left once the drafts' rows are counted, over 8 steps, made 0.6-7.5
-    tokens/s where SmolLM2 makes about 100). Not judged by estimate until MIN_STEPS steps;
+    drafts (the time left once the drafts' rows are priced, over 8 steps, made 0.6-1.5
+    tokens/s where SmolLM2 makes about 50). Not judged by estimate until MIN_STEPS steps;
     a measured speed still judges it."""
     few = window(600, 592, 592, step_s=0.010)
     assert verdict(few, BATCH_S) is None

@@ -38,8 +38,10 @@ from typing import Any
 DRAFTER = "ngram-mod"  # the drafter auto uses: needs no second model
 MIN_DRAFTED = 256  # drafted tokens a verdict needs (two or more drafts of ngram-mod's 48-128)
 # Steps (tokens not accepted) an estimated verdict needs: with nearly every draft accepted, a
-# window is nearly all verification, and the little time left over for its few steps priced a
-# step without drafts at 0.6-7.5 tokens/s (SmolLM2's edits, 2 cores; it makes about 100)
+# window is nearly all verification, and the time left over once its rows are priced, over
+# its few steps, made a step without drafts 0.6-1.5 tokens/s (SmolLM2's edits on 2 cores,
+# about 50 at their context). Past it the estimate still runs low there (2-7 tokens/s): a
+# verified row at an edit's context costs about twice a prompt's row, which prices it.
 MIN_STEPS = 64
 # A drafted row costs more than a prompt token's share of a large batch (a verification batch
 # is small, and rejected drafts roll the slot back): calibrated on 2 cores with SmolLM2, whose
