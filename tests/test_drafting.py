@@ -425,3 +425,24 @@ def test_a_lease_that_ends_tells_its_hop_the_context_its_tokens_were_generated_a
     c = Counters(generated=200, decodes=200, busy=200.0, context=hop.context,
                  contexted=hop.contexted)  # fmt: skip
     assert c.depth == 1500 and Counters().depth is None
+
+
+async def test_turning_off_is_said_once_while_the_runner_drafts_on(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A busy runner drafts on until it is idle for its restart, and its windows are judged
+    on: one that does not pay again leaves the choice as it was, and is not said again (the
+    bench's log said the same "drafting off" every 2-4 s under 16 clients)."""
+    _, _, rec, measure = _measured(
+        tmp_path,
+        Counters(prompt=640, prompt_s=2.0, decodes=1, busy=1.0),  # read alone: 3.1 ms a row
+        Counters(640, 2.0, 300, 2.8, 300, 30, 100, 100.0),  # 10% of the drafts accepted
+        Counters(640, 2.0, 600, 5.6, 600, 60, 200, 200.0),  # ... and again
+    )
+    with caplog.at_level("INFO", logger="corral.runtime.measure"):
+        for _ in range(3):
+            await measure.count_tokens(rec)
+    choice = measure.drafting["a"]
+    assert not choice.on
+    said = [r.getMessage() for r in caplog.records if "drafting off" in r.getMessage()]
+    assert len(said) == 1 and said[0].endswith(f"({choice.why})")

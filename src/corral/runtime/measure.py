@@ -409,7 +409,7 @@ class Measure:
         if v is not None:
             rec.window = c
             after = self.drafting[model] = choice.judged(v, now)
-            if after.on != choice.on or not after.on:
+            if after.on != choice.on:  # said once: a runner still drafting is judged again
                 log.info("model '%s': drafting %s (%s)", model, "on" if after.on else "off",
                          after.why)  # fmt: skip
             if after is not was and not (after.on and was.on):  # what `kept` holds changed
