@@ -200,7 +200,6 @@ def test_auto_drafts_until_a_client_asks_for_logprobs(auto) -> None:  # type: ig
     assert item["drafting"] == {"on": False, "why": "a client asked for logprobs"}
 
 
-@pytest.mark.e2e
 def notes(words: int) -> str:
     """Unrelated words in no order: a prompt as long as an edit's that nothing copies from."""
     import random
@@ -212,6 +211,7 @@ def notes(words: int) -> str:
     return " ".join(pick(vocabulary) for _ in range(words))
 
 
+@pytest.mark.e2e
 def test_auto_judges_drafting_against_the_speed_measured_without_it(auto: CorralServer) -> None:
     """A story, which ngram-mod finds nothing to draft in, tells the model's speed without
     drafts (llama.cpp's counters, read once it ended); the edits' drafts are then judged
