@@ -28,7 +28,9 @@ A `Hop` holds:
 - `waiting`: the requests waiting for room in its shared KV cache, first come first served;
 - `restore`: its saved conversations not restored yet (runtime/kvcache; `restoring` is false
   once none is left to compare, so later requests skip the check);
-- `copies`: its figures for copying a slot's state into another (runtime/slotcopy).
+- `copies`: its figures for copying a slot's state into another (runtime/slotcopy);
+- `context`, `contexted`: the context its ended requests generated their tokens at, which the
+  measure reads with the runner's counters (core/drafting.where).
 
 A runner's failure or refusal is the client's error (`ApiError`: llama.cpp's refusals of the
 request are 4xx with llama.cpp's message; a runner that fails says why, `Runner.why_failed`).
