@@ -104,6 +104,17 @@ class Counters:
         return self.context / self.contexted if self.contexted > 0 else None
 
     @property
+    def streams(self) -> float:
+        """Slots busy at a decode, on average (1 where no decode was counted)."""
+        return max(1.0, self.busy / self.decodes) if self.decodes > 0 else 1.0
+
+    @property
+    def alone(self) -> bool:
+        """Every decode had one slot busy (busy is llama.cpp's average times decodes: 0.5 for
+        the float's rounding)."""
+        return 0 < self.decodes and self.busy < self.decodes + 0.5
+
+    @property
     def batch_s(self) -> float:
         """Seconds a row of a batch costs: the prompt's evaluation per token (0: not known)."""
         return self.prompt_s / self.prompt if self.prompt >= 64 else 0.0
@@ -115,10 +126,7 @@ def quiet(known: Counters, read: Counters) -> Counters:
     llama.cpp times a slot's prompt by its whole batch, and beside other slots' steps that
     batch also holds their rows (and their drafts): under many clients a prompt token looked
     several times dearer than one read alone, and drafting that paid was judged not to."""
-    # every decode with one slot busy (busy is llama.cpp's average times decodes: 0.5 for the
-    # float's rounding)
-    alone = read.prompt > 0 and 0 < read.decodes and read.busy < read.decodes + 0.5
-    return known + read if alone else known
+    return known + read if read.prompt > 0 and read.alone else known
 
 
 def level(busy: float) -> int:
@@ -144,7 +152,7 @@ def where(c: Counters) -> Where | None:
     depth = c.depth
     if depth is None or c.decodes <= 0:
         return None
-    return level(c.busy / c.decodes), deep(depth)
+    return level(c.streams), deep(depth)
 
 
 def undrafted(
@@ -156,10 +164,9 @@ def undrafted(
     a time counts: beside other streams a step also verifies their drafts. A place past
     UNDRAFTED_KEPT tokens is halved first, so that what is compared follows the machine's
     speed now."""
-    alone = read.busy < read.decodes + 0.5  # every decode with one slot busy (see `quiet`)
     at = where(read)
     if (at is None or read.drafted or read.generated <= 0 or read.generated_s <= 0
-            or (drafting and not alone)):  # fmt: skip
+            or (drafting and not read.alone)):  # fmt: skip
         return dict(known)
     was = known.get(at, Counters())
     if was.generated > UNDRAFTED_KEPT:
@@ -239,7 +246,7 @@ def verdict(
     w = window
     if w.drafted < MIN_DRAFTED or w.generated <= w.accepted or w.generated_s <= 0:
         return None
-    busy = max(1.0, w.busy / w.decodes) if w.decodes > 0 else 1.0
+    busy = w.streams
     with_tps = w.generated / w.generated_s
     base = compared(with_tps, where(w), without or {})
     steps = w.generated - w.accepted  # one a token not accepted
@@ -249,9 +256,10 @@ def verdict(
     # generated_s = steps * step_s + drafted * cost
     step_s = max((w.generated_s - w.drafted * cost) / steps, batch_s)
     break_even = min(1.0, MARGIN * cost / step_s) if batch_s > 0 else 1.0
-    if base is not None:
-        return Verdict(w.drafted, w.accepted, busy, break_even, with_tps, base[0], True, base[1])
-    return Verdict(w.drafted, w.accepted, busy, break_even, with_tps, 1.0 / step_s)
+    without_tps, at = base or (1.0 / step_s, "")
+    return Verdict(
+        w.drafted, w.accepted, busy, break_even, with_tps, without_tps, base is not None, at
+    )
 
 
 @dataclass(frozen=True)
