@@ -557,9 +557,9 @@ def common(a: list[int], b: list[int]) -> int:
     return next((i for i, (x, y) in enumerate(zip(a, b, strict=False)) if x != y), len(a))
 
 
-def rules(topic: str) -> str:
+def rules(topic: str, n: int = 40) -> str:
     return f"You are a careful assistant on {topic}. " + " ".join(
-        f"Rule {i}: answer briefly and precisely about {topic} number {i}." for i in range(40)
+        f"Rule {i}: answer briefly and precisely about {topic} number {i}." for i in range(n)
     )
 
 
@@ -584,6 +584,33 @@ def test_a_conversations_second_turn_lands_on_its_slot(auto_server: Any) -> None
     # The copy left the first's own slot as it was.
     second = ask(s, [*a, {"role": "assistant", "content": first["choices"][0]["message"][
         "content"]}, {"role": "user", "content": "And pears?"}])  # fmt: skip
+    assert second["timings"]["cache_n"] >= first["usage"]["prompt_tokens"]
+
+
+def test_a_new_conversation_starts_from_a_short_idle_one_it_shares_a_start_with(
+    auto_server: Any,
+) -> None:
+    """A conversation too short to be parked (runtime/affinity.parked: its cells cost the other
+    slots less than its save) stays in its slot. A new one that shares its system prompt takes
+    an empty slot started from a copy of it, as llama.cpp alone would reuse that prompt in that
+    slot, and the first keeps its own: without the copy the new one read its whole prompt."""
+    s, system = auto_server, rules("orchards", 8)
+    r = s.client.post("/api/generate", json={"model": SMOL, "keep_alive": 0})
+    assert r.status_code == 200, r.text
+    s.wait_for(lambda: not any(m["model"] == SMOL for m in s.ps()), 60, "unload")
+    # Questions that differ early: a conversation is another's own where it continues all but
+    # its last 32 bytes (runtime/affinity).
+    a = [{"role": "system", "content": system},
+         {"role": "user", "content": "Which apples grow best in a cold and windy orchard?"}]
+    b = [{"role": "system", "content": system},
+         {"role": "user", "content": "Name a pear that keeps well through a long winter."}]
+    first = ask(s, a)
+    assert first["usage"]["prompt_tokens"] + first["usage"]["completion_tokens"] < 200
+    other = ask(s, b)
+    shared = common(tokens(s, a), tokens(s, b))
+    assert shared > 100  # the system prompt
+    assert other["timings"]["cache_n"] == shared
+    second = ask(s, [*a, first["choices"][0]["message"], {"role": "user", "content": "Why?"}])
     assert second["timings"]["cache_n"] >= first["usage"]["prompt_tokens"]
 
 

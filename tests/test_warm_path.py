@@ -22,15 +22,16 @@ MIDDLEWARES = {"server", "logs", "api.guard", "api.activity", "api.metrics"}
 
 # A warm streamed Ollama chat: the family (route and protocol, its chunks, the shared events
 # and chat types, the service and the relay), the admission and the core's books, the hop's
-# pipeline and its policies (on this CPU runner of several slots, the park step's: a GPU's would
-# enter runtime.slotcopy instead), the runner's API.
+# pipeline and its policies (on this CPU runner of several slots, the park step's and the copy
+# step's: a short idle conversation is copied, not parked; a GPU's runner would not park), the
+# runner's API.
 OLLAMA_CHAT = {
     "api.families.ollama.routes", "api.families.ollama.protocol", "api.families.ollama.render",
     "api.common", "api.service", "api.chat", "api.events", "api.stream",
     "runtime.registry", "core.gguf", "core.roles", "runtime.admission", "core.spec",
     "runtime.scheduler", "core.books", "core.requests",
-    "runtime.hop", "runtime.affinity", "runtime.kvcache", "runtime.runner_api",
-    "runtime.continuation", "runtime.meter",
+    "runtime.hop", "runtime.affinity", "runtime.kvcache", "runtime.slotcopy",
+    "runtime.runner_api", "runtime.continuation", "runtime.meter",
 }  # fmt: skip
 # The same chat through OpenAI's API, whose stream is llama.cpp's own, relayed as it is (its
 # error lines read as llama.cpp writes them)
@@ -76,7 +77,7 @@ def test_a_warm_streamed_ollama_chat(traced: CorralServer) -> None:
     later = {**chat, "messages": [{"role": "user", "content": "hello there"}]}
     mods = _request_modules(traced, [("/api/chat", chat), ("/api/chat", later)])
     assert mods == OLLAMA_CHAT, (sorted(mods - OLLAMA_CHAT), sorted(OLLAMA_CHAT - mods))
-    assert len(mods) == 22
+    assert len(mods) == 23
 
 
 def test_a_warm_streamed_openai_chat(traced: CorralServer) -> None:
@@ -86,6 +87,6 @@ def test_a_warm_streamed_openai_chat(traced: CorralServer) -> None:
     mods = _request_modules(traced, [("/v1/chat/completions", chat),
                                      ("/v1/chat/completions", later)])  # fmt: skip
     assert mods == OPENAI_CHAT, (sorted(mods - OPENAI_CHAT), sorted(OPENAI_CHAT - mods))
-    assert len(mods) == 19
+    assert len(mods) == 20
 
 

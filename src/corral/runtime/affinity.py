@@ -62,6 +62,14 @@ GENERATION_PATHS = frozenset({"/v1/chat/completions", "/completion", "/v1/comple
 # A slot holding fewer prompt bytes than this (about 256 tokens) is not parked: its cells cost
 # the other slots' steps less than its save and erase (two tasks in the runner's queue) do.
 PARK_MIN_BYTES = 256 * BYTES_PER_TOKEN
+
+
+def parked(size: int) -> bool:
+    """Whether a conversation of `size` prompt bytes is worth moving out of a shared cache
+    (runtime/kvcache parks it) where it would stay idle."""
+    return size >= PARK_MIN_BYTES
+
+
 # What a copy between slots costs besides its bytes: two requests to the runner, each a task
 # in its queue (seconds).
 COPY_OVERHEAD_S = 0.002
@@ -321,7 +329,7 @@ class Slots:
         """The slots but `keep` that no unreleased lease holds and that hold a prompt worth
         moving out of a shared cache (runtime/kvcache parks them), fullest first."""
         return sorted((
-            i for i in self.free() if i != keep and self._sizes[i] >= PARK_MIN_BYTES
+            i for i in self.free() if i != keep and parked(self._sizes[i])
         ), key=lambda i: -self._sizes[i])  # fmt: skip
 
     def leaving(self, pick: Pick) -> list[tuple[int, bool]]:
@@ -330,7 +338,7 @@ class Slots:
         where the prompt overwrites a conversation worth keeping that it does not continue
         (saved only: the prompt takes its cells; with more clients than slots, the one whose
         answer just ended), then the idle ones (`idle`)."""
-        replaced = [(pick.slot, False)] if pick.replaced >= PARK_MIN_BYTES else []
+        replaced = [(pick.slot, False)] if parked(pick.replaced) else []
         return replaced + [(i, True) for i in self.idle(pick.slot)]
 
     def hold(self, slot: int) -> Holder:

@@ -13,8 +13,8 @@ sends a request under its lease through the hop's policies as one named pipeline
   saved conversation a prompt continues (or shares most with) is restored into a free slot,
   and the request pinned there instead (runtime/kvcache);
 - copy: a new conversation starts from the idle slot that holds most of its prompt, where
-  copying that costs less than evaluating it (runtime/slotcopy; not after a restore, not where
-  idle slots are parked: a parked one's restore serves instead);
+  copying that costs less than evaluating it (runtime/slotcopy; not after a restore, not from
+  a slot that was parked: its restore serves instead);
 - admit: on a shared cache, a prompt that would not fit beside the running ones waits for room
   (first come first served; every release of a lease wakes those waiting, nothing polls);
 - send: the runner's API (runtime/runner_api): a whole answer, or a stream;
@@ -54,6 +54,7 @@ from corral.runtime.affinity import (
     Holder,
     Pick,
     Slots,
+    parked,
     prompt_pieces,
 )
 from corral.runtime.continuation import ContinuedStream, Upstream, continuable
@@ -221,8 +222,13 @@ class Lease:
 # ---- the pipeline ---------------------------------------------------------------------------
 
 
-def _always(spared: int, size: int) -> bool:
-    return True
+def _parked_or(pays: CopyPays | None) -> CopyPays:
+    """Whether a new conversation starts from an idle slot's state where idle slots are parked:
+    one long enough to be parked is saved anyway, and its start restored from that, as if a
+    copy always paid; a shorter one stays where it is and is copied where that pays (else a
+    new conversation would evaluate the system prompt it shares with it again: llama.cpp alone
+    reuses it in that slot)."""
+    return lambda spared, size: parked(size) or (pays is not None and pays(spared, size))
 
 
 class RunnerClient:
@@ -268,12 +274,12 @@ class RunnerClient:
         kvcache = self.kvcache
         parks = hop.slots is not None and kvcache is not None and kvcache.parks(hop)
         if hop.slots is not None:  # pick
-            if not parks and self.copier is not None and self.copier.wants(hop, path, payload):
+            if self.copier is not None and self.copier.wants(hop, path, payload):
                 copier = self.copier
                 await copier.refresh(hop)
-            # Where idle slots are parked, the one a new conversation shares most with is
-            # saved anyway and its start restored from that: as if a copy always paid.
-            pays = copier.pays(hop) if copier is not None else _always if parks else None
+            pays = copier.pays(hop) if copier is not None else None
+            if parks:
+                pays = _parked_or(pays)
             payload, pick = self._pick(hop.slots, path, payload, lease, pays)
             if pick is not None:
                 held = int(pick.held / hop.slots.bytes_per_token)
@@ -291,7 +297,8 @@ class RunnerClient:
             if prepared is not payload:  # restored (a new payload, pinned to its slot)
                 pick = None
             payload = prepared
-        if pick is not None and pick.source is not None and copier is not None:  # copy
+        if (pick is not None and pick.source is not None and copier is not None
+                and not (parks and parked(pick.source_size))):  # copy  # fmt: skip
             # A new conversation on a slot of its own: start it from the idle slot that holds
             # most of its prompt (copying that costs less than evaluating it).
             await copier.copy(hop, pick)
