@@ -44,8 +44,12 @@ MIN_DRAFTED = 256  # drafted tokens a verdict needs (two or more drafts of ngram
 # verified row at an edit's context costs about twice a prompt's row, which prices it.
 MIN_STEPS = 64
 # A drafted row costs more than a prompt token's share of a large batch (a verification batch
-# is small, and rejected drafts roll the slot back): calibrated on 2 cores with SmolLM2, whose
-# story lost 15% at 38% of its drafts accepted against a break-even of 31% without it.
+# is small, and rejected drafts roll the slot back): calibrated on 2 cores with SmolLM2 with one
+# stream, whose story lost 15% at 38% of its drafts accepted against a break-even of 31%
+# without it. Streams decoding together verify their drafts in one batch and share that
+# overhead, so it is divided among them (`margin`): at 3-4 streams the whole margin judged
+# windows not to pay at 76-79% accepted where drafting made 1.08-1.20x the tokens/s of the same
+# llama-server without it (the concurrency bench's text, 8 clients on 4 slots).
 MARGIN = 1.5
 RETRY_S = 600.0  # how long drafting stays off for a model once it did not pay
 RETRY_MAX_S = 7200.0  # ... doubling each time it did not pay again, up to this
@@ -181,7 +185,7 @@ class Verdict:
     drafted: int
     accepted: int
     busy: float  # streams decoding at once, on average
-    break_even: float  # the share of drafts accepted from which drafting pays (with MARGIN)
+    break_even: float  # the share of drafts accepted from which drafting pays (`margin`)
     with_tps: float  # a stream's tokens/s, as measured (drafting)
     without_tps: float  # ... without drafting: measured (`measured`), else estimated
     measured: bool = False  # without_tps is the model's own generation without drafts ...
@@ -234,6 +238,12 @@ def compared(
     return None
 
 
+def margin(busy: float) -> float:
+    """What a drafted row costs over a prompt row, with `busy` streams sharing each
+    verification batch (MARGIN)."""
+    return 1.0 + (MARGIN - 1.0) / max(1.0, busy)
+
+
 def verdict(
     window: Counters, batch_s: float, without: Mapping[Where, Counters] | None = None
 ) -> Verdict | None:
@@ -255,7 +265,7 @@ def verdict(
     cost = busy * batch_s  # stream-seconds a drafted token costs
     # generated_s = steps * step_s + drafted * cost
     step_s = max((w.generated_s - w.drafted * cost) / steps, batch_s)
-    break_even = min(1.0, MARGIN * cost / step_s) if batch_s > 0 else 1.0
+    break_even = min(1.0, margin(busy) * cost / step_s) if batch_s > 0 else 1.0
     without_tps, at = base or (1.0 / step_s, "")
     return Verdict(
         w.drafted, w.accepted, busy, break_even, with_tps, without_tps, base is not None, at
