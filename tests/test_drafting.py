@@ -241,13 +241,18 @@ def test_the_choice_turns_off_for_a_while_doubling_and_back_on_at_a_later_load()
     assert bad is not None and good is not None
     c = Choice()
     assert c.on and c.why == "not measured yet"  # a model drafts until it is judged
-    c = c.judged(bad, 100.0)
+    # one window that does not pay is judged again; one that pays between clears the doubt
+    doubt = c.judged(bad, 90.0)
+    assert doubt.on and doubt.doubted and doubt.last == bad
+    assert str(doubt).startswith("on: judged again: its last window did not pay: 30 of 300")
+    assert not doubt.judged(good, 95.0).doubted and doubt.judged(good, 95.0).judged(bad, 99.0).on
+    c = doubt.judged(bad, 100.0)  # the second in a row
     assert not c.on and c.retry_at == 100.0 + RETRY_S  # its next load after the while drafts
     assert str(c).startswith("off: does not pay: 30 of 300")
-    c = c.trying().judged(bad, 100.0 + RETRY_S)
+    c = c.trying().judged(bad, 100.0 + RETRY_S).judged(bad, 100.0 + RETRY_S)
     assert not c.on and c.retry_at == 100.0 + 3 * RETRY_S  # twice as long this time
     for _ in range(10):
-        c = c.trying().judged(bad, 0.0)
+        c = c.trying().judged(bad, 0.0).judged(bad, 0.0)
     assert c.backoff == RETRY_MAX_S  # ... up to the most
     c = c.trying().judged(good, 0.0)
     assert c.on and c.backoff == RETRY_S and c.last == good and "pays" in str(c)
@@ -345,15 +350,16 @@ def _measured(tmp_path: Path, *reads: Counters) -> tuple[Core, Load, Record, Mea
 async def test_a_runner_judged_not_to_pay_is_restarted_without_drafting_once_idle(
     tmp_path: Path,
 ) -> None:
-    """The measure reads a drafting runner's counters; a window that does not pay turns its
-    model's drafting off and the idle runner is stopped (its next load does not draft). The
-    choice is kept across a restart of corral."""
+    """The measure reads a drafting runner's counters; two windows in a row that do not pay
+    turn its model's drafting off and the idle runner is stopped (its next load does not
+    draft). The choice is kept across a restart of corral."""
     from corral.runtime.journal import Journal
 
     core, load, rec, measure = _measured(
         tmp_path,
         Counters(prompt=640, prompt_s=2.0, decodes=1, busy=1.0),  # read alone: 3.1 ms a row
         Counters(640, 2.0, 300, 2.8, 300, 30, 100, 100.0),  # 10% of the drafts accepted
+        Counters(640, 2.0, 600, 5.6, 600, 60, 200, 200.0),  # ... and again
     )
     runner = rec.runner
     assert measure.drafting == {}  # drafting until judged
@@ -361,12 +367,15 @@ async def test_a_runner_judged_not_to_pay_is_restarted_without_drafting_once_idl
     assert "a" not in measure.drafting  # too few drafts to say
     assert rec.quiet.batch_s == pytest.approx(2.0 / 640)  # a row's cost, for the verdict
     await measure.count_tokens(rec)  # the request ended: 300 drafted tokens
+    assert measure.drafting["a"].on and measure.drafting["a"].doubted  # judged again
+    assert not [a for a in core.drain() if isinstance(a, Stop)]
+    await measure.count_tokens(rec)  # another 300, and not paying either
     choice = measure.drafting["a"]
     assert not choice.on and choice.retry_at == RETRY_S  # its loads do not draft for a while
     assert str(measure.drafting["a"]).startswith("off: does not pay")
     (stop,) = [a for a in core.drain() if isinstance(a, Stop)]  # served nothing: stopped
     assert stop.runner == load.runner and stop.kind == "options_change"
-    assert measure.tokens["a"] == [640, 300, 300, 30]  # the counts the dashboard adds up
+    assert measure.tokens["a"] == [640, 600, 600, 60]  # the counts the dashboard adds up
     # corral restarts (a new clock): its new measure has the model off for the time left
     again = Measure(
         Core(budgets={"cpu": 10**9}), {}, Journal(), devices=[], refresh=None, margin=0,
@@ -399,16 +408,22 @@ async def test_a_measure_judges_drafting_against_its_models_speed_without_drafts
         Counters(640, 2.0, 256, 2.56, 0, 0, 300, 300.0, 256 * 150.0, 256),
         # 55% accepted, 75 tokens/s, at the same context
         Counters(640, 2.0, 556, 6.56, 300, 165, 700, 700.0, 556 * 150.0, 556),
+        # ... and again, 66.7 tokens/s
+        Counters(640, 2.0, 856, 11.06, 600, 330, 1100, 1100.0, 856 * 150.0, 856),
     )
     await measure.count_tokens(rec)
     story = Counters(640, 2.0, 256, 2.56, 0, 0, 300, 300.0, 256 * 150.0, 256)
     assert measure.undrafted["a"] == {(0, 0): story}
     assert "a" not in measure.drafting
     await measure.count_tokens(rec)
+    first = measure.drafting["a"]
+    assert first.on and first.doubted and first.last is not None and first.last.measured
+    # the window holds every stream since the last verdict, the story's too: 556 in 6.56 s
+    assert str(first).endswith("84.8 tokens/s a stream against 100.0 measured without")
+    await measure.count_tokens(rec)
     choice = measure.drafting["a"]
     assert not choice.on and choice.last is not None and choice.last.measured
-    # the window holds every stream since the last verdict, the story's too: 556 in 6.56 s
-    assert str(choice).endswith("84.8 tokens/s a stream against 100.0 measured without")
+    assert str(choice).endswith("66.7 tokens/s a stream against 100.0 measured without")
     assert [a for a in core.drain() if isinstance(a, Stop)]  # restarted without drafting
 
 
@@ -453,10 +468,11 @@ async def test_turning_off_is_said_once_while_the_runner_drafts_on(
         tmp_path,
         Counters(prompt=640, prompt_s=2.0, decodes=1, busy=1.0),  # read alone: 3.1 ms a row
         Counters(640, 2.0, 300, 2.8, 300, 30, 100, 100.0),  # 10% of the drafts accepted
-        Counters(640, 2.0, 600, 5.6, 600, 60, 200, 200.0),  # ... and again
+        Counters(640, 2.0, 600, 5.6, 600, 60, 200, 200.0),  # ... and again: off
+        Counters(640, 2.0, 900, 8.4, 900, 90, 300, 300.0),  # ... and again
     )
     with caplog.at_level("INFO", logger="corral.runtime.measure"):
-        for _ in range(3):
+        for _ in range(4):
             await measure.count_tokens(rec)
     choice = measure.drafting["a"]
     assert not choice.on

@@ -18,9 +18,10 @@ llama.cpp b11434 lets no request turn drafting off (server-schema.cpp keeps the 
 - every `MIN_DRAFTED` drafted tokens the runner's window is judged (`verdict`): measured where
   the model has generated enough without drafts at the same load and context (`undrafted`:
   requests that drafted nothing, and its runners while drafting was off), drafting pays if its
-  streams were at least as fast; else by the cost above. One that does not pay turns the
-  model's drafting off (the runner is restarted without it when it is idle, runtime/measure)
-  for `RETRY_S`, doubling up to `RETRY_MAX_S` while it keeps not paying;
+  streams were at least as fast; else by the cost above. Two windows in a row that do not pay
+  (`Choice.judged`: one alone is often noise near the break-even) turn the model's drafting
+  off (the runner is restarted without it when it is idle, runtime/measure) for `RETRY_S`,
+  doubling up to `RETRY_MAX_S` while it keeps not paying;
 - after that, the model's next load drafts again and is judged again;
 - a request for logprobs turns it off the same way (llama.cpp gives accepted drafts no
   probabilities: such a client would get made-up ones);
@@ -281,13 +282,21 @@ class Choice:
     retry_at: float = -math.inf  # while off: when its next load drafts again
     backoff: float = RETRY_S  # how long the next turn off lasts
     last: Verdict | None = None
+    doubted: bool = False  # on, its last window did not pay: the next that does not turns it off
 
     def __str__(self) -> str:
         return f"{'on' if self.on else 'off'}: {self.why}"
 
     def judged(self, v: Verdict, now: float) -> Choice:
+        """On where `v` pays; off where it is the second window in a row that does not. Near
+        the break-even one window is as likely noise as not (under 16 clients, windows a few
+        seconds apart said 46% against 50% and then 93% against 54%), and a turn off costs its
+        runner a restart."""
         if v.pays:
             return Choice(True, f"pays: {v}", last=v)
+        if self.on and not self.doubted:
+            return Choice(True, f"judged again: its last window did not pay: {v}",
+                          backoff=self.backoff, last=v, doubted=True)  # fmt: skip
         return self.off(f"does not pay: {v}", now, v)
 
     def off(self, why: str, now: float, v: Verdict | None = None) -> Choice:
