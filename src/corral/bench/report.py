@@ -176,7 +176,9 @@ side goes first, and every figure is the median of the rounds' own. Tokens/s: al
 tokens over the time from the clients' common start to the last answer's end. Models: SmolLM2-135M
 and a synthetic llama trained for 64k tokens. `llama-server` is found as for the swap traces
 (`CORRAL_BENCH_LLAMA_SERVER`, `~/.cache/corral/llama-server`, `--build-llama-server`). Goal:
-corral >= 1.0x llama-server's tokens/s at every level.""",
+corral >= 1.0x llama-server's tokens/s at every level, by the paired ratio (the median over
+rounds of each round's corral over the same round's llama-server: the machine drifts between
+rounds, less within one; before 2026-11-29 09:00 the goal lines went by the medians' ratio).""",
     "speculative": """\
 `corral bench speculative --write-docs`: each model served by corral with its defaults (no
 `speculative` line in models.toml: `auto`, which picks the runner's drafter per model), by
