@@ -211,12 +211,12 @@ def throughput_goal(
     round's corral over the same round's llama-server, as the goal is set) where the rounds
     gave it, else the medians' ratio."""
     goal = f"concurrency: corral >= 1.0x llama-server's tokens/s at every level ({model})"
-    nan = float("nan")
 
     def level(n: int) -> float:
-        co, ll = figures.get("corral", {}).get(n, {}), figures.get("llama-server", {}).get(n, {})
-        p = co.get("paired", nan)
-        return p if p == p else safe_div(co.get("tok_s", nan), ll.get("tok_s", nan))
+        medians, paired = _ratios(
+            figures.get("corral", {}).get(n, {}), figures.get("llama-server", {}).get(n, {})
+        )
+        return paired if paired == paired else medians
 
     ratios = {n: level(n) for n in levels}
     measured = " / ".join(f"{ratio(r)} at {n}" for n, r in ratios.items())
@@ -227,12 +227,18 @@ def throughput_goal(
     return Goal(goal, measured, not low, detail)
 
 
-def _ratio_cell(side: Mapping[str, float], ll: Mapping[str, float]) -> str:
-    """Medians' ratio, and the paired one (`paired`) where the rounds gave it."""
+def _ratios(side: Mapping[str, float], ll: Mapping[str, float]) -> tuple[float, float]:
+    """`side` over llama-server: the medians' ratio, and the paired one (`paired`; NaN where
+    the rounds did not give it)."""
     nan = float("nan")
-    cell = ratio(safe_div(side.get("tok_s", nan), ll.get("tok_s", nan)))
-    p = side.get("paired", nan)
-    return cell if p != p else f"{cell} (paired {ratio(p)})"
+    return safe_div(side.get("tok_s", nan), ll.get("tok_s", nan)), side.get("paired", nan)
+
+
+def _ratio_cell(side: Mapping[str, float], ll: Mapping[str, float]) -> str:
+    """Medians' ratio, and the paired one where the rounds gave it."""
+    medians, paired = _ratios(side, ll)
+    cell = ratio(medians)
+    return cell if paired != paired else f"{cell} (paired {ratio(paired)})"
 
 
 def _rate(x: float) -> str:
