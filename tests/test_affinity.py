@@ -20,6 +20,7 @@ from corral.runtime.affinity import (
 @dataclass
 class Lease:
     released: bool = False
+    released_at: float = 0.0
     generated: int = 0
     prompt_tokens: int | None = None
 
@@ -79,6 +80,24 @@ def test_idle_slots_worth_parking_and_a_parked_slot_is_empty_once_done() -> None
     held.released = True
     assert slots.idle(keep=busy) == [b] and a in slots.free()
     assert slots.claim(Lease(), ask("a new one")) == a  # an empty slot again
+
+
+def test_a_slot_is_idle_for_parking_only_once_released_before_the_time_given() -> None:
+    """`idle(keep, since)`: a slot whose lease was released after `since` (its client's next
+    turn may be on its way) stays; one released before, or never held by a lease, goes."""
+    slots = Slots(4, 100_000)
+    early, late = Lease(released=True, released_at=10.0), Lease(released=True, released_at=20.0)
+    a = slots.claim(early, chat("fix the bug in a.py " * 50))
+    b = slots.claim(late, chat("write tests for b.py " * 80))
+    keep = slots.claim(Lease(), chat("hi"))
+    assert a is not None and b is not None and keep is not None
+    assert slots.idle(keep) == [b, a]  # no time given: every idle one
+    assert slots.idle(keep, since=15.0) == [a]
+    assert slots.idle(keep, since=20.0) == [b, a]  # released at `since`: idle long enough
+    assert slots.idle(keep, since=5.0) == []
+    p = slots.pick(Lease(), chat("a new conversation " * 90))
+    assert p is not None and p.slot not in (a, b, keep)
+    assert slots.leaving(p, since=15.0) == [(a, True)]
 
 
 def test_a_busy_slot_is_never_claimed_twice_and_a_released_one_is_free_again() -> None:

@@ -220,6 +220,7 @@ def test_a_continuation_the_runner_cannot_take_ends_on_the_first_error() -> None
 class Lease:
     hop: Hop
     released: bool = False
+    released_at: float = 0.0
     generated: int = 0
     prompt_tokens: int | None = None
 

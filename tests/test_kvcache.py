@@ -16,8 +16,10 @@ from typing import Any
 
 import pytest
 
+from corral.config import Settings
 from corral.runtime.kvcache import KVCache
 from corral.runtime.slotfile import MAGIC, CorruptEntry, common_prefix, read_tokens, token_digest
+from corral.server import kv_cache
 from corral.testing import synth
 from corral.testing.server import CorralServer
 
@@ -435,7 +437,7 @@ async def test_parking_saves_then_erases_and_a_failed_save_keeps_the_conversatio
     slots = Slots(3, 4096)
 
     class Lease:
-        released, generated, prompt_tokens = True, 0, None
+        released, released_at, generated, prompt_tokens = True, 0.0, 0, None
 
     def prompt(text: str) -> tuple[bytes, ...]:
         return prompt_pieces("/completion", {"prompt": text * 500})
@@ -475,3 +477,69 @@ async def test_parking_saves_then_erases_and_a_failed_save_keeps_the_conversatio
         there = SimpleNamespace(**{**vars(hop), "restore": None,
                                    "runner": SimpleNamespace(**{**vars(runner), **other})})
         assert not cache.parks(there)
+
+
+async def test_a_slot_idle_for_less_than_park_after_stays_in_the_shared_cache(
+    tmp_path: Path,
+) -> None:
+    """`park_after` (CORRAL_KV_PARK_AFTER): a slot whose answer ended a moment ago (its client's
+    next turn may be on its way) is neither saved nor erased by another prompt's park step,
+    while one idle longer is parked; the conversation a prompt overwrites is saved either way."""
+    from types import SimpleNamespace
+
+    from corral.core.spec import Layout, RunnerSpec
+    from corral.runtime.affinity import Slots, prompt_pieces
+
+    model = tmp_path / "m.gguf"
+    model.write_bytes(b"GGUF")
+    settings = Settings.load({"CORRAL_MODELS": str(tmp_path), "CORRAL_KV_PARK_AFTER": "1h",
+                              "CORRAL_KV_CACHE_DIR": str(tmp_path / "kv")}, {})  # fmt: skip
+    cache = kv_cache(settings)
+    assert cache is not None and cache.park_after == 3600.0
+    calls: list[tuple[int, str]] = []
+
+    class API:
+        async def slot_action(self, slot: int, action: str, filename: str, timeout: float) -> Any:
+            calls.append((slot, action))
+            if action == "save":
+                write_slot(cache.directory / filename, list(range(100 + slot, 400 + slot)))
+                return {"n_saved": 300, "n_written": 1000}
+            return {"n_erased": 300}
+
+    spec = RunnerSpec(path=str(model), n_ctx=4096, num_parallel=2, kv_unified=True)
+    runner = SimpleNamespace(spec=spec, layout=Layout(), name="m", llama_server=None,
+                             slot_save_path=cache.slot_save_path, allocation=None)  # fmt: skip
+    hop = SimpleNamespace(runner=runner, restore=None, restoring=False, api=API(),
+                          changed=lambda: None)  # fmt: skip
+    slots = Slots(2, 4096)
+
+    class Lease:
+        released, released_at, generated, prompt_tokens = True, time.monotonic(), 0, None
+
+    class Busy(Lease):
+        released = False
+
+    def prompt(text: str) -> tuple[bytes, ...]:
+        return prompt_pieces("/completion", {"prompt": text * 500})
+
+    just, other = Lease(), Busy()  # a's answer ended just now
+    assert slots.claim(just, prompt("a ")) == 0
+    pick = slots.pick(other, prompt("b "))
+    assert pick is not None and pick.slot == 1
+    await cache.park(hop, slots, pick)
+    assert calls == [] and cache.stats["parks"] == 0 and slots.idle(1) == [0]
+    # Idle for longer than that: parked.
+    just.released_at -= 3600.0
+    other.released = True
+    pick = slots.pick(Busy(), prompt("b " * 2))
+    assert pick is not None and pick.slot == 1 and pick.own
+    await cache.park(hop, slots, pick)
+    assert calls == [(0, "save"), (0, "erase")] and cache.stats["parks"] == 1
+    # More conversations than slots: the one a prompt overwrites is saved though it was
+    # answered a moment ago (the prompt takes its cells), and erased by that prompt alone.
+    calls.clear()
+    slots.claim(Lease(), prompt("c "))
+    over = slots.pick(Busy(), prompt("d "))
+    assert over is not None and over.replaced > 0
+    await cache.park(hop, slots, over)
+    assert calls == [(over.slot, "save")]

@@ -352,7 +352,10 @@ def test_corral_ps_shows_slots_in_use_of_slots() -> None:
 
 @pytest.fixture(scope="module")
 def auto_server(start_server: Any, models_dir: Path) -> Any:
-    return start_server(models_dir, CORRAL_NUM_PARALLEL="auto", CORRAL_CONTEXT_LENGTH="16384")
+    # Idle slots parked by the next request however soon it comes, as the parking tests read
+    # (test_kvcache holds the wait for CORRAL_KV_PARK_AFTER).
+    return start_server(models_dir, CORRAL_NUM_PARALLEL="auto", CORRAL_CONTEXT_LENGTH="16384",
+                        CORRAL_KV_PARK_AFTER="0")  # fmt: skip
 
 
 def plain(s: Any, *bases: str) -> None:

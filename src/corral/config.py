@@ -243,6 +243,9 @@ SETTINGS: tuple[Setting, ...] = (
     Setting("CORRAL_KV_CACHE_DIR", "~/.corral/kvcache", "kv_cache_dir",
             _path("~/.corral/kvcache")),
     Setting("CORRAL_KV_CACHE_SIZE", "10GiB", "kv_cache_size", parse_size),
+    # A client's next turn mostly comes sooner (a loop's next request, an agent's quick tool):
+    # parking its slot in that gap costs a save and a restore queued behind others' prompts.
+    Setting("CORRAL_KV_PARK_AFTER", "2s", "kv_park_after", parse_duration),
     # comma-separated keys; set: every route but a few needs one. No flag: a key on the
     # command line is visible to every local user.
     Setting("CORRAL_API_KEY", "", "api_keys", _list),
@@ -304,6 +307,7 @@ class Settings:
     kv_cache_type: str  # f16, q8_0, q4_0, ...: the KV cache's element type
     kv_cache_dir: Path  # where conversations' saved KV caches go (runtime.kvcache)
     kv_cache_size: int  # bytes they may take; 0: conversations are not saved
+    kv_park_after: float  # seconds a slot stays idle in a shared cache before it is parked
     api_keys: tuple[str, ...] = field(repr=False)  # empty: no key needed
     origins: tuple[str, ...]  # web origins allowed besides loopback and corral's own pages
     shutdown_grace: float  # on SIGTERM, in-flight requests get this long; inf = no limit

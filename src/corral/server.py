@@ -105,7 +105,7 @@ def kv_cache(settings: Settings) -> KVCache | None:
     if settings.kv_cache_size <= 0:
         return None
     try:
-        return KVCache(settings.kv_cache_dir, settings.kv_cache_size)
+        return KVCache(settings.kv_cache_dir, settings.kv_cache_size, settings.kv_park_after)
     except OSError as e:
         log.warning("conversations' KV caches will not be saved: %s", e)
         return None

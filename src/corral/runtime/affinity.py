@@ -37,6 +37,7 @@ chosen slot first (llama.cpp's slot save and restore); the request then reuses t
 from __future__ import annotations
 
 import itertools
+import math
 from collections.abc import Callable, Collection, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol
@@ -83,6 +84,7 @@ class Holder(Protocol):
     """What claims a slot (a scheduler Lease): the slot is free again once it is released."""
 
     released: bool
+    released_at: float  # when it was released (time.monotonic()): its slot is idle since
 
     @property
     def generated(self) -> int:
@@ -100,6 +102,7 @@ class _Held:
     """A slot held by corral itself (while it is parked), not by a request."""
 
     released: bool = False
+    released_at: float = 0.0
     generated: int = 0
     prompt_tokens: int | None = None
 
@@ -325,21 +328,24 @@ class Slots:
             return None
         return source
 
-    def idle(self, keep: int) -> list[int]:
-        """The slots but `keep` that no unreleased lease holds and that hold a prompt worth
-        moving out of a shared cache (runtime/kvcache parks them), fullest first."""
+    def idle(self, keep: int, since: float = math.inf) -> list[int]:
+        """The slots but `keep` that no lease has held since `since` (a time.monotonic()) and
+        that hold a prompt worth moving out of a shared cache (runtime/kvcache parks them),
+        fullest first."""
         return sorted((
-            i for i in self.free() if i != keep and parked(self._sizes[i])
+            i for i, h in enumerate(self._holders)
+            if i != keep and parked(self._sizes[i])
+            and (h is None or (h.released and h.released_at <= since))
         ), key=lambda i: -self._sizes[i])  # fmt: skip
 
-    def leaving(self, pick: Pick) -> list[tuple[int, bool]]:
+    def leaving(self, pick: Pick, since: float = math.inf) -> list[tuple[int, bool]]:
         """The slots whose conversations leave a shared cache before `pick`'s prompt is read
         (runtime/kvcache parks them), each with whether it is erased: first the picked slot,
         where the prompt overwrites a conversation worth keeping that it does not continue
         (saved only: the prompt takes its cells; with more clients than slots, the one whose
-        answer just ended), then the idle ones (`idle`)."""
+        answer just ended), then those idle since `since` (`idle`)."""
         replaced = [(pick.slot, False)] if parked(pick.replaced) else []
-        return replaced + [(i, True) for i in self.idle(pick.slot)]
+        return replaced + [(i, True) for i in self.idle(pick.slot, since)]
 
     def hold(self, slot: int) -> Holder:
         """`slot` held, out of the picks, until the holder returned is released."""

@@ -183,6 +183,7 @@ class Lease:
     tally: Tally  # its generated tokens, counted as they are relayed to its client
     hop: Hop  # its runner's hop (runtime/hop): what the request is sent through
     released: bool = False
+    released_at: float = 0.0  # when (time.monotonic()): its slot is idle since (affinity)
     # The answer ended in a tool call (set by the API layer as the end passes): the agent will
     # be back with the result, so the runner is held for that turn on release.
     tool_call: bool = False
@@ -200,7 +201,7 @@ class Lease:
 
     def release(self) -> None:
         if not self.released:
-            self.released = True
+            self.released, self.released_at = True, time.monotonic()
             self.tally.end()
             self.hop.ended(self.tally.prompt, self.tally.total)
             self.scheduler._release(self.request_id, self.tool_call)

@@ -166,11 +166,10 @@ def runner_key(runner: Runner) -> str | None:
 
 class KVCache:
     """Saved KV caches of conversations, one file per slot, under `directory`, at most
-    `max_bytes` in all."""
+    `max_bytes` in all; idle slots parked once idle for `park_after` seconds."""
 
-    def __init__(self, directory: Path, max_bytes: int) -> None:
-        self.directory = directory
-        self.max_bytes = max_bytes
+    def __init__(self, directory: Path, max_bytes: int, park_after: float = 0.0) -> None:
+        self.directory, self.max_bytes, self.park_after = directory, max_bytes, park_after
         # (name, size, mtime) -> tokens: a file changed behind corral's back is read again
         self._tokens: dict[tuple[str, int, int], array[int]] = {}
         self._failures: dict[str, int] = {}  # key -> restores in a row that reused nothing
@@ -329,9 +328,11 @@ class KVCache:
         is read into `pick.slot`: saved (a prompt that continues one gets it restored), then
         erased; the one the prompt overwrites there is saved only (`Slots.leaving`). Idle cells
         slow every step (2 cores, SmolLM2: 53 tokens/s beside a 3,500-token idle slot, 77
-        without). A slot whose save fails keeps its conversation."""
+        without). Only slots idle for `park_after` leave: a restore for a client back sooner
+        may wait behind others' prompts (6-14 s at 4 edits on 2 cores). A slot whose save fails
+        keeps its conversation."""
         st, saved_any = self._state(hop), False
-        for slot, erase in slots.leaving(pick):
+        for slot, erase in slots.leaving(pick, time.monotonic() - self.park_after):
             held = slots.hold(slot) if erase else None  # the picked one: the request's lease
             try:
                 saved, entry = await self._save_slot(hop, st.key, slot)
