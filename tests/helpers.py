@@ -1,7 +1,7 @@
 """Test-only helpers, kept out of the product: fake device sets (what the placement and
 scheduler tests run on instead of this machine's devices), the scheduler's answers to the
 admission where a test has none, the allocation in a whole runner log, a runner held still
-before its load. Imported from the tests directory (`from helpers
+before its load, a saved slot's file. Imported from the tests directory (`from helpers
 import ...`)."""
 
 from __future__ import annotations
@@ -9,6 +9,8 @@ from __future__ import annotations
 import contextlib
 import os
 import re
+import struct
+from array import array
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -16,6 +18,7 @@ from typing import Any
 from corral.core.devices import CPU, Device
 from corral.core.memreport import Allocation, AllocationParser
 from corral.core.units import ConfigError, parse_size
+from corral.runtime.slotfile import MAGIC
 
 
 class NothingLearned:
@@ -121,3 +124,14 @@ def live_dashboard(browser: Any, url: str) -> Iterator[Any]:
     yield pg
     pg.close()
     assert problems == []
+
+
+def write_slot(path: Path, tokens: list[int], state: bytes = b"\0" * 64, version: int = 4) -> Path:
+    """A file as llama.cpp's slot save writes it (`version` 4: with its token block's header),
+    holding `tokens`."""
+    if version >= 4:
+        block = array("i", [-1, 1, len(tokens), *tokens, 0])
+    else:
+        block = array("i", tokens)
+    path.write_bytes(struct.pack("<III", MAGIC, version, len(block)) + block.tobytes() + state)
+    return path

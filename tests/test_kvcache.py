@@ -15,11 +15,10 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from helpers import write_slot
 
-from corral.config import Settings
 from corral.runtime.kvcache import KVCache
 from corral.runtime.slotfile import MAGIC, CorruptEntry, common_prefix, read_tokens, token_digest
-from corral.server import kv_cache
 from corral.testing import synth
 from corral.testing.server import CorralServer
 
@@ -267,15 +266,6 @@ def test_a_sliding_window_model_reports_what_it_really_reuses(
 # --------------------------------------------------------------------------- the files
 
 
-def write_slot(path: Path, tokens: list[int], state: bytes = b"\0" * 64, version: int = 4) -> Path:
-    if version >= 4:
-        block = array("i", [-1, 1, len(tokens), *tokens, 0])
-    else:
-        block = array("i", tokens)
-    path.write_bytes(struct.pack("<III", MAGIC, version, len(block)) + block.tobytes() + state)
-    return path
-
-
 def test_read_tokens_knows_both_layouts_and_refuses_broken_files(tmp_path: Path) -> None:
     toks = [1, 9690, 198, 42]
     assert list(read_tokens(write_slot(tmp_path / "a", toks, version=4))) == toks
@@ -394,152 +384,3 @@ async def test_a_load_waiting_for_the_memory_is_not_held_up_by_saving(
         assert cache.stats["saves"] == 1 and len(list((tmp_path / "kv").glob("*.slot"))) == 1
     finally:
         await sched.shutdown()
-
-
-# --------------------------------------------------------------------------- parking
-
-
-async def test_parking_saves_then_erases_and_a_failed_save_keeps_the_conversation(
-    tmp_path: Path,
-) -> None:
-    """`KVCache.park` (with a stand-in runner API): each idle slot worth it is held, saved,
-    then erased, and becomes a parked conversation the restore step compares prompts with; a
-    slot whose save fails is not erased and keeps its place in the picks. A prompt that
-    overwrites another conversation in its own slot has that one saved first."""
-    from types import SimpleNamespace
-
-    from corral.core.spec import Layout, RunnerSpec
-    from corral.runtime.affinity import Slots, prompt_pieces
-
-    model = tmp_path / "m.gguf"
-    model.write_bytes(b"GGUF")
-    cache = KVCache(tmp_path / "kv", 2**30)
-    calls: list[tuple[int, str]] = []
-
-    class API:
-        async def slot_action(self, slot: int, action: str, filename: str, timeout: float) -> Any:
-            calls.append((slot, action))
-            assert slots.free().count(slot) == 0  # held while it is parked
-            if action == "save" and slot in failing:
-                return "HTTP 500: the disk is full"
-            if action == "save":
-                write_slot(cache.directory / filename, list(range(100 + slot, 400 + slot)))
-                return {"n_saved": 300, "n_written": 1000}
-            return {"n_erased": 300}
-
-    changed: list[bool] = []
-    failing = {0}
-    spec = RunnerSpec(path=str(model), n_ctx=4096, num_parallel=3, kv_unified=True)
-    runner = SimpleNamespace(spec=spec, layout=Layout(), name="m", llama_server=None,
-                             slot_save_path=cache.slot_save_path, allocation=None)  # fmt: skip
-    hop = SimpleNamespace(runner=runner, restore=None, restoring=False, api=API(),
-                          changed=lambda: changed.append(True))  # fmt: skip
-    slots = Slots(3, 4096)
-
-    class Lease:
-        released, released_at, generated, prompt_tokens = True, 0.0, 0, None
-
-    def prompt(text: str) -> tuple[bytes, ...]:
-        return prompt_pieces("/completion", {"prompt": text * 500})
-
-    a, b = slots.claim(Lease(), prompt("a ")), slots.claim(Lease(), prompt("b "))
-    keep = slots.pick(Lease(), prompt("c "))
-    assert (a, b) == (0, 1) and keep is not None and keep.slot == 2 and keep.replaced == 0
-    assert cache.parks(hop)
-    await cache.park(hop, slots, keep)
-    assert calls == [(0, "save"), (1, "save"), (1, "erase")]
-    assert slots.idle(2) == [0]  # the failed save's slot keeps its conversation
-    assert sorted(slots.free()) == [0, 1, 2] and len(changed) == 2  # holds released
-    st = hop.restore
-    assert st is not None and st.parked == set(st.pending) and len(st.parked) == 1
-    assert hop.restoring and cache.stats["parks"] == 1
-    # More conversations than slots: a new one takes the least recently used slot, whose
-    # conversation it overwrites: that one is saved first (not erased: the prompt takes its
-    # cells), the idle ones parked as before.
-    failing.clear()
-    assert slots.claim(Lease(), prompt("d ")) == 1
-
-    class Busy(Lease):
-        released = False
-
-    calls.clear()
-    over = slots.pick(Busy(), prompt("e "))
-    assert over is not None and over.slot == 0 and over.replaced > 0 and not over.own
-    await cache.park(hop, slots, over)
-    assert calls == [(0, "save"), (1, "save"), (1, "erase"), (2, "save"), (2, "erase")]
-    assert sorted(slots.free()) == [1, 2]  # the picked slot stays its request's
-    assert len(st.parked) == 3 and cache.stats["parks"] == 3
-    # Not where a draft model drafts, nor on a GPU, nor with one slot.
-    for other in (dict(spec=RunnerSpec(path=str(model), n_ctx=4096, num_parallel=3,
-                                       kv_unified=True, draft="d.gguf")),
-                  dict(layout=Layout(n_gpu_layers=10)),
-                  dict(spec=RunnerSpec(path=str(model), n_ctx=4096, num_parallel=1))):  # fmt: skip
-        there = SimpleNamespace(**{**vars(hop), "restore": None,
-                                   "runner": SimpleNamespace(**{**vars(runner), **other})})
-        assert not cache.parks(there)
-
-
-async def test_a_slot_idle_for_less_than_park_after_stays_in_the_shared_cache(
-    tmp_path: Path,
-) -> None:
-    """`park_after` (CORRAL_KV_PARK_AFTER): a slot whose answer ended a moment ago (its client's
-    next turn may be on its way) is neither saved nor erased by another prompt's park step,
-    while one idle longer is parked; the conversation a prompt overwrites is saved either way."""
-    from types import SimpleNamespace
-
-    from corral.core.spec import Layout, RunnerSpec
-    from corral.runtime.affinity import Slots, prompt_pieces
-
-    model = tmp_path / "m.gguf"
-    model.write_bytes(b"GGUF")
-    settings = Settings.load({"CORRAL_MODELS": str(tmp_path), "CORRAL_KV_PARK_AFTER": "1h",
-                              "CORRAL_KV_CACHE_DIR": str(tmp_path / "kv")}, {})  # fmt: skip
-    cache = kv_cache(settings)
-    assert cache is not None and cache.park_after == 3600.0
-    calls: list[tuple[int, str]] = []
-
-    class API:
-        async def slot_action(self, slot: int, action: str, filename: str, timeout: float) -> Any:
-            calls.append((slot, action))
-            if action == "save":
-                write_slot(cache.directory / filename, list(range(100 + slot, 400 + slot)))
-                return {"n_saved": 300, "n_written": 1000}
-            return {"n_erased": 300}
-
-    spec = RunnerSpec(path=str(model), n_ctx=4096, num_parallel=2, kv_unified=True)
-    runner = SimpleNamespace(spec=spec, layout=Layout(), name="m", llama_server=None,
-                             slot_save_path=cache.slot_save_path, allocation=None)  # fmt: skip
-    hop = SimpleNamespace(runner=runner, restore=None, restoring=False, api=API(),
-                          changed=lambda: None)  # fmt: skip
-    slots = Slots(2, 4096)
-
-    class Lease:
-        released, released_at, generated, prompt_tokens = True, time.monotonic(), 0, None
-
-    class Busy(Lease):
-        released = False
-
-    def prompt(text: str) -> tuple[bytes, ...]:
-        return prompt_pieces("/completion", {"prompt": text * 500})
-
-    just, other = Lease(), Busy()  # a's answer ended just now
-    assert slots.claim(just, prompt("a ")) == 0
-    pick = slots.pick(other, prompt("b "))
-    assert pick is not None and pick.slot == 1
-    await cache.park(hop, slots, pick)
-    assert calls == [] and cache.stats["parks"] == 0 and slots.idle(1) == [0]
-    # Idle for longer than that: parked.
-    just.released_at -= 3600.0
-    other.released = True
-    pick = slots.pick(Busy(), prompt("b " * 2))
-    assert pick is not None and pick.slot == 1 and pick.own
-    await cache.park(hop, slots, pick)
-    assert calls == [(0, "save"), (0, "erase")] and cache.stats["parks"] == 1
-    # More conversations than slots: the one a prompt overwrites is saved though it was
-    # answered a moment ago (the prompt takes its cells), and erased by that prompt alone.
-    calls.clear()
-    slots.claim(Lease(), prompt("c "))
-    over = slots.pick(Busy(), prompt("d "))
-    assert over is not None and over.replaced > 0
-    await cache.park(hop, slots, over)
-    assert calls == [(over.slot, "save")]

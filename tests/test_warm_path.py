@@ -30,7 +30,7 @@ OLLAMA_CHAT = {
     "api.common", "api.service", "api.chat", "api.events", "api.stream",
     "runtime.registry", "core.gguf", "core.roles", "runtime.admission", "core.spec",
     "runtime.scheduler", "core.books", "core.requests",
-    "runtime.hop", "runtime.affinity", "runtime.kvcache", "runtime.slotcopy",
+    "runtime.hop", "runtime.affinity", "runtime.parking", "runtime.kvcache", "runtime.slotcopy",
     "runtime.runner_api", "runtime.continuation", "runtime.meter",
 }  # fmt: skip
 # The same chat through OpenAI's API, whose stream is llama.cpp's own, relayed as it is (its
@@ -77,7 +77,7 @@ def test_a_warm_streamed_ollama_chat(traced: CorralServer) -> None:
     later = {**chat, "messages": [{"role": "user", "content": "hello there"}]}
     mods = _request_modules(traced, [("/api/chat", chat), ("/api/chat", later)])
     assert mods == OLLAMA_CHAT, (sorted(mods - OLLAMA_CHAT), sorted(OLLAMA_CHAT - mods))
-    assert len(mods) == 23
+    assert len(mods) == 24
 
 
 def test_a_warm_streamed_openai_chat(traced: CorralServer) -> None:
@@ -87,6 +87,6 @@ def test_a_warm_streamed_openai_chat(traced: CorralServer) -> None:
     mods = _request_modules(traced, [("/v1/chat/completions", chat),
                                      ("/v1/chat/completions", later)])  # fmt: skip
     assert mods == OPENAI_CHAT, (sorted(mods - OPENAI_CHAT), sorted(OPENAI_CHAT - mods))
-    assert len(mods) == 20
+    assert len(mods) == 21
 
 

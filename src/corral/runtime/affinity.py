@@ -67,7 +67,7 @@ PARK_MIN_BYTES = 256 * BYTES_PER_TOKEN
 
 def parked(size: int) -> bool:
     """Whether a conversation of `size` prompt bytes is worth moving out of a shared cache
-    (runtime/kvcache parks it) where it would stay idle."""
+    (runtime/parking parks it) where it would stay idle."""
     return size >= PARK_MIN_BYTES
 
 
@@ -330,7 +330,7 @@ class Slots:
 
     def idle(self, keep: int, since: float = math.inf) -> list[int]:
         """The slots but `keep` that no lease has held since `since` (a time.monotonic()) and
-        that hold a prompt worth moving out of a shared cache (runtime/kvcache parks them),
+        that hold a prompt worth moving out of a shared cache (runtime/parking parks them),
         fullest first."""
         return sorted((
             i for i, h in enumerate(self._holders)
@@ -338,14 +338,24 @@ class Slots:
             and (h is None or (h.released and h.released_at <= since))
         ), key=lambda i: -self._sizes[i])  # fmt: skip
 
-    def leaving(self, pick: Pick, since: float = math.inf) -> list[tuple[int, bool]]:
+    def leaving(self, pick: Pick | None, since: float = math.inf) -> list[tuple[int, bool]]:
         """The slots whose conversations leave a shared cache before `pick`'s prompt is read
-        (runtime/kvcache parks them), each with whether it is erased: first the picked slot,
-        where the prompt overwrites a conversation worth keeping that it does not continue
-        (saved only: the prompt takes its cells; with more clients than slots, the one whose
-        answer just ended), then those idle since `since` (`idle`)."""
+        (runtime/parking parks them; no pick: while others run), each with whether it is
+        erased: first the picked slot, where the prompt overwrites a conversation worth keeping
+        that it does not continue (saved only: the prompt takes its cells; with more clients
+        than slots, the one whose answer just ended), then those idle since `since` (`idle`)."""
+        if pick is None:
+            return [(i, True) for i in self.idle(-1, since)]
         replaced = [(pick.slot, False)] if parked(pick.replaced) else []
         return replaced + [(i, True) for i in self.idle(pick.slot, since)]
+
+    def next_idle(self, since: float) -> float | None:
+        """The earliest release after `since` of a slot still idle and worth parking (the next
+        to have been idle long enough, runtime/parking), or None."""
+        return min((
+            h.released_at for i, h in enumerate(self._holders)
+            if h is not None and h.released and h.released_at > since and parked(self._sizes[i])
+        ), default=None)  # fmt: skip
 
     def hold(self, slot: int) -> Holder:
         """`slot` held, out of the picks, until the holder returned is released."""

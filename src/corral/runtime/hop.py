@@ -60,6 +60,7 @@ from corral.runtime.affinity import (
 from corral.runtime.continuation import ContinuedStream, Upstream, continuable
 from corral.runtime.kvcache import KVCache
 from corral.runtime.meter import Tally
+from corral.runtime.parking import Parker
 from corral.runtime.runner import Runner
 from corral.runtime.runner_api import UPSTREAM_ERRORS, RunnerAPI, RunnerStream
 from corral.runtime.runner_errors import CacheFull, is_cache_full, stream_error
@@ -241,6 +242,7 @@ class RunnerClient:
     def __init__(self, kvcache: KVCache | None = None) -> None:
         self.kvcache = kvcache
         self.copier = SlotCopier(kvcache) if kvcache is not None else None
+        self.parker = Parker(kvcache) if kvcache is not None else None
 
     async def answer(self, lease: Leased, path: str, payload: dict[str, Any]) -> bytes:
         """The runner's whole answer to `payload` on `path`."""
@@ -273,7 +275,7 @@ class RunnerClient:
             return await self._send(hop, path, payload, streamed)
         pick, copier, held = None, None, 0
         kvcache = self.kvcache
-        parks = hop.slots is not None and kvcache is not None and kvcache.parks(hop)
+        parks = hop.slots is not None and self.parker is not None and self.parker.parks(hop)
         if hop.slots is not None:  # pick
             if self.copier is not None and self.copier.wants(hop, path, payload):
                 copier = self.copier
@@ -284,11 +286,11 @@ class RunnerClient:
             payload, pick = self._pick(hop.slots, path, payload, lease, pays)
             if pick is not None:
                 held = int(pick.held / hop.slots.bytes_per_token)
-                if parks and kvcache is not None:  # park
+                if parks and self.parker is not None:  # park
                     # The idle slots' conversations leave the shared cache before this
                     # prompt is read (it then takes the cells they held), and the one it
                     # overwrites in its slot is saved.
-                    await kvcache.park(hop, hop.slots, pick)
+                    await self.parker.park(hop, hop.slots, pick)
         own = pick is not None and pick.own
         if kvcache is not None and hop.restoring and not own and kvcache.wants(hop):  # restore
             # Among a runner's first requests, or a conversation it parked: restore the saved

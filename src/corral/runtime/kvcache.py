@@ -54,7 +54,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Protocol
 
-from corral.runtime.affinity import Pick, Slots, has_media
+from corral.runtime.affinity import has_media
 from corral.runtime.runner import Runner
 from corral.runtime.runner_api import RunnerAPI
 from corral.runtime.slotfile import CorruptEntry, common_prefix, read_tokens, token_digest
@@ -107,6 +107,8 @@ class RestoreState:
     # A restore whose request's reuse is still to be read from the runner's counters:
     # (what was restored, the counters before the request)
     measuring: tuple[dict[str, Any], tuple[float, float]] | None = None
+    # The watch of its slots left idle in its shared cache for a while (runtime/parking)
+    watch: asyncio.Task[None] | None = None
 
 
 class RunnerHop(Protocol):
@@ -166,7 +168,7 @@ def runner_key(runner: Runner) -> str | None:
 
 class KVCache:
     """Saved KV caches of conversations, one file per slot, under `directory`, at most
-    `max_bytes` in all; idle slots parked once idle for `park_after` seconds."""
+    `max_bytes` in all; runtime/parking parks slots idle for `park_after` seconds there."""
 
     def __init__(self, directory: Path, max_bytes: int, park_after: float = 0.0) -> None:
         self.directory, self.max_bytes, self.park_after = directory, max_bytes, park_after
@@ -231,11 +233,11 @@ class KVCache:
                 )  # fmt: skip
                 continue
             t0 = time.monotonic()
-            await self._save_slot(hop, key, s["id"])
+            await self.save_slot(hop, key, s["id"])
             spent += time.monotonic() - t0
         await asyncio.to_thread(self.enforce_cap)
 
-    async def _save_slot(self, hop: RunnerHop, key: str, slot: int) -> tuple[bool, Entry | None]:
+    async def save_slot(self, hop: RunnerHop, key: str, slot: int) -> tuple[bool, Entry | None]:
         """Save `slot` under its tokens' name: whether llama.cpp saved it, and the entry kept
         (None: it failed, or was too short to keep)."""
         tmp = f"{TMP_PREFIX}{secrets.token_hex(8)}.part"
@@ -310,58 +312,8 @@ class KVCache:
             log.info("kv cache: removed %s (%.1f MiB) to stay under %.1f MiB",
                      p.name, size / 2**20, self.max_bytes / 2**20)  # fmt: skip
 
-    # ---- parking ---------------------------------------------------------------------------
-    def parks(self, hop: RunnerHop) -> bool:
-        """Whether the runner parks its idle slots (`park`): several slots on one shared cache,
-        on the CPU, whose conversations are saved (not with a draft model: its cache is not in
-        the files). On a GPU parking is not measured yet: its slots stay as they are."""
-        runner, spec = hop.runner, hop.runner.spec
-        if not (spec.kv_unified and spec.num_parallel > 1 and runner.slot_save_path):
-            return False
-        if runner.layout.n_gpu_layers or spec.draft:
-            return False
-        st = self._state(hop)
-        return bool(st.key) and st.key not in self.no_reuse
-
-    async def park(self, hop: RunnerHop, slots: Slots, pick: Pick) -> None:
-        """Move the idle slots' conversations out of the runner's shared cache before a prompt
-        is read into `pick.slot`: saved (a prompt that continues one gets it restored), then
-        erased; the one the prompt overwrites there is saved only (`Slots.leaving`). Idle cells
-        slow every step (2 cores, SmolLM2: 53 tokens/s beside a 3,500-token idle slot, 77
-        without). Only slots idle for `park_after` leave: a restore for a client back sooner
-        may wait behind others' prompts (6-14 s at 4 edits on 2 cores). A slot whose save fails
-        keeps its conversation."""
-        st, saved_any = self._state(hop), False
-        for slot, erase in slots.leaving(pick, time.monotonic() - self.park_after):
-            held = slots.hold(slot) if erase else None  # the picked one: the request's lease
-            try:
-                saved, entry = await self._save_slot(hop, st.key, slot)
-                if not saved:
-                    continue
-                saved_any = True
-                if erase:
-                    res = await hop.api.slot_action(slot, "erase", "", HTTP_TIMEOUT)
-                    if not isinstance(res, dict) or "n_erased" not in res:
-                        log.warning("kv cache: erasing slot %d of '%s' failed: %s",
-                                    slot, hop.runner.name, res)  # fmt: skip
-                        continue
-                    slots.emptied(slot)
-                    self.stats["parks"] += 1
-                    log.info("kv cache: parked slot %d of '%s' (%d cells freed)",
-                             slot, hop.runner.name, int(res["n_erased"]))  # fmt: skip
-                if entry is not None:  # else too short to keep: read again if it returns
-                    st.pending[entry.name] = entry.path
-                    st.parked.add(entry.name)
-                    hop.restoring = True
-            finally:
-                if held is not None:
-                    held.released = True
-                hop.changed()
-        if saved_any:  # most requests park nothing: no walk of the directory for them
-            await asyncio.to_thread(self.enforce_cap)
-
     # ---- restoring -------------------------------------------------------------------------
-    def _state(self, hop: RunnerHop) -> RestoreState:
+    def state(self, hop: RunnerHop) -> RestoreState:
         """The hop's restore state: made on first use, with the conversations saved for its
         runner's key."""
         st = hop.restore
@@ -378,7 +330,7 @@ class KVCache:
         """Whether a request to its runner should be compared with saved conversations: among
         its first requests, while conversations saved for its key were not restored yet, and
         while conversations it parked are saved."""
-        st = self._state(hop)
+        st = self.state(hop)
         wanted = bool(st.pending) and (st.checks_left > 0 or bool(st.parked))
         hop.restoring = wanted  # else the pipeline skips this step (until the runner parks one)
         return wanted
