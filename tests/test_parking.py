@@ -6,15 +6,18 @@ from __future__ import annotations
 
 import asyncio
 import time
+from dataclasses import dataclass
 from pathlib import Path
 from types import SimpleNamespace
-from typing import Any
+from typing import Any, cast
 
+import pytest
 from helpers import write_slot
 
 from corral.config import Settings
 from corral.core.spec import Layout, RunnerSpec
 from corral.runtime.affinity import Slots, prompt_pieces
+from corral.runtime.hop import Hop, RunnerClient
 from corral.runtime.kvcache import KVCache
 from corral.runtime.parking import Parker
 from corral.server import kv_cache
@@ -174,3 +177,45 @@ async def test_the_watch_parks_a_slot_once_idle_long_enough_beside_a_running_req
     if st.watch is not None:
         await asyncio.wait_for(st.watch, 60)
     assert calls == [(0, "save"), (0, "erase")] and slots.idle(1) == []
+
+
+async def test_a_request_granted_while_the_park_step_holds_the_last_free_slot_waits_for_it(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Corral grants no more requests than slots, but the park step holds a slot while it
+    saves and erases it: a request granted meanwhile that finds every slot held waits for
+    that hold to end and is pinned to the slot, where before it went unpinned and llama.cpp
+    placed it on a slot given to another request (which then waited seconds behind it, its
+    cache lost: the edit at 8 clients)."""
+
+    @dataclass(eq=False)
+    class Leased:
+        hop: Hop
+        released: bool = False
+        released_at: float = 0.0
+        generated: int = 0
+        prompt_tokens: int | None = None
+
+    client = RunnerClient()
+    hop = Hop(cast(Any, SimpleNamespace(name="m")), Slots(2, capacity=4096))
+    slots = hop.slots
+    assert slots is not None
+    assert slots.claim(Leased(hop), prompt("a ")) == 0  # answering
+    parking = slots.hold(1)
+    sent: list[dict[str, Any]] = []
+
+    async def send(hop: Hop, path: str, payload: dict[str, Any], streamed: bool,
+                   crowded: bool = False) -> Any:  # fmt: skip
+        sent.append(payload)
+        return b"{}"
+
+    monkeypatch.setattr(client, "_send", send)
+    chat = {"messages": [{"role": "user", "content": "b " * 500}]}
+    request = asyncio.create_task(client.answer(Leased(hop), "/v1/chat/completions", chat))
+    for _ in range(20):
+        await asyncio.sleep(0)
+    assert sent == [] and not request.done()
+    parking.released = True  # the park step's `finally`
+    hop.changed()
+    await asyncio.wait_for(request, 5)
+    assert [p.get("id_slot") for p in sent] == [1]

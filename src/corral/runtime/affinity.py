@@ -254,8 +254,9 @@ class Slots:
 
     def claim(self, holder: Holder, pieces: tuple[bytes, ...]) -> int | None:
         """The slot for a prompt (see the module's rules), now `holder`'s; None when every slot
-        is held (corral grants no more requests than slots: only a request sent twice under one
-        lease meets that, and llama.cpp then picks)."""
+        is held (corral grants no more requests than slots, and runtime/hop waits out the park
+        step's holds: only a request sent twice under one lease meets that, and llama.cpp then
+        picks)."""
         pick = self.pick(holder, pieces)
         return None if pick is None else pick.slot
 

@@ -6,9 +6,10 @@ sends a request under its lease through the hop's policies as one named pipeline
     pick -> park -> restore -> copy -> admit -> send -> continue
 
 - pick: on a runner of several slots, the slot a generation goes to (runtime/affinity);
-- park: on a CPU runner whose slots share one cache, the idle slots' conversations are saved
-  and erased from it before the prompt is read (runtime/kvcache: their cells would slow every
-  decoding step), and the conversation the prompt overwrites in its own slot is saved;
+- park: on a CPU runner whose slots share one cache, the conversations of slots idle for a
+  while are saved and erased from it before the prompt is read (runtime/parking: their cells
+  would slow every decoding step), and the conversation the prompt overwrites in its own slot
+  is saved;
 - restore: among a reloaded runner's first requests, or once it parked a conversation, the
   saved conversation a prompt continues (or shares most with) is restored into a free slot,
   and the request pinned there instead (runtime/kvcache);
@@ -123,6 +124,13 @@ class Hop:
         event, self._changed = self._changed, None
         if event is not None:
             event.set()
+
+    async def until(self, ready: Callable[[], bool]) -> None:
+        """Wait until `ready()`, looking again at each `changed()`."""
+        while not ready():
+            if self._changed is None:
+                self._changed = asyncio.Event()
+            await self._changed.wait()
 
     async def turn(self, holder: Holder, ready: Callable[[list[Holder]], bool]) -> None:
         """Wait for `holder`'s turn among the requests waiting for room (first come, first
@@ -277,6 +285,11 @@ class RunnerClient:
         kvcache = self.kvcache
         parks = hop.slots is not None and self.parker is not None and self.parker.parks(hop)
         if hop.slots is not None:  # pick
+            # Every slot held, one by the park step (corral grants no more requests than
+            # slots): wait for it (its save and erase take milliseconds). Sent unpinned, the
+            # request would land where llama.cpp likes, on a slot another request was given.
+            slots = hop.slots
+            await hop.until(lambda: bool(slots.free(lease)))
             if self.copier is not None and self.copier.wants(hop, path, payload):
                 copier = self.copier
                 await copier.refresh(hop)
