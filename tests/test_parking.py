@@ -154,6 +154,17 @@ async def test_a_slot_idle_for_less_than_park_after_stays_until_it_has_been_idle
     await parker.park(hop, slots, over)
     assert calls[0] == (over.slot, "save") and (over.slot, "erase") not in calls
     st.watch.cancel()
+    # A negative CORRAL_KV_PARK_AFTER: idle slots are never parked, nor watched.
+    never = kv_cache(Settings.load({"CORRAL_MODELS": str(tmp_path), "CORRAL_KV_PARK_AFTER": "-1",
+                                    "CORRAL_KV_CACHE_DIR": str(tmp_path / "kv")}, {}))  # fmt: skip
+    assert never is not None
+    calls.clear()
+    slots = Slots(2, 4096)
+    hop, parker = runner_hop(tmp_path, never, slots, calls, n=2), Parker(never)
+    slots.claim(Lease(), prompt("a "))
+    pick = slots.pick(Busy(), prompt("b "))
+    await parker.park(hop, slots, pick)
+    assert calls == [] and hop.restore is not None and hop.restore.watch is None
 
 
 async def test_the_watch_parks_a_slot_once_idle_long_enough_beside_a_running_request(

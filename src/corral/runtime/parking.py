@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import math
 import time
 
 from corral.runtime.affinity import Pick, Slots
@@ -94,8 +95,8 @@ class Parker:
         """Park the slots left for being idle too briefly once they have been idle long
         enough, while requests run beside them (one watch per runner)."""
         st = self.kvcache.state(hop)
-        if st.watch is not None and not st.watch.done():
-            return
+        if math.isinf(self.kvcache.park_after) or (st.watch is not None and not st.watch.done()):
+            return  # never parked (a negative CORRAL_KV_PARK_AFTER), or watched already
         if slots.next_idle(time.monotonic() - self.kvcache.park_after) is None:
             return
         st.watch = task = asyncio.get_running_loop().create_task(self._later(hop, slots))
