@@ -12,8 +12,8 @@ first (not erased: the prompt takes its cells).
 
 A slot idle for less is left where it is: a client back sooner (a loop's next turn, an agent's
 quick tool) would find its conversation erased and wait for its restore, queued in llama.cpp
-behind the other slots' prompts (6-14 s for an edit at 4 clients on 2 cores, when every idle
-slot was parked at once). The park step runs with each request's pick; a slot left for being
+behind the other slots' prompts (6-14 s for an edit at 4 and 8 clients on 2 cores, when every
+idle slot was parked at once). The park step runs with each request's pick; a slot left for being
 idle too briefly is parked once it has been idle long enough, if requests run beside it then
 (else the next request's park step sees to it).
 """
