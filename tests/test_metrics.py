@@ -66,17 +66,25 @@ def test_metrics_follow_a_real_sequence(start_server, models_dir: Path) -> None:
     assert gen(s, TINY2).status_code == 200  # evicts tiny: one load each, one eviction
 
     # tiny2's only slot busy with a stream, one request queued, the next refused.
-    body = {"model": TINY2, "prompt": "count", "options": {"num_predict": 1000}}
+    # Greedy decoding of a seeded random model never samples EOS (at 0.8 it ended one after 116
+    # tokens, 65 ms, before the next request came), and the runner is held still meanwhile.
+    body = {"model": TINY2, "prompt": "count",
+            "options": {"num_predict": 100000, "temperature": 0}}  # fmt: skip
     queued: list[int] = []
     with s.client.stream("POST", "/api/generate", json=body) as stream:
         lines = stream.iter_lines()
         next(lines)
-        t = threading.Thread(target=lambda: queued.append(gen(s, TINY2).status_code))
-        t.start()
-        s.wait_for(lambda: value(scrape(s), "corral_queue_depth", model=TINY2) == 1,
-                   timeout=10, what="one request queued")  # fmt: skip
-        refused = gen(s, TINY2)
-        assert refused.status_code == 503 and int(refused.headers["retry-after"]) >= 1
+        (runner,) = [m["pid"] for m in s.ps() if m["name"] == TINY2]
+        os.kill(runner, signal.SIGSTOP)
+        try:
+            t = threading.Thread(target=lambda: queued.append(gen(s, TINY2).status_code))
+            t.start()
+            s.wait_for(lambda: value(scrape(s), "corral_queue_depth", model=TINY2) == 1,
+                       timeout=10, what="one request queued")  # fmt: skip
+            refused = gen(s, TINY2)
+            assert refused.status_code == 503 and int(refused.headers["retry-after"]) >= 1
+        finally:
+            os.kill(runner, signal.SIGCONT)
         for _ in lines:
             pass
     t.join(30)
