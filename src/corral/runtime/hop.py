@@ -283,7 +283,9 @@ class RunnerClient:
             return await self._send(hop, path, payload, streamed)
         pick, copier, held = None, None, 0
         kvcache = self.kvcache
-        parks = hop.slots is not None and self.parker is not None and self.parker.parks(hop)
+        parker = self.parker
+        if hop.slots is None or parker is None or not parker.parks(hop):
+            parker = None  # this runner parks nothing
         if hop.slots is not None:  # pick
             # Every slot held, one by the park step (corral grants no more requests than
             # slots): wait for it (its save and erase take milliseconds). Sent unpinned, the
@@ -294,16 +296,16 @@ class RunnerClient:
                 copier = self.copier
                 await copier.refresh(hop)
             pays = copier.pays(hop) if copier is not None else None
-            if parks:
+            if parker is not None:
                 pays = _parked_or(pays)
             payload, pick = self._pick(hop.slots, path, payload, lease, pays)
             if pick is not None:
                 held = int(pick.held / hop.slots.bytes_per_token)
-                if parks and self.parker is not None:  # park
+                if parker is not None:  # park
                     # The idle slots' conversations leave the shared cache before this
                     # prompt is read (it then takes the cells they held), and the one it
                     # overwrites in its slot is saved.
-                    await self.parker.park(hop, hop.slots, pick)
+                    await parker.park(hop, hop.slots, pick)
         own = pick is not None and pick.own
         if kvcache is not None and hop.restoring and not own and kvcache.wants(hop):  # restore
             # Among a runner's first requests, or a conversation it parked: restore the saved
@@ -314,7 +316,7 @@ class RunnerClient:
                 pick = None
             payload = prepared
         if (pick is not None and pick.source is not None and copier is not None
-                and not (parks and parked(pick.source_size))):  # copy  # fmt: skip
+                and not (parker is not None and parked(pick.source_size))):  # copy  # fmt: skip
             # A new conversation on a slot of its own: start it from the idle slot that holds
             # most of its prompt (copying that costs less than evaluating it).
             await copier.copy(hop, pick)

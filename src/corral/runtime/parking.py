@@ -36,7 +36,6 @@ class Parker:
 
     def __init__(self, kvcache: KVCache) -> None:
         self.kvcache = kvcache
-        self._tasks: set[asyncio.Task[None]] = set()  # watches of slots idle too briefly
 
     def parks(self, hop: RunnerHop) -> bool:
         """Whether the runner parks its idle slots: several slots on one shared cache, on the
@@ -99,9 +98,8 @@ class Parker:
             return  # never parked (a negative CORRAL_KV_PARK_AFTER), or watched already
         if slots.next_idle(time.monotonic() - self.kvcache.park_after) is None:
             return
-        st.watch = task = asyncio.get_running_loop().create_task(self._later(hop, slots))
-        self._tasks.add(task)
-        task.add_done_callback(self._tasks.discard)
+        # Held by the runner's restore state, as long as its hop lives
+        st.watch = asyncio.get_running_loop().create_task(self._later(hop, slots))
 
     async def _later(self, hop: RunnerHop, slots: Slots) -> None:
         after = self.kvcache.park_after
