@@ -21,6 +21,14 @@ def _mib(n: int) -> str:
     return f"{n / 2**20:.1f} MiB"
 
 
+def _tracebacks(log: str) -> str:
+    """Each traceback in the server's log with the lines just before it (the tail of a
+    long log rarely holds them)."""
+    lines = log.splitlines()
+    starts = [i for i, line in enumerate(lines) if "Traceback (most recent call last)" in line]
+    return "\n...\n".join("\n".join(lines[max(0, i - 5) : i + 40]) for i in starts)
+
+
 def test_soak_never_over_commits_and_every_response_ends(tmp_path: Path) -> None:
     r = run_soak(tmp_path, CONFIG, print)
     report = format_report(r)
@@ -54,4 +62,4 @@ def test_soak_never_over_commits_and_every_response_ends(tmp_path: Path) -> None
     assert not r["leaked_runners"], (
         f"runners {r['leaked_runners']} outlived the server:\n{log[-3000:]}"
     )
-    assert r["tracebacks"] == 0, log[-5000:]
+    assert r["tracebacks"] == 0, _tracebacks(log)
