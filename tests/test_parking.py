@@ -5,6 +5,7 @@ runner, its slot parked and its conversation restored) is tests/test_slots.py's.
 from __future__ import annotations
 
 import asyncio
+import math
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -62,7 +63,7 @@ def runner_hop(
     spec = RunnerSpec(path=str(model), n_ctx=4096, num_parallel=n, kv_unified=True)
     runner = SimpleNamespace(spec=spec, layout=Layout(), name="m", llama_server=None,
                              slot_save_path=cache.slot_save_path, allocation=None)  # fmt: skip
-    return SimpleNamespace(runner=runner, restore=None, restoring=False, api=API(),
+    return SimpleNamespace(runner=runner, restore=None, parking=None, restoring=False, api=API(),
                            changed=lambda: None)  # fmt: skip
 
 
@@ -116,29 +117,31 @@ async def test_parking_saves_then_erases_and_a_failed_save_keeps_the_conversatio
 async def test_a_slot_idle_for_less_than_park_after_stays_until_it_has_been_idle_that_long(
     tmp_path: Path,
 ) -> None:
-    """CORRAL_KV_PARK_AFTER: a slot whose answer ended a moment ago (its client's next turn may
-    be on its way) is neither saved nor erased by another prompt's park step, and is watched:
-    once idle that long it is parked beside a request running (the watch's park step, no
-    prompt about to be read), not where none runs. The conversation a prompt overwrites is
-    saved either way."""
+    """CORRAL_KV_PARK_AFTER: while requests run side by side, a slot whose answer ended a moment
+    ago (its client's next turn may be on its way) is neither saved nor erased by another
+    prompt's park step, and is watched: once idle that long it is parked beside a request
+    running (the watch's park step, no prompt about to be read), not where none runs. The
+    conversation a prompt overwrites is saved either way."""
     settings = Settings.load({"CORRAL_MODELS": str(tmp_path), "CORRAL_KV_PARK_AFTER": "1h",
                               "CORRAL_KV_CACHE_DIR": str(tmp_path / "kv")}, {})  # fmt: skip
     cache = kv_cache(settings)
     assert cache is not None and cache.park_after == 3600.0
     calls: list[tuple[int, str]] = []
-    slots = Slots(2, 4096)
-    hop, parker = runner_hop(tmp_path, cache, slots, calls, n=2), Parker(cache)
-    just, other = Lease(), Busy()
+    slots = Slots(3, 4096)
+    hop, parker = runner_hop(tmp_path, cache, slots, calls), Parker(cache)
+    just, running, other = Lease(), Busy(), Busy()
     just.released_at = time.monotonic()  # a's answer ended just now
     assert slots.claim(just, prompt("a ")) == 0
+    assert slots.claim(running, prompt("r ")) == 1  # answering beside the next one
     pick = slots.pick(other, prompt("b "))
-    assert pick is not None and pick.slot == 1
+    assert pick is not None and pick.slot == 2
     await parker.park(hop, slots, pick)
-    assert calls == [] and cache.stats["parks"] == 0 and slots.idle(1) == [0]
-    st = hop.restore
-    assert st is not None and st.watch is not None and not st.watch.done()  # a's, for an hour
+    assert calls == [] and cache.stats["parks"] == 0 and slots.idle(2) == [0]
+    ps = hop.parking
+    assert ps is not None and ps.watch is not None and not ps.watch.done()  # a's, for an hour
     # Idle that long (as the watch finds it when it wakes): parked while b runs, not after.
     just.released_at -= 3600.0
+    running.released, running.released_at = True, time.monotonic()  # r: idle a moment
     other.released = True
     await parker.park(hop, slots, None)
     assert calls == []
@@ -150,11 +153,12 @@ async def test_a_slot_idle_for_less_than_park_after_stays_until_it_has_been_idle
     calls.clear()
     assert slots.claim(Lease(), prompt("c ")) == 0
     over = slots.pick(Busy(), prompt("d "))
-    assert over is not None and over.slot in (0, 1) and over.replaced > 0
+    assert over is not None and over.slot in (0, 1, 2) and over.replaced > 0
     await parker.park(hop, slots, over)
     assert calls[0] == (over.slot, "save") and (over.slot, "erase") not in calls
-    st.watch.cancel()
-    # A negative CORRAL_KV_PARK_AFTER: idle slots are never parked, nor watched.
+    ps.watch.cancel()
+    # A negative CORRAL_KV_PARK_AFTER: idle slots are never parked, nor watched, even on a
+    # runner that serves one request at a time.
     never = kv_cache(Settings.load({"CORRAL_MODELS": str(tmp_path), "CORRAL_KV_PARK_AFTER": "-1",
                                     "CORRAL_KV_CACHE_DIR": str(tmp_path / "kv")}, {}))  # fmt: skip
     assert never is not None
@@ -164,7 +168,56 @@ async def test_a_slot_idle_for_less_than_park_after_stays_until_it_has_been_idle
     slots.claim(Lease(), prompt("a "))
     pick = slots.pick(Busy(), prompt("b "))
     await parker.park(hop, slots, pick)
-    assert calls == [] and hop.restore is not None and hop.restore.watch is None
+    assert calls == [] and hop.parking is not None and hop.parking.watch is None
+
+
+async def test_a_runner_serving_one_request_at_a_time_parks_its_idle_slots_at_once(
+    tmp_path: Path,
+) -> None:
+    """One user's agent, turn after turn: once a runner has served one request at a time for
+    `park_after`, a new prompt's park step parks the slot idle for a moment too (its return's
+    restore has no other prompt ahead of it); a request seen running beside another keeps
+    such slots for `park_after` again."""
+    cache = KVCache(tmp_path / "kv", 2**30, park_after=3600.0)
+    calls: list[tuple[int, str]] = []
+    slots = Slots(4, 4096)
+    hop, parker = runner_hop(tmp_path, cache, slots, calls, n=4), Parker(cache)
+    # A fresh runner has seen nothing side by side.
+    a, b, c = Lease(), Busy(), Busy()
+    a.released_at = time.monotonic()
+    assert slots.claim(a, prompt("a ")) == 0
+    pick = slots.pick(b, prompt("b "))
+    assert pick is not None and pick.slot == 1
+    await parker.park(hop, slots, pick)
+    assert calls == [(0, "save"), (0, "erase")] and slots.idle(1) == []
+    # c comes while b runs: side by side. Then both end, and d comes alone: b's and c's
+    # slots, idle a moment, stay for `park_after` since.
+    pick = slots.pick(c, prompt("c "))
+    assert pick is not None and pick.slot != 1
+    await parker.park(hop, slots, pick)
+    ps = hop.parking
+    assert ps is not None and ps.crowded_at > -math.inf
+    calls.clear()
+    b.released = c.released = True
+    b.released_at = c.released_at = time.monotonic()
+    d = slots.pick(Busy(), prompt("d "))
+    assert d is not None and not d.replaced
+    await parker.park(hop, slots, d)
+    assert calls == [] and len(slots.idle(d.slot)) == 2
+    # Once it has served one request at a time that long, they are parked at once (b's own
+    # return takes its slot, and the others' leave).
+    for h in slots.holders():
+        h.released = True
+    ps.crowded_at -= 3600.0
+    assert ps.watch is not None
+    ps.watch.cancel()
+    back = slots.pick(Busy(), prompt("b "))
+    assert back is not None and back.own and back.slot == 1
+    leaving = slots.idle(1)
+    assert len(leaving) == 2 and 1 not in leaving
+    await parker.park(hop, slots, back)
+    assert calls == [(i, action) for i in leaving for action in ("save", "erase")]
+    assert slots.idle(1) == []
 
 
 async def test_the_watch_parks_a_slot_once_idle_long_enough_beside_a_running_request(
@@ -183,10 +236,10 @@ async def test_the_watch_parks_a_slot_once_idle_long_enough_beside_a_running_req
     pick = slots.pick(Busy(), prompt("b "))
     assert pick is not None and pick.slot == 1
     await parker.park(hop, slots, pick)
-    st = hop.restore
-    assert st is not None
-    if st.watch is not None:
-        await asyncio.wait_for(st.watch, 60)
+    ps = hop.parking
+    assert ps is not None
+    if ps.watch is not None:
+        await asyncio.wait_for(ps.watch, 60)
     assert calls == [(0, "save"), (0, "erase")] and slots.idle(1) == []
 
 

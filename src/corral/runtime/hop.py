@@ -61,7 +61,7 @@ from corral.runtime.affinity import (
 from corral.runtime.continuation import ContinuedStream, Upstream, continuable
 from corral.runtime.kvcache import KVCache
 from corral.runtime.meter import Tally
-from corral.runtime.parking import Parker
+from corral.runtime.parking import Parker, ParkState
 from corral.runtime.runner import Runner
 from corral.runtime.runner_api import UPSTREAM_ERRORS, RunnerAPI, RunnerStream
 from corral.runtime.runner_errors import CacheFull, is_cache_full, stream_error
@@ -84,6 +84,7 @@ class Hop:
     restore: RestoreState | None = None
     restoring: bool = True  # until runtime/kvcache says no saved conversation is left to check
     copies: CopyState | None = None
+    parking: ParkState | None = None
     clock: Callable[[], float] = time.monotonic  # the scheduler's: when a wait for room began
     # Its requests that ended: their generated tokens times the context each was generated
     # at, summed, and those tokens (core/drafting.Counters: auto compares speeds by context)

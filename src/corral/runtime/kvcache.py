@@ -107,8 +107,6 @@ class RestoreState:
     # A restore whose request's reuse is still to be read from the runner's counters:
     # (what was restored, the counters before the request)
     measuring: tuple[dict[str, Any], tuple[float, float]] | None = None
-    # The watch of its slots left idle in its shared cache for a while (runtime/parking)
-    watch: asyncio.Task[None] | None = None
 
 
 class RunnerHop(Protocol):
