@@ -63,8 +63,8 @@ def runner_hop(
     spec = RunnerSpec(path=str(model), n_ctx=4096, num_parallel=n, kv_unified=True)
     runner = SimpleNamespace(spec=spec, layout=Layout(), name="m", llama_server=None,
                              slot_save_path=cache.slot_save_path, allocation=None)  # fmt: skip
-    return SimpleNamespace(runner=runner, restore=None, parking=None, restoring=False, api=API(),
-                           changed=lambda: None)  # fmt: skip
+    return SimpleNamespace(runner=runner, restore=None, restoring=False, api=API(),
+                           changed=lambda: None, crowded_at=-math.inf, park_watch=None)  # fmt: skip
 
 
 async def test_parking_saves_then_erases_and_a_failed_save_keeps_the_conversation(
@@ -137,8 +137,8 @@ async def test_a_slot_idle_for_less_than_park_after_stays_until_it_has_been_idle
     assert pick is not None and pick.slot == 2
     await parker.park(hop, slots, pick)
     assert calls == [] and cache.stats["parks"] == 0 and slots.idle(2) == [0]
-    ps = hop.parking
-    assert ps is not None and ps.watch is not None and not ps.watch.done()  # a's, for an hour
+    watch = hop.park_watch
+    assert watch is not None and not watch.done()  # a's, for an hour
     # Idle that long (as the watch finds it when it wakes): parked while b runs, not after.
     just.released_at -= 3600.0
     running.released, running.released_at = True, time.monotonic()  # r: idle a moment
@@ -156,7 +156,7 @@ async def test_a_slot_idle_for_less_than_park_after_stays_until_it_has_been_idle
     assert over is not None and over.slot in (0, 1, 2) and over.replaced > 0
     await parker.park(hop, slots, over)
     assert calls[0] == (over.slot, "save") and (over.slot, "erase") not in calls
-    ps.watch.cancel()
+    watch.cancel()
     # A negative CORRAL_KV_PARK_AFTER: idle slots are never parked, nor watched, even on a
     # runner that serves one request at a time.
     never = kv_cache(Settings.load({"CORRAL_MODELS": str(tmp_path), "CORRAL_KV_PARK_AFTER": "-1",
@@ -168,7 +168,7 @@ async def test_a_slot_idle_for_less_than_park_after_stays_until_it_has_been_idle
     slots.claim(Lease(), prompt("a "))
     pick = slots.pick(Busy(), prompt("b "))
     await parker.park(hop, slots, pick)
-    assert calls == [] and hop.parking is not None and hop.parking.watch is None
+    assert calls == [] and hop.park_watch is None
 
 
 async def test_a_runner_serving_one_request_at_a_time_parks_its_idle_slots_at_once(
@@ -190,16 +190,15 @@ async def test_a_runner_serving_one_request_at_a_time_parks_its_idle_slots_at_on
     assert pick is not None and pick.slot == 1
     await parker.park(hop, slots, pick)
     assert calls == [(0, "save"), (0, "erase")] and slots.idle(1) == []
-    # c comes while b runs: side by side. Then both end, and d comes alone: b's and c's
-    # slots, idle a moment, stay for `park_after` since.
+    # c comes while b runs, and b ends while c runs (Hop.ended marks the runner crowded); d
+    # comes alone: b's and c's slots, idle a moment, stay for `park_after` since.
     pick = slots.pick(c, prompt("c "))
     assert pick is not None and pick.slot != 1
     await parker.park(hop, slots, pick)
-    ps = hop.parking
-    assert ps is not None and ps.crowded_at > -math.inf
     calls.clear()
-    b.released = c.released = True
-    b.released_at = c.released_at = time.monotonic()
+    b.released, b.released_at = True, time.monotonic()
+    hop.crowded_at = b.released_at
+    c.released, c.released_at = True, time.monotonic()
     d = slots.pick(Busy(), prompt("d "))
     assert d is not None and not d.replaced
     await parker.park(hop, slots, d)
@@ -208,9 +207,9 @@ async def test_a_runner_serving_one_request_at_a_time_parks_its_idle_slots_at_on
     # return takes its slot, and the others' leave).
     for h in slots.holders():
         h.released = True
-    ps.crowded_at -= 3600.0
-    assert ps.watch is not None
-    ps.watch.cancel()
+    hop.crowded_at -= 3600.0
+    assert hop.park_watch is not None
+    hop.park_watch.cancel()
     back = slots.pick(Busy(), prompt("b "))
     assert back is not None and back.own and back.slot == 1
     leaving = slots.idle(1)
@@ -218,6 +217,23 @@ async def test_a_runner_serving_one_request_at_a_time_parks_its_idle_slots_at_on
     await parker.park(hop, slots, back)
     assert calls == [(i, action) for i in leaving for action in ("save", "erase")]
     assert slots.idle(1) == []
+
+
+def test_a_request_that_ends_while_others_run_marks_its_runner_crowded() -> None:
+    """What the park step reads to tell a runner serving one request at a time (Hop.ended, as
+    each lease is released): a request that ends while another holds a slot."""
+    hop = Hop(cast(Any, SimpleNamespace(name="m")), Slots(2, capacity=4096))
+    slots = hop.slots
+    assert slots is not None and hop.crowded_at == -math.inf
+    running = Busy()
+    slots.claim(running, prompt("a "))
+    slots.claim(Lease(), prompt("b "))
+    hop.ended(None, 0)  # b ended beside a
+    assert hop.crowded_at > -math.inf
+    hop.crowded_at = -math.inf
+    running.released = True
+    hop.ended(None, 0)  # a ended alone
+    assert hop.crowded_at == -math.inf
 
 
 async def test_the_watch_parks_a_slot_once_idle_long_enough_beside_a_running_request(
@@ -236,10 +252,8 @@ async def test_the_watch_parks_a_slot_once_idle_long_enough_beside_a_running_req
     pick = slots.pick(Busy(), prompt("b "))
     assert pick is not None and pick.slot == 1
     await parker.park(hop, slots, pick)
-    ps = hop.parking
-    assert ps is not None
-    if ps.watch is not None:
-        await asyncio.wait_for(ps.watch, 60)
+    if hop.park_watch is not None:
+        await asyncio.wait_for(hop.park_watch, 60)
     assert calls == [(0, "save"), (0, "erase")] and slots.idle(1) == []
 
 

@@ -41,6 +41,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import math
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -61,7 +62,7 @@ from corral.runtime.affinity import (
 from corral.runtime.continuation import ContinuedStream, Upstream, continuable
 from corral.runtime.kvcache import KVCache
 from corral.runtime.meter import Tally
-from corral.runtime.parking import Parker, ParkState
+from corral.runtime.parking import Parker
 from corral.runtime.runner import Runner
 from corral.runtime.runner_api import UPSTREAM_ERRORS, RunnerAPI, RunnerStream
 from corral.runtime.runner_errors import CacheFull, is_cache_full, stream_error
@@ -84,7 +85,11 @@ class Hop:
     restore: RestoreState | None = None
     restoring: bool = True  # until runtime/kvcache says no saved conversation is left to check
     copies: CopyState | None = None
-    parking: ParkState | None = None
+    # When one of its requests last ended while others ran (time.monotonic()): until
+    # CORRAL_KV_PARK_AFTER has passed since, runtime/parking leaves a slot idle for less where
+    # it is; and the watch that parks such slots later
+    crowded_at: float = -math.inf
+    park_watch: asyncio.Task[None] | None = None
     clock: Callable[[], float] = time.monotonic  # the scheduler's: when a wait for room began
     # Its requests that ended: their generated tokens times the context each was generated
     # at, summed, and those tokens (core/drafting.Counters: auto compares speeds by context)
@@ -118,6 +123,8 @@ class Hop:
         if prompt is not None and generated > 0:
             self.context += generated * (prompt + generated / 2)
             self.contexted += generated
+        if self.slots is not None and self.slots.holders():
+            self.crowded_at = time.monotonic()  # it ran side by side with those
 
     def changed(self) -> None:
         """A lease of this runner was released, or a request began or ended its wait: those

@@ -29,7 +29,6 @@ import asyncio
 import logging
 import math
 import time
-from dataclasses import dataclass
 from typing import Protocol
 
 from corral.runtime.affinity import Pick, Slots
@@ -38,20 +37,12 @@ from corral.runtime.kvcache import HTTP_TIMEOUT, KVCache, RunnerHop
 log = logging.getLogger(__name__)
 
 
-@dataclass
-class ParkState:
-    """A runner's parking (on its hop: `Hop.parking`)."""
-
-    # When a park step last saw requests running side by side (time.monotonic())
-    crowded_at: float = -math.inf
-    watch: asyncio.Task[None] | None = None  # of its slots idle too briefly (`Parker._watch`)
-
-
 class ParkingHop(RunnerHop, Protocol):
-    """What the park step needs of a runner's hop (runtime/hop.Hop): the restore step's, and
-    its parking state."""
+    """What the park step needs of a runner's hop (runtime/hop.Hop): the restore step's, when
+    its requests last ran side by side, and its watch."""
 
-    parking: ParkState | None
+    crowded_at: float  # time.monotonic(): a request ended while others ran (never: -inf)
+    park_watch: asyncio.Task[None] | None  # of its slots idle too briefly (`Parker._watch`)
 
 
 class Parker:
@@ -59,12 +50,6 @@ class Parker:
 
     def __init__(self, kvcache: KVCache) -> None:
         self.kvcache = kvcache
-
-    @staticmethod
-    def state(hop: ParkingHop) -> ParkState:
-        if hop.parking is None:
-            hop.parking = ParkState()
-        return hop.parking
 
     def parks(self, hop: RunnerHop) -> bool:
         """Whether the runner parks its idle slots: several slots on one shared cache, on the
@@ -88,11 +73,9 @@ class Parker:
         running = len(slots.holders())
         if pick is None and not running:
             return  # nothing runs beside them: the next request's park step sees to them
-        cache, ps, now = self.kvcache, self.state(hop), time.monotonic()
-        if running > 1:
-            ps.crowded_at = now
-        after = cache.park_after
-        alone = pick is not None and not math.isinf(after) and now - ps.crowded_at >= after
+        cache, now, after = self.kvcache, time.monotonic(), self.kvcache.park_after
+        alone = (pick is not None and running == 1 and not math.isinf(after)
+                 and now - hop.crowded_at >= after)  # fmt: skip
         st, saved_any = cache.state(hop), False
         for slot, erase in slots.leaving(pick, now if alone else now - after):
             if erase and slot not in slots.idle(-1):
@@ -128,13 +111,13 @@ class Parker:
     def _watch(self, hop: ParkingHop, slots: Slots) -> None:
         """Park the slots left for being idle too briefly once they have been idle long
         enough, while requests run beside them (one watch per runner)."""
-        ps = self.state(hop)
-        if math.isinf(self.kvcache.park_after) or (ps.watch is not None and not ps.watch.done()):
+        watch = hop.park_watch
+        if math.isinf(self.kvcache.park_after) or (watch is not None and not watch.done()):
             return  # never parked (a negative CORRAL_KV_PARK_AFTER), or watched already
         if slots.next_idle(time.monotonic() - self.kvcache.park_after) is None:
             return
-        # Held by the runner's parking state, as long as its hop lives
-        ps.watch = asyncio.get_running_loop().create_task(self._later(hop, slots))
+        # Held by the hop, as long as it lives
+        hop.park_watch = asyncio.get_running_loop().create_task(self._later(hop, slots))
 
     async def _later(self, hop: ParkingHop, slots: Slots) -> None:
         after = self.kvcache.park_after
