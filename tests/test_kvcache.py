@@ -17,7 +17,7 @@ from typing import Any
 import pytest
 from helpers import write_slot
 
-from corral.runtime.kvcache import KVCache
+from corral.runtime.kvcache import MIN_REUSE, Entry, KVCache, closest
 from corral.runtime.slotfile import MAGIC, CorruptEntry, common_prefix, read_tokens, token_digest
 from corral.testing import synth
 from corral.testing.server import CorralServer
@@ -281,6 +281,27 @@ def test_read_tokens_knows_both_layouts_and_refuses_broken_files(tmp_path: Path)
     for p in ("short", "magic", "long", "odd"):
         with pytest.raises(CorruptEntry):
             read_tokens(tmp_path / p)
+
+
+def test_the_restore_takes_the_conversation_sharing_most_and_holding_least_past_it() -> None:
+    """Of the saved conversations a prompt continues, the one sharing most of it; of those
+    sharing as much, the one with the fewest tokens past the prompt (a sliding-window cache
+    cannot go back from a longer one). None shares enough: nothing to restore."""
+    prompt = list(range(1000))
+
+    def entry(name: str, tokens: list[int]) -> Entry:
+        return Entry(Path(name), array("i", tokens))
+
+    longer = entry("longer", [*prompt, *range(5000, 7000)])
+    exact = entry("exact", [*prompt, 7])
+    less = entry("less", prompt[:900])
+    for order in ([longer, exact, less], [less, exact, longer]):
+        assert closest(prompt, order, 0) == (1000, exact)
+    assert closest(prompt, [longer, less], 0) == (1000, longer)
+    assert closest(prompt, [less], 0) == (900, less)
+    assert closest(prompt, [less], 900 - MIN_REUSE + 1) is None
+    assert closest(prompt, [entry("other", [-1, *prompt])], 0) is None
+    assert closest(prompt, [], 0) is None
 
 
 def test_common_prefix() -> None:

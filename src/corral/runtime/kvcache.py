@@ -49,7 +49,7 @@ import os
 import secrets
 import time
 from array import array
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Protocol
@@ -162,6 +162,19 @@ def runner_key(runner: Runner) -> str | None:
         engine_version(runner),
     ]  # fmt: skip
     return hashlib.sha256(json.dumps(ident).encode()).hexdigest()[:16]
+
+
+def closest(prompt: Sequence[int], entries: Iterable[Entry], held: int) -> tuple[int, Entry] | None:
+    """The saved conversation to restore for `prompt`, with the tokens it shares: of those
+    sharing the most (at least `held` + MIN_REUSE), the one holding the fewest tokens past
+    them: less to read, and on a sliding-window or recurrent cache the only one llama.cpp can
+    resume (Gemma 3's edit, its prompt also the start of a longer conversation: restored the
+    longer, llama.cpp read the whole prompt again)."""
+    shares = ((common_prefix(prompt, e.tokens), e) for e in entries)
+    return max(
+        ((n, e) for n, e in shares if n >= held + MIN_REUSE),
+        key=lambda ne: (ne[0], -len(ne[1].tokens)), default=None,
+    )  # fmt: skip
 
 
 class KVCache:
@@ -355,7 +368,7 @@ class KVCache:
             return payload
         if len(prompt) < MIN_REUSE:
             return payload
-        best: tuple[int, Entry] | None = None
+        entries = []
         for name, p in list(st.pending.items()):
             if not first and name not in st.parked:
                 continue
@@ -364,10 +377,8 @@ class KVCache:
                 st.pending.pop(name, None)
                 st.parked.discard(name)
                 continue
-            n = common_prefix(prompt, entry.tokens)
-            if n >= held + MIN_REUSE and (best is None or n > best[0]):
-                best = (n, entry)
-        if best is None:
+            entries.append(entry)
+        if (best := closest(prompt, entries, held)) is None:
             return payload
         shared, entry = best
         slot = await self._claim_slot(hop, st, payload.get("id_slot"))
