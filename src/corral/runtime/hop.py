@@ -119,12 +119,13 @@ class Hop:
         return api
 
     def ended(self, prompt: int | None, generated: int) -> None:
-        """A request ended: its `prompt` tokens (None: not known) and `generated` ones."""
+        """A request ended: its `prompt` tokens (None: not known) and `generated` ones; one that
+        ends while others hold slots marks the runner crowded (`crowded_at`)."""
         if prompt is not None and generated > 0:
             self.context += generated * (prompt + generated / 2)
             self.contexted += generated
         if self.slots is not None and self.slots.holders():
-            self.crowded_at = time.monotonic()  # it ran side by side with those
+            self.crowded_at = time.monotonic()
 
     def changed(self) -> None:
         """A lease of this runner was released, or a request began or ended its wait: those
