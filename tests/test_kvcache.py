@@ -17,7 +17,7 @@ from typing import Any
 import pytest
 from helpers import write_slot
 
-from corral.runtime.kvcache import MIN_REUSE, Entry, KVCache, closest
+from corral.runtime.kvcache import MIN_REUSE, ROLLBACK_SLACK, Entry, KVCache, closest
 from corral.runtime.slotfile import MAGIC, CorruptEntry, common_prefix, read_tokens, token_digest
 from corral.testing import synth
 from corral.testing.server import CorralServer
@@ -302,6 +302,13 @@ def test_the_restore_takes_the_conversation_sharing_most_and_holding_least_past_
     assert closest(prompt, [less], 900 - MIN_REUSE + 1) is None
     assert closest(prompt, [entry("other", [-1, *prompt])], 0) is None
     assert closest(prompt, [], 0) is None
+    # A cache that cannot go back: only those the prompt leaves within ROLLBACK_SLACK of their end.
+    assert closest(prompt, [longer, less], 0, back=False) == (900, less)
+    near = entry("near", [*prompt, *range(5000, 5000 + ROLLBACK_SLACK)])
+    past = entry("past", [*prompt, *range(5000, 5001 + ROLLBACK_SLACK)])
+    assert closest(prompt, [near], 0, back=False) == (1000, near)
+    assert closest(prompt, [past], 0, back=False) is None
+    assert closest(prompt, [past], 0) == (1000, past)
 
 
 def test_common_prefix() -> None:
@@ -325,11 +332,13 @@ def test_the_cap_goes_by_last_use(tmp_path: Path) -> None:
     assert [p.exists() for p in files] == [True, False, True]
 
 
-def test_a_sliding_window_cache_cannot_go_back_and_that_is_not_held_against_the_model(
+def test_a_sliding_window_cache_cannot_go_back_so_nothing_is_restored_for_it(
     start_server: Any, kv_models: Path, tmp_path: Path
 ) -> None:
-    """A prompt that leaves the saved tokens further back than the window: llama.cpp reuses
-    nothing (as it would from the cache in memory). corral says so, and keeps saving."""
+    """A prompt that leaves the saved tokens further back than a sliding window holds: llama.cpp
+    would reuse nothing (as from the cache in memory), so corral does not restore them, and it
+    keeps saving the model's conversations. The same prompt on a model whose cache goes back
+    is restored."""
     kv = tmp_path / "kv"
     s = kv_server(start_server, kv_models, kv, CORRAL_CONTEXT_LENGTH="2048")
     msgs = history(10)
@@ -344,10 +353,15 @@ def test_a_sliding_window_cache_cannot_go_back_and_that_is_not_held_against_the_
         resp = chat(s, "swa", edited)
         assert cached(resp) == 0
         unload(s, "swa")
-    lines = wait_log(s, "further back than this model's cache can return")
-    assert len(lines) == 2
+    assert not log_lines(s, "'swa:latest' restored a saved conversation")
     assert not log_lines(s, "not saving this model's conversations")
     assert len(log_lines(s, "kv cache: saved slot 0 of 'swa:latest'")) == 4
+    for p in slots(kv):
+        p.unlink()
+    chat(s, "tiny", msgs)
+    unload(s, "tiny")
+    chat(s, "tiny", edited)
+    assert wait_log(s, "'tiny:latest' restored a saved conversation")
 
 
 @pytest.mark.e2e

@@ -25,9 +25,13 @@ read, which costs the request nothing; with several slots, whose counters mix re
 one-token probe right after the restore (`/completion`, `n_predict` 0, the prompt up to the
 shared prefix) makes llama.cpp report it for that slot (`timings.cache_n`).
 A sliding-window or recurrent cache cannot go back past what it holds (llama.cpp #28194,
-#26676): a prompt that leaves the saved tokens further back than that reuses nothing, restored
-or not, and is reported as such; where a prompt that continues the saved tokens reuses
-nothing, twice in a row for a model, corral stops saving that model's conversations.
+#26676): on such a model (`rolls_back`, from the GGUF) a saved conversation is restored only
+for a prompt that leaves it at most ROLLBACK_SLACK tokens before its end (`closest`); a
+prompt that leaves one further back is read as if nothing were saved. Where a prompt that
+continues the saved tokens reuses nothing, twice in a row for a model, corral stops saving that
+model's conversations: so on a sliding-window model with llama-server b11434 (`corral runner
+build cpu`), whose restored sliding-window state resumes no prompt at all, where the xllamacpp
+wheel's build resumes one that continues it.
 
 Costs stay off the hot path: a request is checked only while its runner has saved
 conversations not restored yet, and only among the runner's first requests. A save that would
@@ -54,6 +58,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Protocol
 
+from corral.core.gguf import ModelInfo, read_model_info
 from corral.runtime.affinity import has_media
 from corral.runtime.runner import Runner
 from corral.runtime.runner_api import RunnerAPI
@@ -98,6 +103,7 @@ class RestoreState:
 
     key: str
     pending: dict[str, Path]  # saved conversations of this key not restored yet, by name
+    back: bool = True  # its cache can go back before a restored conversation's end (rolls_back)
     checks_left: int = CHECKS_PER_LOAD
     lock: asyncio.Lock = field(default_factory=asyncio.Lock)
     claimed: set[int] = field(default_factory=set)  # slots restored for a request just sent
@@ -126,6 +132,13 @@ class RunnerHop(Protocol):
 
 
 _ENGINE: str | None = None
+
+
+def _rolls_back(runner: Runner) -> bool:
+    try:
+        return rolls_back(read_model_info(runner.spec.path))  # read at load already: cached
+    except Exception:  # a file gone since: its key is None, nothing is restored anyway
+        return True
 
 
 def engine_version(runner: Runner) -> str:
@@ -164,15 +177,30 @@ def runner_key(runner: Runner) -> str | None:
     return hashlib.sha256(json.dumps(ident).encode()).hexdigest()[:16]
 
 
-def closest(prompt: Sequence[int], entries: Iterable[Entry], held: int) -> tuple[int, Entry] | None:
+def rolls_back(model: ModelInfo) -> bool:
+    """Whether a state restored into a slot serves a prompt that leaves it before its end: not
+    with sliding-window layers (they hold only the last window) or recurrent ones (one state,
+    at the end)."""
+    recurrent = any(
+        f".{part}." in k for k in model.metadata for part in ("ssm", "wkv", "shortconv")
+    )
+    return not any(model.swa_layers) and not recurrent
+
+
+def closest(
+    prompt: Sequence[int], entries: Iterable[Entry], held: int, back: bool = True
+) -> tuple[int, Entry] | None:
     """The saved conversation to restore for `prompt`, with the tokens it shares: of those
     sharing the most (at least `held` + MIN_REUSE), the one holding the fewest tokens past
-    them: less to read, and on a sliding-window or recurrent cache the only one llama.cpp can
-    resume (Gemma 3's edit, its prompt also the start of a longer conversation: restored the
-    longer, llama.cpp read the whole prompt again)."""
+    them: less to read. Where the cache cannot go `back` (`rolls_back`), only one the prompt
+    leaves at most ROLLBACK_SLACK tokens before its end: llama.cpp resumes no other, so its
+    restore would only delay the request (Gemma 3's edit at 8 clients on 2 cores: restores of
+    conversations 299 and 2,047 tokens past the prompt, waiting up to 1.9 s in llama.cpp's
+    queue, and then the whole prompt read again)."""
     shares = ((common_prefix(prompt, e.tokens), e) for e in entries)
     return max(
-        ((n, e) for n, e in shares if n >= held + MIN_REUSE),
+        ((n, e) for n, e in shares
+         if n >= held + MIN_REUSE and (back or len(e.tokens) - n <= ROLLBACK_SLACK)),
         key=lambda ne: (ne[0], -len(ne[1].tokens)), default=None,
     )  # fmt: skip
 
@@ -334,7 +362,7 @@ class KVCache:
             if key is not None and key not in self.no_reuse:
                 with contextlib.suppress(OSError):
                     names = {p.name: p for p in self.directory.glob(f"{key}-*{SUFFIX}")}
-            st = hop.restore = RestoreState(key or "", names)
+            st = hop.restore = RestoreState(key or "", names, _rolls_back(hop.runner))
         return st
 
     def wants(self, hop: RunnerHop) -> bool:
@@ -378,7 +406,7 @@ class KVCache:
                 st.parked.discard(name)
                 continue
             entries.append(entry)
-        if (best := closest(prompt, entries, held)) is None:
+        if (best := closest(prompt, entries, held, st.back)) is None:
             return payload
         shared, entry = best
         slot = await self._claim_slot(hop, st, payload.get("id_slot"))

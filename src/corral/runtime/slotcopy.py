@@ -34,9 +34,9 @@ import time
 from dataclasses import dataclass
 from typing import Any, Protocol
 
-from corral.core.gguf import ModelInfo, read_model_info
+from corral.core.gguf import read_model_info
 from corral.runtime.affinity import BYTES_PER_TOKEN, CopyPays, Pick, copy_pays, has_media
-from corral.runtime.kvcache import TMP_PREFIX, KVCache, RunnerHop, runner_key
+from corral.runtime.kvcache import TMP_PREFIX, KVCache, RunnerHop, rolls_back, runner_key
 
 log = logging.getLogger(__name__)
 
@@ -112,7 +112,7 @@ class SlotCopier:
             except Exception:  # a file gone since: no copies
                 model = None
             key = runner_key(hop.runner) or ""
-            usable = model is not None and _restorable(model)
+            usable = model is not None and rolls_back(model)
             info = hop.copies = CopyState(usable, key)
             # llama.cpp's KV buffer over its cells; else K and V of every layer in f16 (more
             # than a quantized cache: copies thought dearer than they are, not cheaper).
@@ -241,13 +241,3 @@ class SlotCopier:
                 with contextlib.suppress(OSError):
                     if p.stat().st_mtime < cutoff:
                         p.unlink()
-
-
-def _restorable(model: ModelInfo) -> bool:
-    """Whether a state restored into a slot serves a prompt that shares only a prefix of it:
-    not with sliding-window layers (they hold only the last window) or recurrent ones (one
-    state, at the end)."""
-    recurrent = any(
-        f".{part}." in k for k in model.metadata for part in ("ssm", "wkv", "shortconv")
-    )
-    return not any(model.swa_layers) and not recurrent
