@@ -22,6 +22,7 @@ from corral.runtime.hop import Hop, RunnerClient
 from corral.runtime.kvcache import KVCache
 from corral.runtime.parking import Parker
 from corral.server import kv_cache
+from corral.testing import synth
 
 
 class Lease:
@@ -103,12 +104,16 @@ async def test_parking_saves_then_erases_and_a_failed_save_keeps_the_conversatio
     assert calls == [(0, "save"), (1, "save"), (1, "erase"), (2, "save"), (2, "erase")]
     assert sorted(slots.free()) == [1, 2]  # the picked slot stays its request's
     assert len(st.parked) == 3 and cache.stats["parks"] == 3
-    # Not where a draft model drafts, nor on a GPU, nor with one slot.
+    # Not where a draft model drafts, nor on a GPU, nor with one slot, nor for a sliding-window
+    # model.
     model = hop.runner.spec.path
+    swa = str(synth.write_swa_model(tmp_path / "swa.gguf", n_layer=6, sliding_window=128))
     for other in (dict(spec=RunnerSpec(path=model, n_ctx=4096, num_parallel=3,
                                        kv_unified=True, draft="d.gguf")),
                   dict(layout=Layout(n_gpu_layers=10)),
-                  dict(spec=RunnerSpec(path=model, n_ctx=4096, num_parallel=1))):  # fmt: skip
+                  dict(spec=RunnerSpec(path=model, n_ctx=4096, num_parallel=1)),
+                  dict(spec=RunnerSpec(path=swa, n_ctx=4096, num_parallel=3,
+                                       kv_unified=True))):  # fmt: skip
         there = SimpleNamespace(**{**vars(hop), "restore": None,
                                    "runner": SimpleNamespace(**{**vars(hop.runner), **other})})
         assert not parker.parks(there)

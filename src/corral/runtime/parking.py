@@ -54,14 +54,19 @@ class Parker:
     def parks(self, hop: RunnerHop) -> bool:
         """Whether the runner parks its idle slots: several slots on one shared cache, on the
         CPU, whose conversations are saved (not with a draft model: its cache is not in the
-        files). On a GPU parking is not measured yet: its slots stay as they are."""
+        files), of a model whose cache can go back (`kvcache.rolls_back`). Not a sliding-window
+        model's: only its few full-attention layers read the idle cells (one in six of Gemma
+        3's), and a parked conversation would come back only for a prompt that continues it
+        (with llama-server b11434 for none), where left in its slot llama.cpp resumes it from
+        its context checkpoints. On a GPU parking is not measured yet: its slots stay as they
+        are."""
         runner, spec = hop.runner, hop.runner.spec
         if not (spec.kv_unified and spec.num_parallel > 1 and runner.slot_save_path):
             return False
         if runner.layout.n_gpu_layers or spec.draft:
             return False
         st = self.kvcache.state(hop)
-        return bool(st.key) and st.key not in self.kvcache.no_reuse
+        return bool(st.key) and st.back and st.key not in self.kvcache.no_reuse
 
     async def park(self, hop: ParkingHop, slots: Slots, pick: Pick | None) -> None:
         """Move the conversations of the slots idle for `park_after` (all idle ones where the
