@@ -29,9 +29,9 @@ A sliding-window or recurrent cache cannot go back past what it holds (llama.cpp
 for a prompt that leaves it at most ROLLBACK_SLACK tokens before its end (`closest`); a
 prompt that leaves one further back is read as if nothing were saved. Where a prompt that
 continues the saved tokens reuses nothing, twice in a row for a model, corral stops saving that
-model's conversations: so on a sliding-window model with llama-server b11434 (`corral runner
-build cpu`), whose restored sliding-window state resumes no prompt at all, where the xllamacpp
-wheel's build resumes one that continues it.
+model's conversations. That happens on a sliding-window model with llama-server b11434
+(`corral runner build cpu`): a sliding-window state it restores resumes no prompt at all (the
+xllamacpp wheel's build resumes one that continues it).
 
 Costs stay off the hot path: a request is checked only while its runner has saved
 conversations not restored yet, and only among the runner's first requests. A save that would
