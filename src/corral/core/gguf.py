@@ -128,6 +128,17 @@ class ModelInfo:
     def family(self) -> str:
         return self.architecture
 
+    @property
+    def rolls_back(self) -> bool:
+        """Whether its KV cache can go back to an earlier token of what it holds (a state
+        restored into a slot serves a prompt that leaves it before its end): not with
+        sliding-window layers (they hold only the last window) or recurrent ones (one state, at
+        the end)."""
+        recurrent = any(
+            f".{part}." in k for k in self.metadata for part in ("ssm", "wkv", "shortconv")
+        )
+        return not any(self.swa_layers) and not recurrent
+
     def details(self) -> dict[str, Any]:
         """Ollama's "details" object, as in /api/tags and /api/show."""
         return {

@@ -25,7 +25,7 @@ read, which costs the request nothing; with several slots, whose counters mix re
 one-token probe right after the restore (`/completion`, `n_predict` 0, the prompt up to the
 shared prefix) makes llama.cpp report it for that slot (`timings.cache_n`).
 A sliding-window or recurrent cache cannot go back past what it holds (llama.cpp #28194,
-#26676): on such a model (`rolls_back`, from the GGUF) a saved conversation is restored only
+#26676): on such a model (`ModelInfo.rolls_back`) a saved conversation is restored only
 for a prompt that leaves it at most ROLLBACK_SLACK tokens before its end (`closest`); a
 prompt that leaves one further back is read as if nothing were saved. Where a prompt that
 continues the saved tokens reuses nothing, twice in a row for a model, corral stops saving that
@@ -58,7 +58,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Protocol
 
-from corral.core.gguf import ModelInfo, read_model_info
+from corral.core.gguf import read_model_info
 from corral.runtime.affinity import has_media
 from corral.runtime.runner import Runner
 from corral.runtime.runner_api import RunnerAPI
@@ -103,7 +103,7 @@ class RestoreState:
 
     key: str
     pending: dict[str, Path]  # saved conversations of this key not restored yet, by name
-    back: bool = True  # its cache can go back before a restored conversation's end (rolls_back)
+    back: bool = True  # its cache can go back before a restored conversation's end
     checks_left: int = CHECKS_PER_LOAD
     lock: asyncio.Lock = field(default_factory=asyncio.Lock)
     claimed: set[int] = field(default_factory=set)  # slots restored for a request just sent
@@ -136,7 +136,7 @@ _ENGINE: str | None = None
 
 def _rolls_back(runner: Runner) -> bool:
     try:
-        return rolls_back(read_model_info(runner.spec.path))  # read at load already: cached
+        return read_model_info(runner.spec.path).rolls_back  # read at load already: cached
     except Exception:  # a file gone since: its key is None, nothing is restored anyway
         return True
 
@@ -177,24 +177,14 @@ def runner_key(runner: Runner) -> str | None:
     return hashlib.sha256(json.dumps(ident).encode()).hexdigest()[:16]
 
 
-def rolls_back(model: ModelInfo) -> bool:
-    """Whether a state restored into a slot serves a prompt that leaves it before its end: not
-    with sliding-window layers (they hold only the last window) or recurrent ones (one state,
-    at the end)."""
-    recurrent = any(
-        f".{part}." in k for k in model.metadata for part in ("ssm", "wkv", "shortconv")
-    )
-    return not any(model.swa_layers) and not recurrent
-
-
 def closest(
     prompt: Sequence[int], entries: Iterable[Entry], held: int, back: bool = True
 ) -> tuple[int, Entry] | None:
     """The saved conversation to restore for `prompt`, with the tokens it shares: of those
     sharing the most (at least `held` + MIN_REUSE), the one holding the fewest tokens past
-    them: less to read. Where the cache cannot go `back` (`rolls_back`), only one the prompt
-    leaves at most ROLLBACK_SLACK tokens before its end: llama.cpp resumes no other, so its
-    restore would only delay the request (Gemma 3's edit at 8 clients on 2 cores: restores of
+    them: less to read. Where the cache cannot go `back` (ModelInfo.rolls_back), only one the
+    prompt leaves at most ROLLBACK_SLACK tokens before its end: llama.cpp resumes no other, so
+    its restore would only delay the request (Gemma 3's edit at 8 clients on 2 cores: restores of
     conversations 299 and 2,047 tokens past the prompt, waiting up to 1.9 s in llama.cpp's
     queue, and then the whole prompt read again)."""
     shares = ((common_prefix(prompt, e.tokens), e) for e in entries)
@@ -527,6 +517,7 @@ class KVCache:
         if back > ROLLBACK_SLACK:
             # The prompt leaves the saved tokens well before their end: a sliding-window or
             # recurrent cache cannot go back that far, restored or not. Not the model's fault.
+            # (Such a restore is tried only where its GGUF shows no such layers, `closest`.)
             log.warning(
                 "kv cache: '%s' restored %d tokens into slot %d but llama.cpp reused none of "
                 "them: the prompt leaves them %d tokens before their end, further back than "

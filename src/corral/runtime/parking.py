@@ -54,7 +54,7 @@ class Parker:
     def parks(self, hop: RunnerHop) -> bool:
         """Whether the runner parks its idle slots: several slots on one shared cache, on the
         CPU, whose conversations are saved (not with a draft model: its cache is not in the
-        files), of a model whose cache can go back (`kvcache.rolls_back`). Not a sliding-window
+        files), of a model whose cache can go back (`ModelInfo.rolls_back`). Not a sliding-window
         model's: only its few full-attention layers read the idle cells (one in six of Gemma
         3's), and a parked conversation would come back only for a prompt that continues it
         (with llama-server b11434 for none), where left in its slot llama.cpp resumes it from

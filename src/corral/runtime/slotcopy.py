@@ -36,7 +36,7 @@ from typing import Any, Protocol
 
 from corral.core.gguf import read_model_info
 from corral.runtime.affinity import BYTES_PER_TOKEN, CopyPays, Pick, copy_pays, has_media
-from corral.runtime.kvcache import TMP_PREFIX, KVCache, RunnerHop, rolls_back, runner_key
+from corral.runtime.kvcache import TMP_PREFIX, KVCache, RunnerHop, runner_key
 
 log = logging.getLogger(__name__)
 
@@ -112,7 +112,7 @@ class SlotCopier:
             except Exception:  # a file gone since: no copies
                 model = None
             key = runner_key(hop.runner) or ""
-            usable = model is not None and rolls_back(model)
+            usable = model is not None and model.rolls_back
             info = hop.copies = CopyState(usable, key)
             # llama.cpp's KV buffer over its cells; else K and V of every layer in f16 (more
             # than a quantized cache: copies thought dearer than they are, not cheaper).
